@@ -1,0 +1,61 @@
+// Transfer config: reads vLLM-Omni's YAML unchanged (runtime.connectors + stage_args, or the
+// newer top-level connectors + stages) and resolves every edge to a connector.
+#pragma once
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "stagelink/payload.hpp"
+#include "stagelink/result.hpp"
+
+namespace stagelink {
+
+struct ConnectorSpec {
+  std::string name;   // class name, e.g. SharedMemoryConnector
+  Value extra;        // map
+  std::string ref;    // config reference name ("" for inline or default)
+};
+
+struct EdgeSpec {
+  std::string from, to;
+  ConnectorSpec connector;
+  bool defaulted = false;  // no connector was named: SharedMemoryConnector filled in
+};
+
+enum class Role { sender, receiver, dual };
+const char* role_name(Role r);
+
+// Port purposes of the transfer-engine side channel (seed 004).
+enum class PortPurpose { request_forwarding = 0, kv_transfer = 100, orchestrator = 200 };
+// base + purpose + from_stage + dp_index * tp_size + tp_rank
+int transfer_engine_port(int base, PortPurpose purpose, int from_stage, int dp_index = 0,
+                         int tp_size = 1, int tp_rank = 0);
+
+struct StageConnector {
+  std::string peer;  // the stage on the other end
+  bool input = false;
+  ConnectorSpec connector;  // with role injected into extra
+  Role role = Role::sender;
+};
+
+class TransferConfig {
+ public:
+  std::vector<EdgeSpec> edges;
+  std::map<std::string, ConnectorSpec> connectors;  // by reference name
+  std::vector<std::string> stages;
+  std::string source;  // file name or "<dict>"
+
+  const EdgeSpec* edge(const std::string& from, const std::string& to) const;
+  // The edge's connector, or SharedMemoryConnector defaults when the edge is unknown.
+  ConnectorSpec connector_for_edge(const std::string& from, const std::string& to) const;
+  // Every edge touching stage_id, with its role injected (sender, receiver, or dual when one
+  // connector reference serves both directions of this stage).
+  std::vector<StageConnector> stage_connectors(const std::string& stage_id) const;
+};
+
+Result<TransferConfig> load_transfer_config_file(const std::string& path);
+Result<TransferConfig> load_transfer_config_string(const std::string& yaml,
+                                                   const std::string& source = "<string>");
+
+}  // namespace stagelink

@@ -1,0 +1,121 @@
+// The connector API: put/get/cleanup/health/close by key, the contract of vLLM-Omni's
+// OmniConnector, in C++. Connectors are created by class name through the factory.
+#pragma once
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "stagelink/frame.hpp"
+#include "stagelink/payload.hpp"
+#include "stagelink/result.hpp"
+
+namespace stagelink {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+inline Deadline deadline_after(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(seconds));
+}
+inline constexpr Deadline kNoWait = Deadline::min();
+
+struct PutOptions {
+  uint32_t readers = 0;  // fan-out: how many gets may read this put; 0 = connector default (1)
+};
+
+struct PutResult {
+  size_t size = 0;  // serialized frame bytes
+  Value metadata;   // small msgpack-able map for the control plane
+};
+
+struct GetOptions {
+  // true: tensors are views into the transport's memory and keep the slot alive until dropped.
+  // false: the payload owns a copy and the slot is released before get returns.
+  bool zero_copy = false;
+};
+
+struct GetResult {
+  Payload payload;
+  size_t size = 0;
+};
+
+// A writable reservation in the transport's memory (write tensors in place, then publish).
+// Dropping an unpublished loan returns its memory.
+class Loan {
+ public:
+  struct Impl;
+  Loan() = default;
+  explicit Loan(std::unique_ptr<Impl> impl);
+  Loan(Loan&&) noexcept;
+  Loan& operator=(Loan&&) noexcept;
+  ~Loan();
+  bool valid() const { return impl_ != nullptr; }
+  size_t tensor_count() const;
+  // Writable bytes of tensor region i.
+  std::span<std::byte> region(size_t i);
+  size_t frame_size() const;
+  Impl* impl() { return impl_.get(); }
+  std::unique_ptr<Impl> release_impl();
+
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class Connector {
+ public:
+  virtual ~Connector() = default;
+  virtual const std::string& name() const = 0;
+
+  // Publish `payload` under key@from_to. Errors: invalid_argument (bad key), exists (key still
+  // being read), exhausted (no room before the put timeout), closed, io.
+  virtual Result<PutResult> put(const std::string& from_stage, const std::string& to_stage,
+                                const std::string& key, const Payload& payload,
+                                const PutOptions& opts = {}) = 0;
+
+  // Fetch key@from_to. With metadata from put(), locate it directly; without, find it by key,
+  // waiting until `deadline` (kNoWait: one attempt). Blocks in the kernel, never polls.
+  // Errors: not_found (absent, after one attempt), timeout, corrupt (bad metadata/frame), closed.
+  virtual Result<GetResult> get(const std::string& from_stage, const std::string& to_stage,
+                                const std::string& key, const Value* metadata,
+                                Deadline deadline = kNoWait, const GetOptions& opts = {}) = 0;
+
+  // Zero-copy producer path: reserve room for a frame with these tensors; write them; publish.
+  virtual Result<Loan> loan(const Value& tree, std::span<const TensorSpec> specs) {
+    (void)tree; (void)specs;
+    return make_error(Errc::unsupported, name() + " does not lend buffers");
+  }
+  virtual Result<PutResult> put_loan(const std::string& from_stage, const std::string& to_stage,
+                                     const std::string& key, Loan&& loan,
+                                     const PutOptions& opts = {}) {
+    (void)from_stage; (void)to_stage; (void)key; (void)loan; (void)opts;
+    return make_error(Errc::unsupported, name() + " does not lend buffers");
+  }
+
+  // Free everything of this request (keys equal to request_id or starting with it followed by
+  // a non-alphanumeric character). Returns how many entries were released.
+  virtual size_t cleanup(const std::string& request_id) = 0;
+  // Counters (puts, gets, bytes_transferred, errors, timeouts, ...) and transport state.
+  virtual Value health() = 0;
+  // Release everything this connector owns. Idempotent; also run by the destructor.
+  virtual void close() = 0;
+};
+
+// Internal key, as in vLLM-Omni: f"{key}@{from_stage}_{to_stage}".
+std::string make_internal_key(const std::string& key, const std::string& from_stage,
+                              const std::string& to_stage);
+// Keys and names that come from outside: 1..max_len chars, no '/', no "..", no NUL/control.
+Status validate_name(std::string_view what, std::string_view s, size_t max_len);
+
+// Factory: create a connector by class name. `extra` is the config's `extra` map (plus injected
+// fields such as role). Errors: not_found (unknown name), unsupported (known, not built yet).
+using ConnectorCreator = std::function<Result<std::unique_ptr<Connector>>(const Value& extra)>;
+Result<std::unique_ptr<Connector>> create_connector(const std::string& name, const Value& extra);
+// Register a user connector under `name` (replaces an existing registration).
+void register_connector(const std::string& name, ConnectorCreator creator);
+std::vector<std::string> registered_connectors();
+
+}  // namespace stagelink

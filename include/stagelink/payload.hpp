@@ -1,0 +1,99 @@
+// Tensor, Value and Payload: what a connector moves.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "stagelink/result.hpp"
+
+namespace stagelink {
+
+enum class DType : uint8_t {
+  u8 = 0, i8, u16, i16, u32, i32, u64, i64, f16, bf16, f32, f64, boolean, c64, c128,
+};
+inline constexpr int kDTypeCount = 15;
+size_t dtype_size(DType d) noexcept;
+const char* dtype_name(DType d) noexcept;
+Result<DType> dtype_from_name(std::string_view name);
+
+// A tensor is a typed view over bytes. It does not own them unless `keepalive` does:
+// a received zero-copy tensor's keepalive holds its shared-memory slot until dropped.
+struct Tensor {
+  DType dtype = DType::u8;
+  std::vector<int64_t> shape;
+  std::string device = "cpu";
+  std::span<const std::byte> data;
+  std::shared_ptr<const void> keepalive;
+
+  size_t nbytes() const noexcept { return data.size(); }
+  // Owning tensor holding a copy of `bytes`.
+  static Tensor copy_of(std::span<const std::byte> bytes, DType dt = DType::u8,
+                        std::vector<int64_t> shape = {});
+  static Tensor view_of(std::span<const std::byte> bytes, DType dt = DType::u8,
+                        std::vector<int64_t> shape = {});
+};
+
+struct TensorRef {
+  uint32_t index = 0;
+  bool operator==(const TensorRef&) const = default;
+};
+
+// A tree of plain values; leaves may reference tensors of the payload by index.
+class Value {
+ public:
+  using Bytes = std::vector<std::byte>;
+  using List = std::vector<Value>;
+  using Map = std::vector<std::pair<std::string, Value>>;  // ordered, keys are strings
+  using Storage = std::variant<std::monostate, bool, int64_t, uint64_t, double, std::string,
+                               Bytes, List, Map, TensorRef>;
+
+  Value() = default;
+  Value(std::nullptr_t) {}
+  Value(bool b) : v_(b) {}
+  Value(int v) : v_(int64_t{v}) {}
+  Value(int64_t v) : v_(v) {}
+  Value(uint64_t v) : v_(v) {}
+  Value(double v) : v_(v) {}
+  Value(const char* s) : v_(std::string(s)) {}
+  Value(std::string s) : v_(std::move(s)) {}
+  Value(Bytes b) : v_(std::move(b)) {}
+  Value(List l) : v_(std::move(l)) {}
+  Value(Map m) : v_(std::move(m)) {}
+  Value(TensorRef r) : v_(r) {}
+
+  const Storage& storage() const { return v_; }
+  Storage& storage() { return v_; }
+  bool is_nil() const { return v_.index() == 0; }
+  template <class T> bool is() const { return std::holds_alternative<T>(v_); }
+  template <class T> const T& as() const { return std::get<T>(v_); }
+  template <class T> T& as() { return std::get<T>(v_); }
+
+  // Map lookup: nullptr when this is not a map or has no such key.
+  const Value* find(std::string_view key) const;
+  // Integer accessors that accept either signedness; nullopt-like failure via bool.
+  bool get_u64(uint64_t& out) const;
+  bool get_i64(int64_t& out) const;
+
+  bool operator==(const Value& o) const { return v_ == o.v_; }
+
+ private:
+  Storage v_;
+};
+
+struct Payload {
+  Value tree;
+  std::vector<Tensor> tensors;
+  // Total bytes of the tensor regions.
+  size_t tensor_bytes() const;
+};
+
+// Parse msgpack bytes into a Value (bounds-checked); encode a Value as msgpack.
+Result<Value> value_from_msgpack(std::span<const std::byte> buf);
+std::vector<std::byte> value_to_msgpack(const Value& v);
+
+}  // namespace stagelink

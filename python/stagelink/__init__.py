@@ -1,0 +1,27 @@
+"""stagelink: move tensors, hidden states and KV caches between pipeline stages.
+
+    import stagelink
+    with stagelink.create_connector("SharedMemoryConnector") as c:
+        ok, size, meta = c.put(0, 1, "req-1", {"hidden": np.zeros((4, 4096), np.float16)})
+        data, size = c.get(0, 1, "req-1", meta)
+"""
+from . import _core
+from ._core import (  # noqa: F401  exception classes
+    CancelledError, ClosedError, CorruptError, ExhaustedError, InvalidArgumentError, IOError,
+    KeyInUseError, NotFoundError, PeerDeadError, StagelinkError, TimeoutError, UnsupportedError,
+)
+from .config import ConnectorSpec, Edge, TransferConfig, load_transfer_config  # noqa: F401
+from .connector import Connector, Loan, create_connector  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def registered_connectors():
+    return list(_core.registered_connectors())
+
+
+def transfer_engine_port(base: int, purpose: str, from_stage: int, dp_index: int = 0, tp_size: int = 1,
+                         tp_rank: int = 0) -> int:
+    """Side-channel port of vLLM-Omni's transfer engine: base + purpose offset
+    (request_forwarding 0, kv_transfer 100, orchestrator 200) + from_stage + dp_index*tp_size + tp_rank."""
+    return _core.transfer_engine_port(base, purpose, int(from_stage), dp_index, tp_size, tp_rank)

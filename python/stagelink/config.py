@@ -1,0 +1,68 @@
+"""load_transfer_config: vLLM-Omni's transfer YAML, resolved by the C++ core."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from . import _core
+
+
+@dataclass
+class ConnectorSpec:
+    name: str
+    extra: dict = field(default_factory=dict)
+    ref: str = ""
+
+
+@dataclass
+class Edge:
+    from_stage: str
+    to_stage: str
+    connector: ConnectorSpec
+    defaulted: bool = False
+
+
+def _norm(stage) -> str:
+    return str(stage)
+
+
+class TransferConfig:
+    def __init__(self, raw: dict):
+        self._raw = raw
+        self.source: str = raw["source"]
+        self.edges = [Edge(e["from"], e["to"], ConnectorSpec(**e["connector"]), e["defaulted"]) for e in raw["edges"]]
+        self.connectors = {k: ConnectorSpec(**v) for k, v in raw["connectors"].items()}
+        self.stages = list(raw["stages"])
+
+    def connector_for_edge(self, from_stage, to_stage) -> ConnectorSpec:
+        f, t = _norm(from_stage), _norm(to_stage)
+        for e in self.edges:
+            if e.from_stage == f and e.to_stage == t:
+                return e.connector
+        return ConnectorSpec("SharedMemoryConnector", {}, "")
+
+    def stage_connectors(self, stage_id) -> list:
+        """[{peer, direction ('input'|'output'), role, connector: ConnectorSpec}] for one stage,
+        with ``role`` injected into each connector's extra."""
+        out = []
+        for d in self._raw["stage_connectors"].get(_norm(stage_id), []):
+            out.append({"peer": d["peer"], "direction": d["direction"], "role": d["role"],
+                        "connector": ConnectorSpec(**d["connector"])})
+        return out
+
+    def as_dict(self) -> dict:
+        return self._raw
+
+    def __repr__(self):
+        return f"TransferConfig({self.source!r}, edges={[(e.from_stage, e.to_stage, e.connector.name) for e in self.edges]})"
+
+
+def load_transfer_config(path_or_dict: Union[str, os.PathLike, dict]) -> TransferConfig:
+    """Read a vLLM-Omni config (``runtime.connectors`` + ``stage_args``, or top-level
+    ``connectors`` + ``stages``) and resolve every edge. Raises InvalidArgumentError quoting the
+    key and file for malformed input, NotFoundError for a missing file."""
+    if isinstance(path_or_dict, dict):
+        return TransferConfig(_core.load_config_string(json.dumps(path_or_dict, default=str), "<dict>"))
+    return TransferConfig(_core.load_config_file(os.fspath(path_or_dict)))

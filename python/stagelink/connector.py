@@ -1,0 +1,149 @@
+"""Connector: vLLM-Omni's OmniConnector contract over stagelink's C++ connectors."""
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _core, _serde
+
+log = logging.getLogger("stagelink")
+
+
+class Loan:
+    """A writable numpy array inside the producer's shared-memory arena.
+
+    Fill ``loan.array`` in place, then ``connector.put(from, to, key, loan)``: nothing is copied.
+    A loan that is never put returns its memory when dropped or closed.
+    """
+
+    def __init__(self, core_loan, shape, dtype):
+        self._loan = core_loan
+        raw = core_loan.region(1)
+        self.array = raw.view(dtype).reshape(shape) if raw.size else np.empty(shape, dtype)
+
+    @property
+    def published(self) -> bool:
+        return not self._loan.valid
+
+
+class Connector:
+    """put/get/cleanup/health/close by key, as vLLM-Omni's OmniConnectorBase.
+
+    ``put`` returns ``(success, size, metadata)``; ``get`` returns ``(data, size)`` or ``None``.
+    Failures are logged and kept in ``last_error``; with ``extra={"strict": True}`` they raise
+    :class:`stagelink.StagelinkError` subclasses instead.
+    """
+
+    def __init__(self, name: str, extra: Optional[dict] = None):
+        extra = dict(extra or {})
+        self.name = name
+        self.extra = extra
+        self.strict = bool(extra.pop("strict", False))
+        self.default_get_timeout = extra.get("get_timeout_s")
+        native_extra = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}
+        self._c = _core.create_connector(name, native_extra)
+        self.last_error: Optional[BaseException] = None
+
+    # -- helpers
+    def _fail(self, op: str, e: BaseException):
+        self.last_error = e
+        if self.strict:
+            raise e
+        log.warning("%s %s failed: %s", self.name, op, e)
+
+    # -- the contract
+    def put(self, from_stage, to_stage, put_key: str, data: Any, *, readers: Optional[int] = None):
+        """Publish ``data`` for ``get(from_stage, to_stage, put_key)``.
+
+        ``readers``: how many gets may read it (fan-out); the memory is freed after the last one.
+        """
+        try:
+            if isinstance(data, Loan):
+                size, meta = self._c.put_loan(from_stage, to_stage, put_key, data._loan, readers or 0)
+            else:
+                kind, regions, dtypes, shapes = _serde.encode(data)
+                size, meta = self._c.put_parts(from_stage, to_stage, put_key, kind, regions, dtypes, shapes, readers or 0)
+            return True, size, meta
+        except (_core.StagelinkError, pickle.PicklingError, TypeError, ValueError, BufferError) as e:
+            self._fail("put", e)
+            return False, 0, None
+
+    def get(self, from_stage, to_stage, get_key: str, metadata: Optional[dict] = None,
+            timeout: Optional[float] = None, *, zero_copy: bool = False):
+        """Fetch what ``put`` published; ``None`` when absent, timed out or failed.
+
+        ``metadata``: what put returned (direct lookup); without it the key is looked up, waiting
+        up to ``timeout`` seconds (None: ``extra.get_timeout_s``, else a single attempt).
+        ``zero_copy``: arrays and buffers are read-only views into shared memory that keep the
+        slot alive until dropped; otherwise the data is copied out and the slot freed at once.
+        """
+        if timeout is None:
+            timeout = self.default_get_timeout
+        try:
+            r = self._c.get_parts(from_stage, to_stage, get_key, metadata, timeout, zero_copy)
+        except (_core.StagelinkError, TypeError, ValueError) as e:
+            self._fail("get", e)
+            return None
+        if r is None:
+            return None
+        kind, regions, size = r
+        try:
+            return _serde.decode(kind, regions, zero_copy), size
+        except Exception as e:  # a foreign or damaged pickle
+            self._fail("get", _core.CorruptError(f"payload of '{get_key}' could not be unpickled: {e!r}"))
+            return None
+
+    def loan(self, shape, dtype=np.uint8) -> Loan:
+        """Reserve a numpy array of ``shape``/``dtype`` in shared memory to fill and then put."""
+        dtype = np.dtype(dtype)
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        hdr = pickle.dumps((dtype.str, shape), protocol=5)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        name = _serde._NP_TO_NAME.get(dtype)
+        core_loan = self._c.loan(_serde.KIND_ARRAY, [len(hdr), nbytes], [None, name] if name else None,
+                                 [None, shape or (1,)] if name else None)
+        np.asarray(core_loan.region(0))[:] = np.frombuffer(hdr, dtype=np.uint8)
+        return Loan(core_loan, shape, dtype)
+
+    def cleanup(self, request_id: str) -> int:
+        """Release every put of ``request_id`` (keys equal to it or starting with it + a separator)."""
+        try:
+            return self._c.cleanup(str(request_id))
+        except _core.StagelinkError as e:
+            self._fail("cleanup", e)
+            return 0
+
+    def health(self) -> dict:
+        return self._c.health()
+
+    def close(self) -> None:
+        """Release everything this connector owns. Safe to call twice."""
+        self._c.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._c.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self._c.close()
+        except Exception:
+            pass
+
+
+def create_connector(name: str, extra: Optional[dict] = None, **injected) -> Connector:
+    """Create a connector by class name (``SharedMemoryConnector``, ...). ``injected`` fields
+    (``role``, ``stage_id``, ...) are merged into ``extra`` as vLLM-Omni's orchestrator does."""
+    merged = dict(extra or {})
+    merged.update(injected)
+    return Connector(name, merged)

@@ -1,0 +1,24 @@
+// Benchmarks of the shared-memory connector through the C++ API, with memcpy as the peer.
+#pragma once
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace stagelink::bench {
+
+struct Stat { double median_us = 0, p99_us = 0; };
+Stat summarize(std::vector<double> samples_us);
+
+struct ShmRow {
+  size_t size = 0;
+  int iters = 0;
+  Stat put, get, get_view, roundtrip, memcpy_;
+};
+
+// In-process put/get (producer and consumer connectors), and a cross-process round trip with a
+// forked consumer: put, the consumer wakes in get(key), reads, puts an acknowledgement, which the
+// producer gets. `ns`: shared-memory namespace to use.
+std::vector<ShmRow> bench_shm(const std::vector<size_t>& sizes, int iters, const std::string& ns,
+                              size_t arena_bytes);
+
+}  // namespace stagelink::bench

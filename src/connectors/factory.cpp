@@ -1,0 +1,96 @@
+#include <map>
+#include <mutex>
+
+#include "connectors/shm_connector.hpp"
+#include "stagelink/connector.hpp"
+
+namespace stagelink {
+
+std::string make_internal_key(const std::string& key, const std::string& from, const std::string& to) {
+  std::string k;
+  k.reserve(key.size() + from.size() + to.size() + 2);
+  k += key;
+  k += '@';
+  k += from;
+  k += '_';
+  k += to;
+  return k;
+}
+
+Status validate_name(std::string_view what, std::string_view s, size_t max_len) {
+  if (s.empty()) return make_error(Errc::invalid_argument, std::string(what) + " is empty");
+  if (s.size() > max_len)
+    return make_error(Errc::invalid_argument, std::string(what) + " has " + std::to_string(s.size()) +
+                                                  " characters; at most " + std::to_string(max_len) + " allowed");
+  for (unsigned char c : s)
+    if (c < 0x20 || c == 0x7f || c == '/')
+      return make_error(Errc::invalid_argument, std::string(what) + " '" + std::string(s) +
+                                                    "' contains '/' or a control character");
+  if (s.find("..") != std::string_view::npos)
+    return make_error(Errc::invalid_argument, std::string(what) + " '" + std::string(s) + "' contains '..'");
+  return {};
+}
+
+namespace {
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, ConnectorCreator> creators;
+};
+
+ConnectorCreator not_yet(const std::string& name, const std::string& what) {
+  return [name, what](const Value&) -> Result<std::unique_ptr<Connector>> {
+    return make_error(Errc::unsupported, name + " is recognised but not built yet (" + what +
+                                             "); use SharedMemoryConnector on one host for now");
+  };
+}
+
+Registry& registry() {
+  static Registry* r = [] {
+    auto* reg = new Registry();
+    auto shm = [](const Value& extra) -> Result<std::unique_ptr<Connector>> {
+      SL_ASSIGN(auto opts, ShmConnectorOptions::from_extra(extra));
+      return make_shm_connector(opts);
+    };
+    reg->creators["SharedMemoryConnector"] = shm;
+    reg->creators["MooncakeStoreConnector"] = not_yet("MooncakeStoreConnector", "the Redis store connector");
+    reg->creators["StoreConnector"] = not_yet("StoreConnector", "the Redis store connector");
+    reg->creators["MooncakeTransferEngineConnector"] =
+        not_yet("MooncakeTransferEngineConnector", "the UCX transfer-engine connector");
+    reg->creators["TransferEngineConnector"] = not_yet("TransferEngineConnector", "the UCX transfer-engine connector");
+    return reg;
+  }();
+  return *r;
+}
+}  // namespace
+
+Result<std::unique_ptr<Connector>> create_connector(const std::string& name, const Value& extra) {
+  ConnectorCreator c;
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = r.creators.find(name);
+    if (it == r.creators.end()) {
+      std::string known;
+      for (auto& [k, v] : r.creators) known += (known.empty() ? "" : ", ") + k;
+      return make_error(Errc::not_found, "unknown connector '" + name + "' (known: " + known + ")");
+    }
+    c = it->second;
+  }
+  return c(extra);
+}
+
+void register_connector(const std::string& name, ConnectorCreator creator) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.creators[name] = std::move(creator);
+}
+
+std::vector<std::string> registered_connectors() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<std::string> out;
+  for (auto& [k, v] : r.creators) out.push_back(k);
+  return out;
+}
+
+}  // namespace stagelink

@@ -1,0 +1,523 @@
+#include "connectors/shm_connector.hpp"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <mutex>
+
+#include "core/log.hpp"
+#include "stagelink/allocator.hpp"
+#include "core/proc.hpp"
+#include "shm/directory.hpp"
+
+namespace stagelink {
+
+using shm::Claim;
+using shm::Directory;
+using shm::Segment;
+
+namespace {
+std::atomic<uint32_t> g_segment_counter{0};
+
+bool read_number(const Value& extra, const char* key, double& out, std::string& err) {
+  const Value* v = extra.find(key);
+  if (!v) return true;
+  if (v->is<double>()) out = v->as<double>();
+  else if (v->is<int64_t>()) out = double(v->as<int64_t>());
+  else if (v->is<uint64_t>()) out = double(v->as<uint64_t>());
+  else { err = std::string("extra.") + key + " must be a number"; return false; }
+  if (out < 0) { err = std::string("extra.") + key + " must not be negative"; return false; }
+  return true;
+}
+
+// Held by a zero-copy payload: keeps the claim (and the mapping) until the last view is dropped.
+struct Lease {
+  std::shared_ptr<Directory> dir;
+  std::shared_ptr<Segment> seg;
+  Claim claim;
+  ~Lease() { dir->release(claim); }
+};
+
+struct Outstanding {
+  uint32_t idx, gen;
+  size_t offset, length;
+  std::shared_ptr<Segment> dedicated;  // null: lives in the arena
+  uint32_t arena_idx, arena_gen;
+  uint64_t created_ns;
+  std::string rid;
+};
+}  // namespace
+
+Result<ShmConnectorOptions> ShmConnectorOptions::from_extra(const Value& extra) {
+  ShmConnectorOptions o;
+  if (extra.is_nil()) return o;
+  if (!extra.is<Value::Map>()) return make_error(Errc::invalid_argument, "SharedMemoryConnector extra must be a map");
+  std::string err;
+  double thr = double(o.shm_threshold_bytes), arena = double(o.arena_bytes), ents = o.max_entries,
+         rd = o.readers, pt = o.put_timeout_s, ttl = o.ttl_s;
+  if (!read_number(extra, "shm_threshold_bytes", thr, err) || !read_number(extra, "arena_bytes", arena, err) ||
+      !read_number(extra, "max_entries", ents, err) || !read_number(extra, "readers", rd, err) ||
+      !read_number(extra, "put_timeout_s", pt, err) || !read_number(extra, "ttl_s", ttl, err))
+    return make_error(Errc::invalid_argument, err);
+  if (const Value* f = extra.find("fanout")) {
+    if (!read_number(extra, "fanout", rd, err)) return make_error(Errc::invalid_argument, err);
+    (void)f;
+  }
+  o.shm_threshold_bytes = size_t(thr);
+  o.arena_bytes = size_t(arena);
+  o.max_entries = uint32_t(ents);
+  o.readers = uint32_t(rd);
+  o.put_timeout_s = pt;
+  o.ttl_s = ttl;
+  if (o.readers < 1 || o.readers > shm::kMaxFanout)
+    return make_error(Errc::invalid_argument, "extra.readers must be in [1, 8], got " + std::to_string(o.readers));
+  if (const Value* v = extra.find("namespace")) {
+    if (!v->is<std::string>()) return make_error(Errc::invalid_argument, "extra.namespace must be a string");
+    o.ns = v->as<std::string>();
+  }
+  if (const Value* v = extra.find("shm_dir")) {
+    if (!v->is<std::string>() || v->as<std::string>().empty() || v->as<std::string>()[0] != '/')
+      return make_error(Errc::invalid_argument, "extra.shm_dir must be an absolute path");
+    o.shm_dir = v->as<std::string>();
+  }
+  if (o.ns.empty() || o.ns.size() > 48)
+    return make_error(Errc::invalid_argument, "extra.namespace must have 1..48 characters");
+  for (char c : o.ns)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-')
+      return make_error(Errc::invalid_argument, "extra.namespace '" + o.ns + "' may hold only letters, digits, '_' and '-'");
+  return o;
+}
+
+class ShmConnector final : public Connector {
+ public:
+  explicit ShmConnector(ShmConnectorOptions o) : opts_(std::move(o)) {}
+  ~ShmConnector() override { close(); }
+
+  Status init() {
+    SL_ASSIGN(dir_, Directory::attach(opts_.shm_dir, opts_.ns, opts_.max_entries));
+    return {};
+  }
+
+  const std::string& name() const override { return name_; }
+
+  Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key,
+                        const Payload& payload, const PutOptions& po) override {
+    auto r = put_impl(from, to, key, payload, nullptr, po);
+    count_result(r);
+    return r;
+  }
+
+  Result<Loan> loan(const Value& tree, std::span<const TensorSpec> specs) override;
+  Result<PutResult> put_loan(const std::string& from, const std::string& to, const std::string& key,
+                             Loan&& loan, const PutOptions& po) override;
+
+  Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key,
+                        const Value* metadata, Deadline deadline, const GetOptions& go) override {
+    auto r = get_impl(from, to, key, metadata, deadline, go);
+    if (r.ok()) {
+      gets_.fetch_add(1, std::memory_order_relaxed);
+      bytes_.fetch_add(r->size, std::memory_order_relaxed);
+    } else if (r.error().code == Errc::timeout) {
+      timeouts_.fetch_add(1, std::memory_order_relaxed);
+    } else if (r.error().code != Errc::not_found) {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+    }
+    return r;
+  }
+
+  size_t cleanup(const std::string& request_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return 0;
+    size_t n = 0;
+    for (auto& o : out_)
+      if (shm::rid_matches(o.rid, request_id) && dir_->cancel(o.idx, o.gen)) ++n;
+    // Receivers and other producers of this host: cancel their unread entries too (abort).
+    n += dir_->cancel_request(request_id);
+    reclaim_all_locked();
+    cleanups_.fetch_add(1, std::memory_order_relaxed);
+    return n;
+  }
+
+  Value health() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Value::Map m;
+    m.emplace_back("status", closed_ ? "closed" : "healthy");
+    m.emplace_back("connector", name_);
+    m.emplace_back("puts", uint64_t(puts_.load()));
+    m.emplace_back("gets", uint64_t(gets_.load()));
+    m.emplace_back("bytes_transferred", uint64_t(bytes_.load()));
+    m.emplace_back("errors", uint64_t(errors_.load()));
+    m.emplace_back("timeouts", uint64_t(timeouts_.load()));
+    m.emplace_back("inline_puts", uint64_t(inline_puts_.load()));
+    m.emplace_back("dedicated_segments", uint64_t(dedicated_puts_.load()));
+    m.emplace_back("cleanups", uint64_t(cleanups_.load()));
+    m.emplace_back("outstanding", uint64_t(out_.size()));
+    m.emplace_back("arena_bytes", uint64_t(arena_alloc_ ? arena_alloc_->capacity() : 0));
+    m.emplace_back("arena_used", uint64_t(arena_alloc_ ? arena_alloc_->used() : 0));
+    m.emplace_back("arena_largest_free", uint64_t(arena_alloc_ ? arena_alloc_->largest_free() : 0));
+    m.emplace_back("arena_name", arena_ ? arena_->name() : std::string());
+    m.emplace_back("namespace", opts_.ns);
+    m.emplace_back("shm_threshold_bytes", uint64_t(opts_.shm_threshold_bytes));
+    if (dir_) {
+      m.emplace_back("directory_entries", uint64_t(dir_->n_entries()));
+      m.emplace_back("directory_live_entries", uint64_t(dir_->live_entries()));
+    }
+    return Value(std::move(m));
+  }
+
+  void close() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    if (!dir_) return;
+    // Everything we own goes: entries (readers holding views keep their own mapping), dedicated
+    // segments and the arena.
+    for (auto& o : out_) {
+      dir_->free_entry(o.idx, o.gen);
+      if (o.dedicated) {
+        dir_->unregister_arena(o.arena_idx, o.arena_gen);
+        Segment::unlink(opts_.shm_dir, o.dedicated->name());
+      }
+    }
+    out_.clear();
+    if (arena_) {
+      dir_->unregister_arena(arena_idx_, arena_gen_);
+      Segment::unlink(opts_.shm_dir, arena_->name());
+      arena_.reset();
+      arena_alloc_.reset();
+    }
+    dir_.reset();
+  }
+
+  // Loans call back here to return unpublished memory.
+  void return_loan(size_t off, size_t len, std::shared_ptr<Segment> dedicated, uint32_t aidx, uint32_t agen) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    if (dedicated) {
+      dir_->unregister_arena(aidx, agen);
+      Segment::unlink(opts_.shm_dir, dedicated->name());
+    } else if (arena_alloc_) {
+      auto st = arena_alloc_->free(off, len);
+      if (!st.ok()) SL_LOG_ERROR("returning a loan: %s", st.error().to_string().c_str());
+    }
+  }
+
+ private:
+  struct Region {
+    std::byte* base;
+    size_t offset, length;
+    std::shared_ptr<Segment> dedicated;
+    uint32_t arena_idx, arena_gen;
+  };
+
+  template <class R>
+  void count_result(const R& r) {
+    if (r.ok()) {
+      puts_.fetch_add(1, std::memory_order_relaxed);
+      bytes_.fetch_add(r->size, std::memory_order_relaxed);
+    } else {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  static Status validate_edge(const std::string& from, const std::string& to, const std::string& key) {
+    SL_TRY(validate_name("from_stage", from, 64));
+    SL_TRY(validate_name("to_stage", to, 64));
+    SL_TRY(validate_name("key", key, 160));
+    return {};
+  }
+
+  Status ensure_arena_locked() {
+    if (arena_ || opts_.arena_bytes == 0) return {};
+    std::string name = dir_->prefix() + "a" + std::to_string(getpid()) + "." +
+                       std::to_string(g_segment_counter.fetch_add(1));
+    SL_ASSIGN(auto seg, Segment::create(opts_.shm_dir, name, opts_.arena_bytes, true));
+    auto reg = dir_->register_arena(name, opts_.arena_bytes, false);
+    if (!reg.ok()) {
+      Segment::unlink(opts_.shm_dir, name);
+      return std::move(reg).error();
+    }
+    arena_ = seg;
+    arena_idx_ = reg->first;
+    arena_gen_ = reg->second;
+    arena_alloc_ = std::make_unique<BufferAllocator>(opts_.arena_bytes, 64);
+    return {};
+  }
+
+  // Return memory of entries every reader released (and of expired ones). `all`: scan everything,
+  // not only the in-order prefix.
+  void reclaim_locked(bool all) {
+    const uint64_t now = mono_ns();
+    const uint64_t ttl_ns = uint64_t(opts_.ttl_s * 1e9);
+    for (auto it = out_.begin(); it != out_.end();) {
+      if (ttl_ns && now - it->created_ns > ttl_ns) {
+        if (dir_->cancel(it->idx, it->gen))
+          SL_LOG_WARN("put '%s' unread after %.0f s (ttl_s): cancelled", it->rid.c_str(), opts_.ttl_s);
+      }
+      if (!dir_->is_done(it->idx, it->gen)) {
+        if (!all) break;
+        ++it;
+        continue;
+      }
+      dir_->free_entry(it->idx, it->gen);
+      if (it->dedicated) {
+        dir_->unregister_arena(it->arena_idx, it->arena_gen);
+        Segment::unlink(opts_.shm_dir, it->dedicated->name());
+      } else if (arena_alloc_) {
+        auto st = arena_alloc_->free(it->offset, it->length);
+        if (!st.ok()) SL_LOG_ERROR("arena free: %s", st.error().to_string().c_str());
+      }
+      it = out_.erase(it);
+    }
+  }
+  void reclaim_all_locked() { reclaim_locked(true); }
+
+  Result<Region> allocate_locked(std::unique_lock<std::mutex>& lock, size_t size) {
+    reclaim_locked(false);
+    if (mono_ns() - last_reap_ns_ > 1'000'000'000ull) {  // periodic: dead readers, TTL
+      last_reap_ns_ = mono_ns();
+      reclaim_all_locked();
+      for (auto& r : dir_->reap()) SL_LOG_INFO("reaped: %s", r.c_str());
+    }
+    if (size > opts_.arena_bytes) {
+      std::string name = dir_->prefix() + "x" + std::to_string(getpid()) + "." +
+                         std::to_string(g_segment_counter.fetch_add(1));
+      SL_ASSIGN(auto seg, Segment::create(opts_.shm_dir, name, size, false));
+      auto reg = dir_->register_arena(name, size, true);
+      if (!reg.ok()) {
+        Segment::unlink(opts_.shm_dir, name);
+        return std::move(reg).error();
+      }
+      dedicated_puts_.fetch_add(1, std::memory_order_relaxed);
+      return Region{seg->data(), 0, size, seg, reg->first, reg->second};
+    }
+    SL_TRY(ensure_arena_locked());
+    const uint64_t deadline = mono_ns() + uint64_t(opts_.put_timeout_s * 1e9);
+    for (;;) {
+      uint32_t seen = dir_->release_seq();
+      auto off = arena_alloc_->allocate(size);
+      if (off.ok()) return Region{arena_->data() + off.value(), off.value(), size, nullptr, arena_idx_, arena_gen_};
+      reclaim_all_locked();
+      off = arena_alloc_->allocate(size);
+      if (off.ok()) return Region{arena_->data() + off.value(), off.value(), size, nullptr, arena_idx_, arena_gen_};
+      if (mono_ns() >= deadline)
+        return make_error(Errc::exhausted,
+                          "arena " + arena_->name() + " has no room for " + std::to_string(size) + " bytes after " +
+                              std::to_string(opts_.put_timeout_s) + " s (" + std::to_string(arena_alloc_->used()) +
+                              " of " + std::to_string(arena_alloc_->capacity()) + " bytes held by " +
+                              std::to_string(out_.size()) + " unreleased puts)");
+      lock.unlock();
+      dir_->wait_release(seen, std::min<uint64_t>(deadline, mono_ns() + 100'000'000ull));
+      lock.lock();
+      if (closed_) return make_error(Errc::closed, "connector closed while waiting for arena room");
+    }
+  }
+
+  Result<PutResult> publish_locked(const std::string& ikey, uint16_t rid_len, Claim& cl, const Region& reg,
+                                   size_t total, uint32_t readers, std::span<const std::byte> inline_bytes) {
+    cl.arena = reg.arena_idx;
+    cl.arena_gen = reg.arena_gen;
+    cl.offset = reg.offset;
+    cl.length = total;
+    dir_->publish(cl, uint8_t(readers));
+    out_.push_back(Outstanding{cl.idx, cl.gen, reg.offset, reg.length, reg.dedicated, reg.arena_idx,
+                               reg.arena_gen, mono_ns(), ikey.substr(0, rid_len)});
+    PutResult pr;
+    pr.size = total;
+    Value::Map shm;
+    shm.emplace_back("name", reg.dedicated ? reg.dedicated->name() : arena_->name());
+    shm.emplace_back("size", uint64_t(total));
+    shm.emplace_back("offset", uint64_t(reg.offset));
+    shm.emplace_back("entry", uint64_t(cl.idx));
+    shm.emplace_back("gen", uint64_t(cl.gen));
+    Value::Map md;
+    md.emplace_back("shm", Value(std::move(shm)));
+    md.emplace_back("size", uint64_t(total));
+    md.emplace_back("readers", uint64_t(readers));
+    if (!inline_bytes.empty()) {
+      md.emplace_back("inline", Value(Value::Bytes(inline_bytes.begin(), inline_bytes.end())));
+      inline_puts_.fetch_add(1, std::memory_order_relaxed);
+    }
+    pr.metadata = Value(std::move(md));
+    return pr;
+  }
+
+  Result<PutResult> put_impl(const std::string& from, const std::string& to, const std::string& key,
+                             const Payload& payload, const FramePlan* given_plan, const PutOptions& po) {
+    SL_TRY(validate_edge(from, to, key));
+    const uint32_t readers = po.readers ? po.readers : opts_.readers;
+    if (readers > shm::kMaxFanout)
+      return make_error(Errc::invalid_argument, "readers must be in [1, 8], got " + std::to_string(readers));
+    FramePlan local;
+    if (!given_plan) {
+      SL_ASSIGN(local, plan_frame(payload));
+      given_plan = &local;
+    }
+    const FramePlan& plan = *given_plan;
+    const std::string ikey = make_internal_key(key, from, to);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (closed_) return make_error(Errc::closed, "put on a closed SharedMemoryConnector");
+    SL_ASSIGN(Claim cl, dir_->reserve(ikey, uint16_t(key.size()), shm::key_hash(ikey)));
+    auto reg = allocate_locked(lock, plan.total);
+    if (!reg.ok() || closed_) {
+      if (!closed_) dir_->abandon(cl);
+      return reg.ok() ? make_error(Errc::closed, "connector closed during put") : std::move(reg).error();
+    }
+    write_frame(plan, payload.tensors, reg->base);
+    std::span<const std::byte> inl;
+    if (plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(reg->base, plan.total);
+    return publish_locked(ikey, uint16_t(key.size()), cl, reg.value(), plan.total, readers, inl);
+  }
+
+  Result<GetResult> get_impl(const std::string& from, const std::string& to, const std::string& key,
+                             const Value* metadata, Deadline deadline, const GetOptions& go) {
+    SL_TRY(validate_edge(from, to, key));
+    std::shared_ptr<Directory> dir;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return make_error(Errc::closed, "get on a closed SharedMemoryConnector");
+      dir = dir_;
+    }
+    const std::string ikey = make_internal_key(key, from, to);
+    Result<Claim> cl = make_error(Errc::not_found, "");
+    if (metadata && !metadata->is_nil()) {
+      if (!metadata->is<Value::Map>()) return make_error(Errc::corrupt, "metadata is not a map");
+      const Value* shmv = metadata->find("shm");
+      uint64_t idx = 0, gen = 0;
+      if (!shmv || !shmv->find("entry") || !shmv->find("gen") || !shmv->find("entry")->get_u64(idx) ||
+          !shmv->find("gen")->get_u64(gen) || idx > UINT32_MAX || gen > UINT32_MAX)
+        return make_error(Errc::corrupt, "metadata lacks shm.entry/shm.gen (not from a stagelink SharedMemoryConnector?)");
+      cl = dir->claim(uint32_t(idx), uint32_t(gen), ikey);
+      if (const Value* inl = metadata->find("inline"); inl && inl->is<Value::Bytes>()) {
+        // Small payload: the bytes are in the metadata; only the reader accounting touches shm.
+        auto& b = inl->as<Value::Bytes>();
+        SL_ASSIGN(Payload p, decode_frame_copy(std::span<const std::byte>(b.data(), b.size())));
+        if (cl.ok()) dir->release(cl.value());
+        return GetResult{std::move(p), b.size()};
+      }
+      if (!cl.ok()) return std::move(cl).error();
+    } else {
+      uint64_t dl = 0;
+      if (deadline != kNoWait) {
+        auto rem = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now()).count();
+        dl = mono_ns() + uint64_t(std::max<int64_t>(rem, 1));
+      }
+      cl = dir->wait_claim_key(ikey, shm::key_hash(ikey), dl);
+      if (!cl.ok()) return std::move(cl).error();
+    }
+    const Claim c = cl.value();
+    auto seg = dir->map_arena(c.arena, c.arena_gen);
+    if (!seg.ok()) {
+      dir->release(c);
+      return std::move(seg).error();
+    }
+    if (c.offset > seg.value()->size() || c.length > seg.value()->size() - c.offset) {
+      dir->release(c);
+      return make_error(Errc::corrupt, "entry of '" + ikey + "' points outside its segment");
+    }
+    std::span<const std::byte> bytes(seg.value()->data() + c.offset, c.length);
+    if (go.zero_copy) {
+      auto lease = std::make_shared<Lease>(Lease{dir, seg.value(), c});
+      SL_ASSIGN(Payload p, decode_frame(bytes, lease));
+      return GetResult{std::move(p), c.length};
+    }
+    auto p = decode_frame_copy(bytes);
+    dir->release(c);
+    if (!p.ok()) return std::move(p).error();
+    return GetResult{std::move(p).value(), c.length};
+  }
+
+  friend struct Loan::Impl;
+  ShmConnectorOptions opts_;
+  std::string name_ = "SharedMemoryConnector";
+  std::shared_ptr<Directory> dir_;
+  std::mutex mu_;
+  bool closed_ = false;
+  std::shared_ptr<Segment> arena_;
+  std::unique_ptr<BufferAllocator> arena_alloc_;
+  uint32_t arena_idx_ = 0, arena_gen_ = 0;
+  std::deque<Outstanding> out_;
+  uint64_t last_reap_ns_ = 0;
+  std::atomic<uint64_t> puts_{0}, gets_{0}, bytes_{0}, errors_{0}, timeouts_{0}, inline_puts_{0},
+      dedicated_puts_{0}, cleanups_{0};
+};
+
+// ---- Loans ----
+struct Loan::Impl {
+  ShmConnector* owner = nullptr;
+  FramePlan plan;
+  std::byte* base = nullptr;
+  size_t offset = 0, length = 0;
+  std::shared_ptr<Segment> dedicated;
+  uint32_t arena_idx = 0, arena_gen = 0;
+  bool published = false;
+  ~Impl() {
+    if (!published && owner) owner->return_loan(offset, length, dedicated, arena_idx, arena_gen);
+  }
+};
+
+Loan::Loan(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Loan::Loan(Loan&&) noexcept = default;
+Loan& Loan::operator=(Loan&&) noexcept = default;
+Loan::~Loan() = default;
+size_t Loan::tensor_count() const { return impl_ ? impl_->plan.offsets.size() : 0; }
+std::span<std::byte> Loan::region(size_t i) {
+  if (!impl_ || i >= impl_->plan.offsets.size()) return {};
+  return std::span<std::byte>(impl_->base + impl_->plan.offsets[i], impl_->plan.lengths[i]);
+}
+size_t Loan::frame_size() const { return impl_ ? impl_->plan.total : 0; }
+
+Result<Loan> ShmConnector::loan(const Value& tree, std::span<const TensorSpec> specs) {
+  SL_ASSIGN(FramePlan plan, plan_frame(tree, specs));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) return make_error(Errc::closed, "loan on a closed SharedMemoryConnector");
+  SL_ASSIGN(Region reg, allocate_locked(lock, plan.total));
+  auto impl = std::make_unique<Loan::Impl>();
+  impl->owner = this;
+  impl->base = reg.base;
+  impl->offset = reg.offset;
+  impl->length = reg.length;
+  impl->dedicated = reg.dedicated;
+  impl->arena_idx = reg.arena_idx;
+  impl->arena_gen = reg.arena_gen;
+  write_frame_head(plan, reg.base);
+  impl->plan = std::move(plan);
+  return Loan(std::move(impl));
+}
+
+Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::string& to, const std::string& key,
+                                         Loan&& loan, const PutOptions& po) {
+  auto* impl = loan.impl();
+  if (!impl || impl->owner != this)
+    return make_error(Errc::invalid_argument, "loan is empty or belongs to another connector");
+  SL_TRY(validate_edge(from, to, key));
+  const uint32_t readers = po.readers ? po.readers : opts_.readers;
+  if (readers < 1 || readers > shm::kMaxFanout)
+    return make_error(Errc::invalid_argument, "readers must be in [1, 8]");
+  const std::string ikey = make_internal_key(key, from, to);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) return make_error(Errc::closed, "put_loan on a closed SharedMemoryConnector");
+  SL_ASSIGN(Claim cl, dir_->reserve(ikey, uint16_t(key.size()), shm::key_hash(ikey)));
+  impl->published = true;
+  Region reg{impl->base, impl->offset, impl->length, impl->dedicated, impl->arena_idx, impl->arena_gen};
+  std::span<const std::byte> inl;
+  if (impl->plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(impl->base, impl->plan.total);
+  auto r = publish_locked(ikey, uint16_t(key.size()), cl, reg, impl->plan.total, readers, inl);
+  lock.unlock();
+  loan = Loan();
+  count_result(r);
+  return r;
+}
+
+Result<std::unique_ptr<Connector>> make_shm_connector(const ShmConnectorOptions& opts) {
+  auto c = std::make_unique<ShmConnector>(opts);
+  SL_TRY(c->init());
+  return std::unique_ptr<Connector>(std::move(c));
+}
+
+}  // namespace stagelink
+namespace stagelink {
+std::unique_ptr<Loan::Impl> Loan::release_impl() { return std::move(impl_); }
+}

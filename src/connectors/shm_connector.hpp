@@ -1,0 +1,23 @@
+// SharedMemoryConnector: the default same-host connector.
+#pragma once
+#include <memory>
+
+#include "stagelink/connector.hpp"
+
+namespace stagelink {
+
+struct ShmConnectorOptions {
+  size_t shm_threshold_bytes = 65536;  // frames up to this size also travel inline in metadata
+  size_t arena_bytes = 256u << 20;     // created on first put, reused; larger frames get a segment
+  uint32_t max_entries = 4096;         // directory size, fixed by the first process of a namespace
+  std::string ns = "default";
+  std::string shm_dir = "/dev/shm";
+  uint32_t readers = 1;                // default fan-out
+  double put_timeout_s = 5.0;          // wait for arena room before failing with exhausted
+  double ttl_s = 300.0;                // unread puts older than this are cancelled
+  static Result<ShmConnectorOptions> from_extra(const Value& extra);
+};
+
+Result<std::unique_ptr<Connector>> make_shm_connector(const ShmConnectorOptions& opts);
+
+}  // namespace stagelink

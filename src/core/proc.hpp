@@ -1,0 +1,16 @@
+// Process identity that survives pid reuse: pid plus the kernel's start time of that pid.
+#pragma once
+#include <cstdint>
+
+namespace stagelink {
+struct ProcId {
+  uint32_t pid = 0;
+  uint64_t start = 0;  // /proc/<pid>/stat field 22 (clock ticks since boot); 0 if unknown
+};
+ProcId self_proc();
+uint64_t proc_start_time(uint32_t pid);  // 0 when the process does not exist
+// Alive: the pid exists and, when start is known, started at the same time.
+bool proc_alive(const ProcId& p);
+uint64_t now_ns();       // CLOCK_REALTIME in ns (ages shown to users)
+uint64_t mono_ns();      // CLOCK_MONOTONIC in ns
+}  // namespace stagelink

@@ -1,0 +1,394 @@
+// stagelink._core: the thin binding. Argument conversion only; semantics live in C++.
+#include <Python.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <array>
+#include <cstring>
+
+#include "bench/shm_bench.hpp"
+#include "stagelink/stagelink.hpp"
+
+namespace nb = nanobind;
+using namespace stagelink;
+
+namespace {
+
+std::array<PyObject*, 16> g_exc{};
+
+[[noreturn]] void raise(const Error& e) {
+  PyObject* t = g_exc[static_cast<size_t>(e.code)];
+  PyErr_SetString(t ? t : PyExc_RuntimeError, e.message.c_str());
+  throw nb::python_error();
+}
+template <class T>
+T unwrap(Result<T>&& r) {
+  if (!r.ok()) raise(r.error());
+  return std::move(r).value();
+}
+
+// ---- Value <-> Python ----
+nb::object to_py(const Value& v, const std::vector<nb::object>* tensors = nullptr);
+
+nb::object to_py(const Value& v, const std::vector<nb::object>* tensors) {
+  return std::visit(
+      [&](auto&& x) -> nb::object {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, std::monostate>) return nb::none();
+        else if constexpr (std::is_same_v<T, bool>) return nb::bool_(x);
+        else if constexpr (std::is_same_v<T, int64_t>) return nb::int_(x);
+        else if constexpr (std::is_same_v<T, uint64_t>) return nb::steal(PyLong_FromUnsignedLongLong(x));
+        else if constexpr (std::is_same_v<T, double>) return nb::float_(x);
+        else if constexpr (std::is_same_v<T, std::string>) return nb::str(x.data(), x.size());
+        else if constexpr (std::is_same_v<T, Value::Bytes>) return nb::bytes(reinterpret_cast<const char*>(x.data()), x.size());
+        else if constexpr (std::is_same_v<T, Value::List>) {
+          nb::list l;
+          for (auto& e : x) l.append(to_py(e, tensors));
+          return l;
+        } else if constexpr (std::is_same_v<T, Value::Map>) {
+          nb::dict d;
+          for (auto& [k, e] : x) d[nb::str(k.data(), k.size())] = to_py(e, tensors);
+          return d;
+        } else {
+          if (tensors && x.index < tensors->size()) return (*tensors)[x.index];
+          return nb::none();
+        }
+      },
+      v.storage());
+}
+
+Value from_py(nb::handle h, int depth = 0) {
+  if (depth > 64) throw nb::value_error("metadata nested deeper than 64");
+  if (h.is_none()) return Value();
+  if (PyBool_Check(h.ptr())) return Value(h.ptr() == Py_True);
+  if (PyLong_Check(h.ptr())) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+    if (overflow > 0) return Value(uint64_t(PyLong_AsUnsignedLongLong(h.ptr())));
+    if (overflow < 0) throw nb::value_error("integer too small for metadata");
+    return Value(int64_t(v));
+  }
+  if (PyFloat_Check(h.ptr())) return Value(PyFloat_AsDouble(h.ptr()));
+  if (PyUnicode_Check(h.ptr())) return Value(nb::cast<std::string>(h));
+  if (PyBytes_Check(h.ptr())) {
+    auto* p = reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(h.ptr()));
+    return Value(Value::Bytes(p, p + PyBytes_GET_SIZE(h.ptr())));
+  }
+  if (PyDict_Check(h.ptr())) {
+    Value::Map m;
+    for (auto [k, v] : nb::borrow<nb::dict>(h)) m.emplace_back(nb::cast<std::string>(nb::str(k)), from_py(v, depth + 1));
+    return Value(std::move(m));
+  }
+  if (PyList_Check(h.ptr()) || PyTuple_Check(h.ptr())) {
+    Value::List l;
+    for (auto e : h) l.push_back(from_py(e, depth + 1));
+    return Value(std::move(l));
+  }
+  throw nb::type_error("metadata and extra may hold only None, bool, int, float, str, bytes, dict and list");
+}
+
+// Holds Py_buffer views of the Python objects for the duration of a put.
+struct BufferViews {
+  std::vector<Py_buffer> views;
+  ~BufferViews() {
+    for (auto& v : views) PyBuffer_Release(&v);
+  }
+};
+
+std::string stage_str(nb::handle h) {
+  if (PyUnicode_Check(h.ptr())) return nb::cast<std::string>(h);
+  if (PyLong_Check(h.ptr())) return nb::cast<std::string>(nb::str(h));
+  throw nb::type_error("stage ids must be int or str");
+}
+
+nb::object region_view(const Tensor& t) {
+  // Read-only numpy uint8 view; the capsule holds the lease (slot) until the array is dropped.
+  auto* keep = new std::shared_ptr<const void>(t.keepalive);
+  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<const void>*>(p); });
+  size_t shape[1] = {t.nbytes()};
+  return nb::cast(nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>>(
+      reinterpret_cast<const uint8_t*>(t.data.data()), 1, shape, owner));
+}
+
+nb::object region_copy(const Tensor& t, bool as_bytes) {
+  if (as_bytes) return nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(t.data.data()), Py_ssize_t(t.nbytes())));
+  PyObject* ba = PyByteArray_FromStringAndSize(nullptr, Py_ssize_t(t.nbytes()));
+  if (!ba) throw nb::python_error();
+  if (t.nbytes()) std::memcpy(PyByteArray_AS_STRING(ba), t.data.data(), t.nbytes());
+  return nb::steal(ba);
+}
+
+struct PyLoan {
+  Loan loan;
+  nb::object region(size_t i) {
+    auto s = loan.region(i);
+    if (!loan.valid() || i >= loan.tensor_count()) throw nb::index_error("loan region out of range or loan already published");
+    size_t shape[1] = {s.size()};
+    return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(reinterpret_cast<uint8_t*>(s.data()), 1, shape, nb::handle()),
+                    nb::rv_policy::reference);
+  }
+};
+
+struct PyConnector {
+  std::unique_ptr<Connector> c;
+  Connector& get() {
+    if (!c) raise(make_error(Errc::closed, "connector is closed"));
+    return *c;
+  }
+};
+
+nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, int kind,
+                    nb::list regions, nb::object dtypes, nb::object shapes, uint32_t readers) {
+  std::string f = stage_str(from), t = stage_str(to);
+  Payload p;
+  Value::List refs;
+  BufferViews bv;
+  size_t n = nb::len(regions);
+  bv.views.reserve(n);
+  p.tensors.reserve(n);
+  size_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(regions[i].ptr(), &v, PyBUF_SIMPLE) != 0) throw nb::python_error();
+    bv.views.push_back(v);
+    Tensor tn = Tensor::view_of(std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len)));
+    if (!dtypes.is_none()) {
+      nb::handle d = dtypes[i];
+      if (!d.is_none()) {
+        auto dt = dtype_from_name(nb::cast<std::string>(d));
+        if (dt.ok()) {
+          tn.dtype = dt.value();
+          tn.shape.clear();
+          for (auto e : nb::borrow<nb::tuple>(shapes[i])) tn.shape.push_back(nb::cast<int64_t>(e));
+        }
+      }
+    }
+    total += tn.nbytes();
+    p.tensors.push_back(std::move(tn));
+    refs.emplace_back(TensorRef{uint32_t(i)});
+  }
+  Value::Map tree;
+  tree.emplace_back("py", int64_t(kind));
+  tree.emplace_back("r", Value(std::move(refs)));
+  p.tree = Value(std::move(tree));
+  Result<PutResult> r = make_error(Errc::io, "");
+  if (total > (256u << 10)) {
+    nb::gil_scoped_release nogil;
+    r = self.get().put(f, t, key, p, PutOptions{readers});
+  } else {
+    r = self.get().put(f, t, key, p, PutOptions{readers});
+  }
+  PutResult pr = unwrap(std::move(r));
+  return nb::make_tuple(pr.size, to_py(pr.metadata));
+}
+
+nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, nb::handle metadata,
+                     nb::handle timeout, bool zero_copy) {
+  std::string f = stage_str(from), t = stage_str(to);
+  Value md;
+  bool has_md = !metadata.is_none();
+  if (has_md) md = from_py(metadata);
+  Deadline dl = kNoWait;
+  if (!timeout.is_none()) dl = deadline_after(std::max(0.0, nb::cast<double>(timeout)));
+  Result<GetResult> r = make_error(Errc::io, "");
+  {
+    nb::gil_scoped_release nogil;  // a keyless get may block until the deadline
+    r = self.get().get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{zero_copy});
+  }
+  if (!r.ok()) {
+    if (r.error().code == Errc::not_found || r.error().code == Errc::timeout) return nb::none();
+    raise(r.error());
+  }
+  GetResult g = std::move(r).value();
+  const Value* py = g.payload.tree.find("py");
+  std::vector<nb::object> objs;
+  objs.reserve(g.payload.tensors.size());
+  for (size_t i = 0; i < g.payload.tensors.size(); ++i) {
+    const Tensor& tn = g.payload.tensors[i];
+    if (zero_copy && tn.keepalive) objs.push_back(region_view(tn));
+    else objs.push_back(region_copy(tn, py && i == 0));
+  }
+  if (py) {
+    int64_t kind = 0;
+    py->get_i64(kind);
+    nb::list l;
+    for (auto& o : objs) l.append(o);
+    return nb::make_tuple(kind, l, g.size);
+  }
+  // A frame from a C++ producer: tensors as (region, dtype, shape) so Python can type them.
+  std::vector<nb::object> typed;
+  for (size_t i = 0; i < objs.size(); ++i) {
+    nb::list shape;
+    for (auto d : g.payload.tensors[i].shape) shape.append(d);
+    typed.push_back(nb::make_tuple(objs[i], dtype_name(g.payload.tensors[i].dtype), nb::tuple(shape)));
+  }
+  return nb::make_tuple(-1, to_py(g.payload.tree, &typed), g.size);
+}
+
+nb::dict spec_dict(const ConnectorSpec& s) {
+  nb::dict d;
+  d["name"] = s.name;
+  d["extra"] = to_py(s.extra);
+  d["ref"] = s.ref;
+  return d;
+}
+
+nb::dict config_dict(const TransferConfig& cfg) {
+  nb::dict out;
+  nb::list edges;
+  for (auto& e : cfg.edges) {
+    nb::dict d;
+    d["from"] = e.from;
+    d["to"] = e.to;
+    d["connector"] = spec_dict(e.connector);
+    d["defaulted"] = e.defaulted;
+    edges.append(d);
+  }
+  out["edges"] = edges;
+  nb::dict conns;
+  for (auto& [k, v] : cfg.connectors) conns[nb::str(k.c_str())] = spec_dict(v);
+  out["connectors"] = conns;
+  nb::list stages;
+  nb::dict per_stage;
+  for (auto& s : cfg.stages) {
+    stages.append(s);
+    nb::list l;
+    for (auto& sc : cfg.stage_connectors(s)) {
+      nb::dict d;
+      d["peer"] = sc.peer;
+      d["direction"] = sc.input ? "input" : "output";
+      d["role"] = role_name(sc.role);
+      d["connector"] = spec_dict(sc.connector);
+      l.append(d);
+    }
+    per_stage[nb::str(s.c_str())] = l;
+  }
+  out["stages"] = stages;
+  out["stage_connectors"] = per_stage;
+  out["source"] = cfg.source;
+  return out;
+}
+
+nb::dict stat_dict(const bench::Stat& s) {
+  nb::dict d;
+  d["median_us"] = s.median_us;
+  d["p99_us"] = s.p99_us;
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "stagelink native core";
+  PyObject* base = PyErr_NewException("stagelink.StagelinkError", PyExc_RuntimeError, nullptr);
+  m.attr("StagelinkError") = nb::handle(base);
+  const char* names[] = {"", "TimeoutError", "NotFoundError", "ClosedError", "CancelledError",
+                         "InvalidArgumentError", "CorruptError", "ExhaustedError", "PeerDeadError",
+                         "IOError", "UnsupportedError", "KeyInUseError"};
+  for (int i = 1; i <= 11; ++i) {
+    std::string full = std::string("stagelink.") + names[i];
+    PyObject* bases = base;
+    nb::object tup;
+    if (i == 1) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_TimeoutError));
+    else if (i == 5) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_ValueError));
+    else if (i == 2) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_KeyError));
+    PyObject* e = PyErr_NewException(full.c_str(), tup.is_valid() ? tup.ptr() : bases, nullptr);
+    g_exc[i] = e;
+    m.attr(names[i]) = nb::handle(e);
+  }
+
+  nb::class_<PyLoan>(m, "_Loan")
+      .def("region", &PyLoan::region, nb::rv_policy::reference_internal)
+      .def_prop_ro("count", [](PyLoan& l) { return l.loan.tensor_count(); })
+      .def_prop_ro("frame_size", [](PyLoan& l) { return l.loan.frame_size(); })
+      .def_prop_ro("valid", [](PyLoan& l) { return l.loan.valid(); });
+
+  nb::class_<PyConnector>(m, "_Connector")
+      .def("put_parts", &put_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("kind"),
+           nb::arg("regions"), nb::arg("dtypes").none(), nb::arg("shapes").none(), nb::arg("readers") = 0)
+      .def("get_parts", &get_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),
+           nb::arg("metadata").none(), nb::arg("timeout").none(), nb::arg("zero_copy") = false)
+      .def("loan", [](PyConnector& self, int kind, std::vector<size_t> sizes, nb::object dtypes, nb::object shapes) {
+             std::vector<TensorSpec> specs;
+             Value::List refs;
+             for (size_t i = 0; i < sizes.size(); ++i) {
+               TensorSpec s;
+               s.nbytes = sizes[i];
+               if (!dtypes.is_none() && !nb::handle(dtypes[i]).is_none()) {
+                 s.dtype = unwrap(dtype_from_name(nb::cast<std::string>(dtypes[i])));
+                 for (auto e : nb::borrow<nb::tuple>(shapes[i])) s.shape.push_back(nb::cast<int64_t>(e));
+               }
+               specs.push_back(std::move(s));
+               refs.emplace_back(TensorRef{uint32_t(i)});
+             }
+             Value::Map tree;
+             tree.emplace_back("py", int64_t(kind));
+             tree.emplace_back("r", Value(std::move(refs)));
+             return PyLoan{unwrap(self.get().loan(Value(std::move(tree)), specs))};
+           })
+      .def("put_loan", [](PyConnector& self, nb::handle from, nb::handle to, const std::string& key, PyLoan& loan, uint32_t readers) {
+             PutResult pr = unwrap(self.get().put_loan(stage_str(from), stage_str(to), key, std::move(loan.loan), PutOptions{readers}));
+             return nb::make_tuple(pr.size, to_py(pr.metadata));
+           })
+      .def("cleanup", [](PyConnector& self, const std::string& rid) { return self.get().cleanup(rid); })
+      .def("health", [](PyConnector& self) {
+             if (!self.c) return nb::object(nb::dict());
+             return to_py(self.c->health());
+           })
+      .def("close", [](PyConnector& self) {
+             if (self.c) {
+               nb::gil_scoped_release nogil;
+               self.c->close();
+             }
+             self.c.reset();
+           })
+      .def_prop_ro("name", [](PyConnector& self) { return self.c ? self.c->name() : std::string(); })
+      .def_prop_ro("closed", [](PyConnector& self) { return !self.c; });
+
+  m.def("create_connector", [](const std::string& name, nb::handle extra) {
+    Value e = extra.is_none() ? Value(Value::Map{}) : from_py(extra);
+    return PyConnector{unwrap(create_connector(name, e))};
+  });
+  m.def("registered_connectors", &registered_connectors);
+  m.def("load_config_file", [](const std::string& path) { return config_dict(unwrap(load_transfer_config_file(path))); });
+  m.def("load_config_string", [](const std::string& text, const std::string& source) {
+    return config_dict(unwrap(load_transfer_config_string(text, source)));
+  });
+  m.def("transfer_engine_port", [](int base, const std::string& purpose, int from_stage, int dp_index, int tp_size, int tp_rank) {
+    PortPurpose p = purpose == "kv_transfer" ? PortPurpose::kv_transfer
+                    : purpose == "orchestrator" ? PortPurpose::orchestrator
+                    : purpose == "request_forwarding" ? PortPurpose::request_forwarding
+                    : (throw nb::value_error("purpose must be request_forwarding, kv_transfer or orchestrator"), PortPurpose::kv_transfer);
+    return transfer_engine_port(base, p, from_stage, dp_index, tp_size, tp_rank);
+  }, nb::arg("base"), nb::arg("purpose"), nb::arg("from_stage"), nb::arg("dp_index") = 0, nb::arg("tp_size") = 1, nb::arg("tp_rank") = 0);
+  m.def("shm_list", [](const std::string& dir) {
+    nb::list l;
+    for (auto& r : shm::list_resources(dir)) {
+      nb::dict d;
+      d["name"] = r.name; d["kind"] = r.kind; d["owner_pid"] = r.owner_pid; d["owner_alive"] = r.owner_alive;
+      d["size"] = r.size; d["age_s"] = r.age_s; d["live_entries"] = r.live_entries; d["attached"] = r.attached;
+      l.append(d);
+    }
+    return l;
+  }, nb::arg("shm_dir") = "/dev/shm");
+  m.def("shm_reap", [](const std::string& dir) { return shm::reap(dir); }, nb::arg("shm_dir") = "/dev/shm");
+  m.def("shm_user_prefix", &shm::user_prefix);
+  m.def("bench_shm_cpp", [](std::vector<size_t> sizes, int iters, const std::string& ns, size_t arena) {
+    std::vector<bench::ShmRow> rows;
+    {
+      nb::gil_scoped_release nogil;
+      rows = bench::bench_shm(sizes, iters, ns, arena);
+    }
+    nb::list l;
+    for (auto& r : rows) {
+      nb::dict d;
+      d["size"] = r.size; d["iters"] = r.iters;
+      d["put"] = stat_dict(r.put); d["get"] = stat_dict(r.get); d["get_view"] = stat_dict(r.get_view);
+      d["roundtrip"] = stat_dict(r.roundtrip); d["memcpy"] = stat_dict(r.memcpy_);
+      l.append(d);
+    }
+    return l;
+  });
+}

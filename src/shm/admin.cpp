@@ -1,0 +1,154 @@
+// stagelink shm ls / reap.
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <set>
+
+#include "shm/directory.hpp"
+#include "stagelink/shm.hpp"
+
+namespace stagelink::shm {
+
+std::string user_prefix() { return "sl." + std::to_string(::getuid()) + "."; }
+
+namespace {
+std::vector<std::string> our_files(const std::string& dir) {
+  std::vector<std::string> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return out;
+  const std::string pre = user_prefix();
+  while (dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n.rfind(pre, 0) == 0) out.push_back(n);
+  }
+  ::closedir(d);
+  return out;
+}
+bool ends_with(const std::string& s, const std::string& suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+// Arena and segment names end in ".a<pid>.<n>" or ".x<pid>.<n>": the creating pid.
+uint32_t pid_in_name(const std::string& n, std::string& kind) {
+  auto dot = n.rfind('.');
+  if (dot == std::string::npos || dot == 0) return 0;
+  auto dot2 = n.rfind('.', dot - 1);
+  if (dot2 == std::string::npos || dot2 + 2 > dot) return 0;
+  char k = n[dot2 + 1];
+  if (k != 'a' && k != 'x') return 0;
+  kind = k == 'a' ? "arena" : "segment";
+  return uint32_t(std::strtoul(n.c_str() + dot2 + 2, nullptr, 10));
+}
+}  // namespace
+
+std::vector<ResourceInfo> list_resources(const std::string& shm_dir) {
+  std::vector<ResourceInfo> out;
+  const double now = double(now_ns()) / 1e9;
+  std::set<std::string> listed;
+  for (auto& n : our_files(shm_dir)) {
+    if (!ends_with(n, ".dir")) continue;
+    ResourceInfo r;
+    r.name = n;
+    r.kind = "directory";
+    struct stat st{};
+    if (::stat((shm_dir + "/" + n).c_str(), &st) == 0) {
+      r.size = uint64_t(st.st_size);
+      r.age_s = now - double(st.st_mtim.tv_sec);
+    }
+    auto d = Directory::open_admin(shm_dir, n);
+    if (d.ok()) {
+      auto& h = d.value()->header();
+      r.attached = d.value()->attached_count();
+      r.live_entries = d.value()->live_entries();
+      r.age_s = now - double(h.created_ns) / 1e9;
+      for (size_t i = 0; i < kMaxAttach; ++i)
+        if (uint32_t pid = h.attached[i].pid.load()) {
+          r.owner_pid = pid;
+          r.owner_alive = r.owner_alive || proc_alive(ProcId{pid, h.attached[i].start.load()});
+        }
+      out.push_back(r);
+      for (uint32_t i = 0; i < kMaxArenas; ++i) {
+        ArenaRec& a = d.value()->arena(i);
+        if (a.state.load() != 2) continue;
+        ResourceInfo ar;
+        ar.name = std::string(a.name, strnlen(a.name, sizeof a.name));
+        ar.kind = a.dedicated ? "segment" : "arena";
+        ar.owner_pid = a.owner_pid;
+        ar.owner_alive = proc_alive(ProcId{a.owner_pid, a.owner_start});
+        ar.size = a.size;
+        ar.age_s = now - double(a.created_ns) / 1e9;
+        listed.insert(ar.name);
+        out.push_back(ar);
+      }
+    } else {
+      r.kind = "directory (uninitialized)";
+      out.push_back(r);
+    }
+    listed.insert(n);
+  }
+  for (auto& n : our_files(shm_dir)) {
+    if (listed.count(n)) continue;
+    ResourceInfo r;
+    r.name = n;
+    std::string kind = "orphan";
+    r.owner_pid = pid_in_name(n, kind);
+    r.kind = "orphan " + kind;
+    r.owner_alive = r.owner_pid && proc_alive(ProcId{r.owner_pid, 0});
+    struct stat st{};
+    if (::stat((shm_dir + "/" + n).c_str(), &st) == 0) {
+      r.size = uint64_t(st.st_size);
+      r.age_s = now - double(st.st_mtim.tv_sec);
+    }
+    out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<std::string> reap(const std::string& shm_dir) {
+  std::vector<std::string> out;
+  std::set<std::string> referenced;
+  for (auto& n : our_files(shm_dir)) {
+    if (!ends_with(n, ".dir")) continue;
+    auto d = Directory::open_admin(shm_dir, n);
+    if (!d.ok()) {
+      // Never initialized (its creator died during set-up): remove once it is clearly stale.
+      struct stat st{};
+      if (::stat((shm_dir + "/" + n).c_str(), &st) == 0 && double(now_ns()) / 1e9 - double(st.st_mtim.tv_sec) > 10) {
+        Segment::unlink(shm_dir, n);
+        out.push_back("uninitialized directory " + n);
+      }
+      continue;
+    }
+    for (auto& r : d.value()->reap()) out.push_back(r);
+    auto& h = d.value()->header();
+    if ((h.attach_word.load() & kDying) && h.attach_word.load() == kDying) {
+      // Everyone left (the last one died before unlinking): remove the directory and its arenas.
+      for (uint32_t i = 0; i < kMaxArenas; ++i) {
+        ArenaRec& a = d.value()->arena(i);
+        if (a.state.load() == 2 && !proc_alive(ProcId{a.owner_pid, a.owner_start}))
+          Segment::unlink(shm_dir, std::string(a.name, strnlen(a.name, sizeof a.name)));
+      }
+      if (Segment::unlink(shm_dir, n)) out.push_back("directory " + n + " with no live process");
+      continue;
+    }
+    referenced.insert(n);
+    for (uint32_t i = 0; i < kMaxArenas; ++i) {
+      ArenaRec& a = d.value()->arena(i);
+      if (a.state.load() == 2) referenced.insert(std::string(a.name, strnlen(a.name, sizeof a.name)));
+    }
+  }
+  // Segments no directory lists whose creating process is gone.
+  for (auto& n : our_files(shm_dir)) {
+    if (referenced.count(n) || ends_with(n, ".dir")) continue;
+    std::string kind;
+    uint32_t pid = pid_in_name(n, kind);
+    if (pid && !proc_alive(ProcId{pid, 0})) {
+      if (Segment::unlink(shm_dir, n)) out.push_back("orphan " + kind + " " + n + " of dead process " + std::to_string(pid));
+    }
+  }
+  return out;
+}
+
+}  // namespace stagelink::shm

@@ -1,0 +1,507 @@
+#include "shm/directory.hpp"
+
+#include <unistd.h>
+
+#include <bit>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "core/log.hpp"
+#include "shm/futex.hpp"
+
+namespace stagelink::shm {
+
+namespace {
+constexpr size_t align64(size_t v) { return (v + 63) / 64 * 64; }
+size_t hashes_offset() { return align64(sizeof(DirHeader)); }
+size_t entries_offset(uint32_t n) { return align64(hashes_offset() + sizeof(uint64_t) * n); }
+
+
+// Decrement the attach count; the last one out marks the directory dying. Returns true when the
+// caller must unlink the file.
+bool drop_attach(DirHeader* h) {
+  uint32_t w = h->attach_word.load(std::memory_order_acquire);
+  for (;;) {
+    if (w & kDying) return false;
+    uint32_t c = w & ~kDying;
+    uint32_t next = c <= 1 ? kDying : c - 1;
+    if (h->attach_word.compare_exchange_weak(w, next, std::memory_order_acq_rel)) return next == kDying;
+  }
+}
+}  // namespace
+
+uint64_t key_hash(std::string_view key) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : key) h = (h ^ c) * 1099511628211ull;
+  h ^= h >> 29;
+  return h ? h : 1;
+}
+
+bool rid_matches(std::string_view put_key, std::string_view rid) {
+  if (rid.empty() || put_key.size() < rid.size() || put_key.substr(0, rid.size()) != rid) return false;
+  if (put_key.size() == rid.size()) return true;
+  unsigned char next = put_key[rid.size()];
+  return !std::isalnum(next);
+}
+
+size_t directory_bytes(uint32_t n) { return entries_offset(n) + sizeof(Entry) * size_t(n); }
+
+std::string Directory::prefix() const { return shm::user_prefix() + ns_ + "."; }
+
+Result<std::shared_ptr<Directory>> Directory::attach(const std::string& shm_dir, const std::string& ns,
+                                                     uint32_t n_entries) {
+  if (n_entries < kProbe || (n_entries & (n_entries - 1)) != 0 || n_entries > (1u << 22))
+    return make_error(Errc::invalid_argument, "max_entries must be a power of two in [64, 4194304], got " +
+                                                  std::to_string(n_entries));
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<Directory>> cache;
+  const std::string cache_key = std::to_string(getpid()) + "|" + shm_dir + "|" + ns;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(cache_key); it != cache.end())
+    if (auto d = it->second.lock()) return d;
+
+  auto d = std::shared_ptr<Directory>(new Directory());
+  d->shm_dir_ = shm_dir;
+  d->ns_ = ns;
+  d->name_ = user_prefix() + ns + ".dir";
+  const ProcId me = self_proc();
+  const uint64_t give_up = mono_ns() + 5'000'000'000ull;
+  for (int attempt = 0;; ++attempt) {
+    if (mono_ns() > give_up)
+      return make_error(Errc::timeout, "could not attach to directory " + shm_dir + "/" + d->name_ +
+                                           " within 5 s (being torn down or never initialized; "
+                                           "`stagelink shm reap` removes a stale one)");
+    auto created = Segment::create(shm_dir, d->name_, directory_bytes(n_entries), true);
+    if (created.ok()) {
+      d->seg_ = created.value();
+      auto* h = reinterpret_cast<DirHeader*>(d->seg_->data());  // zero-filled by the kernel
+      h->magic = kDirMagic;
+      h->version = kDirVersion;
+      h->n_entries = n_entries;
+      h->total_size = d->seg_->size();
+      h->created_ns = now_ns();
+      h->attach_word.store(1, std::memory_order_relaxed);
+      h->attached[0].start.store(me.start, std::memory_order_relaxed);
+      h->attached[0].pid.store(me.pid, std::memory_order_relaxed);
+      d->attach_slot_ = 0;
+      h->ready.store(1, std::memory_order_release);
+    } else if (created.error().code == Errc::exists) {
+      auto opened = Segment::open(shm_dir, d->name_, true, true, sizeof(DirHeader));
+      if (!opened.ok()) {
+        if (opened.error().code == Errc::not_found || opened.error().code == Errc::corrupt) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));  // racing a create/unlink
+          continue;
+        }
+        return std::move(opened).error();
+      }
+      auto* h = reinterpret_cast<DirHeader*>(opened.value()->data());
+      while (h->ready.load(std::memory_order_acquire) == 0 && mono_ns() < give_up)
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (h->ready.load(std::memory_order_acquire) == 0) continue;  // times out above
+      if (h->magic != kDirMagic || h->version != kDirVersion)
+        return make_error(Errc::corrupt, "directory " + shm_dir + "/" + d->name_ +
+                                             " has a foreign magic or version");
+      if (opened.value()->size() < directory_bytes(h->n_entries))
+        return make_error(Errc::corrupt, "directory " + d->name_ + " is truncated");
+      uint32_t w = h->attach_word.load(std::memory_order_acquire);
+      bool joined = false;
+      while (!(w & kDying)) {
+        if (h->attach_word.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel)) { joined = true; break; }
+      }
+      if (!joined) {  // the last process is tearing it down: wait for the unlink, then create anew
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+        continue;
+      }
+      d->seg_ = opened.value();
+      for (size_t i = 0; i < kMaxAttach; ++i) {
+        uint32_t zero = 0;
+        if (h->attached[i].pid.compare_exchange_strong(zero, me.pid, std::memory_order_acq_rel)) {
+          h->attached[i].start.store(me.start, std::memory_order_release);
+          d->attach_slot_ = int(i);
+          break;
+        }
+      }
+      if (d->attach_slot_ < 0) SL_LOG_WARN("directory %s: more than %zu processes attached; this one is untracked", d->name_.c_str(), kMaxAttach);
+    } else {
+      return std::move(created).error();
+    }
+    break;
+  }
+  d->hdr_ = reinterpret_cast<DirHeader*>(d->seg_->data());
+  d->hashes_ = reinterpret_cast<std::atomic<uint64_t>*>(d->seg_->data() + hashes_offset());
+  d->entries_ = reinterpret_cast<Entry*>(d->seg_->data() + entries_offset(d->hdr_->n_entries));
+  d->attached_ = true;
+  auto removed = d->reap();  // start-up reclamation of what dead processes left
+  for (auto& r : removed) SL_LOG_INFO("reaped at attach: %s", r.c_str());
+  cache[cache_key] = d;
+  return d;
+}
+
+Result<std::shared_ptr<Directory>> Directory::open_admin(const std::string& shm_dir,
+                                                         const std::string& file_name) {
+  SL_ASSIGN(auto seg, Segment::open(shm_dir, file_name, true, false, sizeof(DirHeader)));
+  auto* h = reinterpret_cast<DirHeader*>(seg->data());
+  if (h->ready.load(std::memory_order_acquire) == 0 || h->magic != kDirMagic ||
+      h->version != kDirVersion || seg->size() < directory_bytes(h->n_entries))
+    return make_error(Errc::corrupt, "directory " + file_name + " is not initialized or foreign");
+  auto d = std::shared_ptr<Directory>(new Directory());
+  d->shm_dir_ = shm_dir;
+  d->name_ = file_name;
+  std::string pre = user_prefix();
+  d->ns_ = file_name.substr(pre.size(), file_name.size() - pre.size() - 4);
+  d->seg_ = seg;
+  d->hdr_ = h;
+  d->hashes_ = reinterpret_cast<std::atomic<uint64_t>*>(seg->data() + hashes_offset());
+  d->entries_ = reinterpret_cast<Entry*>(seg->data() + entries_offset(h->n_entries));
+  return d;
+}
+
+Directory::~Directory() { detach(); }
+
+void Directory::detach() {
+  if (!attached_) return;
+  attached_ = false;
+  if (attach_slot_ >= 0) hdr_->attached[attach_slot_].pid.store(0, std::memory_order_release);
+  if (drop_attach(hdr_)) {
+    // Last one out: every attached process is gone, so any arena still listed is orphaned.
+    for (size_t i = 0; i < kMaxArenas; ++i)
+      if (hdr_->arenas[i].state.load(std::memory_order_acquire) == 2) Segment::unlink(shm_dir_, hdr_->arenas[i].name);
+    Segment::unlink(shm_dir_, name_);
+  }
+}
+
+Result<Claim> Directory::reserve(std::string_view key, uint16_t rid_len, uint64_t hash) {
+  const uint32_t n = hdr_->n_entries, mask = n - 1;
+  const ProcId me = self_proc();
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    int64_t free_at = -1;
+    for (uint32_t i = 0; i < kProbe; ++i) {
+      uint32_t j = (uint32_t(hash) + i) & mask;
+      uint64_t h = hashes_[j].load(std::memory_order_acquire);
+      if (h == hash) {
+        Entry& e = entries_[j];
+        Ctl c = Ctl::unpack(e.ctl.load(std::memory_order_acquire));
+        if ((c.state == kReady || c.state == kWriting) && e.key_len == key.size() &&
+            std::memcmp(e.key, key.data(), key.size()) == 0)
+          return make_error(Errc::exists,
+                            "key '" + std::string(key) + "' is still in use (" +
+                                std::to_string(std::popcount(c.released)) + " of " +
+                                std::to_string(c.readers) + " readers done); reuse it after they finish or cleanup()");
+      } else if (h == 0 && free_at < 0) {
+        Ctl c = Ctl::unpack(entries_[j].ctl.load(std::memory_order_acquire));
+        if (c.state == kFree) free_at = j;
+      }
+    }
+    if (free_at < 0)
+      return make_error(Errc::exhausted, "directory " + name_ + " has no free entry near key '" +
+                                             std::string(key) + "' (" + std::to_string(n) +
+                                             " entries; raise max_entries or release readers)");
+    Entry& e = entries_[free_at];
+    uint64_t w = e.ctl.load(std::memory_order_acquire);
+    Ctl c = Ctl::unpack(w);
+    if (c.state != kFree) continue;
+    Ctl next{kWriting, 0, 0, 0, c.gen + 1};
+    if (!e.ctl.compare_exchange_strong(w, next.pack(), std::memory_order_acq_rel)) continue;
+    e.hash = hash;
+    e.owner_pid = me.pid;
+    e.owner_start = me.start;
+    e.key_len = uint16_t(key.size());
+    e.rid_len = rid_len;
+    std::memcpy(e.key, key.data(), key.size());
+    e.created_ns = mono_ns();
+    for (auto& r : e.readers) r.pid.store(0, std::memory_order_relaxed);
+    hashes_[free_at].store(hash, std::memory_order_release);
+    Claim cl;
+    cl.idx = uint32_t(free_at);
+    cl.gen = next.gen;
+    return cl;
+  }
+  return make_error(Errc::exhausted, "directory " + name_ + ": contention reserving key '" + std::string(key) + "'");
+}
+
+void Directory::publish(const Claim& c, uint8_t readers) {
+  Entry& e = entries_[c.idx];
+  e.arena = c.arena;
+  e.arena_gen = c.arena_gen;
+  e.offset = c.offset;
+  e.length = c.length;
+  Ctl next{kReady, readers, 0, 0, c.gen};
+  e.ctl.store(next.pack(), std::memory_order_release);
+  // seq_cst pairs with the waiter's seq_cst increment of publish_waiters (no lost wake-up).
+  hdr_->publish_seq.fetch_add(1, std::memory_order_seq_cst);
+  if (hdr_->publish_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->publish_seq);
+}
+
+void Directory::abandon(const Claim& c) { free_entry(c.idx, c.gen); }
+
+bool Directory::is_done(uint32_t idx, uint32_t gen) {
+  Ctl c = Ctl::unpack(entries_[idx].ctl.load(std::memory_order_acquire));
+  return c.gen == gen && c.state == kDone;
+}
+
+void Directory::free_entry(uint32_t idx, uint32_t gen) {
+  Entry& e = entries_[idx];
+  uint64_t w = e.ctl.load(std::memory_order_acquire);
+  for (;;) {
+    Ctl c = Ctl::unpack(w);
+    if (c.gen != gen || c.state == kFree) return;
+    hashes_[idx].store(0, std::memory_order_release);
+    Ctl next{kFree, 0, 0, 0, gen};
+    if (e.ctl.compare_exchange_weak(w, next.pack(), std::memory_order_acq_rel)) return;
+  }
+}
+
+bool Directory::cancel(uint32_t idx, uint32_t gen) {
+  Entry& e = entries_[idx];
+  uint64_t w = e.ctl.load(std::memory_order_acquire);
+  for (;;) {
+    Ctl c = Ctl::unpack(w);
+    if (c.gen != gen || c.state != kReady) return false;
+    Ctl next = c;
+    next.readers = c.claimed;
+    next.state = std::popcount(c.released) >= c.claimed ? kDone : kCancelled;
+    if (e.ctl.compare_exchange_weak(w, next.pack(), std::memory_order_acq_rel)) {
+      if (next.state == kDone) {
+        hdr_->release_seq.fetch_add(1, std::memory_order_seq_cst);
+        if (hdr_->release_waiters.load(std::memory_order_seq_cst)) futex_wake_all(&hdr_->release_seq);
+      }
+      return true;
+    }
+  }
+}
+
+Result<std::pair<uint32_t, uint32_t>> Directory::register_arena(const std::string& name, uint64_t size,
+                                                                 bool dedicated) {
+  if (name.size() >= sizeof(ArenaRec::name)) return make_error(Errc::invalid_argument, "arena name too long: " + name);
+  const ProcId me = self_proc();
+  for (uint32_t i = 0; i < kMaxArenas; ++i) {
+    ArenaRec& a = hdr_->arenas[i];
+    uint32_t zero = 0;
+    if (!a.state.compare_exchange_strong(zero, 1, std::memory_order_acq_rel)) continue;
+    a.owner_pid = me.pid;
+    a.owner_start = me.start;
+    a.size = size;
+    a.dedicated = dedicated;
+    a.created_ns = now_ns();
+    std::memset(a.name, 0, sizeof a.name);
+    std::memcpy(a.name, name.data(), name.size());
+    uint32_t gen = a.gen.fetch_add(1, std::memory_order_acq_rel) + 1;
+    a.state.store(2, std::memory_order_release);
+    return std::make_pair(i, gen);
+  }
+  return make_error(Errc::exhausted, "directory " + name_ + " tracks at most 256 arenas and segments; "
+                                     "close connectors or raise arena_bytes so fewer dedicated segments are needed");
+}
+
+void Directory::unregister_arena(uint32_t idx, uint32_t gen) {
+  ArenaRec& a = hdr_->arenas[idx];
+  if (a.gen.load(std::memory_order_acquire) != gen) return;
+  uint32_t live = 2;
+  a.state.compare_exchange_strong(live, 0, std::memory_order_acq_rel);
+}
+
+bool Directory::wait_release(uint32_t seen, uint64_t deadline_ns) {
+  hdr_->release_waiters.fetch_add(1, std::memory_order_seq_cst);
+  bool ok = true;
+  if (hdr_->release_seq.load(std::memory_order_seq_cst) == seen)
+    ok = futex_wait(&hdr_->release_seq, seen, deadline_ns);
+  hdr_->release_waiters.fetch_sub(1, std::memory_order_seq_cst);
+  return ok;
+}
+
+Result<Claim> Directory::claim(uint32_t idx, uint32_t gen, std::string_view key) {
+  if (idx >= hdr_->n_entries)
+    return make_error(Errc::corrupt, "metadata names entry " + std::to_string(idx) + " of a directory with " +
+                                         std::to_string(hdr_->n_entries));
+  Entry& e = entries_[idx];
+  uint64_t w = e.ctl.load(std::memory_order_acquire);
+  for (;;) {
+    Ctl c = Ctl::unpack(w);
+    if (c.gen != gen || (c.state != kReady))
+      return make_error(Errc::not_found, "entry of key '" + std::string(key) + "' is gone (consumed, cancelled or reclaimed)");
+    if (e.key_len != key.size() || std::memcmp(e.key, key.data(), key.size()) != 0)
+      return make_error(Errc::corrupt, "metadata points at an entry holding another key than '" + std::string(key) + "'");
+    if (c.claimed >= c.readers)
+      return make_error(Errc::not_found, "key '" + std::string(key) + "' was already read by all " +
+                                             std::to_string(c.readers) + " readers it was put for");
+    Ctl next = c;
+    next.claimed = c.claimed + 1;
+    if (e.ctl.compare_exchange_weak(w, next.pack(), std::memory_order_acq_rel)) {
+      const ProcId me = self_proc();
+      e.readers[c.claimed].start.store(me.start, std::memory_order_relaxed);
+      e.readers[c.claimed].pid.store(me.pid, std::memory_order_release);
+      Claim cl;
+      cl.idx = idx;
+      cl.gen = gen;
+      cl.slot = c.claimed;
+      cl.arena = e.arena;
+      cl.arena_gen = e.arena_gen;
+      cl.offset = e.offset;
+      cl.length = e.length;
+      return cl;
+    }
+  }
+}
+
+std::optional<Claim> Directory::try_claim_key(std::string_view key, uint64_t hash) {
+  const uint32_t mask = hdr_->n_entries - 1;
+  for (uint32_t i = 0; i < kProbe; ++i) {
+    uint32_t j = (uint32_t(hash) + i) & mask;
+    if (hashes_[j].load(std::memory_order_acquire) != hash) continue;
+    Ctl c = Ctl::unpack(entries_[j].ctl.load(std::memory_order_acquire));
+    if (c.state != kReady) continue;
+    auto r = claim(j, c.gen, key);
+    if (r.ok()) return r.value();
+  }
+  return std::nullopt;
+}
+
+Result<Claim> Directory::wait_claim_key(std::string_view key, uint64_t hash, uint64_t deadline_ns) {
+  for (int spin = 0;; ++spin) {
+    uint32_t seq = hdr_->publish_seq.load(std::memory_order_acquire);
+    if (auto c = try_claim_key(key, hash)) return *c;
+    if (deadline_ns == 0 || mono_ns() >= deadline_ns)
+      return make_error(deadline_ns == 0 ? Errc::not_found : Errc::timeout,
+                        "key '" + std::string(key) + "' was not published" +
+                            (deadline_ns == 0 ? std::string() : std::string(" before the deadline")));
+    if (spin < 64) {  // a short spin catches a publish that is microseconds away
+      for (int k = 0; k < 64 && hdr_->publish_seq.load(std::memory_order_acquire) == seq; ++k)
+        __builtin_ia32_pause();
+      continue;
+    }
+    hdr_->publish_waiters.fetch_add(1, std::memory_order_seq_cst);
+    if (hdr_->publish_seq.load(std::memory_order_seq_cst) == seq)
+      futex_wait(&hdr_->publish_seq, seq, deadline_ns);
+    hdr_->publish_waiters.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+void Directory::release(const Claim& cl) {
+  Entry& e = entries_[cl.idx];
+  uint64_t w = e.ctl.load(std::memory_order_acquire);
+  for (;;) {
+    Ctl c = Ctl::unpack(w);
+    if (c.gen != cl.gen || (c.state != kReady && c.state != kCancelled) || (c.released & (1u << cl.slot)))
+      return;  // reclaimed meanwhile (owner died, close) or already released: nothing to do
+    if (cl.slot < kMaxFanout) e.readers[cl.slot].pid.store(0, std::memory_order_relaxed);
+    Ctl next = c;
+    next.released = uint8_t(c.released | (1u << cl.slot));
+    if (std::popcount(next.released) >= next.readers) next.state = kDone;
+    if (e.ctl.compare_exchange_weak(w, next.pack(), std::memory_order_acq_rel)) {
+      if (next.state == kDone) {
+        hdr_->release_seq.fetch_add(1, std::memory_order_seq_cst);
+        if (hdr_->release_waiters.load(std::memory_order_seq_cst)) futex_wake_all(&hdr_->release_seq);
+      }
+      return;
+    }
+  }
+}
+
+Result<std::shared_ptr<Segment>> Directory::map_arena(uint32_t idx, uint32_t gen) {
+  if (idx >= kMaxArenas) return make_error(Errc::corrupt, "entry names arena " + std::to_string(idx));
+  ArenaRec& a = hdr_->arenas[idx];
+  if (a.state.load(std::memory_order_acquire) != 2 || a.gen.load(std::memory_order_acquire) != gen)
+    return make_error(Errc::not_found, "arena " + std::to_string(idx) + " is gone (its producer closed or died)");
+  std::string name(a.name, strnlen(a.name, sizeof a.name));
+  if (name.rfind(prefix(), 0) != 0 || name.find('/') != std::string::npos)
+    return make_error(Errc::corrupt, "arena name '" + name + "' is outside this namespace");
+  if (!a.dedicated) {
+    std::lock_guard<std::mutex> lock(map_mu_);
+    auto it = mapped_.find(idx);
+    if (it != mapped_.end() && it->second.gen == gen) return it->second.seg;
+  }
+  SL_ASSIGN(auto seg, Segment::open(shm_dir_, name, false, true, a.size));
+  if (!a.dedicated) {
+    std::lock_guard<std::mutex> lock(map_mu_);
+    mapped_[idx] = Mapped{gen, seg};
+  }
+  return seg;
+}
+
+size_t Directory::cancel_request(std::string_view rid) {
+  size_t n = 0;
+  for (uint32_t j = 0; j < hdr_->n_entries; ++j) {
+    if (hashes_[j].load(std::memory_order_acquire) == 0) continue;
+    Entry& e = entries_[j];
+    Ctl c = Ctl::unpack(e.ctl.load(std::memory_order_acquire));
+    if (c.state != kReady) continue;
+    if (!rid_matches(std::string_view(e.key, std::min<size_t>(e.rid_len, kKeyMax)), rid)) continue;
+    if (cancel(j, c.gen)) ++n;
+  }
+  return n;
+}
+
+std::vector<std::string> Directory::reap() {
+  std::vector<std::string> out;
+  std::map<std::pair<uint32_t, uint64_t>, bool> alive;
+  auto is_alive = [&](uint32_t pid, uint64_t start) {
+    auto k = std::make_pair(pid, start);
+    auto it = alive.find(k);
+    if (it != alive.end()) return it->second;
+    bool a = proc_alive(ProcId{pid, start});
+    alive[k] = a;
+    return a;
+  };
+  for (size_t i = 0; i < kMaxAttach; ++i) {
+    uint32_t pid = hdr_->attached[i].pid.load(std::memory_order_acquire);
+    if (!pid || is_alive(pid, hdr_->attached[i].start.load(std::memory_order_acquire))) continue;
+    if (hdr_->attached[i].pid.compare_exchange_strong(pid, 0, std::memory_order_acq_rel)) {
+      out.push_back("attachment of dead process " + std::to_string(pid) + " to " + name_);
+      if (drop_attach(hdr_)) Segment::unlink(shm_dir_, name_);
+    }
+  }
+  for (uint32_t j = 0; j < hdr_->n_entries; ++j) {
+    Entry& e = entries_[j];
+    uint64_t w = e.ctl.load(std::memory_order_acquire);
+    Ctl c = Ctl::unpack(w);
+    if (c.state == kFree) continue;
+    if (!is_alive(e.owner_pid, e.owner_start)) {
+      hashes_[j].store(0, std::memory_order_release);
+      Ctl next{kFree, 0, 0, 0, c.gen + 1};
+      if (e.ctl.compare_exchange_strong(w, next.pack(), std::memory_order_acq_rel))
+        out.push_back("entry '" + std::string(e.key, std::min<size_t>(e.key_len, kKeyMax)) +
+                      "' of dead producer " + std::to_string(e.owner_pid));
+      continue;
+    }
+    if (c.state != kReady && c.state != kCancelled) continue;
+    for (uint32_t s = 0; s < c.claimed && s < kMaxFanout; ++s) {
+      if (c.released & (1u << s)) continue;
+      uint32_t pid = e.readers[s].pid.load(std::memory_order_acquire);
+      if (pid && !is_alive(pid, e.readers[s].start.load(std::memory_order_acquire))) {
+        Claim cl;
+        cl.idx = j;
+        cl.gen = c.gen;
+        cl.slot = s;
+        release(cl);
+        out.push_back("read of '" + std::string(e.key, std::min<size_t>(e.key_len, kKeyMax)) +
+                      "' by dead reader " + std::to_string(pid));
+      }
+    }
+  }
+  for (uint32_t i = 0; i < kMaxArenas; ++i) {
+    ArenaRec& a = hdr_->arenas[i];
+    if (a.state.load(std::memory_order_acquire) != 2 || is_alive(a.owner_pid, a.owner_start)) continue;
+    uint32_t live = 2;
+    if (a.state.compare_exchange_strong(live, 0, std::memory_order_acq_rel)) {
+      std::string name(a.name, strnlen(a.name, sizeof a.name));
+      Segment::unlink(shm_dir_, name);
+      out.push_back("segment " + name + " of dead process " + std::to_string(a.owner_pid));
+    }
+  }
+  return out;
+}
+
+size_t Directory::live_entries() {
+  size_t n = 0;
+  for (uint32_t j = 0; j < hdr_->n_entries; ++j)
+    if (Ctl::unpack(entries_[j].ctl.load(std::memory_order_acquire)).state != kFree) ++n;
+  return n;
+}
+
+uint32_t Directory::attached_count() {
+  uint32_t w = hdr_->attach_word.load(std::memory_order_acquire);
+  return (w & kDying) ? 0 : w;
+}
+
+}  // namespace stagelink::shm

@@ -1,0 +1,175 @@
+// The shared directory of one namespace: a segment every stagelink process of a user attaches to.
+// It holds the key index (open addressing, bounded probe window), the table of arenas, the list of
+// attached processes, and the futex words that wake waiting getters and waiting producers.
+//
+// Entry life cycle, all transitions by CAS on one 64-bit control word:
+//   FREE -> WRITING (producer reserved) -> READY (published) -> DONE (every reader released)
+//   READY -> CANCELLED (cleanup/TTL; readers already claimed may still release) -> DONE
+//   DONE -> FREE (the owning producer returned the memory; or a reaper, the owner being dead)
+// A generation counter in the control word makes every stale reference (metadata, a lease held
+// past a reap) fail its CAS instead of touching a reused entry.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/proc.hpp"
+#include "shm/segment.hpp"
+#include "stagelink/result.hpp"
+#include "stagelink/shm.hpp"
+
+namespace stagelink::shm {
+
+inline constexpr uint32_t kDirMagic = 0x52444c53;  // "SLDR"
+inline constexpr uint32_t kDirVersion = 1;
+inline constexpr size_t kMaxAttach = 256;
+inline constexpr size_t kMaxArenas = 256;
+inline constexpr size_t kKeyMax = 232;
+inline constexpr uint32_t kMaxFanout = 8;
+inline constexpr uint32_t kProbe = 64;
+inline constexpr uint32_t kDying = 1u << 31;
+
+enum EntryState : uint8_t { kFree = 0, kWriting = 1, kReady = 2, kCancelled = 3, kDone = 4 };
+
+struct Ctl {
+  uint8_t state, readers, claimed, released;  // released: bitmask by claim index
+  uint32_t gen;
+  static Ctl unpack(uint64_t w) {
+    return Ctl{uint8_t(w), uint8_t(w >> 8), uint8_t(w >> 16), uint8_t(w >> 24), uint32_t(w >> 32)};
+  }
+  uint64_t pack() const {
+    return uint64_t(state) | uint64_t(readers) << 8 | uint64_t(claimed) << 16 |
+           uint64_t(released) << 24 | uint64_t(gen) << 32;
+  }
+};
+
+struct AttachSlot {
+  std::atomic<uint32_t> pid;
+  std::atomic<uint64_t> start;
+};
+
+struct alignas(64) ArenaRec {
+  std::atomic<uint32_t> state;  // 0 free, 1 claimed, 2 live
+  std::atomic<uint32_t> gen;
+  uint32_t owner_pid;
+  uint32_t dedicated;
+  uint64_t owner_start;
+  uint64_t size;
+  uint64_t created_ns;  // realtime
+  char name[96];
+};
+
+struct alignas(64) Entry {
+  std::atomic<uint64_t> ctl;
+  uint64_t hash;
+  uint32_t owner_pid;
+  uint32_t arena;
+  uint64_t owner_start;
+  uint32_t arena_gen;
+  uint16_t key_len, rid_len;
+  uint64_t offset, length;
+  uint64_t created_ns;  // monotonic
+  struct Reader {
+    std::atomic<uint32_t> pid;
+    std::atomic<uint64_t> start;
+  } readers[kMaxFanout];
+  char key[kKeyMax];
+};
+
+struct DirHeader {
+  uint32_t magic, version;
+  std::atomic<uint32_t> ready;
+  uint32_t n_entries;
+  uint64_t total_size;
+  uint64_t created_ns;
+  alignas(64) std::atomic<uint32_t> attach_word;  // kDying | count
+  alignas(64) std::atomic<uint32_t> publish_seq;
+  std::atomic<uint32_t> publish_waiters;
+  alignas(64) std::atomic<uint32_t> release_seq;
+  std::atomic<uint32_t> release_waiters;
+  alignas(64) AttachSlot attached[kMaxAttach];
+  ArenaRec arenas[kMaxArenas];
+};
+
+// A reader's hold on an entry.
+struct Claim {
+  uint32_t idx = 0, gen = 0, slot = 0;
+  uint32_t arena = 0, arena_gen = 0;
+  uint64_t offset = 0, length = 0;
+};
+
+uint64_t key_hash(std::string_view key);
+bool rid_matches(std::string_view put_key, std::string_view request_id);
+
+class Directory {
+ public:
+  // Attach to (creating if needed) the directory of namespace `ns` under `shm_dir`. One attachment
+  // per process and namespace is shared by every connector.
+  static Result<std::shared_ptr<Directory>> attach(const std::string& shm_dir, const std::string& ns,
+                                                   uint32_t n_entries);
+  // Open an existing directory file without attaching (administration: ls, reap).
+  static Result<std::shared_ptr<Directory>> open_admin(const std::string& shm_dir,
+                                                       const std::string& file_name);
+  ~Directory();
+
+  const std::string& ns() const { return ns_; }
+  const std::string& shm_dir() const { return shm_dir_; }
+  const std::string& file_name() const { return name_; }
+  std::string prefix() const;  // "sl.<uid>.<ns>." for arenas of this namespace
+  uint32_t n_entries() const { return hdr_->n_entries; }
+  Entry& entry(uint32_t i) { return entries_[i]; }
+  ArenaRec& arena(uint32_t i) { return hdr_->arenas[i]; }
+  DirHeader& header() { return *hdr_; }
+
+  // Producer side.
+  Result<Claim> reserve(std::string_view key, uint16_t rid_len, uint64_t hash);  // -> WRITING
+  void publish(const Claim& c, uint8_t readers);                               // -> READY
+  void abandon(const Claim& c);                                                // WRITING -> FREE
+  bool is_done(uint32_t idx, uint32_t gen);
+  void free_entry(uint32_t idx, uint32_t gen);  // DONE/any of ours -> FREE
+  bool cancel(uint32_t idx, uint32_t gen);      // READY -> CANCELLED (or DONE)
+  Result<std::pair<uint32_t, uint32_t>> register_arena(const std::string& name, uint64_t size,
+                                                       bool dedicated);
+  void unregister_arena(uint32_t idx, uint32_t gen);
+  uint32_t release_seq() { return hdr_->release_seq.load(std::memory_order_acquire); }
+  bool wait_release(uint32_t seen, uint64_t deadline_ns);
+
+  // Reader side.
+  std::optional<Claim> try_claim_key(std::string_view key, uint64_t hash);
+  Result<Claim> claim(uint32_t idx, uint32_t gen, std::string_view key);
+  Result<Claim> wait_claim_key(std::string_view key, uint64_t hash, uint64_t deadline_ns);
+  void release(const Claim& c);
+  // Map an arena for reading (cached per process unless dedicated).
+  Result<std::shared_ptr<Segment>> map_arena(uint32_t idx, uint32_t gen);
+
+  // Cancel every entry whose put key matches request_id. Returns the count.
+  size_t cancel_request(std::string_view request_id);
+  // Reclaim what dead processes hold in this directory. Returns what was removed.
+  std::vector<std::string> reap();
+  size_t live_entries();
+  uint32_t attached_count();
+
+ private:
+  Directory() = default;
+  void detach();
+  void finish_reader_release(uint32_t idx);
+  bool attached_ = false;
+  int attach_slot_ = -1;
+  std::string shm_dir_, ns_, name_;
+  std::shared_ptr<Segment> seg_;
+  DirHeader* hdr_ = nullptr;
+  std::atomic<uint64_t>* hashes_ = nullptr;  // hash of each non-free entry, 0 when free
+  Entry* entries_ = nullptr;
+  std::mutex map_mu_;
+  struct Mapped { uint32_t gen; std::shared_ptr<Segment> seg; };
+  std::unordered_map<uint32_t, Mapped> mapped_;
+};
+
+size_t directory_bytes(uint32_t n_entries);
+
+}  // namespace stagelink::shm

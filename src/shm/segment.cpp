@@ -1,0 +1,92 @@
+#include "shm/segment.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace stagelink::shm {
+
+static std::string path_of(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+
+Result<std::shared_ptr<Segment>> Segment::create(const std::string& dir, const std::string& name,
+                                                 size_t size, bool populate) {
+  std::string path = path_of(dir, name);
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    if (errno == EEXIST) return make_error(Errc::exists, "shared-memory segment " + path + " exists");
+    return make_error(Errc::io, "create " + path + ": " + std::strerror(errno));
+  }
+  if (size > 0) {
+    int rc = ::posix_fallocate(fd, 0, off_t(size));
+    if (rc != 0) {
+      ::close(fd);
+      ::unlink(path.c_str());
+      if (rc == ENOSPC)
+        return make_error(Errc::exhausted, "no space in " + dir + " for a segment of " +
+                                               std::to_string(size) + " bytes (" + name + ")");
+      return make_error(Errc::io, "reserve " + std::to_string(size) + " bytes for " + path + ": " +
+                                      std::strerror(rc));
+    }
+  }
+  auto seg = std::shared_ptr<Segment>(new Segment());
+  seg->name_ = name;
+  seg->size_ = size;
+  if (size > 0) {
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | (populate ? MAP_POPULATE : 0),
+                     fd, 0);
+    if (p == MAP_FAILED) {
+      int e = errno;
+      ::close(fd);
+      ::unlink(path.c_str());
+      return make_error(Errc::io, "mmap " + path + ": " + std::strerror(e));
+    }
+    seg->base_ = static_cast<std::byte*>(p);
+  }
+  ::close(fd);
+  return seg;
+}
+
+Result<std::shared_ptr<Segment>> Segment::open(const std::string& dir, const std::string& name,
+                                               bool writable, bool populate, size_t min_size) {
+  std::string path = path_of(dir, name);
+  int fd = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    if (errno == ENOENT) return make_error(Errc::not_found, "shared-memory segment " + path + " does not exist");
+    return make_error(Errc::io, "open " + path + ": " + std::strerror(errno));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    return make_error(Errc::io, "stat " + path + ": " + std::strerror(e));
+  }
+  if (size_t(st.st_size) < min_size || (min_size == 0 && st.st_size == 0)) {
+    ::close(fd);
+    return make_error(Errc::corrupt, "segment " + path + " has " + std::to_string(st.st_size) +
+                                         " bytes, expected at least " + std::to_string(min_size));
+  }
+  auto seg = std::shared_ptr<Segment>(new Segment());
+  seg->name_ = name;
+  seg->size_ = size_t(st.st_size);
+  void* p = ::mmap(nullptr, seg->size_, PROT_READ | (writable ? PROT_WRITE : 0),
+                   MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
+  int e = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) return make_error(Errc::io, "mmap " + path + ": " + std::strerror(e));
+  seg->base_ = static_cast<std::byte*>(p);
+  return seg;
+}
+
+bool Segment::unlink(const std::string& dir, const std::string& name) {
+  return ::unlink(path_of(dir, name).c_str()) == 0;
+}
+
+Segment::~Segment() {
+  if (base_) ::munmap(base_, size_);
+}
+
+}  // namespace stagelink::shm
