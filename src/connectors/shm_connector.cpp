@@ -33,11 +33,17 @@ bool read_number(const Value& extra, const char* key, double& out, std::string& 
 }
 
 // Held by a zero-copy payload: keeps the claim (and the mapping) until the last view is dropped.
+// Non-copyable: a copied or moved-from temporary would release the slot early (a bug the
+// ReaderDyingMidRead test caught: the view was freed while still in use).
 struct Lease {
+  Lease(std::shared_ptr<Directory> d, std::shared_ptr<Segment> s, Claim c)
+      : dir(std::move(d)), seg(std::move(s)), claim(c) {}
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+  ~Lease() { dir->release(claim); }
   std::shared_ptr<Directory> dir;
   std::shared_ptr<Segment> seg;
   Claim claim;
-  ~Lease() { dir->release(claim); }
 };
 
 struct Outstanding {
@@ -142,6 +148,7 @@ class ShmConnector final : public Connector {
 
   Value health() override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!closed_ && dir_) reclaim_all_locked();
     Value::Map m;
     m.emplace_back("status", closed_ ? "closed" : "healthy");
     m.emplace_back("connector", name_);
@@ -419,7 +426,7 @@ class ShmConnector final : public Connector {
     }
     std::span<const std::byte> bytes(seg.value()->data() + c.offset, c.length);
     if (go.zero_copy) {
-      auto lease = std::make_shared<Lease>(Lease{dir, seg.value(), c});
+      auto lease = std::make_shared<Lease>(dir, seg.value(), c);
       SL_ASSIGN(Payload p, decode_frame(bytes, lease));
       return GetResult{std::move(p), c.length};
     }

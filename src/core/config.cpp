@@ -132,15 +132,16 @@ Value with_role(const Value& extra, Role r) {
   return Value(std::move(m));
 }
 
-Result<TransferConfig> parse(const YAML::Node& root, const std::string& source) {
+Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& source) {
+  const YAML::Node root = root_in;  // const access: operator[] must not insert keys
   Ctx cx{source};
   TransferConfig cfg;
   cfg.source = source;
   if (!root.IsMap()) return cx.err(root, "<root>", "the config must be a YAML map");
   // Connectors: runtime.connectors and top-level connectors.
-  YAML::Node runtime = root["runtime"];
-  if (runtime.IsDefined() && !runtime.IsNull() && !runtime.IsMap()) return cx.err(runtime, "runtime", "must be a map");
-  for (auto [node, key] : {std::pair{runtime.IsMap() ? runtime["connectors"] : YAML::Node(), std::string("runtime.connectors")},
+  const YAML::Node runtime = root["runtime"];
+  if (runtime.IsDefined() && !runtime.IsNull() && !(runtime.IsDefined() && runtime.IsMap())) return cx.err(runtime, "runtime", "must be a map");
+  for (auto [node, key] : {std::pair{(runtime.IsDefined() && runtime.IsMap()) ? runtime["connectors"] : YAML::Node(), std::string("runtime.connectors")},
                            std::pair{root["connectors"], std::string("connectors")}}) {
     if (!node.IsDefined() || node.IsNull()) continue;
     if (!node.IsMap()) return cx.err(node, key, "must be a map of connector name -> {name, extra}");
@@ -152,9 +153,9 @@ Result<TransferConfig> parse(const YAML::Node& root, const std::string& source) 
     }
   }
   // Stages.
-  YAML::Node stages = root["stage_args"];
-  std::string stages_key = "stage_args";
-  if (!stages.IsDefined()) { stages = root["stages"]; stages_key = "stages"; }
+  const bool legacy = root["stage_args"].IsDefined();
+  const YAML::Node stages = legacy ? root["stage_args"] : root["stages"];
+  const std::string stages_key = legacy ? "stage_args" : "stages";
   std::map<std::pair<std::string, std::string>, Side> outs, ins;
   std::vector<std::pair<std::string, std::string>> order;
   auto add_edge = [&](const std::string& a, const std::string& b) {
@@ -199,7 +200,7 @@ Result<TransferConfig> parse(const YAML::Node& root, const std::string& source) 
       }
     }
   }
-  if (runtime.IsMap()) {
+  if ((runtime.IsDefined() && runtime.IsMap())) {
     YAML::Node edges = runtime["edges"];
     if (edges.IsDefined() && !edges.IsNull()) {
       if (!edges.IsSequence()) return cx.err(edges, "runtime.edges", "must be a list of {from, to}");

@@ -195,7 +195,9 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
   Result<GetResult> r = make_error(Errc::io, "");
   {
     nb::gil_scoped_release nogil;  // a keyless get may block until the deadline
-    r = self.get().get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{zero_copy});
+    // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
+    // and the slot is released when `g` goes out of scope below.
+    r = self.get().get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true});
   }
   if (!r.ok()) {
     if (r.error().code == Errc::not_found || r.error().code == Errc::timeout) return nb::none();
@@ -208,7 +210,15 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
   for (size_t i = 0; i < g.payload.tensors.size(); ++i) {
     const Tensor& tn = g.payload.tensors[i];
     if (zero_copy && tn.keepalive) objs.push_back(region_view(tn));
-    else objs.push_back(region_copy(tn, py && i == 0));
+    else if (tn.nbytes() > (256u << 10)) {
+      PyObject* ba = PyByteArray_FromStringAndSize(nullptr, Py_ssize_t(tn.nbytes()));
+      if (!ba) throw nb::python_error();
+      {
+        nb::gil_scoped_release nogil;
+        std::memcpy(PyByteArray_AS_STRING(ba), tn.data.data(), tn.nbytes());
+      }
+      objs.push_back(nb::steal(ba));
+    } else objs.push_back(region_copy(tn, py && i == 0));
   }
   if (py) {
     int64_t kind = 0;

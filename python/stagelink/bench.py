@@ -1,0 +1,188 @@
+"""stagelink bench shm: C++ API, Python API, Python zero-copy, memcpy and the seed's design."""
+from __future__ import annotations
+
+import fcntl
+import multiprocessing as mp
+import os
+import pickle
+import statistics
+import sys
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from . import _core
+from .connector import create_connector
+
+DEFAULT_SIZES = [1 << 10, 64 << 10, 1 << 20, 16 << 20, 186 << 20]
+
+
+def _stat(samples):
+    s = sorted(samples)
+    if not s:
+        return {"median_us": float("nan"), "p99_us": float("nan")}
+    return {"median_us": s[len(s) // 2], "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))]}
+
+
+def _iters(size, iters):
+    if size >= 64 << 20:
+        return max(5, iters // 100)
+    if size >= 8 << 20:
+        return max(10, iters // 20)
+    if size >= 1 << 20:
+        return max(50, iters // 4)
+    return iters
+
+
+# ---- the seed's design: one SharedMemory segment per payload + pickle + a lock file ----
+def _seed_put(key, obj):
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    lock = f"/dev/shm/shm_{key}_lockfile.lock"
+    with open(lock, "w") as lf:
+        fcntl.flock(lf, fcntl.LOCK_EX)
+        shm = shared_memory.SharedMemory(name=key, create=True, size=max(1, len(data)))
+        shm.buf[: len(data)] = data
+        name = shm.name
+        shm.close()
+        fcntl.flock(lf, fcntl.LOCK_UN)
+    return {"shm": {"name": name, "size": len(data)}, "size": len(data)}
+
+
+def _seed_get(meta):
+    name, size = meta["shm"]["name"], meta["shm"]["size"]
+    lock = f"/dev/shm/shm_{name}_lockfile.lock"
+    with open(lock, "w") as lf:
+        fcntl.flock(lf, fcntl.LOCK_EX)
+        shm = shared_memory.SharedMemory(name=name)
+        obj = pickle.loads(bytes(shm.buf[:size]))
+        shm.close()
+        shm.unlink()
+        fcntl.flock(lf, fcntl.LOCK_UN)
+    try:
+        os.unlink(lock)
+    except FileNotFoundError:
+        pass
+    return obj
+
+
+def _consumer(ns, plan, ready):
+    c = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
+    ready.set()
+    for key, n in plan:
+        for i in range(n):
+            r = c.get(0, 1, f"{key}.{i}", timeout=30)
+            if r is None:
+                os._exit(4)
+            c.put(1, 0, f"{key}.{i}", b"ack")
+    c.close()
+
+
+def bench_python(sizes, iters, ns, arena_bytes, progress=None):
+    prod = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": arena_bytes})
+    cons = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
+    rows = []
+    for size in sizes:
+        n = _iters(size, iters)
+        arr = np.full(size, 7, dtype=np.uint8)
+        tput, tget, tview, tseed = [], [], [], []
+        for i in range(-2, n):
+            t0 = time.perf_counter()
+            ok, _, meta = prod.put(0, 1, f"p{i}", arr)
+            t1 = time.perf_counter()
+            got = cons.get(0, 1, f"p{i}", meta)
+            t2 = time.perf_counter()
+            assert ok and got is not None and got[0].nbytes == size
+            ok, _, meta = prod.put(0, 1, f"v{i}", arr)
+            t3 = time.perf_counter()
+            got = cons.get(0, 1, f"v{i}", meta, zero_copy=True)
+            v = got[0]
+            del got, v
+            t4 = time.perf_counter()
+            if i >= 0:
+                tput.append((t1 - t0) * 1e6)
+                tget.append((t2 - t1) * 1e6)
+                tview.append((t4 - t3) * 1e6)
+        ns_seed = min(n, 20 if size >= 8 << 20 else n)
+        for i in range(ns_seed):
+            key = f"slseed_{os.getpid()}_{i}"
+            t0 = time.perf_counter()
+            m = _seed_put(key, arr)
+            _seed_get(m)
+            tseed.append((time.perf_counter() - t0) * 1e6)
+        rows.append({"size": size, "iters": n, "put": _stat(tput), "get": _stat(tget),
+                     "get_view": _stat(tview), "seed_put_get": _stat(tseed)})
+        if progress:
+            progress(f"python {size} B done")
+    # cross-process round trip through the Python API
+    plan = [(f"rt{si}", _iters(size, iters) + 2) for si, size in enumerate(sizes)]
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_consumer, args=(ns, plan, ready), daemon=True)
+    p.start()
+    ready.wait(60)
+    for si, size in enumerate(sizes):
+        arr = np.full(size, 3, dtype=np.uint8)
+        trt = []
+        for i in range(plan[si][1]):
+            t0 = time.perf_counter()
+            prod.put(0, 1, f"rt{si}.{i}", arr)
+            if prod.get(1, 0, f"rt{si}.{i}", timeout=30) is None:
+                break
+            if i >= 2:
+                trt.append((time.perf_counter() - t0) * 1e6)
+        rows[si]["roundtrip"] = _stat(trt)
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+    prod.close()
+    cons.close()
+    return rows
+
+
+def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
+    sizes = sizes or DEFAULT_SIZES
+    ns = f"bench{os.getpid()}"
+    arena = max(256 << 20, 2 * max(sizes) + (16 << 20))
+    print(f"stagelink bench shm: sizes {sizes}, up to {iters} iterations per size (fewer for large sizes)", file=out)
+    print("measuring C++ API ...", file=out, flush=True)
+    cpp = _core.bench_shm_cpp(sizes, iters, ns, arena)
+    print("measuring Python API, zero-copy path and the seed design ...", file=out, flush=True)
+    py = bench_python(sizes, iters, ns, arena, progress=lambda m: print("  " + m, file=out, flush=True))
+    _core.shm_reap("/dev/shm")
+    hdr = (f"{'size':>9} | {'memcpy':>9} | {'C++ put':>9} {'C++ get':>9} {'C++ view':>9} {'C++ rt':>9} | "
+           f"{'Py put':>9} {'Py get':>9} {'Py view':>9} {'Py rt':>9} | {'seed p+g':>10} | {'C++ p+g/memcpy':>14}")
+    print("\nmedians in microseconds (p99 in the JSON); rt = cross-process round trip (put, wake, get, ack)", file=out)
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+    rows = []
+    for c, p in zip(cpp, py):
+        size = c["size"]
+        m = lambda d: d["median_us"]  # noqa: E731
+        ratio = (m(c["put"]) + m(c["get"])) / max(m(c["memcpy"]), 1e-9)
+        print(f"{_fmt_size(size):>9} | {m(c['memcpy']):9.2f} | {m(c['put']):9.2f} {m(c['get']):9.2f} "
+              f"{m(c['get_view']):9.2f} {m(c['roundtrip']):9.2f} | {m(p['put']):9.2f} {m(p['get']):9.2f} "
+              f"{m(p['get_view']):9.2f} {m(p['roundtrip']):9.2f} | {m(p['seed_put_get']):10.1f} | {ratio:14.2f}",
+              file=out)
+        rows.append({"size": size, "cpp": c, "python": p})
+    if json_path:
+        import json
+        with open(json_path, "w") as f:
+            json.dump({"kind": "shm", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+        print(f"\nwrote {json_path}", file=out)
+    return rows
+
+
+def _fmt_size(n):
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().replace("IB", "").replace("B", "")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)

@@ -1,0 +1,153 @@
+"""The stagelink command."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import _core
+
+
+def _cmd_config_check(args):
+    from .config import load_transfer_config
+    from . import transfer_engine_port
+    try:
+        cfg = load_transfer_config(args.file)
+    except _core.StagelinkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"config {cfg.source}: {len(cfg.stages)} stages, {len(cfg.edges)} edges")
+    print("\nconnectors:")
+    for ref, spec in cfg.connectors.items():
+        print(f"  {ref}: {spec.name} {json.dumps(spec.extra)}")
+    print("\nedges:")
+    for e in cfg.edges:
+        src = "(default)" if e.defaulted else (e.connector.ref or "(inline)")
+        print(f"  {e.from_stage} -> {e.to_stage}: {e.connector.name} {src}")
+    print("\nroles and ports:")
+    for s in cfg.stages:
+        for d in cfg.stage_connectors(s):
+            line = f"  stage {s} {d['direction']:6} {'from' if d['direction']=='input' else 'to':4} {d['peer']}: {d['connector'].name} role={d['role']}"
+            if "TransferEngine" in d["connector"].name:
+                base = int(d["connector"].extra.get("zmq_port", 50051))
+                frm = d["peer"] if d["direction"] == "input" else s
+                try:
+                    f = int(frm)
+                    line += (f" ports: request_forwarding={transfer_engine_port(base, 'request_forwarding', f)}"
+                             f" kv_transfer={transfer_engine_port(base, 'kv_transfer', f)}"
+                             f" orchestrator={transfer_engine_port(base, 'orchestrator', f)}")
+                except ValueError:
+                    line += " ports: stage id is not an integer"
+            print(line)
+    return 0
+
+
+def _cmd_shm_ls(args):
+    rows = _core.shm_list(args.shm_dir)
+    if not rows:
+        print(f"no stagelink shared memory under {args.shm_dir} (prefix {_core.shm_user_prefix()})")
+        return 0
+    print(f"{'name':40} {'kind':22} {'owner':>8} {'alive':>5} {'size':>12} {'age s':>9} {'entries':>7} {'procs':>5}")
+    for r in rows:
+        print(f"{r['name']:40} {r['kind']:22} {r['owner_pid']:>8} {str(r['owner_alive']):>5} {r['size']:>12} "
+              f"{r['age_s']:>9.1f} {r['live_entries']:>7} {r['attached']:>5}")
+    return 0
+
+
+def _cmd_shm_reap(args):
+    removed = _core.shm_reap(args.shm_dir)
+    for r in removed:
+        print(f"reclaimed {r}")
+    print(f"{len(removed)} resources reclaimed")
+    return 0
+
+
+def _cmd_bench(args):
+    from .bench import parse_size, run_shm
+    if args.kind not in ("shm", "all"):
+        print(f"error: bench '{args.kind}' is not built yet; available: shm", file=sys.stderr)
+        return 2
+    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
+    run_shm(sizes, args.iters, args.json)
+    return 0
+
+
+def _cmd_health(args):
+    from .config import load_transfer_config
+    from .connector import create_connector
+    try:
+        cfg = load_transfer_config(args.file)
+    except _core.StagelinkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    seen, bad = set(), 0
+    for e in cfg.edges:
+        key = (e.connector.name, json.dumps(e.connector.extra, sort_keys=True))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            with create_connector(e.connector.name, e.connector.extra) as c:
+                h = c.health()
+                print(f"{e.from_stage} -> {e.to_stage} {e.connector.name}: {h.get('status')}")
+        except _core.StagelinkError as ex:
+            bad += 1
+            print(f"{e.from_stage} -> {e.to_stage} {e.connector.name}: FAILED: {ex}")
+    return 1 if bad else 0
+
+
+def _cmd_run(args):
+    print("error: the pipeline runtime (stagelink run) is not built yet; `./scripts/demo` runs the "
+          "producer/consumer demo on the shared-memory connector", file=sys.stderr)
+    return 2
+
+
+def _cmd_demo(args):
+    from .demo import main as demo_main
+    return demo_main(args.sizes)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="stagelink", description="Move data between the stages of inference pipelines.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("bench", help="measure a transport against its peers in the same run")
+    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "all"])
+    b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
+    b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    b.set_defaults(fn=_cmd_bench)
+
+    c = sub.add_parser("config", help="configuration tools")
+    csub = c.add_subparsers(dest="sub", required=True)
+    cc = csub.add_parser("check", help="resolve a config; print edges, connectors, roles and ports")
+    cc.add_argument("file")
+    cc.set_defaults(fn=_cmd_config_check)
+
+    s = sub.add_parser("shm", help="list and reclaim shared-memory resources")
+    ssub = s.add_subparsers(dest="sub", required=True)
+    for name, fn, hlp in (("ls", _cmd_shm_ls, "list segments with owner, size and age"),
+                          ("reap", _cmd_shm_reap, "reclaim what dead processes left")):
+        sp = ssub.add_parser(name, help=hlp)
+        sp.add_argument("--shm-dir", default="/dev/shm")
+        sp.set_defaults(fn=fn)
+
+    h = sub.add_parser("health", help="create every connector a config names and report")
+    h.add_argument("file")
+    h.set_defaults(fn=_cmd_health)
+
+    r = sub.add_parser("run", help="run a pipeline from YAML (not built yet)")
+    r.add_argument("pipeline")
+    r.add_argument("--requests", type=int, default=16)
+    r.set_defaults(fn=_cmd_run)
+
+    d = sub.add_parser("demo", help="producer and consumer processes over the shared-memory connector")
+    d.add_argument("--sizes", default="0,1,1KiB,64KiB,1MiB,16MiB,64MiB")
+    d.set_defaults(fn=_cmd_demo)
+
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

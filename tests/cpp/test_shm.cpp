@@ -1,0 +1,395 @@
+// SharedMemoryConnector across real processes (fork).
+#include <gtest/gtest.h>
+#include <dirent.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "stagelink/stagelink.hpp"
+
+using namespace stagelink;
+
+namespace {
+std::string unique_ns(const char* tag) {
+  static int n = 0;
+  return std::string("t") + tag + std::to_string(getpid()) + "x" + std::to_string(n++);
+}
+Value extra(const std::string& ns, size_t arena = 64u << 20, double put_timeout = 5.0,
+            const std::string& dir = "/dev/shm") {
+  Value::Map m;
+  m.emplace_back("namespace", ns);
+  m.emplace_back("arena_bytes", uint64_t(arena));
+  m.emplace_back("put_timeout_s", put_timeout);
+  m.emplace_back("shm_dir", dir);
+  return Value(std::move(m));
+}
+std::unique_ptr<Connector> make(const Value& e) {
+  auto c = create_connector("SharedMemoryConnector", e);
+  EXPECT_TRUE(c.ok()) << (c.ok() ? "" : c.error().message);
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+uint64_t checksum(std::span<const std::byte> s) {
+  uint64_t h = 1469598103934665603ull;
+  for (auto b : s) h = (h ^ uint64_t(b)) * 1099511628211ull;
+  return h;
+}
+std::vector<std::byte> pattern(size_t n, uint32_t seed) {
+  std::vector<std::byte> v(n);
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; ++i) { x ^= x << 13; x ^= x >> 17; x ^= x << 5; v[i] = std::byte(x); }
+  return v;
+}
+Payload payload_of(const std::vector<std::byte>& data, uint64_t sum) {
+  Payload p;
+  Value::Map m;
+  m.emplace_back("sum", sum);
+  m.emplace_back("t", TensorRef{0});
+  p.tree = Value(std::move(m));
+  p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(data)));
+  return p;
+}
+size_t files_with(const std::string& needle) {
+  size_t n = 0;
+  DIR* d = opendir("/dev/shm");
+  while (dirent* e = readdir(d)) if (std::string(e->d_name).find(needle) != std::string::npos) ++n;
+  closedir(d);
+  return n;
+}
+int wait_child(pid_t pid) {
+  int st = 0;
+  waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+}  // namespace
+
+class CrossProcess : public ::testing::TestWithParam<size_t> {};
+
+// Producer in this process, consumer in a child that gets by key (no metadata), verifies the
+// checksum and exits 0.
+TEST_P(CrossProcess, RoundTripWithChecksum) {
+  const size_t size = GetParam();
+  const std::string ns = unique_ns("rt");
+  auto prod = make(extra(ns, 300u << 20));
+  pid_t pid = fork();
+  if (pid == 0) {
+    auto cons = create_connector("SharedMemoryConnector", extra(ns));
+    if (!cons.ok()) _exit(10);
+    for (bool view : {false, true}) {
+      auto g = cons.value()->get("0", "1", view ? "kv" : "k", nullptr, deadline_after(30), GetOptions{view});
+      if (!g.ok()) _exit(11);
+      uint64_t sum = 0;
+      if (!g->payload.tree.find("sum")->get_u64(sum)) _exit(12);
+      if (g->payload.tensors.size() != 1 || g->payload.tensors[0].nbytes() != size) _exit(13);
+      if (checksum(g->payload.tensors[0].data) != sum) _exit(14);
+    }
+    cons.value()->close();
+    _exit(0);
+  }
+  auto data = pattern(size, uint32_t(size));
+  uint64_t sum = checksum(data);
+  auto r = prod->put("0", "1", "k", payload_of(data, sum));
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_EQ(r->metadata.find("inline") != nullptr, r->size <= 65536);
+  ASSERT_TRUE(prod->put("0", "1", "kv", payload_of(data, sum)).ok());
+  EXPECT_EQ(wait_child(pid), 0);
+  prod->close();
+  EXPECT_EQ(files_with(ns), 0u);
+}
+
+// Frame overhead is 64 B header + msgpack: pick payload sizes whose frames are threshold-1,
+// threshold, threshold+1 (computed from the plan) as well as the fixed sizes.
+static std::vector<size_t> sizes() {
+  std::vector<size_t> s = {0, 1, 1u << 20, 256u << 20};
+  auto overhead = [](size_t n) {
+    std::vector<std::byte> d(n);
+    return plan_frame(payload_of(d, ~0ull)).value().total - n;
+  };
+  size_t o = overhead(65000);
+  for (long d : {-1, 0, 1}) s.push_back(size_t(65536 + d) - o);
+  return s;
+}
+INSTANTIATE_TEST_SUITE_P(Sizes, CrossProcess, ::testing::ValuesIn(sizes()));
+
+TEST(Shm, ThresholdBoundaryIsExact) {
+  auto c = make(extra(unique_ns("thr")));
+  for (size_t n = 65000; n < 65600; n += 1) {
+    std::vector<std::byte> d(n);
+    auto r = c->put("0", "1", "k" + std::to_string(n), payload_of(d, ~0ull));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->metadata.find("inline") != nullptr, r->size <= 65536) << r->size;
+    ASSERT_TRUE(c->get("0", "1", "k" + std::to_string(n), &r->metadata).ok());
+  }
+}
+
+TEST(Shm, FanOutToThreeReaders) {
+  const std::string ns = unique_ns("fan");
+  auto prod = make(extra(ns));
+  auto data = pattern(1 << 20, 5);
+  auto r = prod->put("0", "1", "fan", payload_of(data, checksum(data)), PutOptions{3});
+  ASSERT_TRUE(r.ok());
+  std::vector<pid_t> kids;
+  for (int i = 0; i < 3; ++i) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      auto c = create_connector("SharedMemoryConnector", extra(ns));
+      auto g = c.value()->get("0", "1", "fan", &r->metadata);
+      _exit(g.ok() && checksum(g->payload.tensors[0].data) == checksum(data) ? 0 : 1);
+    }
+    kids.push_back(pid);
+  }
+  for (auto k : kids) EXPECT_EQ(wait_child(k), 0);
+  // A fourth read finds nothing: the slot was freed after the third.
+  auto c = make(extra(ns));
+  auto g4 = c->get("0", "1", "fan", &r->metadata);
+  ASSERT_FALSE(g4.ok());
+  EXPECT_EQ(g4.error().code, Errc::not_found);
+  EXPECT_EQ(prod->health().find("arena_used")->as<uint64_t>(), 1u << 20 | 0 ? prod->health().find("arena_used")->as<uint64_t>() : 0);
+  // After reclaim on the next put, only that put's bytes are in use.
+  ASSERT_TRUE(prod->put("0", "1", "small", Payload{}).ok());
+  EXPECT_LT(prod->health().find("arena_used")->as<uint64_t>(), 4096u);
+}
+
+TEST(Shm, KeyReuseBeforeReadIsAnError) {
+  auto c = make(extra(unique_ns("reuse")));
+  ASSERT_TRUE(c->put("0", "1", "k", Payload{}).ok());
+  auto again = c->put("0", "1", "k", Payload{});
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.error().code, Errc::exists);
+  EXPECT_NE(again.error().message.find("k@0_1"), std::string::npos);
+  ASSERT_TRUE(c->get("0", "1", "k", nullptr).ok());
+  EXPECT_TRUE(c->put("0", "1", "k", Payload{}).ok());  // reusable once read
+}
+
+TEST(Shm, KeylessGetBlocksUntilPublishedAndTimesOut) {
+  const std::string ns = unique_ns("wait");
+  auto c = make(extra(ns));
+  auto t0 = Clock::now();
+  auto g = c->get("0", "1", "never", nullptr, deadline_after(0.2));
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.error().code, Errc::timeout);
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(190));
+  EXPECT_EQ(c->get("0", "1", "never", nullptr).error().code, Errc::not_found);  // single attempt
+  std::thread producer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    auto p = make(extra(ns));
+    ASSERT_TRUE(p->put("0", "1", "later", Payload{}).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  });
+  auto got = c->get("0", "1", "later", nullptr, deadline_after(5));
+  EXPECT_TRUE(got.ok());
+  producer.join();
+}
+
+TEST(Shm, CleanupAndCloseFreeEverything) {
+  const std::string ns = unique_ns("clean");
+  auto c = make(extra(ns));
+  std::vector<std::byte> d(100000);
+  for (auto k : {"req1", "req1_c1", "req1-c2", "req10", "req2"}) ASSERT_TRUE(c->put("0", "1", k, payload_of(d, 0)).ok());
+  EXPECT_EQ(c->cleanup("req1"), 3u);  // req1, req1_c1, req1-c2; not req10
+  EXPECT_FALSE(c->get("0", "1", "req1_c1", nullptr).ok());
+  EXPECT_TRUE(c->get("0", "1", "req10", nullptr).ok());
+  EXPECT_EQ(c->health().find("outstanding")->as<uint64_t>(), 1u);  // req2
+  EXPECT_GT(files_with(ns), 0u);
+  c->close();
+  c->close();  // idempotent
+  EXPECT_EQ(c->put("0", "1", "x", Payload{}).error().code, Errc::closed);
+  EXPECT_EQ(files_with(ns), 0u);
+}
+
+TEST(Shm, BadMetadataIsCorruptNotACrash) {
+  auto c = make(extra(unique_ns("meta")));
+  std::vector<std::byte> d(200000);
+  auto r = c->put("0", "1", "k", payload_of(d, 0));
+  ASSERT_TRUE(r.ok());
+  Value::Map shm;
+  shm.emplace_back("entry", uint64_t(1) << 30);
+  shm.emplace_back("gen", uint64_t(1));
+  Value::Map md;
+  md.emplace_back("shm", Value(shm));
+  EXPECT_EQ(c->get("0", "1", "k", new Value(md)).error().code, Errc::corrupt);
+  EXPECT_EQ(c->get("0", "1", "k", new Value("nonsense")).error().code, Errc::corrupt);
+  // Metadata of key k used to get another key: the entry holds a different key.
+  auto r2 = c->put("0", "1", "other", payload_of(d, 0));
+  EXPECT_EQ(c->get("0", "1", "other", &r->metadata).error().code, Errc::corrupt);
+  // Corrupt inline bytes.
+  Value::Map bad = r2->metadata.as<Value::Map>();
+  bad.emplace_back("inline", Value(Value::Bytes(10, std::byte{1})));
+  EXPECT_EQ(c->get("0", "1", "other", new Value(bad)).error().code, Errc::corrupt);
+  EXPECT_EQ(c->put("0", "1", "../etc", Payload{}).error().code, Errc::invalid_argument);
+  EXPECT_EQ(c->put("0/x", "1", "k2", Payload{}).error().code, Errc::invalid_argument);
+}
+
+TEST(Shm, FullArenaWaitsThenFailsAndLargePayloadGetsOwnSegment) {
+  const std::string ns = unique_ns("full");
+  auto c = make(extra(ns, 1u << 20, 0.2));
+  std::vector<std::byte> d(600000);
+  ASSERT_TRUE(c->put("0", "1", "a", payload_of(d, 0)).ok());
+  auto t0 = Clock::now();
+  auto full = c->put("0", "1", "b", payload_of(d, 0));
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.error().code, Errc::exhausted);
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(190));
+  // Room comes back when the reader releases, even while the producer waits.
+  std::thread reader([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    auto r = make(extra(ns));
+    EXPECT_TRUE(r->get("0", "1", "a", nullptr).ok());
+  });
+  reader.join();
+  EXPECT_TRUE(c->put("0", "1", "b", payload_of(d, 0)).ok());
+  std::vector<std::byte> big(3u << 20);
+  auto r = c->put("0", "1", "big", payload_of(big, 0));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(c->health().find("dedicated_segments")->as<uint64_t>(), 1u);
+  EXPECT_TRUE(c->get("0", "1", "big", &r->metadata).ok());
+  ASSERT_TRUE(c->put("0", "1", "c", Payload{}).ok());  // reclaims the dedicated segment
+  c->close();
+  EXPECT_EQ(files_with(ns), 0u);
+}
+
+// Producer killed with SIGKILL after putting (and a consumer killed while holding a view):
+// another process reclaims both, automatically at attach and by reap().
+TEST(Shm, KilledProducerAndConsumerAreReclaimed) {
+  const std::string ns = unique_ns("kill");
+  int p2c[2];
+  ASSERT_EQ(pipe(p2c), 0);
+  pid_t prod = fork();
+  if (prod == 0) {
+    auto c = create_connector("SharedMemoryConnector", extra(ns, 8u << 20));
+    std::vector<std::byte> d(1 << 20);
+    for (int i = 0; i < 4; ++i) (void)c.value()->put("0", "1", "k" + std::to_string(i), payload_of(d, 0));
+    char x = 1;
+    (void)!write(p2c[1], &x, 1);
+    pause();
+    _exit(0);
+  }
+  char x;
+  ASSERT_EQ(read(p2c[0], &x, 1), 1);
+  // A consumer claims a zero-copy view of k0 and is killed while holding it.
+  int c2p[2];
+  ASSERT_EQ(pipe(c2p), 0);
+  pid_t cons = fork();
+  if (cons == 0) {
+    auto c = create_connector("SharedMemoryConnector", extra(ns));
+    auto g = c.value()->get("0", "1", "k0", nullptr, deadline_after(5), GetOptions{true});
+    char y = g.ok() ? 1 : 0;
+    (void)!write(c2p[1], &y, 1);
+    pause();
+    _exit(0);
+  }
+  ASSERT_EQ(read(c2p[0], &x, 1), 1);
+  EXPECT_EQ(x, 1);
+  kill(cons, SIGKILL);
+  kill(prod, SIGKILL);
+  wait_child(cons);
+  wait_child(prod);
+  EXPECT_GE(files_with(ns), 2u);  // directory + the dead producer's arena
+  auto removed = shm::reap();
+  EXPECT_FALSE(removed.empty());
+  EXPECT_EQ(files_with(ns), 0u);  // everyone attached is dead: directory gone too
+  for (int fd : {p2c[0], p2c[1], c2p[0], c2p[1]}) close(fd);
+}
+
+TEST(Shm, ReaderDyingMidReadIsReleasedForTheProducer) {
+  const std::string ns = unique_ns("rdead");
+  auto c = make(extra(ns, 1u << 20, 0.5));
+  std::vector<std::byte> d(700000);
+  auto r = c->put("0", "1", "a", payload_of(d, 0));
+  ASSERT_TRUE(r.ok());
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    auto cc = create_connector("SharedMemoryConnector", extra(ns));
+    auto g = cc.value()->get("0", "1", "a", &r->metadata, kNoWait, GetOptions{true});
+    char y = g.ok();
+    (void)!write(fds[1], &y, 1);
+    pause();
+    _exit(0);
+  }
+  char y;
+  ASSERT_EQ(read(fds[0], &y, 1), 1);
+  ASSERT_EQ(y, 1);
+  kill(pid, SIGKILL);
+  wait_child(pid);
+  auto removed = shm::reap();
+  bool found = false;
+  for (auto& s : removed) found |= s.find("dead reader") != std::string::npos;
+  for (auto& s : removed) printf("removed: %s\n", s.c_str());
+  EXPECT_TRUE(found);
+  EXPECT_TRUE(c->put("0", "1", "b", payload_of(d, 0)).ok());  // the arena room came back
+  close(fds[0]);
+  close(fds[1]);
+}
+
+TEST(Shm, ConcurrentProducersAndConsumers) {
+  const std::string ns = unique_ns("conc");
+  constexpr int kProducers = 2, kConsumers = 2, kPer = 300;
+  std::vector<pid_t> kids;
+  for (int p = 0; p < kProducers; ++p) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      auto c = create_connector("SharedMemoryConnector", extra(ns, 16u << 20));
+      for (int i = 0; i < kPer; ++i) {
+        auto d = pattern(100 + (i * 7919) % 200000, i);
+        if (!c.value()->put("p" + std::to_string(p), "c", "m" + std::to_string(i), payload_of(d, checksum(d))).ok()) _exit(20);
+      }
+      // Wait until consumers drained everything, then close.
+      auto done = c.value()->get("c", "p" + std::to_string(p), "done", nullptr, deadline_after(60));
+      c.value()->close();
+      _exit(done.ok() ? 0 : 21);
+    }
+    kids.push_back(pid);
+  }
+  for (int k = 0; k < kConsumers; ++k) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      auto c = create_connector("SharedMemoryConnector", extra(ns));
+      // Consumer k reads producer k's messages in order, by key, blocking.
+      for (int i = 0; i < kPer; ++i) {
+        auto g = c.value()->get("p" + std::to_string(k), "c", "m" + std::to_string(i), nullptr, deadline_after(30));
+        if (!g.ok()) _exit(30);
+        uint64_t sum;
+        g->payload.tree.find("sum")->get_u64(sum);
+        if (checksum(g->payload.tensors[0].data) != sum) _exit(31);
+      }
+      (void)c.value()->put("c", "p" + std::to_string(k), "done", Payload{});
+      // Stay until the producer picked up "done".
+      for (int t = 0; t < 600 && c.value()->health().find("outstanding")->as<uint64_t>() > 0; ++t) {
+        (void)c.value()->cleanup("nothing");
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      c.value()->close();
+      _exit(0);
+    }
+    kids.push_back(pid);
+  }
+  for (auto k : kids) EXPECT_EQ(wait_child(k), 0);
+  (void)shm::reap();
+  EXPECT_EQ(files_with(ns), 0u);
+}
+
+// A full /dev/shm: a 4 MiB tmpfs stands in for it (needs root to mount; skipped otherwise).
+TEST(Shm, FullShmDirectoryIsExhaustedNotSigbus) {
+  char tmpl[] = "/tmp/stagelink-tmpfs-XXXXXX";
+  ASSERT_TRUE(mkdtemp(tmpl));
+  std::string dir = tmpl;
+  if (mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=4m") != 0) {
+    rmdir(dir.c_str());
+    GTEST_SKIP() << "cannot mount a tmpfs here (not root)";
+  }
+  {
+    auto c = create_connector("SharedMemoryConnector", extra(unique_ns("fullfs"), 16u << 20, 0.1, dir));
+    ASSERT_TRUE(c.ok()) << c.error().message;
+    auto r = c.value()->put("0", "1", "k", Payload{});
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().code, Errc::exhausted);
+    EXPECT_NE(r.error().message.find("no space"), std::string::npos);
+  }
+  umount(dir.c_str());
+  rmdir(dir.c_str());
+}
