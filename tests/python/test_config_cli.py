@@ -1,0 +1,87 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+import stagelink
+
+BIN = os.path.join(os.path.dirname(sys.executable), "stagelink")
+
+SEED_MOONCAKE = """
+runtime:
+  connectors:
+    connector_of_mooncake:
+      name: MooncakeStoreConnector
+      extra:
+        host: "127.0.0.1"
+        metadata_server: "http://127.0.0.1:8080/metadata"
+        master: "127.0.0.1:50051"
+        segment: 512000000
+        localbuf: 64000000
+        proto: "tcp"
+stage_args:
+- stage_id: 0
+  output_connectors:
+    to_stage_1: connector_of_mooncake
+- stage_id: 1
+  input_connectors:
+    from_stage_0: connector_of_mooncake
+- stage_id: 2
+  engine_input_source: [1]
+"""
+
+
+def test_seed_yaml_loads_and_fills_defaults(tmp_path):
+    f = tmp_path / "stages.yaml"
+    f.write_text(SEED_MOONCAKE)
+    cfg = stagelink.load_transfer_config(f)
+    assert [(e.from_stage, e.to_stage) for e in cfg.edges] == [("0", "1"), ("1", "2")]
+    spec = cfg.connector_for_edge(0, 1)
+    assert spec.name == "MooncakeStoreConnector" and spec.extra["segment"] == 512000000
+    assert cfg.connector_for_edge(1, 2).name == "SharedMemoryConnector"
+    roles = {d["direction"]: d["role"] for d in cfg.stage_connectors(1)}
+    assert roles == {"input": "receiver", "output": "sender"}
+    assert cfg.stage_connectors(0)[0]["connector"].extra["role"] == "sender"
+
+
+def test_dict_input_and_errors(tmp_path):
+    cfg = stagelink.load_transfer_config({"stages": [{"stage_id": "a", "output_connectors": {"to_stage_b": {"name": "SharedMemoryConnector"}}}]})
+    assert cfg.connector_for_edge("a", "b").name == "SharedMemoryConnector"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stage_args:\n  - stage_id: 0\n    output_connectors: {to_stage_1: missing_ref}\n")
+    with pytest.raises(stagelink.InvalidArgumentError, match=r"bad.yaml:3.*to_stage_1.*missing_ref"):
+        stagelink.load_transfer_config(bad)
+    with pytest.raises(stagelink.NotFoundError):
+        stagelink.load_transfer_config(tmp_path / "absent.yaml")
+    assert stagelink.transfer_engine_port(50051, "kv_transfer", 0, dp_index=1, tp_size=2, tp_rank=1) == 50154
+
+
+def test_cli_config_check_and_help(tmp_path):
+    f = tmp_path / "te.yaml"
+    f.write_text("""
+runtime:
+  connectors:
+    rdma: {name: MooncakeTransferEngineConnector, extra: {zmq_port: 50051, protocol: tcp}}
+stage_args:
+  - {stage_id: 0, output_connectors: {to_stage_1: rdma}}
+  - {stage_id: 1, input_connectors: {from_stage_0: rdma}}
+""")
+    out = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True, check=True).stdout
+    assert "0 -> 1: MooncakeTransferEngineConnector rdma" in out
+    assert "role=sender" in out and "role=receiver" in out and "kv_transfer=50151" in out
+    h = subprocess.run([BIN, "--help"], capture_output=True, text=True, check=True).stdout
+    for cmd in ("bench", "config", "shm", "health", "run"):
+        assert cmd in h
+    bad = subprocess.run([BIN, "config", "check", str(tmp_path / "nope.yaml")], capture_output=True, text=True)
+    assert bad.returncode == 1 and "cannot read" in bad.stderr
+
+
+def test_cli_shm_ls_and_reap(ns):
+    c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
+    assert c.put(0, 1, "k", b"x" * 100000)[0]
+    out = subprocess.run([BIN, "shm", "ls"], capture_output=True, text=True, check=True).stdout
+    assert f"{ns}.dir" in out and "arena" in out
+    c.close()
+    out = subprocess.run([BIN, "shm", "reap"], capture_output=True, text=True, check=True).stdout
+    assert "resources reclaimed" in out

@@ -1,0 +1,247 @@
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import stagelink
+
+THR = 65536
+
+
+def shm(ns, **kw):
+    extra = {"namespace": ns, "arena_bytes": 320 << 20}
+    extra.update(kw)
+    return stagelink.create_connector("SharedMemoryConnector", extra)
+
+
+def _consumer(ns, n, q):
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        for i in range(n):
+            got = c.get(0, 1, f"k{i}", timeout=30)
+            if got is None:
+                q.put(("missing", i))
+                continue
+            data, size = got
+            q.put((i, hashlib.sha256(np.ascontiguousarray(data["x"]).tobytes()).hexdigest(), data["i"], size))
+
+
+SIZES = [0, 1, THR - 1, THR, THR + 1, 1 << 20, 256 << 20]
+
+
+def test_cross_process_round_trips_with_checksums(ns):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_consumer, args=(ns, len(SIZES), q))
+    p.start()
+    digests = {}
+    with shm(ns) as c:
+        for i, n in enumerate(SIZES):
+            arr = np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8)
+            digests[i] = hashlib.sha256(arr.tobytes()).hexdigest()
+            ok, size, meta = c.put(0, 1, f"k{i}", {"x": arr, "i": i})
+            assert ok, c.last_error
+            assert size >= n
+        for _ in SIZES:
+            item = q.get(timeout=120)
+            assert item[0] != "missing", item
+            i, digest, echoed, _size = item
+            assert digest == digests[i] and echoed == i
+        p.join(60)
+    assert p.exitcode == 0
+
+
+def test_inline_threshold_in_metadata(ns):
+    with shm(ns) as c:
+        ok, size, meta = c.put(0, 1, "small", b"x" * 1000)
+        assert ok and "inline" in meta and meta["size"] == size
+        assert c.get(0, 1, "small", meta) == (b"x" * 1000, size)
+        ok, size, meta = c.put(0, 1, "big", b"x" * (THR + 10))
+        assert ok and "inline" not in meta and meta["shm"]["name"].startswith(f"sl.{os.getuid()}.{ns}.")
+
+
+def test_types_round_trip(ns):
+    with shm(ns) as c:
+        cases = {
+            "bytes": b"abc" * 1000,
+            "bytearray": bytearray(b"z" * 5000),
+            "array": np.arange(12, dtype=np.float32).reshape(3, 4),
+            "scalar_array": np.array(3.5),
+            "tree": {"a": [1, 2.5, "s", None], "h": np.ones((2, 3), np.float16), "b": b"\x00\x01"},
+            "noncontig": np.arange(100, dtype=np.int64)[::3],
+        }
+        for k, v in cases.items():
+            ok, _, meta = c.put("enc", "llm", k, v)
+            assert ok, (k, c.last_error)
+            got, _ = c.get("enc", "llm", k, meta)
+            if isinstance(v, np.ndarray):
+                assert got.dtype == v.dtype and np.array_equal(got, v)
+            elif isinstance(v, dict):
+                assert got["a"] == v["a"] and np.array_equal(got["h"], v["h"]) and got["b"] == v["b"]
+            else:
+                assert bytes(got) == bytes(v)
+
+
+def test_torch_tensors_come_back_as_torch():
+    torch = pytest.importorskip("torch")
+    ns = "pytorch" + str(os.getpid())
+    with shm(ns) as c:
+        t = torch.randn(64, 32).to(torch.bfloat16)
+        ok, _, meta = c.put(0, 1, "t", {"hidden": t, "codes": torch.arange(25, dtype=torch.int32)})
+        assert ok, c.last_error
+        got, _ = c.get(0, 1, "t", meta)
+        assert isinstance(got["hidden"], torch.Tensor) and got["hidden"].dtype == torch.bfloat16
+        assert torch.equal(got["hidden"], t) and torch.equal(got["codes"], torch.arange(25, dtype=torch.int32))
+        ok, _, meta = c.put(0, 1, "v", t.float())
+        view, _ = c.get(0, 1, "v", meta, zero_copy=True)
+        assert torch.equal(view, t.float())
+        del view
+
+
+def test_zero_copy_view_holds_slot_until_dropped(ns):
+    with shm(ns, arena_bytes=4 << 20, put_timeout_s=0.2) as c, shm(ns) as r:
+        arr = np.full(3 << 20, 9, np.uint8)
+        ok, _, meta = c.put(0, 1, "a", arr)
+        view, _ = r.get(0, 1, "a", meta, zero_copy=True)
+        assert not view.flags.writeable and view[123] == 9
+        ok, _, _ = c.put(0, 1, "b", arr)  # arena still held by the view
+        assert not ok and isinstance(c.last_error, stagelink.ExhaustedError)
+        del view
+        ok, _, _ = c.put(0, 1, "b", arr)
+        assert ok, c.last_error
+        assert r.get(0, 1, "b") is not None
+
+
+def test_loan_writes_in_place(ns):
+    with shm(ns) as c:
+        loan = c.loan((256, 1024), np.float32)
+        loan.array[:] = 1.5
+        ok, size, meta = c.put(0, 1, "loaned", loan)
+        assert ok and loan.published
+        got, _ = c.get(0, 1, "loaned", meta)
+        assert got.shape == (256, 1024) and got.dtype == np.float32 and float(got.sum()) == 1.5 * 256 * 1024
+
+
+def _reader(ns, meta, q):
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        got = c.get(0, 1, "fan", meta)
+        q.put(None if got is None else int(got[0].sum()))
+
+
+def test_fan_out_three_readers(ns):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with shm(ns) as c:
+        arr = np.ones(1 << 20, np.uint8)
+        ok, _, meta = c.put(0, 1, "fan", arr, readers=3)
+        assert ok
+        procs = [ctx.Process(target=_reader, args=(ns, meta, q)) for _ in range(3)]
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        assert results == [1 << 20] * 3
+        assert c.get(0, 1, "fan", meta) is None  # a fourth read finds nothing
+        assert c.health()["outstanding"] == 0
+
+
+def test_keyless_get_waits_and_times_out(ns):
+    with shm(ns) as c:
+        t0 = time.monotonic()
+        assert c.get(0, 1, "never", timeout=0.3) is None
+        assert 0.28 <= time.monotonic() - t0 < 3
+        assert c.get(0, 1, "never") is None  # no timeout: one attempt
+
+
+def test_cleanup_close_and_context_manager(ns):
+    c = shm(ns)
+    for k in ("req-7", "req-7_chunk1", "req-70"):
+        assert c.put(0, 1, k, b"x" * 100000)[0]
+    assert c.cleanup("req-7") == 2
+    assert c.get(0, 1, "req-7_chunk1") is None
+    assert c.get(0, 1, "req-70") is not None
+    c.close()
+    c.close()
+    assert c.closed
+    with pytest.raises(stagelink.ClosedError):
+        c.put(0, 1, "x", b"1") if c.strict else c._c.put_parts("0", "1", "x", 1, [b"1"], None, None, 0)
+
+
+def test_bad_input_is_a_clear_error(ns):
+    with shm(ns) as c:
+        ok, _, _ = c.put(0, 1, "../etc/passwd", b"x")
+        assert not ok and isinstance(c.last_error, stagelink.InvalidArgumentError) and ".." in str(c.last_error)
+        assert c.put(0, 1, "k", b"x")[0]
+        ok, _, _ = c.put(0, 1, "k", b"y")
+        assert not ok and isinstance(c.last_error, stagelink.KeyInUseError)
+        assert c.get(0, 1, "k", {"shm": {"entry": 10**9, "gen": 1}}) is None
+        assert isinstance(c.last_error, stagelink.CorruptError)
+        assert c.get(0, 1, "k", {"nonsense": True}) is None
+    strict = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "strict": True})
+    with strict, pytest.raises(stagelink.InvalidArgumentError):
+        strict.put(0, 1, "a/b", b"x")
+    with pytest.raises(stagelink.NotFoundError):
+        stagelink.create_connector("NoSuchConnector")
+    with pytest.raises(stagelink.UnsupportedError, match="not built yet"):
+        stagelink.create_connector("MooncakeStoreConnector", {"host": "127.0.0.1"})
+    with pytest.raises(stagelink.InvalidArgumentError):
+        stagelink.create_connector("SharedMemoryConnector", {"namespace": "bad/ns"})
+
+
+PRODUCER_SCRIPT = """
+import sys, time, stagelink
+c = stagelink.create_connector("SharedMemoryConnector", {"namespace": sys.argv[1], "arena_bytes": 8 << 20})
+for i in range(3):
+    assert c.put(0, 1, f"k{i}", b"x" * 200000)[0]
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigkilled_producer_is_reclaimed(ns):
+    p = subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, ns], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    assert any(f".{ns}." in f for f in os.listdir("/dev/shm"))
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    # A new process attaching reclaims automatically...
+    with shm(ns) as c:
+        assert c.get(0, 1, "k0") is None
+        assert c.health()["directory_live_entries"] == 0
+    # ...and `stagelink shm reap` handles what is left when nobody attaches.
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagelink"), "shm", "reap"], check=True,
+                   capture_output=True)
+
+
+def _hammer(ns, who, n, q):
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 16 << 20}) as c:
+        bad = 0
+        for i in range(n):
+            ok, _, _ = c.put(f"p{who}", "sink", f"m{i}", np.full(1000 + i, i % 251, np.uint8))
+            bad += not ok
+        got = 0
+        for i in range(n):
+            r = c.get(f"p{1 - who}", "sink", f"m{i}", timeout=30)
+            got += r is not None and int(r[0][0]) == i % 251 and r[0].size == 1000 + i
+        q.put((bad, got))
+        c.get("done", f"p{who}", "x", timeout=5)  # linger so the peer can read everything
+        time.sleep(0.5)
+
+
+def test_concurrent_producers_and_consumers(ns):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    n = 200
+    ps = [ctx.Process(target=_hammer, args=(ns, w, n, q)) for w in (0, 1)]
+    for p in ps:
+        p.start()
+    res = [q.get(timeout=120) for _ in ps]
+    for p in ps:
+        p.join(60)
+    assert res == [(0, n), (0, n)]
