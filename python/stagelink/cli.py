@@ -8,13 +8,20 @@ import sys
 from . import _core
 
 
-def _cmd_config_check(args):
+def _load_config(path):
+    """The resolved config, or None after printing the error."""
     from .config import load_transfer_config
-    from . import transfer_engine_port
     try:
-        cfg = load_transfer_config(args.file)
+        return load_transfer_config(path)
     except _core.StagelinkError as e:
         print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def _cmd_config_check(args):
+    from . import transfer_engine_port
+    cfg = _load_config(args.file)
+    if cfg is None:
         return 1
     print(f"config {cfg.source}: {len(cfg.stages)} stages, {len(cfg.edges)} edges")
     print("\nconnectors:")
@@ -73,12 +80,9 @@ def _cmd_bench(args):
 
 
 def _cmd_health(args):
-    from .config import load_transfer_config
     from .connector import create_connector
-    try:
-        cfg = load_transfer_config(args.file)
-    except _core.StagelinkError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = _load_config(args.file)
+    if cfg is None:
         return 1
     seen, bad = set(), 0
     for e in cfg.edges:
