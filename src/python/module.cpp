@@ -112,12 +112,21 @@ nb::object region_view(const Tensor& t) {
       reinterpret_cast<const uint8_t*>(t.data.data()), 1, shape, owner));
 }
 
+// Copies of regions larger than this release the GIL around the memcpy.
+constexpr size_t kGilReleaseBytes = 256u << 10;
+
 nb::object region_copy(const Tensor& t, bool as_bytes) {
-  if (as_bytes) return nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(t.data.data()), Py_ssize_t(t.nbytes())));
-  PyObject* ba = PyByteArray_FromStringAndSize(nullptr, Py_ssize_t(t.nbytes()));
-  if (!ba) throw nb::python_error();
-  if (t.nbytes()) std::memcpy(PyByteArray_AS_STRING(ba), t.data.data(), t.nbytes());
-  return nb::steal(ba);
+  const Py_ssize_t n = Py_ssize_t(t.nbytes());
+  PyObject* o = as_bytes ? PyBytes_FromStringAndSize(nullptr, n) : PyByteArray_FromStringAndSize(nullptr, n);
+  if (!o) throw nb::python_error();
+  char* dst = as_bytes ? PyBytes_AS_STRING(o) : PyByteArray_AS_STRING(o);
+  if (t.nbytes() > kGilReleaseBytes) {
+    nb::gil_scoped_release nogil;
+    std::memcpy(dst, t.data.data(), t.nbytes());
+  } else if (n) {
+    std::memcpy(dst, t.data.data(), t.nbytes());
+  }
+  return nb::steal(o);
 }
 
 struct PyLoan {
@@ -173,12 +182,13 @@ nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std
   tree.emplace_back("py", int64_t(kind));
   tree.emplace_back("r", Value(std::move(refs)));
   p.tree = Value(std::move(tree));
+  Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<PutResult> r = make_error(Errc::io, "");
-  if (total > (256u << 10)) {
+  if (total > kGilReleaseBytes) {
     nb::gil_scoped_release nogil;
-    r = self.get().put(f, t, key, p, PutOptions{readers});
+    r = conn.put(f, t, key, p, PutOptions{readers});
   } else {
-    r = self.get().put(f, t, key, p, PutOptions{readers});
+    r = conn.put(f, t, key, p, PutOptions{readers});
   }
   PutResult pr = unwrap(std::move(r));
   return nb::make_tuple(pr.size, to_py(pr.metadata));
@@ -192,12 +202,13 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
   if (has_md) md = from_py(metadata);
   Deadline dl = kNoWait;
   if (!timeout.is_none()) dl = deadline_after(std::max(0.0, nb::cast<double>(timeout)));
+  Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<GetResult> r = make_error(Errc::io, "");
   {
     nb::gil_scoped_release nogil;  // a keyless get may block until the deadline
     // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
     // and the slot is released when `g` goes out of scope below.
-    r = self.get().get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true});
+    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true});
   }
   if (!r.ok()) {
     if (r.error().code == Errc::not_found || r.error().code == Errc::timeout) return nb::none();
@@ -210,15 +221,7 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
   for (size_t i = 0; i < g.payload.tensors.size(); ++i) {
     const Tensor& tn = g.payload.tensors[i];
     if (zero_copy && tn.keepalive) objs.push_back(region_view(tn));
-    else if (tn.nbytes() > (256u << 10)) {
-      PyObject* ba = PyByteArray_FromStringAndSize(nullptr, Py_ssize_t(tn.nbytes()));
-      if (!ba) throw nb::python_error();
-      {
-        nb::gil_scoped_release nogil;
-        std::memcpy(PyByteArray_AS_STRING(ba), tn.data.data(), tn.nbytes());
-      }
-      objs.push_back(nb::steal(ba));
-    } else objs.push_back(region_copy(tn, py && i == 0));
+    else objs.push_back(region_copy(tn, py && i == 0));
   }
   if (py) {
     int64_t kind = 0;

@@ -169,8 +169,11 @@ def test_cleanup_close_and_context_manager(ns):
     c.close()
     c.close()
     assert c.closed
-    with pytest.raises(stagelink.ClosedError):
-        c.put(0, 1, "x", b"1") if c.strict else c._c.put_parts("0", "1", "x", 1, [b"1"], None, None, 0)
+    # Regression: these raised ClosedError without the GIL held and crashed the interpreter.
+    assert c.put(0, 1, "x", b"1") == (False, 0, None)
+    assert isinstance(c.last_error, stagelink.ClosedError)
+    assert c.put(0, 1, "x", b"1" * (1 << 20)) == (False, 0, None)  # the GIL-free large-put path
+    assert c.get(0, 1, "req-70") is None and isinstance(c.last_error, stagelink.ClosedError)
 
 
 def test_bad_input_is_a_clear_error(ns):
@@ -204,19 +207,33 @@ time.sleep(60)
 """
 
 
-def test_sigkilled_producer_is_reclaimed(ns):
+def _start_and_kill_producer(ns):
     p = subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, ns], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
-    assert any(f".{ns}." in f for f in os.listdir("/dev/shm"))
+    assert any(f".{ns}.a{p.pid}." in f for f in os.listdir("/dev/shm"))
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    # A new process attaching reclaims automatically...
-    with shm(ns) as c:
+    p.stdout.close()
+    return p.pid
+
+
+def test_sigkilled_producer_is_reclaimed_at_attach(ns):
+    _start_and_kill_producer(ns)
+    with shm(ns) as c:  # attaching reaps what the dead producer held
         assert c.get(0, 1, "k0") is None
         assert c.health()["directory_live_entries"] == 0
-    # ...and `stagelink shm reap` handles what is left when nobody attaches.
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagelink"), "shm", "reap"], check=True,
-                   capture_output=True)
+        assert not any(f".{ns}.a" in f for f in os.listdir("/dev/shm"))
+
+
+def test_sigkilled_producer_is_reclaimed_by_cli(ns):
+    pid = _start_and_kill_producer(ns)
+    cli = os.path.join(os.path.dirname(sys.executable), "stagelink")
+    ls = subprocess.run([cli, "shm", "ls"], capture_output=True, text=True, check=True).stdout
+    arena = [line for line in ls.splitlines() if f".{ns}.a{pid}." in line]
+    assert arena and " False " in arena[0]  # listed with its owner dead
+    out = subprocess.run([cli, "shm", "reap"], capture_output=True, text=True, check=True).stdout
+    assert f"of dead process {pid}" in out
+    assert not any(f".{ns}." in f for f in os.listdir("/dev/shm"))  # arena and directory gone
 
 
 def _hammer(ns, who, n, q):
