@@ -316,7 +316,8 @@ class ShmConnector final : public Connector {
                               " of " + std::to_string(arena_alloc_->capacity()) + " bytes held by " +
                               std::to_string(out_.size()) + " unreleased puts)");
       lock.unlock();
-      dir_->wait_release(seen, std::min<uint64_t>(deadline, mono_ns() + 100'000'000ull));
+      // Every transition to DONE bumps release_seq and wakes sleepers: no periodic re-check needed.
+      dir_->wait_release(seen, deadline);
       lock.lock();
       if (closed_) return make_error(Errc::closed, "connector closed while waiting for arena room");
     }

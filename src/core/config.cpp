@@ -139,9 +139,11 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
   cfg.source = source;
   if (!root.IsMap()) return cx.err(root, "<root>", "the config must be a YAML map");
   // Connectors: runtime.connectors and top-level connectors.
+  // A missing key of a const node is an invalid node: IsMap() on it throws, IsDefined() does not.
   const YAML::Node runtime = root["runtime"];
-  if (runtime.IsDefined() && !runtime.IsNull() && !(runtime.IsDefined() && runtime.IsMap())) return cx.err(runtime, "runtime", "must be a map");
-  for (auto [node, key] : {std::pair{(runtime.IsDefined() && runtime.IsMap()) ? runtime["connectors"] : YAML::Node(), std::string("runtime.connectors")},
+  const bool runtime_map = runtime.IsDefined() && runtime.IsMap();
+  if (runtime.IsDefined() && !runtime.IsNull() && !runtime_map) return cx.err(runtime, "runtime", "must be a map");
+  for (auto [node, key] : {std::pair{runtime_map ? runtime["connectors"] : YAML::Node(), std::string("runtime.connectors")},
                            std::pair{root["connectors"], std::string("connectors")}}) {
     if (!node.IsDefined() || node.IsNull()) continue;
     if (!node.IsMap()) return cx.err(node, key, "must be a map of connector name -> {name, extra}");
@@ -200,7 +202,7 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
       }
     }
   }
-  if ((runtime.IsDefined() && runtime.IsMap())) {
+  if (runtime_map) {
     YAML::Node edges = runtime["edges"];
     if (edges.IsDefined() && !edges.IsNull()) {
       if (!edges.IsSequence()) return cx.err(edges, "runtime.edges", "must be a list of {from, to}");
