@@ -255,8 +255,7 @@ class ShmConnector final : public Connector {
 
   // Return memory of entries every reader released (and of expired ones). `all`: scan everything,
   // not only the in-order prefix.
-  void reclaim_locked(bool all) {
-    const uint64_t now = mono_ns();
+  void reclaim_locked(bool all, uint64_t now = mono_ns()) {
     const uint64_t ttl_ns = uint64_t(opts_.ttl_s * 1e9);
     for (auto it = out_.begin(); it != out_.end();) {
       if (ttl_ns && now - it->created_ns > ttl_ns) {
@@ -281,10 +280,20 @@ class ShmConnector final : public Connector {
   }
   void reclaim_all_locked() { reclaim_locked(true); }
 
-  Result<Region> allocate_locked(std::unique_lock<std::mutex>& lock, size_t size) {
-    reclaim_locked(false);
-    if (mono_ns() - last_reap_ns_ > 1'000'000'000ull) {  // periodic: dead readers, TTL
-      last_reap_ns_ = mono_ns();
+  // A directory entry for ikey. Entries of ours that every reader released are only returned
+  // lazily: when the probe window is full, return them all and try once more.
+  Result<Claim> reserve_locked(const std::string& ikey, uint16_t rid_len) {
+    const uint64_t h = shm::key_hash(ikey);
+    auto cl = dir_->reserve(ikey, rid_len, h);
+    if (cl.ok() || cl.error().code != Errc::exhausted) return cl;
+    reclaim_all_locked();
+    return dir_->reserve(ikey, rid_len, h);
+  }
+
+  Result<Region> allocate_locked(std::unique_lock<std::mutex>& lock, size_t size, uint64_t now) {
+    reclaim_locked(false, now);
+    if (now - last_reap_ns_ > 1'000'000'000ull) {  // periodic: dead readers, TTL
+      last_reap_ns_ = now;
       reclaim_all_locked();
       for (auto& r : dir_->reap()) SL_LOG_INFO("reaped: %s", r.c_str());
     }
@@ -301,7 +310,7 @@ class ShmConnector final : public Connector {
       return Region{seg->data(), 0, size, seg, reg->first, reg->second};
     }
     SL_TRY(ensure_arena_locked());
-    const uint64_t deadline = mono_ns() + uint64_t(opts_.put_timeout_s * 1e9);
+    const uint64_t deadline = now + uint64_t(opts_.put_timeout_s * 1e9);
     for (;;) {
       uint32_t seen = dir_->release_seq();
       auto off = arena_alloc_->allocate(size);
@@ -324,23 +333,26 @@ class ShmConnector final : public Connector {
   }
 
   Result<PutResult> publish_locked(const std::string& ikey, uint16_t rid_len, Claim& cl, const Region& reg,
-                                   size_t total, uint32_t readers, std::span<const std::byte> inline_bytes) {
+                                   size_t total, uint32_t readers, std::span<const std::byte> inline_bytes,
+                                   uint64_t now) {
     cl.arena = reg.arena_idx;
     cl.arena_gen = reg.arena_gen;
     cl.offset = reg.offset;
     cl.length = total;
     dir_->publish(cl, uint8_t(readers));
     out_.push_back(Outstanding{cl.idx, cl.gen, reg.offset, reg.length, reg.dedicated, reg.arena_idx,
-                               reg.arena_gen, mono_ns(), ikey.substr(0, rid_len)});
+                               reg.arena_gen, now, ikey.substr(0, rid_len)});
     PutResult pr;
     pr.size = total;
     Value::Map shm;
+    shm.reserve(5);
     shm.emplace_back("name", reg.dedicated ? reg.dedicated->name() : arena_->name());
     shm.emplace_back("size", uint64_t(total));
     shm.emplace_back("offset", uint64_t(reg.offset));
     shm.emplace_back("entry", uint64_t(cl.idx));
     shm.emplace_back("gen", uint64_t(cl.gen));
     Value::Map md;
+    md.reserve(4);
     md.emplace_back("shm", Value(std::move(shm)));
     md.emplace_back("size", uint64_t(total));
     md.emplace_back("readers", uint64_t(readers));
@@ -367,8 +379,9 @@ class ShmConnector final : public Connector {
     const std::string ikey = make_internal_key(key, from, to);
     std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return make_error(Errc::closed, "put on a closed SharedMemoryConnector");
-    SL_ASSIGN(Claim cl, dir_->reserve(ikey, uint16_t(key.size()), shm::key_hash(ikey)));
-    auto reg = allocate_locked(lock, plan.total);
+    const uint64_t now = mono_ns();
+    SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size())));
+    auto reg = allocate_locked(lock, plan.total, now);
     if (!reg.ok() || closed_) {
       if (!closed_) dir_->abandon(cl);
       return reg.ok() ? make_error(Errc::closed, "connector closed during put") : std::move(reg).error();
@@ -376,7 +389,7 @@ class ShmConnector final : public Connector {
     write_frame(plan, payload.tensors, reg->base);
     std::span<const std::byte> inl;
     if (plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(reg->base, plan.total);
-    return publish_locked(ikey, uint16_t(key.size()), cl, reg.value(), plan.total, readers, inl);
+    return publish_locked(ikey, uint16_t(key.size()), cl, reg.value(), plan.total, readers, inl, now);
   }
 
   Result<GetResult> get_impl(const std::string& from, const std::string& to, const std::string& key,
@@ -481,7 +494,7 @@ Result<Loan> ShmConnector::loan(const Value& tree, std::span<const TensorSpec> s
   SL_ASSIGN(FramePlan plan, plan_frame(tree, specs));
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return make_error(Errc::closed, "loan on a closed SharedMemoryConnector");
-  SL_ASSIGN(Region reg, allocate_locked(lock, plan.total));
+  SL_ASSIGN(Region reg, allocate_locked(lock, plan.total, mono_ns()));
   auto impl = std::make_unique<Loan::Impl>();
   impl->owner = this;
   impl->base = reg.base;
@@ -507,12 +520,12 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   const std::string ikey = make_internal_key(key, from, to);
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return make_error(Errc::closed, "put_loan on a closed SharedMemoryConnector");
-  SL_ASSIGN(Claim cl, dir_->reserve(ikey, uint16_t(key.size()), shm::key_hash(ikey)));
+  SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size())));
   impl->published = true;
   Region reg{impl->base, impl->offset, impl->length, impl->dedicated, impl->arena_idx, impl->arena_gen};
   std::span<const std::byte> inl;
   if (impl->plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(impl->base, impl->plan.total);
-  auto r = publish_locked(ikey, uint16_t(key.size()), cl, reg, impl->plan.total, readers, inl);
+  auto r = publish_locked(ikey, uint16_t(key.size()), cl, reg, impl->plan.total, readers, inl, mono_ns());
   lock.unlock();
   loan = Loan();
   count_result(r);

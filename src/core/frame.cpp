@@ -1,95 +1,113 @@
 #include "stagelink/frame.hpp"
 
+#include "core/msgpack_io.hpp"
+
 #include <cstring>
 
 namespace stagelink {
 namespace {
 constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
-Value tensor_table(std::span<const TensorSpec> specs, const std::vector<size_t>& offsets) {
-  Value::List table;
-  table.reserve(specs.size());
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const auto& s = specs[i];
-    Value::List shape;
-    if (s.shape.empty()) shape.emplace_back(int64_t(s.nbytes / dtype_size(s.dtype)));
-    else for (auto d : s.shape) shape.emplace_back(int64_t(d));
-    Value::List row;
-    row.emplace_back(uint64_t(static_cast<uint8_t>(s.dtype)));
-    row.emplace_back(std::move(shape));
-    row.emplace_back(uint64_t(offsets[i]));
-    row.emplace_back(uint64_t(s.nbytes));
-    if (s.device != "cpu") row.emplace_back(s.device);
-    table.emplace_back(std::move(row));
-  }
-  return Value(std::move(table));
-}
-}  // namespace
-
-Result<FramePlan> plan_frame(const Value& tree, std::span<const TensorSpec> specs) {
-  if (specs.size() > kFrameMaxTensors)
-    return make_error(Errc::invalid_argument, "payload has " + std::to_string(specs.size()) +
+// Lays out a frame for n tensors; spec(i) yields (dtype, shape, nbytes, device) of tensor i.
+// The header is packed once, straight from the tree: each region offset is written as a
+// fixed-width uint64 placeholder and patched once the header's length is known.
+template <class SpecAt>
+Result<FramePlan> plan_impl(const Value& tree, size_t n, SpecAt spec) {
+  if (n > kFrameMaxTensors)
+    return make_error(Errc::invalid_argument, "payload has " + std::to_string(n) +
                                                   " tensors; the frame holds at most 65536");
   FramePlan plan;
-  // The msgpack header's size depends on the offsets, which depend on its size: lay out with
-  // 64-bit offsets first (msgpack encodes small ints shorter, so we iterate until stable).
-  std::vector<size_t> offsets(specs.size(), 0);
-  std::vector<std::byte> mp;
-  for (int iter = 0; iter < 4; ++iter) {
-    Value::Map hdr;
-    hdr.emplace_back("t", tree);
-    hdr.emplace_back("x", tensor_table(specs, offsets));
-    mp = value_to_msgpack(Value(std::move(hdr)));
-    size_t off = align_up(kFrameHeaderBytes + mp.size(), kFrameAlign);
-    bool changed = false;
-    std::vector<size_t> next(specs.size());
-    for (size_t i = 0; i < specs.size(); ++i) {
-      next[i] = off;
-      off = align_up(off + specs[i].nbytes, kFrameAlign);
+  plan.head.reserve(kFrameHeaderBytes + 64 + 32 * n);
+  plan.head.resize(kFrameHeaderBytes);
+  plan.offsets.resize(n);
+  plan.lengths.resize(n);
+  detail::ByteSink sink{&plan.head};
+  detail::Packer pk(sink);
+  pk.pack_map(2);
+  pk.pack_str(1);
+  pk.pack_str_body("t", 1);
+  detail::pack_value(pk, tree);
+  pk.pack_str(1);
+  pk.pack_str_body("x", 1);
+  pk.pack_array(uint32_t(n));
+  for (size_t i = 0; i < n; ++i) {
+    const auto [dtype, shape, nbytes, device] = spec(i);
+    const bool gpu = device != "cpu";
+    pk.pack_array(gpu ? 5 : 4);
+    pk.pack_uint8(static_cast<uint8_t>(dtype));
+    if (shape.empty()) {
+      pk.pack_array(1);
+      pk.pack_int64(int64_t(nbytes / dtype_size(dtype)));
+    } else {
+      pk.pack_array(uint32_t(shape.size()));
+      for (auto d : shape) {
+        if (d < 0) return make_error(Errc::invalid_argument, "negative tensor dimension");
+        pk.pack_int64(d);
+      }
     }
-    plan.total = specs.empty() ? kFrameHeaderBytes + mp.size()
-                               : next.back() + specs.back().nbytes;
-    if (next != offsets) changed = true;
-    offsets = std::move(next);
-    if (!changed) break;
+    pk.pack_fix_uint64(0);
+    plan.offsets[i] = plan.head.size() - 8;  // where to patch the real offset in, below
+    pk.pack_uint64(nbytes);
+    if (gpu) {
+      pk.pack_str(uint32_t(device.size()));
+      pk.pack_str_body(device.data(), uint32_t(device.size()));
+    }
+    plan.lengths[i] = nbytes;
   }
-  if (mp.size() > kFrameMaxHeader)
-    return make_error(Errc::invalid_argument, "frame header of " + std::to_string(mp.size()) +
+  const size_t mp_len = plan.head.size() - kFrameHeaderBytes;
+  if (mp_len > kFrameMaxHeader)
+    return make_error(Errc::invalid_argument, "frame header of " + std::to_string(mp_len) +
                                                   " bytes exceeds the 64 MiB limit");
+  size_t off = align_up(plan.head.size(), kFrameAlign);
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t be = __builtin_bswap64(uint64_t(off));
+    std::memcpy(plan.head.data() + plan.offsets[i], &be, 8);
+    plan.offsets[i] = off;
+    off = align_up(off + plan.lengths[i], kFrameAlign);
+  }
+  plan.total = n == 0 ? plan.head.size() : plan.offsets[n - 1] + plan.lengths[n - 1];
   FrameHeader fh{};
   fh.magic = kFrameMagic;
   fh.version = kFrameVersion;
   fh.flags = 0;
-  fh.header_len = uint32_t(mp.size());
-  fh.n_tensors = uint32_t(specs.size());
+  fh.header_len = uint32_t(mp_len);
+  fh.n_tensors = uint32_t(n);
   fh.total_len = plan.total;
-  plan.head.resize(kFrameHeaderBytes + mp.size());
   std::memcpy(plan.head.data(), &fh, sizeof fh);
-  std::memcpy(plan.head.data() + kFrameHeaderBytes, mp.data(), mp.size());
-  plan.offsets = std::move(offsets);
-  plan.lengths.reserve(specs.size());
-  for (auto& s : specs) plan.lengths.push_back(s.nbytes);
   return plan;
 }
 
+struct SpecView {
+  DType dtype;
+  std::span<const int64_t> shape;
+  size_t nbytes;
+  std::string_view device;
+};
+}  // namespace
+
+Result<FramePlan> plan_frame(const Value& tree, std::span<const TensorSpec> specs) {
+  return plan_impl(tree, specs.size(), [&](size_t i) {
+    auto& s = specs[i];
+    return SpecView{s.dtype, s.shape, s.nbytes, s.device};
+  });
+}
+
 Result<FramePlan> plan_frame(const Payload& p) {
-  std::vector<TensorSpec> specs;
-  specs.reserve(p.tensors.size());
   for (auto& t : p.tensors) {
-    if (!t.shape.empty()) {
-      size_t n = dtype_size(t.dtype);
-      for (auto d : t.shape) {
-        if (d < 0) return make_error(Errc::invalid_argument, "negative tensor dimension");
-        n *= size_t(d);
-      }
-      if (n != t.nbytes())
-        return make_error(Errc::invalid_argument,
-                          "tensor shape holds " + std::to_string(n) + " bytes but data has " +
-                              std::to_string(t.nbytes()));
+    if (t.shape.empty()) continue;
+    size_t n = dtype_size(t.dtype);
+    for (auto d : t.shape) {
+      if (d < 0) return make_error(Errc::invalid_argument, "negative tensor dimension");
+      n *= size_t(d);
     }
-    specs.push_back(TensorSpec{t.dtype, t.shape, t.nbytes(), t.device});
+    if (n != t.nbytes())
+      return make_error(Errc::invalid_argument, "tensor shape holds " + std::to_string(n) +
+                                                    " bytes but data has " + std::to_string(t.nbytes()));
   }
-  return plan_frame(p.tree, specs);
+  return plan_impl(p.tree, p.tensors.size(), [&](size_t i) {
+    auto& t = p.tensors[i];
+    return SpecView{t.dtype, t.shape, t.nbytes(), t.device};
+  });
 }
 
 void write_frame_head(const FramePlan& plan, std::byte* dst) {
@@ -149,7 +167,7 @@ Result<Payload> decode_frame(std::span<const std::byte> buf, std::shared_ptr<con
     return make_error(Errc::corrupt, "frame header length " + std::to_string(fh.header_len) +
                                          " runs past the frame");
   SL_ASSIGN(Value hdr, value_from_msgpack(buf.subspan(kFrameHeaderBytes, fh.header_len)));
-  const Value* tree = hdr.find("t");
+  Value* tree = const_cast<Value*>(hdr.find("t"));
   const Value* table = hdr.find("x");
   if (!tree || !table || !table->is<Value::List>())
     return make_error(Errc::corrupt, "frame header lacks tree or tensor table");
@@ -177,6 +195,7 @@ Result<Payload> decode_frame(std::span<const std::byte> buf, std::shared_ptr<con
     Tensor t;
     t.dtype = static_cast<DType>(dt);
     uint64_t elems = 1;
+    t.shape.reserve(r[1].as<Value::List>().size());
     for (auto& d : r[1].as<Value::List>()) {
       int64_t x;
       if (!d.get_i64(x) || x < 0) return bad("bad dimension");
@@ -192,16 +211,18 @@ Result<Payload> decode_frame(std::span<const std::byte> buf, std::shared_ptr<con
     p.tensors.push_back(std::move(t));
   }
   SL_TRY(check_refs(*tree, p.tensors.size(), 0));
-  p.tree = *tree;
+  p.tree = std::move(*tree);
   return p;
 }
 
 Result<Payload> decode_frame_copy(std::span<const std::byte> buf) {
   SL_ASSIGN(Payload p, decode_frame(buf, nullptr));
   for (auto& t : p.tensors) {
-    auto copy = Tensor::copy_of(t.data, t.dtype, t.shape);
-    copy.device = t.device;
-    t = std::move(copy);
+    // One allocation, not zero-filled: the copy overwrites it.
+    std::shared_ptr<std::byte[]> store = std::make_shared_for_overwrite<std::byte[]>(t.data.size());
+    if (!t.data.empty()) std::memcpy(store.get(), t.data.data(), t.data.size());
+    t.data = std::span<const std::byte>(store.get(), t.data.size());
+    t.keepalive = std::move(store);
   }
   return p;
 }

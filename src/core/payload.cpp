@@ -1,7 +1,6 @@
 #include <cstring>
 
-#define MSGPACK_NO_BOOST 1
-#include <msgpack.hpp>
+#include "core/msgpack_io.hpp"
 
 #include "stagelink/payload.hpp"
 
@@ -89,19 +88,8 @@ size_t Payload::tensor_bytes() const {
 }
 
 // ---- msgpack ----
-// TensorRef travels as msgpack ext type 1 holding a big-endian u32.
-namespace {
-constexpr int8_t kExtTensorRef = 1;
-
-struct ByteSink {
-  std::vector<std::byte>* out;
-  void write(const char* p, size_t n) {
-    auto* b = reinterpret_cast<const std::byte*>(p);
-    out->insert(out->end(), b, b + n);
-  }
-};
-
-void pack(msgpack::packer<ByteSink>& pk, const Value& v) {
+namespace detail {
+void pack_value(Packer& pk, const Value& v) {
   std::visit(
       [&](auto&& x) {
         using T = std::decay_t<decltype(x)>;
@@ -118,13 +106,13 @@ void pack(msgpack::packer<ByteSink>& pk, const Value& v) {
           pk.pack_bin_body(reinterpret_cast<const char*>(x.data()), uint32_t(x.size()));
         } else if constexpr (std::is_same_v<T, Value::List>) {
           pk.pack_array(uint32_t(x.size()));
-          for (auto& e : x) pack(pk, e);
+          for (auto& e : x) pack_value(pk, e);
         } else if constexpr (std::is_same_v<T, Value::Map>) {
           pk.pack_map(uint32_t(x.size()));
           for (auto& [k, e] : x) {
             pk.pack_str(uint32_t(k.size()));
             pk.pack_str_body(k.data(), uint32_t(k.size()));
-            pack(pk, e);
+            pack_value(pk, e);
           }
         } else if constexpr (std::is_same_v<T, TensorRef>) {
           char be[4] = {char(x.index >> 24), char(x.index >> 16), char(x.index >> 8), char(x.index)};
@@ -134,80 +122,135 @@ void pack(msgpack::packer<ByteSink>& pk, const Value& v) {
       },
       v.storage());
 }
+}  // namespace detail
 
-Result<Value> convert(const msgpack::object& o, int depth) {
-  if (depth > 64) return make_error(Errc::corrupt, "msgpack nesting deeper than 64");
-  switch (o.type) {
-    case msgpack::type::NIL: return Value();
-    case msgpack::type::BOOLEAN: return Value(o.via.boolean);
-    case msgpack::type::POSITIVE_INTEGER: return Value(uint64_t(o.via.u64));
-    case msgpack::type::NEGATIVE_INTEGER: return Value(int64_t(o.via.i64));
-    case msgpack::type::FLOAT32:
-    case msgpack::type::FLOAT64: return Value(o.via.f64);
-    case msgpack::type::STR: return Value(std::string(o.via.str.ptr, o.via.str.size));
-    case msgpack::type::BIN: {
-      auto* b = reinterpret_cast<const std::byte*>(o.via.bin.ptr);
-      return Value(Value::Bytes(b, b + o.via.bin.size));
-    }
-    case msgpack::type::ARRAY: {
-      Value::List l;
-      l.reserve(o.via.array.size);
-      for (uint32_t i = 0; i < o.via.array.size; ++i) {
-        SL_ASSIGN(Value e, convert(o.via.array.ptr[i], depth + 1));
-        l.push_back(std::move(e));
-      }
-      return Value(std::move(l));
-    }
-    case msgpack::type::MAP: {
-      Value::Map m;
-      m.reserve(o.via.map.size);
-      for (uint32_t i = 0; i < o.via.map.size; ++i) {
-        auto& kv = o.via.map.ptr[i];
-        std::string key;
-        if (kv.key.type == msgpack::type::STR) key.assign(kv.key.via.str.ptr, kv.key.via.str.size);
-        else if (kv.key.type == msgpack::type::POSITIVE_INTEGER) key = std::to_string(kv.key.via.u64);
-        else if (kv.key.type == msgpack::type::NEGATIVE_INTEGER) key = std::to_string(kv.key.via.i64);
-        else return make_error(Errc::corrupt, "msgpack map key is neither string nor integer");
-        SL_ASSIGN(Value e, convert(kv.val, depth + 1));
-        m.emplace_back(std::move(key), std::move(e));
-      }
-      return Value(std::move(m));
-    }
-    case msgpack::type::EXT: {
-      if (o.via.ext.type() != kExtTensorRef || o.via.ext.size != 4)
-        return make_error(Errc::corrupt, "unknown msgpack ext type " + std::to_string(o.via.ext.type()));
-      auto* p = reinterpret_cast<const uint8_t*>(o.via.ext.data());
-      return Value(TensorRef{uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | p[3]});
-    }
+namespace {
+// Builds a Value straight from the msgpack parser's events (no intermediate msgpack::object
+// zone). Bounds: the parser never reads past the buffer; this visitor caps nesting at 64 and
+// never reserves more elements than bytes remain.
+class ValueBuilder {
+ public:
+  explicit ValueBuilder(size_t len) : len_(len) {}
+  Value result;
+  std::string error;
+
+  bool visit_nil() { return put(Value()); }
+  bool visit_boolean(bool b) { return put(Value(b)); }
+  bool visit_positive_integer(uint64_t v) {
+    if (key_) { *key_ = std::to_string(v); key_ = nullptr; return true; }
+    return put(Value(v));
   }
-  return make_error(Errc::corrupt, "unsupported msgpack type");
-}
+  bool visit_negative_integer(int64_t v) {
+    if (key_) { *key_ = std::to_string(v); key_ = nullptr; return true; }
+    return put(Value(v));
+  }
+  bool visit_float32(float v) { return put(Value(double(v))); }
+  bool visit_float64(double v) { return put(Value(v)); }
+  bool visit_str(const char* p, uint32_t n) {
+    if (key_) { key_->assign(p, n); key_ = nullptr; return true; }
+    return put(Value(std::string(p, n)));
+  }
+  bool visit_bin(const char* p, uint32_t n) {
+    auto* b = reinterpret_cast<const std::byte*>(p);
+    return put(Value(Value::Bytes(b, b + n)));
+  }
+  bool visit_ext(const char* p, uint32_t n) {  // p[0] is the ext type, n counts it
+    if (n != 5 || int8_t(p[0]) != detail::kExtTensorRef)
+      return fail("unknown msgpack ext type " + std::to_string(n ? int(int8_t(p[0])) : -1));
+    auto* u = reinterpret_cast<const uint8_t*>(p + 1);
+    return put(Value(TensorRef{uint32_t(u[0]) << 24 | uint32_t(u[1]) << 16 | uint32_t(u[2]) << 8 | u[3]}));
+  }
+  bool start_array(uint32_t n) {
+    if (!put(Value(Value::List{}))) return false;
+    auto& l = slot_->as<Value::List>();
+    l.reserve(std::min<size_t>(n, len_));
+    return push(slot_);
+  }
+  bool start_array_item() {
+    auto& l = stack_[depth_ - 1]->as<Value::List>();
+    slot_ = &l.emplace_back();
+    filled_ = false;
+    return true;
+  }
+  bool end_array_item() { return true; }
+  bool end_array() { --depth_; return true; }
+  bool start_map(uint32_t n) {
+    if (!put(Value(Value::Map{}))) return false;
+    slot_->as<Value::Map>().reserve(std::min<size_t>(n, len_));
+    return push(slot_);
+  }
+  bool start_map_key() {
+    auto& m = stack_[depth_ - 1]->as<Value::Map>();
+    m.emplace_back();
+    key_ = &m.back().first;
+    return true;
+  }
+  bool end_map_key() {
+    if (key_) return fail("msgpack map key is neither string nor integer");
+    return true;
+  }
+  bool start_map_value() {
+    slot_ = &stack_[depth_ - 1]->as<Value::Map>().back().second;
+    filled_ = false;
+    return true;
+  }
+  bool end_map_value() { return true; }
+  bool end_map() { --depth_; return true; }
+  void parse_error(size_t, size_t at) { if (error.empty()) error = "malformed msgpack at byte " + std::to_string(at); }
+  void insufficient_bytes(size_t, size_t) { if (error.empty()) error = "truncated msgpack value"; }
+  bool referenced() const { return false; }
+  void set_referenced(bool) {}
+
+ private:
+  bool fail(std::string why) {
+    if (error.empty()) error = std::move(why);
+    return false;
+  }
+  bool put(Value v) {
+    if (key_) return fail("msgpack map key is neither string nor integer");
+    if (filled_) return fail("malformed msgpack");
+    *slot_ = std::move(v);
+    filled_ = true;
+    return true;
+  }
+  bool push(Value* v) {
+    if (depth_ >= kMaxDepth) return fail("msgpack nesting deeper than 64");
+    stack_[depth_++] = v;
+    return true;
+  }
+  size_t len_;
+  Value* slot_ = &result;
+  bool filled_ = false;
+  std::string* key_ = nullptr;
+  static constexpr size_t kMaxDepth = 64;
+  Value* stack_[kMaxDepth];
+  size_t depth_ = 0;
+};
 }  // namespace
 
 std::vector<std::byte> value_to_msgpack(const Value& v) {
   std::vector<std::byte> out;
   out.reserve(64);
-  ByteSink sink{&out};
-  msgpack::packer<ByteSink> pk(sink);
-  pack(pk, v);
+  detail::ByteSink sink{&out};
+  detail::Packer pk(sink);
+  detail::pack_value(pk, v);
   return out;
 }
 
 Result<Value> value_from_msgpack(std::span<const std::byte> buf) {
   if (buf.empty()) return make_error(Errc::corrupt, "empty msgpack buffer");
+  ValueBuilder vb(buf.size());
+  size_t off = 0;
+  bool ok;
   try {
-    size_t off = 0;
-    // Limits bound what a hostile buffer can make us allocate.
-    msgpack::unpack_limit lim(1u << 20, 1u << 20, 64u << 20, 1u << 30, 1u << 20, 64);
-    msgpack::object_handle oh = msgpack::unpack(reinterpret_cast<const char*>(buf.data()),
-                                                buf.size(), off, nullptr, nullptr, lim);
-    if (off != buf.size())
-      return make_error(Errc::corrupt, "trailing bytes after msgpack value (" +
-                                           std::to_string(buf.size() - off) + ")");
-    return convert(oh.get(), 0);
+    ok = msgpack::v2::parse(reinterpret_cast<const char*>(buf.data()), buf.size(), off, vb);
   } catch (const std::exception& e) {
     return make_error(Errc::corrupt, std::string("msgpack decode failed: ") + e.what());
   }
+  if (!ok) return make_error(Errc::corrupt, "msgpack decode failed: " + (vb.error.empty() ? std::string("malformed") : vb.error));
+  if (off != buf.size())
+    return make_error(Errc::corrupt, "trailing bytes after msgpack value (" + std::to_string(buf.size() - off) + ")");
+  return std::move(vb.result);
 }
 
 }  // namespace stagelink

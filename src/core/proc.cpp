@@ -1,9 +1,11 @@
 #include "core/proc.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -37,11 +39,23 @@ static uint64_t proc_stat(uint32_t pid, char* state) {
 
 uint64_t proc_start_time(uint32_t pid) { return proc_stat(pid, nullptr); }
 
+// getpid() is a system call in this glibc and self_proc() sits on every put and get: cache the
+// identity, and forget it in a forked child (pthread_atfork) so the child never claims as its parent.
+namespace {
+std::atomic<uint64_t> g_self_pid{0};  // 0: unknown
+std::atomic<uint64_t> g_self_start{0};
+void forget_self() { g_self_pid.store(0, std::memory_order_relaxed); }
+}  // namespace
+
 ProcId self_proc() {
-  static thread_local ProcId cached{};
-  uint32_t pid = static_cast<uint32_t>(::getpid());
-  if (cached.pid != pid) cached = ProcId{pid, proc_start_time(pid)};  // refreshed after fork
-  return cached;
+  static const int registered = pthread_atfork(nullptr, nullptr, forget_self);
+  (void)registered;
+  uint64_t pid = g_self_pid.load(std::memory_order_acquire);
+  if (pid != 0) return ProcId{uint32_t(pid), g_self_start.load(std::memory_order_relaxed)};
+  const uint32_t now = static_cast<uint32_t>(::getpid());
+  g_self_start.store(proc_start_time(now), std::memory_order_relaxed);
+  g_self_pid.store(now, std::memory_order_release);
+  return ProcId{now, g_self_start.load(std::memory_order_relaxed)};
 }
 
 bool proc_alive(const ProcId& p) {

@@ -164,6 +164,26 @@ TEST(Shm, KeyReuseBeforeReadIsAnError) {
   EXPECT_TRUE(c->put("0", "1", "k", Payload{}).ok());  // reusable once read
 }
 
+// Regression: a directory full of entries that every reader had released refused the next put
+// with `exhausted`, because the producer reclaimed its finished entries only after reserving.
+TEST(Shm, DirectoryFullOfReadEntriesIsReusable) {
+  Value e = extra(unique_ns("dirfull"));
+  e.as<Value::Map>().emplace_back("max_entries", uint64_t(64));
+  auto prod = make(e);
+  auto cons = make(e);
+  int put = 0;
+  for (; put < 200; ++put)
+    if (!prod->put("0", "1", "k" + std::to_string(put), Payload{}).ok()) break;
+  ASSERT_GT(put, 0);
+  ASSERT_LT(put, 200);  // the directory filled up
+  for (int i = 0; i < put; ++i) ASSERT_TRUE(cons->get("0", "1", "k" + std::to_string(i), nullptr).ok());
+  for (int i = 0; i < 200; ++i) {
+    auto r = prod->put("0", "1", "again" + std::to_string(i), Payload{});
+    ASSERT_TRUE(r.ok()) << i << ": " << r.error().message;
+    ASSERT_TRUE(cons->get("0", "1", "again" + std::to_string(i), &r->metadata).ok());
+  }
+}
+
 TEST(Shm, KeylessGetBlocksUntilPublishedAndTimesOut) {
   const std::string ns = unique_ns("wait");
   auto c = make(extra(ns));
