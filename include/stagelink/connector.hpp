@@ -104,6 +104,14 @@ class Connector {
   virtual void close() = 0;
 };
 
+// Copy tensor `tensor` of key@from_to straight into `dst` (caller-owned, e.g. a pre-allocated,
+// already-faulted buffer that is reused): one memcpy, no allocation. Borrows the slot zero-copy and
+// releases it before returning. Returns the bytes written. Errors: those of get, plus
+// invalid_argument when the tensor does not exist or `dst` is smaller than it.
+Result<size_t> get_into(Connector& c, const std::string& from_stage, const std::string& to_stage,
+                        const std::string& key, const Value* metadata, Deadline deadline,
+                        std::span<std::byte> dst, size_t tensor = 0);
+
 // Internal key, as in vLLM-Omni: f"{key}@{from_stage}_{to_stage}".
 std::string make_internal_key(const std::string& key, const std::string& from_stage,
                               const std::string& to_stage);

@@ -85,7 +85,8 @@ def bench_python(sizes, iters, ns, arena_bytes, progress=None):
     for size in sizes:
         n = _iters(size, iters)
         arr = np.full(size, 7, dtype=np.uint8)
-        tput, tget, tview, tseed = [], [], [], []
+        out = np.zeros(size, dtype=np.uint8)  # get_into's destination, reused (pages faulted once)
+        tput, tget, tinto, tview, tseed = [], [], [], [], []
         for i in range(-2, n):
             t0 = time.perf_counter()
             ok, _, meta = prod.put(0, 1, f"p{i}", arr)
@@ -93,13 +94,20 @@ def bench_python(sizes, iters, ns, arena_bytes, progress=None):
             got = cons.get(0, 1, f"p{i}", meta)
             t2 = time.perf_counter()
             assert ok and got is not None and got[0].nbytes == size
+            del got  # freeing the copy (munmap of a large array) must not land in the timed view below
             ok, _, meta = prod.put(0, 1, f"v{i}", arr)
             t3 = time.perf_counter()
             got = cons.get(0, 1, f"v{i}", meta, zero_copy=True)
             v = got[0]
             del got, v
             t4 = time.perf_counter()
+            ok, _, meta = prod.put(0, 1, f"i{i}", arr)
+            t5 = time.perf_counter()
+            n_into = cons.get_into(0, 1, f"i{i}", out, meta)
+            t6 = time.perf_counter()
+            assert ok and n_into == size
             if i >= 0:
+                tinto.append((t6 - t5) * 1e6)
                 tput.append((t1 - t0) * 1e6)
                 tget.append((t2 - t1) * 1e6)
                 tview.append((t4 - t3) * 1e6)
@@ -111,7 +119,8 @@ def bench_python(sizes, iters, ns, arena_bytes, progress=None):
             _seed_get(m)
             tseed.append((time.perf_counter() - t0) * 1e6)
         rows.append({"size": size, "iters": n, "put": _stat(tput), "get": _stat(tget),
-                     "get_view": _stat(tview), "seed_put_get": _stat(tseed)})
+                     "get_view": _stat(tview), "get_into": _stat(tinto),
+                     "seed_put_get": _stat(tseed)})
         if progress:
             progress(f"python {size} B done")
     # cross-process round trip through the Python API
@@ -150,9 +159,11 @@ def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
     print("measuring Python API, zero-copy path and the seed design ...", file=out, flush=True)
     py = bench_python(sizes, iters, ns, arena, progress=lambda m: print("  " + m, file=out, flush=True))
     _core.shm_reap("/dev/shm")
-    hdr = (f"{'size':>9} | {'memcpy':>9} | {'C++ put':>9} {'C++ get':>9} {'C++ view':>9} {'C++ rt':>9} | "
-           f"{'Py put':>9} {'Py get':>9} {'Py view':>9} {'Py rt':>9} | {'seed p+g':>10} | {'C++ p+g/memcpy':>14}")
-    print("\nmedians in microseconds (p99 in the JSON); rt = cross-process round trip (put, wake, get, ack)", file=out)
+    hdr = (f"{'size':>9} | {'memcpy':>9} | {'C++ put':>9} {'C++ get':>9} {'C++ into':>9} {'C++ view':>9} {'C++ rt':>9} | "
+           f"{'Py put':>9} {'Py get':>9} {'Py into':>9} {'Py view':>9} {'Py rt':>9} | {'seed p+g':>10} | "
+           f"{'C++ p+g/memcpy':>14}")
+    print("\nmedians in microseconds (p99 in the JSON); into = get_into a reused buffer; "
+          "rt = cross-process round trip (put, wake, get, ack)", file=out)
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     rows = []
@@ -161,8 +172,9 @@ def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
         m = lambda d: d["median_us"]  # noqa: E731
         ratio = (m(c["put"]) + m(c["get"])) / max(m(c["memcpy"]), 1e-9)
         print(f"{_fmt_size(size):>9} | {m(c['memcpy']):9.2f} | {m(c['put']):9.2f} {m(c['get']):9.2f} "
-              f"{m(c['get_view']):9.2f} {m(c['roundtrip']):9.2f} | {m(p['put']):9.2f} {m(p['get']):9.2f} "
-              f"{m(p['get_view']):9.2f} {m(p['roundtrip']):9.2f} | {m(p['seed_put_get']):10.1f} | {ratio:14.2f}",
+              f"{m(c['get_into']):9.2f} {m(c['get_view']):9.2f} {m(c['roundtrip']):9.2f} | {m(p['put']):9.2f} "
+              f"{m(p['get']):9.2f} {m(p['get_into']):9.2f} {m(p['get_view']):9.2f} {m(p['roundtrip']):9.2f} | "
+              f"{m(p['seed_put_get']):10.1f} | {ratio:14.2f}",
               file=out)
         rows.append({"size": size, "cpp": c, "python": p})
     if json_path:

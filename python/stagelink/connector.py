@@ -96,6 +96,23 @@ class Connector:
             self._fail("get", _core.CorruptError(f"payload of '{get_key}' could not be unpickled: {e!r}"))
             return None
 
+    def get_into(self, from_stage, to_stage, get_key: str, out, metadata: Optional[dict] = None,
+                 timeout: Optional[float] = None) -> Optional[int]:
+        """Copy the array (or bytes) put under ``get_key`` into ``out`` and free the slot.
+
+        ``out``: a writable C-contiguous buffer (numpy array, bytearray, CPU torch tensor via
+        ``.numpy()``) at least as large as the payload; reuse it across calls to avoid page faults.
+        Returns the number of bytes written, or ``None`` when absent, timed out or failed.
+        Pickled objects cannot be copied raw: use :meth:`get` for those.
+        """
+        if timeout is None:
+            timeout = self.default_get_timeout
+        try:
+            return self._c.get_into_parts(from_stage, to_stage, get_key, metadata, timeout, out)
+        except (_core.StagelinkError, TypeError, ValueError, BufferError) as e:
+            self._fail("get_into", e)
+            return None
+
     def loan(self, shape, dtype=np.uint8) -> Loan:
         """Reserve a numpy array of ``shape``/``dtype`` in shared memory to fill and then put."""
         dtype = np.dtype(dtype)

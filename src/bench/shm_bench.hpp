@@ -12,7 +12,7 @@ Stat summarize(std::vector<double> samples_us);
 struct ShmRow {
   size_t size = 0;
   int iters = 0;
-  Stat put, get, get_view, roundtrip, memcpy_;
+  Stat put, get, get_into, get_view, roundtrip, memcpy_;  // get_into: into a reused buffer
 };
 
 // In-process put/get (producer and consumer connectors), and a cross-process round trip with a

@@ -1,3 +1,4 @@
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -15,6 +16,20 @@ std::string make_internal_key(const std::string& key, const std::string& from, c
   k += '_';
   k += to;
   return k;
+}
+
+Result<size_t> get_into(Connector& c, const std::string& from, const std::string& to, const std::string& key,
+                        const Value* metadata, Deadline deadline, std::span<std::byte> dst, size_t tensor) {
+  SL_ASSIGN(GetResult g, c.get(from, to, key, metadata, deadline, GetOptions{true}));
+  if (tensor >= g.payload.tensors.size())
+    return make_error(Errc::invalid_argument, "get_into: '" + key + "' has " + std::to_string(g.payload.tensors.size()) +
+                                                  " tensors, no tensor " + std::to_string(tensor));
+  const Tensor& t = g.payload.tensors[tensor];
+  if (t.nbytes() > dst.size())
+    return make_error(Errc::invalid_argument, "get_into: tensor of '" + key + "' has " + std::to_string(t.nbytes()) +
+                                                  " bytes; the destination holds " + std::to_string(dst.size()));
+  if (t.nbytes()) std::memcpy(dst.data(), t.data.data(), t.nbytes());
+  return t.nbytes();
 }
 
 Status validate_name(std::string_view what, std::string_view s, size_t max_len) {

@@ -30,6 +30,20 @@ T unwrap(Result<T>&& r) {
 }
 
 // ---- Value <-> Python ----
+// Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
+// is cached, so building and reading the dict skips hashing and allocating them).
+nb::object key_str(const std::string& k) {
+  static const char* const kCommon[] = {"shm", "name", "size", "offset", "entry", "gen", "readers", "inline"};
+  static PyObject* interned[std::size(kCommon)] = {};
+  for (size_t i = 0; i < std::size(kCommon); ++i) {
+    if (k == kCommon[i]) {
+      if (!interned[i]) interned[i] = PyUnicode_InternFromString(kCommon[i]);  // immortal: kept
+      return nb::borrow(interned[i]);
+    }
+  }
+  return nb::str(k.data(), k.size());
+}
+
 nb::object to_py(const Value& v, const std::vector<nb::object>* tensors = nullptr);
 
 nb::object to_py(const Value& v, const std::vector<nb::object>* tensors) {
@@ -49,7 +63,10 @@ nb::object to_py(const Value& v, const std::vector<nb::object>* tensors) {
           return l;
         } else if constexpr (std::is_same_v<T, Value::Map>) {
           nb::dict d;
-          for (auto& [k, e] : x) d[nb::str(k.data(), k.size())] = to_py(e, tensors);
+          for (auto& [k, e] : x) {
+            nb::object v = to_py(e, tensors);
+            if (PyDict_SetItem(d.ptr(), key_str(k).ptr(), v.ptr()) != 0) throw nb::python_error();
+          }
           return d;
         } else {
           if (tensors && x.index < tensors->size()) return (*tensors)[x.index];
@@ -78,7 +95,15 @@ Value from_py(nb::handle h, int depth = 0) {
   }
   if (PyDict_Check(h.ptr())) {
     Value::Map m;
-    for (auto [k, v] : nb::borrow<nb::dict>(h)) m.emplace_back(nb::cast<std::string>(nb::str(k)), from_py(v, depth + 1));
+    m.reserve(size_t(PyDict_Size(h.ptr())));
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(h.ptr(), &pos, &k, &v)) {
+      Py_ssize_t n = 0;
+      const char* s = PyUnicode_Check(k) ? PyUnicode_AsUTF8AndSize(k, &n) : nullptr;
+      if (s) m.emplace_back(std::string(s, size_t(n)), from_py(v, depth + 1));
+      else m.emplace_back(nb::cast<std::string>(nb::str(k)), from_py(v, depth + 1));
+    }
     return Value(std::move(m));
   }
   if (PyList_Check(h.ptr()) || PyTuple_Check(h.ptr())) {
@@ -204,10 +229,13 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
   if (!timeout.is_none()) dl = deadline_after(std::max(0.0, nb::cast<double>(timeout)));
   Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<GetResult> r = make_error(Errc::io, "");
-  {
-    nb::gil_scoped_release nogil;  // a keyless get may block until the deadline
-    // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
-    // and the slot is released when `g` goes out of scope below.
+  // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
+  // and the slot is released when `g` goes out of scope below. A get that may block (keyless,
+  // with a timeout) releases the GIL; a lookup by metadata only takes microseconds.
+  if (!has_md && dl != kNoWait) {
+    nb::gil_scoped_release nogil;
+    r = conn.get(f, t, key, nullptr, dl, GetOptions{true});
+  } else {
     r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true});
   }
   if (!r.ok()) {
@@ -238,6 +266,56 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
     typed.push_back(nb::make_tuple(objs[i], dtype_name(g.payload.tensors[i].dtype), nb::tuple(shape)));
   }
   return nb::make_tuple(-1, to_py(g.payload.tree, &typed), g.size);
+}
+
+// get_into: copy the array (or bytes) of key straight into `out`, a writable contiguous buffer the
+// caller owns and may reuse: one memcpy, no allocation. Returns the bytes written, None when absent.
+nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key,
+                          nb::handle metadata, nb::handle timeout, nb::handle out) {
+  std::string f = stage_str(from), t = stage_str(to);
+  Value md;
+  const bool has_md = !metadata.is_none();
+  if (has_md) md = from_py(metadata);
+  Deadline dl = kNoWait;
+  if (!timeout.is_none()) dl = deadline_after(std::max(0.0, nb::cast<double>(timeout)));
+  Py_buffer view;
+  if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+  BufferViews hold;
+  hold.views.push_back(view);
+  Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
+  Result<GetResult> r = make_error(Errc::io, "");
+  if (!has_md && dl != kNoWait) {
+    nb::gil_scoped_release nogil;
+    r = conn.get(f, t, key, nullptr, dl, GetOptions{true});
+  } else {
+    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true});
+  }
+  if (!r.ok()) {
+    if (r.error().code == Errc::not_found || r.error().code == Errc::timeout) return nb::none();
+    raise(r.error());
+  }
+  GetResult g = std::move(r).value();
+  size_t idx = 0;
+  if (const Value* py = g.payload.tree.find("py")) {
+    int64_t kind = 0;
+    py->get_i64(kind);
+    if (kind == 2) idx = 1;        // ARRAY: region 0 is the (dtype, shape) header
+    else if (kind != 1)            // PICKLE: the object needs unpickling, not a raw copy
+      raise(make_error(Errc::invalid_argument, "get_into: '" + key + "' holds a pickled object; use get()"));
+  }
+  if (idx >= g.payload.tensors.size())
+    raise(make_error(Errc::invalid_argument, "get_into: '" + key + "' has no array to copy"));
+  const Tensor& tn = g.payload.tensors[idx];
+  if (tn.nbytes() > size_t(view.len))
+    raise(make_error(Errc::invalid_argument, "get_into: '" + key + "' holds " + std::to_string(tn.nbytes()) +
+                                                 " bytes; the destination has " + std::to_string(view.len)));
+  if (tn.nbytes() > kGilReleaseBytes) {
+    nb::gil_scoped_release nogil;
+    std::memcpy(view.buf, tn.data.data(), tn.nbytes());
+  } else if (tn.nbytes()) {
+    std::memcpy(view.buf, tn.data.data(), tn.nbytes());
+  }
+  return nb::int_(tn.nbytes());
 }
 
 nb::dict spec_dict(const ConnectorSpec& s) {
@@ -321,6 +399,8 @@ NB_MODULE(_core, m) {
   nb::class_<PyConnector>(m, "_Connector")
       .def("put_parts", &put_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("kind"),
            nb::arg("regions"), nb::arg("dtypes").none(), nb::arg("shapes").none(), nb::arg("readers") = 0)
+      .def("get_into_parts", &get_into_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),
+           nb::arg("metadata").none(), nb::arg("timeout").none(), nb::arg("out"))
       .def("get_parts", &get_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),
            nb::arg("metadata").none(), nb::arg("timeout").none(), nb::arg("zero_copy") = false)
       .def("loan", [](PyConnector& self, int kind, std::vector<size_t> sizes, nb::object dtypes, nb::object shapes) {
@@ -399,6 +479,7 @@ NB_MODULE(_core, m) {
       nb::dict d;
       d["size"] = r.size; d["iters"] = r.iters;
       d["put"] = stat_dict(r.put); d["get"] = stat_dict(r.get); d["get_view"] = stat_dict(r.get_view);
+      d["get_into"] = stat_dict(r.get_into);
       d["roundtrip"] = stat_dict(r.roundtrip); d["memcpy"] = stat_dict(r.memcpy_);
       l.append(d);
     }

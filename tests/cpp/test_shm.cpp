@@ -184,6 +184,30 @@ TEST(Shm, DirectoryFullOfReadEntriesIsReusable) {
   }
 }
 
+TEST(Shm, GetIntoCopiesIntoTheCallersBufferAndReleasesTheSlot) {
+  const std::string ns = unique_ns("into");
+  auto prod = make(extra(ns, 4u << 20, 0.2));
+  auto cons = make(extra(ns));
+  std::vector<std::byte> out(3u << 20);
+  for (uint32_t i = 0; i < 3; ++i) {  // the arena holds one payload: get_into must release it
+    auto data = pattern(3u << 20, i);
+    auto r = prod->put("0", "1", "k" + std::to_string(i), payload_of(data, 0));
+    ASSERT_TRUE(r.ok()) << r.error().message;
+    auto n = get_into(*cons, "0", "1", "k" + std::to_string(i), &r->metadata, kNoWait, out);
+    ASSERT_TRUE(n.ok()) << n.error().message;
+    EXPECT_EQ(*n, data.size());
+    EXPECT_EQ(checksum(std::span<const std::byte>(out.data(), *n)), checksum(data));
+  }
+  auto data = pattern(1000, 9);
+  auto r = prod->put("0", "1", "small", payload_of(data, 0));
+  ASSERT_TRUE(r.ok());
+  std::vector<std::byte> tiny(10);
+  auto n = get_into(*cons, "0", "1", "small", &r->metadata, kNoWait, tiny);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.error().code, Errc::invalid_argument);
+  EXPECT_FALSE(get_into(*cons, "0", "1", "absent", nullptr, kNoWait, out).ok());
+}
+
 TEST(Shm, KeylessGetBlocksUntilPublishedAndTimesOut) {
   const std::string ns = unique_ns("wait");
   auto c = make(extra(ns));

@@ -117,6 +117,31 @@ def test_zero_copy_view_holds_slot_until_dropped(ns):
         assert r.get(0, 1, "b") is not None
 
 
+def test_get_into_copies_into_the_callers_buffer_and_frees_the_slot(ns):
+    with shm(ns, arena_bytes=4 << 20, put_timeout_s=0.2) as c, shm(ns) as r:
+        out = np.zeros(3 << 20, np.uint8)
+        for i in range(3):  # the arena holds one payload: each get_into must free its slot
+            arr = np.arange(3 << 20, dtype=np.uint32).astype(np.uint8) + np.uint8(i)
+            ok, _, meta = c.put(0, 1, f"a{i}", arr)
+            assert ok, c.last_error
+            assert r.get_into(0, 1, f"a{i}", out, meta) == arr.nbytes
+            assert np.array_equal(out, arr)
+        small = bytearray(100)
+        c.put(0, 1, "raw", b"x" * 64)
+        assert r.get_into(0, 1, "raw", small, timeout=1) == 64 and small[:64] == b"x" * 64
+        assert r.get_into(0, 1, "absent", small) is None and r.last_error is None
+    with shm(ns, strict=True) as c, shm(ns, strict=True) as r:
+        c.put(0, 1, "big", np.ones(1000, np.uint8))
+        with pytest.raises(stagelink.InvalidArgumentError, match="1000 bytes"):
+            r.get_into(0, 1, "big", bytearray(10), timeout=1)
+        c.put(0, 1, "obj", {"a": 1})
+        with pytest.raises(stagelink.InvalidArgumentError, match="pickled"):
+            r.get_into(0, 1, "obj", bytearray(10), timeout=1)
+        c.put(0, 1, "ro", b"abc")
+        with pytest.raises(BufferError):
+            r.get_into(0, 1, "ro", b"read-only", timeout=1)
+
+
 def test_loan_writes_in_place(ns):
     with shm(ns) as c:
         loan = c.loan((256, 1024), np.float32)
