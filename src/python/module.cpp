@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstring>
+#include <optional>
 
 #include "bench/shm_bench.hpp"
 #include "stagelink/stagelink.hpp"
@@ -219,19 +220,19 @@ nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std
   return nb::make_tuple(pr.size, to_py(pr.metadata));
 }
 
-nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, nb::handle metadata,
-                     nb::handle timeout, bool zero_copy) {
+// Borrow key's slot zero-copy (the slot is released when the result is dropped). nullopt when absent
+// or timed out. A get that may block (keyless, with a timeout) releases the GIL; a lookup by
+// metadata takes microseconds and keeps it. Must be entered holding the GIL.
+std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle to, const std::string& key,
+                                nb::handle metadata, nb::handle timeout) {
   std::string f = stage_str(from), t = stage_str(to);
   Value md;
-  bool has_md = !metadata.is_none();
+  const bool has_md = !metadata.is_none();
   if (has_md) md = from_py(metadata);
   Deadline dl = kNoWait;
   if (!timeout.is_none()) dl = deadline_after(std::max(0.0, nb::cast<double>(timeout)));
   Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<GetResult> r = make_error(Errc::io, "");
-  // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
-  // and the slot is released when `g` goes out of scope below. A get that may block (keyless,
-  // with a timeout) releases the GIL; a lookup by metadata only takes microseconds.
   if (!has_md && dl != kNoWait) {
     nb::gil_scoped_release nogil;
     r = conn.get(f, t, key, nullptr, dl, GetOptions{true});
@@ -239,10 +240,19 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
     r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true});
   }
   if (!r.ok()) {
-    if (r.error().code == Errc::not_found || r.error().code == Errc::timeout) return nb::none();
+    if (r.error().code == Errc::not_found || r.error().code == Errc::timeout) return std::nullopt;
     raise(r.error());
   }
-  GetResult g = std::move(r).value();
+  return std::move(r).value();
+}
+
+nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, nb::handle metadata,
+                     nb::handle timeout, bool zero_copy) {
+  // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
+  // and the slot is released when `g` goes out of scope below.
+  std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout);
+  if (!got) return nb::none();
+  GetResult& g = *got;
   const Value* py = g.payload.tree.find("py");
   std::vector<nb::object> objs;
   objs.reserve(g.payload.tensors.size());
@@ -272,29 +282,13 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
 // caller owns and may reuse: one memcpy, no allocation. Returns the bytes written, None when absent.
 nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key,
                           nb::handle metadata, nb::handle timeout, nb::handle out) {
-  std::string f = stage_str(from), t = stage_str(to);
-  Value md;
-  const bool has_md = !metadata.is_none();
-  if (has_md) md = from_py(metadata);
-  Deadline dl = kNoWait;
-  if (!timeout.is_none()) dl = deadline_after(std::max(0.0, nb::cast<double>(timeout)));
   Py_buffer view;
   if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
   BufferViews hold;
   hold.views.push_back(view);
-  Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
-  Result<GetResult> r = make_error(Errc::io, "");
-  if (!has_md && dl != kNoWait) {
-    nb::gil_scoped_release nogil;
-    r = conn.get(f, t, key, nullptr, dl, GetOptions{true});
-  } else {
-    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true});
-  }
-  if (!r.ok()) {
-    if (r.error().code == Errc::not_found || r.error().code == Errc::timeout) return nb::none();
-    raise(r.error());
-  }
-  GetResult g = std::move(r).value();
+  std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout);
+  if (!got) return nb::none();
+  GetResult& g = *got;
   size_t idx = 0;
   if (const Value* py = g.payload.tree.find("py")) {
     int64_t kind = 0;
