@@ -5,4 +5,5 @@
 #include "stagelink/frame.hpp"
 #include "stagelink/payload.hpp"
 #include "stagelink/result.hpp"
+#include "stagelink/mq.hpp"
 #include "stagelink/shm.hpp"

@@ -30,15 +30,20 @@ std::vector<std::string> our_files(const std::string& dir) {
 bool ends_with(const std::string& s, const std::string& suf) {
   return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
 }
-// Arena and segment names end in ".a<pid>.<n>" or ".x<pid>.<n>": the creating pid.
+// Names end in ".<kind><pid>.<n>" (kinds a, x; q, o, m for message queues): the creating pid.
 uint32_t pid_in_name(const std::string& n, std::string& kind) {
   auto dot = n.rfind('.');
   if (dot == std::string::npos || dot == 0) return 0;
   auto dot2 = n.rfind('.', dot - 1);
   if (dot2 == std::string::npos || dot2 + 2 > dot) return 0;
-  char k = n[dot2 + 1];
-  if (k != 'a' && k != 'x') return 0;
-  kind = k == 'a' ? "arena" : "segment";
+  switch (n[dot2 + 1]) {
+    case 'a': kind = "arena"; break;
+    case 'x': kind = "segment"; break;
+    case 'q': kind = "mq ring"; break;          // message queue: named until every reader attached
+    case 'o': kind = "mq overflow"; break;
+    case 'm': kind = "mq message"; break;       // one large message, until every reader read it
+    default: return 0;
+  }
   return uint32_t(std::strtoul(n.c_str() + dot2 + 2, nullptr, 10));
 }
 }  // namespace

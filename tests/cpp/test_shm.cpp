@@ -9,9 +9,12 @@
 #include <cstring>
 #include <thread>
 
+#include "util.hpp"
 #include "stagelink/stagelink.hpp"
 
 using namespace stagelink;
+using testing_util::checksum;
+using testing_util::wait_child;
 
 namespace {
 std::string unique_ns(const char* tag) {
@@ -31,11 +34,6 @@ std::unique_ptr<Connector> make(const Value& e) {
   auto c = create_connector("SharedMemoryConnector", e);
   EXPECT_TRUE(c.ok()) << (c.ok() ? "" : c.error().message);
   return c.ok() ? std::move(c).value() : nullptr;
-}
-uint64_t checksum(std::span<const std::byte> s) {
-  uint64_t h = 1469598103934665603ull;
-  for (auto b : s) h = (h ^ uint64_t(b)) * 1099511628211ull;
-  return h;
 }
 std::vector<std::byte> pattern(size_t n, uint32_t seed) {
   std::vector<std::byte> v(n);
@@ -58,11 +56,6 @@ size_t files_with(const std::string& needle) {
   while (dirent* e = readdir(d)) if (std::string(e->d_name).find(needle) != std::string::npos) ++n;
   closedir(d);
   return n;
-}
-int wait_child(pid_t pid) {
-  int st = 0;
-  waitpid(pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 }  // namespace
 

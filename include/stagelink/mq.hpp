@@ -1,0 +1,86 @@
+// MessageQueue: one writer, N readers (vLLM's shm_broadcast, done right).
+//
+// Local readers read a shared-memory ring (stagelink::shm::Ring); messages larger than a chunk go
+// through a shared-memory overflow area (or a segment of their own when larger than that), never a
+// socket. Remote readers (other hosts) subscribe over ZeroMQ (XPUB/SUB over TCP) and receive the
+// same messages in the same order. Every message is a frame (frame.hpp).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "stagelink/frame.hpp"
+#include "stagelink/payload.hpp"
+#include "stagelink/result.hpp"
+
+namespace stagelink {
+
+struct MessageQueueOptions {
+  uint32_t n_reader = 1;                 // all readers, local and remote
+  uint32_t n_local_reader = 1;           // readers on this host (ring)
+  std::vector<uint32_t> local_reader_ranks;  // ranks of the local readers (default 0..n_local-1)
+  size_t max_chunk_bytes = 10u << 20;    // ring chunk size (vLLM's default)
+  uint32_t max_chunks = 10;              // ring length (vLLM's default)
+  size_t overflow_bytes = 64u << 20;     // shared-memory area for messages larger than a chunk
+  std::string connect_ip = "127.0.0.1";  // address remote readers connect to (bound by the writer)
+  int remote_port = 0;                   // 0: an ephemeral port
+  int remote_hwm = 1000;                 // messages queued per remote reader before enqueue blocks
+  double warn_interval_s = 60.0;         // a blocked writer logs the readers it waits for this often
+  bool drop_dead_readers = false;        // a dead local reader is dropped instead of failing enqueue
+  uint64_t spin_us = 50;                 // spin before sleeping in the kernel
+  std::string shm_dir = "/dev/shm";
+};
+
+// What a reader needs to attach; small and serializable (to_msgpack/from_msgpack).
+struct MessageQueueHandle {
+  std::string shm_dir, ring_name, overflow_name;
+  std::vector<uint32_t> local_reader_ranks;
+  uint32_t n_reader = 0;
+  std::string remote_addr;  // empty: no remote readers
+  uint64_t spin_us = 50;
+  std::vector<std::byte> to_msgpack() const;
+  static Result<MessageQueueHandle> from_msgpack(std::span<const std::byte> bytes);
+};
+
+// A received message. The payload owns its bytes (copied out of the ring once).
+struct Message {
+  uint64_t seq = 0;
+  Payload payload;
+  size_t size = 0;  // frame bytes
+};
+
+class MessageQueue {
+ public:
+  static Result<std::unique_ptr<MessageQueue>> create(const MessageQueueOptions& o);
+  static Result<std::unique_ptr<MessageQueue>> create_from_handle(const MessageQueueHandle& h, uint32_t rank);
+  virtual ~MessageQueue() = default;
+
+  virtual MessageQueueHandle export_handle() const = 0;
+  virtual bool is_writer() const = 0;
+  virtual uint32_t rank() const = 0;  // readers: their rank
+  // Writer: until every local reader attached and every remote reader subscribed (then the ring's
+  // name is unlinked: nothing is left in /dev/shm even if a process crashes). Readers: until the
+  // subscription is up (remote) / immediately (local). Errors: timeout naming who is missing.
+  virtual Status wait_until_ready(double timeout_s) = 0;
+
+  // timeout_s < 0: wait forever (with the periodic warning); 0: one attempt.
+  // Errors: timeout (naming the readers behind), peer_dead (a reader died), cancelled, invalid_argument.
+  virtual Status enqueue(const Payload& p, double timeout_s) = 0;
+  Status enqueue_bytes(std::span<const std::byte> bytes, double timeout_s);
+  // Readers. Errors: timeout, cancelled (shutdown), peer_dead (writer died), closed (dropped), corrupt.
+  virtual Result<Message> dequeue(double timeout_s) = 0;
+  // Zero-copy read: `fn` sees the frame in place (shared memory) before the chunk is released.
+  virtual Status dequeue_with(double timeout_s, const std::function<void(std::span<const std::byte> frame)>& fn) = 0;
+
+  // Writer: stop waiting for local reader `rank`.
+  virtual Status drop_reader(uint32_t rank) = 0;
+  // Wake every blocked reader and writer with `cancelled` (the writer's shutdown reaches all
+  // readers; a reader's only itself). Idempotent.
+  virtual void shutdown() = 0;
+  // Counters: messages, bytes, overflow and dedicated messages, readers attached, ...
+  virtual Value stats() = 0;
+};
+
+}  // namespace stagelink

@@ -1,0 +1,657 @@
+// MessageQueue façade: frames over the shared-memory ring for local readers, ZeroMQ XPUB/SUB for
+// remote ones, an overflow area for messages larger than a chunk.
+#include "stagelink/mq.hpp"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <set>
+#include <zmq.hpp>
+
+#include "core/log.hpp"
+#include "core/msgpack_io.hpp"
+#include "core/proc.hpp"
+#include "shm/ring.hpp"
+#include "stagelink/allocator.hpp"
+#include "stagelink/shm.hpp"
+
+namespace stagelink {
+
+using shm::Ring;
+using shm::RingChunk;
+using shm::Segment;
+
+namespace {
+std::atomic<uint32_t> g_mq_counter{0};
+constexpr char kMsgTag = 'M';
+constexpr char kShutdownTag = 'S';
+constexpr size_t kMaxSegName = 200;
+
+uint64_t deadline_from(double timeout_s) {
+  if (timeout_s < 0) return 0;  // forever
+  return mono_ns() + uint64_t(timeout_s * 1e9) + (timeout_s == 0 ? 1 : 0);
+}
+// The subscription topic a remote reader adds so the writer knows its rank. Messages start with
+// 'M' or 'S', so this topic never matches one.
+std::string rank_topic(uint32_t rank) { return "\xffR" + std::to_string(rank); }
+
+std::string ranks_str(const std::vector<uint32_t>& r) {
+  std::string s;
+  for (auto x : r) s += (s.empty() ? "" : ", ") + std::to_string(x);
+  return s;
+}
+
+}  // namespace
+
+// ---- handle ----
+std::vector<std::byte> MessageQueueHandle::to_msgpack() const {
+  Value::Map m;
+  m.emplace_back("v", uint64_t(1));
+  m.emplace_back("dir", shm_dir);
+  m.emplace_back("ring", ring_name);
+  m.emplace_back("ovf", overflow_name);
+  Value::List ranks;
+  for (auto r : local_reader_ranks) ranks.emplace_back(uint64_t(r));
+  m.emplace_back("ranks", Value(std::move(ranks)));
+  m.emplace_back("n", uint64_t(n_reader));
+  m.emplace_back("remote", remote_addr);
+  m.emplace_back("spin", uint64_t(spin_us));
+  return value_to_msgpack(Value(std::move(m)));
+}
+
+Result<MessageQueueHandle> MessageQueueHandle::from_msgpack(std::span<const std::byte> bytes) {
+  SL_ASSIGN(Value v, value_from_msgpack(bytes));
+  auto bad = [](const char* why) { return make_error(Errc::invalid_argument, std::string("bad message queue handle: ") + why); };
+  uint64_t ver = 0, n = 0, spin = 0;
+  const Value* f;
+  if (!(f = v.find("v")) || !f->get_u64(ver) || ver != 1) return bad("version");
+  MessageQueueHandle h;
+  auto str = [&](const char* k, std::string& out) {
+    const Value* x = v.find(k);
+    if (!x || !x->is<std::string>()) return false;
+    out = x->as<std::string>();
+    return true;
+  };
+  if (!str("dir", h.shm_dir) || !str("ring", h.ring_name) || !str("ovf", h.overflow_name) || !str("remote", h.remote_addr))
+    return bad("missing fields");
+  if (!(f = v.find("n")) || !f->get_u64(n) || n == 0 || n > 4096) return bad("n_reader");
+  if (!(f = v.find("spin")) || !f->get_u64(spin) || spin > 10'000'000) return bad("spin");
+  h.n_reader = uint32_t(n);
+  h.spin_us = spin;
+  f = v.find("ranks");
+  if (!f || !f->is<Value::List>()) return bad("ranks");
+  for (auto& r : f->as<Value::List>()) {
+    uint64_t x;
+    if (!r.get_u64(x) || x >= n) return bad("rank out of range");
+    h.local_reader_ranks.push_back(uint32_t(x));
+  }
+  if (h.shm_dir.empty() || h.shm_dir[0] != '/') return bad("shm_dir");
+  for (auto* name : {&h.ring_name, &h.overflow_name})
+    if (!name->empty() && (name->size() > kMaxSegName || name->rfind(shm::user_prefix(), 0) != 0 ||
+                           name->find('/') != std::string::npos))
+      return bad("segment name outside this user's prefix");
+  if (!h.local_reader_ranks.empty() && h.ring_name.empty()) return bad("local readers without a ring");
+  return h;
+}
+
+Status MessageQueue::enqueue_bytes(std::span<const std::byte> bytes, double timeout_s) {
+  Payload p;
+  p.tree = Value(TensorRef{0});
+  p.tensors.push_back(Tensor::view_of(bytes));
+  return enqueue(p, timeout_s);
+}
+
+// ---- writer ----
+class MqWriter final : public MessageQueue {
+ public:
+  explicit MqWriter(MessageQueueOptions o) : o_(std::move(o)) {}
+  ~MqWriter() override { close(); }
+
+  Status init() {
+    if (o_.n_reader == 0) return make_error(Errc::invalid_argument, "n_reader must be at least 1");
+    if (o_.n_local_reader > o_.n_reader)
+      return make_error(Errc::invalid_argument, "n_local_reader (" + std::to_string(o_.n_local_reader) +
+                                                    ") exceeds n_reader (" + std::to_string(o_.n_reader) + ")");
+    if (o_.n_local_reader > shm::kRingMaxReaders)
+      return make_error(Errc::invalid_argument, "at most 64 local readers");
+    if (o_.local_reader_ranks.empty())
+      for (uint32_t r = 0; r < o_.n_local_reader; ++r) o_.local_reader_ranks.push_back(r);
+    if (o_.local_reader_ranks.size() != o_.n_local_reader)
+      return make_error(Errc::invalid_argument, "local_reader_ranks must list n_local_reader ranks");
+    std::set<uint32_t> seen;
+    for (auto r : o_.local_reader_ranks)
+      if (r >= o_.n_reader || !seen.insert(r).second)
+        return make_error(Errc::invalid_argument, "local_reader_ranks must be distinct ranks below n_reader");
+    for (uint32_t r = 0; r < o_.n_reader; ++r)
+      if (!seen.count(r)) remote_ranks_.push_back(r);
+    const std::string base = shm::user_prefix() + "mq.";
+    const uint32_t id = g_mq_counter.fetch_add(1);
+    tag_ = std::to_string(getpid()) + "." + std::to_string(id);
+    if (o_.n_local_reader) {
+      shm::RingOptions ro;
+      ro.n_readers = o_.n_local_reader;
+      ro.max_chunks = o_.max_chunks;
+      ro.chunk_bytes = o_.max_chunk_bytes;
+      ro.spin_ns = o_.spin_us * 1000;
+      SL_ASSIGN(ring_, Ring::create(o_.shm_dir, base + "q" + tag_, ro));
+      ring_->set_rank_names(o_.local_reader_ranks);
+      ring_named_ = true;
+      if (o_.overflow_bytes) {
+        ovf_name_ = base + "o" + tag_;
+        auto seg = Segment::create(o_.shm_dir, ovf_name_, o_.overflow_bytes, false);
+        if (!seg.ok()) {
+          Segment::unlink(o_.shm_dir, ring_->name());
+          return std::move(seg).error();
+        }
+        ovf_ = seg.value();
+        ovf_alloc_ = std::make_unique<BufferAllocator>(o_.overflow_bytes, 64);
+      }
+    }
+    if (!remote_ranks_.empty()) {
+      try {
+        pub_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::xpub);
+        pub_->set(zmq::sockopt::xpub_verbose, 1);
+        pub_->set(zmq::sockopt::xpub_nodrop, 1);
+        pub_->set(zmq::sockopt::sndhwm, o_.remote_hwm);
+        pub_->set(zmq::sockopt::linger, 5000);  // bounded: close() waits at most 5 s to flush
+        pub_->bind("tcp://" + o_.connect_ip + ":" + (o_.remote_port ? std::to_string(o_.remote_port) : std::string("*")));
+        remote_addr_ = pub_->get(zmq::sockopt::last_endpoint);
+      } catch (const zmq::error_t& e) {
+        close();
+        return make_error(Errc::io, std::string("binding the remote-reader socket on ") + o_.connect_ip + ": " + e.what());
+      }
+    }
+    return {};
+  }
+
+  MessageQueueHandle export_handle() const override {
+    MessageQueueHandle h;
+    h.shm_dir = o_.shm_dir;
+    h.ring_name = ring_ ? ring_->name() : "";
+    h.overflow_name = ovf_name_;
+    h.local_reader_ranks = o_.local_reader_ranks;
+    h.n_reader = o_.n_reader;
+    h.remote_addr = remote_addr_;
+    h.spin_us = o_.spin_us;
+    return h;
+  }
+  bool is_writer() const override { return true; }
+  uint32_t rank() const override { return 0; }
+
+  Status wait_until_ready(double timeout_s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return make_error(Errc::closed, "message queue is closed");
+    const uint64_t dl = deadline_from(timeout_s);
+    for (;;) {
+      if (pub_) drain_subscriptions(0);
+      const bool local_ok = !ring_ || ring_->attached_count() == o_.n_local_reader;
+      const bool remote_ok = remote_seen_.size() == remote_ranks_.size();
+      if (local_ok && remote_ok) break;
+      if (ring_ && ring_->is_shutdown()) return make_error(Errc::cancelled, "message queue was shut down");
+      if (dl && mono_ns() >= dl) {
+        std::vector<uint32_t> missing;
+        for (size_t i = 0; i < o_.local_reader_ranks.size(); ++i)
+          if (ring_->header().readers[i].state.load() == shm::kReaderAbsent) missing.push_back(o_.local_reader_ranks[i]);
+        for (auto r : remote_ranks_)
+          if (!remote_seen_.count(r)) missing.push_back(r);
+        return make_error(Errc::timeout, "message queue not ready after " + std::to_string(timeout_s) +
+                                             " s: readers not connected: ranks " + ranks_str(missing));
+      }
+      if (!local_ok) {
+        const uint32_t seen = ring_->header().attach_seq.load();
+        if (ring_->attached_count() != o_.n_local_reader) ring_->wait_attach(seen, remote_ok ? dl : mono_ns() + 10'000'000);
+      } else {
+        drain_subscriptions(100);  // remote: block in zmq_poll for up to 100 ms
+      }
+    }
+    // Everyone is in: take the names out of /dev/shm (the mappings live on).
+    unlink_names();
+    return {};
+  }
+
+  Status enqueue(const Payload& p, double timeout_s) override {
+    SL_ASSIGN(FramePlan plan, plan_frame(p));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return make_error(Errc::closed, "enqueue on a closed message queue");
+    const uint64_t dl = deadline_from(timeout_s);
+    std::span<const std::byte> written;  // the frame as written to shared memory (for remote)
+    if (ring_) {
+      reclaim();
+      if (plan.total <= ring_->chunk_bytes()) {
+        SL_ASSIGN(RingChunk * c, acquire(dl));
+        std::byte* dst = ring_->data(c);
+        write_frame(plan, p.tensors, dst);
+        written = {dst, plan.total};
+        ring_->publish(c, plan.total, shm::kInline, 0);
+      } else {
+        SL_TRY(enqueue_large(plan, p, dl, written));
+      }
+      ++messages_;
+      bytes_ += plan.total;
+    }
+    if (pub_) {
+      if (written.empty()) {
+        scratch_.resize(plan.total);
+        write_frame(plan, p.tensors, scratch_.data());
+        written = {scratch_.data(), scratch_.size()};
+      }
+      SL_TRY(send_remote(written, dl));
+      if (!ring_) {
+        ++messages_;
+        bytes_ += plan.total;
+      }
+    }
+    ++seq_;
+    return {};
+  }
+
+  Result<Message> dequeue(double) override {
+    return make_error(Errc::invalid_argument, "dequeue on the writer side of a message queue");
+  }
+  Status dequeue_with(double, const std::function<void(std::span<const std::byte>)>&) override {
+    return make_error(Errc::invalid_argument, "dequeue on the writer side of a message queue");
+  }
+
+  // No lock: the ring's reader state is atomic, and another thread may call this while enqueue blocks.
+  Status drop_reader(uint32_t rank) override {
+    for (size_t i = 0; i < o_.local_reader_ranks.size(); ++i)
+      if (o_.local_reader_ranks[i] == rank && ring_) return ring_->drop_reader(uint32_t(i), "drop_reader()");
+    return make_error(Errc::invalid_argument, "rank " + std::to_string(rank) + " is not a local reader");
+  }
+
+  void shutdown() override {
+    if (ring_) ring_->shutdown();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pub_ && !shutdown_sent_) {
+      shutdown_sent_ = true;
+      try {
+        pub_->set(zmq::sockopt::sndtimeo, 1000);
+        pub_->send(zmq::const_buffer(&kShutdownTag, 1), zmq::send_flags::none);
+      } catch (const zmq::error_t&) {
+      }
+    }
+  }
+
+  Value stats() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Value::Map m;
+    m.emplace_back("role", "writer");
+    m.emplace_back("messages", uint64_t(messages_));
+    m.emplace_back("bytes", uint64_t(bytes_));
+    m.emplace_back("overflow_messages", uint64_t(overflow_msgs_));
+    m.emplace_back("dedicated_messages", uint64_t(dedicated_msgs_));
+    m.emplace_back("local_readers_attached", uint64_t(ring_ ? ring_->attached_count() : 0));
+    m.emplace_back("remote_readers_subscribed", uint64_t(remote_seen_.size()));
+    m.emplace_back("overflow_used", uint64_t(ovf_alloc_ ? ovf_alloc_->used() : 0));
+    if (ring_) m.emplace_back("live_mask", uint64_t(ring_->header().live_mask.load()));
+    return Value(std::move(m));
+  }
+
+ private:
+  struct OutOfLine {
+    uint64_t seq;
+    size_t offset, length;         // overflow arena
+    std::string dedicated;         // or a segment of its own
+    std::shared_ptr<Segment> seg;
+  };
+
+  Result<RingChunk*> acquire(uint64_t dl) {
+    const uint64_t warn_ns = o_.warn_interval_s > 0 ? uint64_t(o_.warn_interval_s * 1e9) : 0;
+    return ring_->acquire_write(dl, o_.drop_dead_readers, warn_ns, [&](const std::vector<shm::Laggard>& lag, double waited) {
+      SL_LOG_WARN("message queue %s: enqueue of message %llu blocked for %.0f s; waiting for %s", ring_->name().c_str(),
+                  static_cast<unsigned long long>(seq_), waited, shm::describe(lag).c_str());
+    });
+  }
+
+  // Free overflow space and dedicated segments of messages every live reader has read.
+  void reclaim() {
+    while (!ool_.empty() && ring_->chunk_done(ool_.front().seq)) {
+      auto& r = ool_.front();
+      if (!r.dedicated.empty()) Segment::unlink(o_.shm_dir, r.dedicated);
+      else if (ovf_alloc_) (void)ovf_alloc_->free(r.offset, r.length);
+      ool_.pop_front();
+    }
+  }
+
+  Status enqueue_large(const FramePlan& plan, const Payload& p, uint64_t dl, std::span<const std::byte>& written) {
+    const uint64_t seq = ring_->next_seq();
+    if (ovf_alloc_ && plan.total <= ovf_alloc_->capacity()) {
+      // Room in the overflow area: wait (kernel sleep) for readers to finish older messages.
+      for (;;) {
+        const uint32_t seen = ring_->free_seq();
+        reclaim();
+        auto off = ovf_alloc_->allocate(plan.total);
+        if (off.ok()) {
+          SL_ASSIGN(RingChunk * c, acquire(dl));
+          std::byte* dst = ovf_->data() + *off;
+          write_frame(plan, p.tensors, dst);
+          written = {dst, plan.total};
+          ool_.push_back(OutOfLine{seq, *off, plan.total, "", nullptr});
+          ring_->publish(c, plan.total, shm::kOverflow, *off);
+          ++overflow_msgs_;
+          return {};
+        }
+        if (ring_->is_shutdown()) return make_error(Errc::cancelled, "message queue was shut down");
+        if (dl && mono_ns() >= dl)
+          return make_error(Errc::timeout, "message queue " + ring_->name() + ": no overflow room for a " +
+                                               std::to_string(plan.total) + "-byte message; not caught up: " +
+                                               shm::describe(ring_->oldest_laggards()));
+        ring_->wait_free(seen, dl);
+      }
+    }
+    // Larger than the overflow area: a segment of its own, named in the chunk, unlinked when read.
+    const std::string name = shm::user_prefix() + "mq.m" + tag_ + "x" + std::to_string(seq);
+    SL_ASSIGN(auto seg, Segment::create(o_.shm_dir, name, plan.total, false));
+    write_frame(plan, p.tensors, seg->data());
+    auto c = acquire(dl);
+    if (!c.ok()) {
+      Segment::unlink(o_.shm_dir, name);
+      return std::move(c).error();
+    }
+    std::memcpy(ring_->data(*c), name.c_str(), name.size() + 1);
+    written = {seg->data(), plan.total};
+    ool_.push_back(OutOfLine{seq, 0, 0, name, seg});
+    ring_->publish(*c, plan.total, shm::kDedicated, 0);
+    ++dedicated_msgs_;
+    return {};
+  }
+
+  Status send_remote(std::span<const std::byte> frame, uint64_t dl) {
+    char head[9];
+    head[0] = kMsgTag;
+    std::memcpy(head + 1, &seq_, 8);
+    int timeout_ms = -1;
+    if (dl) timeout_ms = int(std::max<int64_t>(0, int64_t(dl - std::min(dl, mono_ns())) / 1000000));
+    try {
+      pub_->set(zmq::sockopt::sndtimeo, timeout_ms);
+      if (!pub_->send(zmq::const_buffer(head, sizeof head), zmq::send_flags::sndmore) ||
+          !pub_->send(zmq::const_buffer(frame.data(), frame.size()), zmq::send_flags::none))
+        return make_error(Errc::timeout, "message queue: remote readers (ranks " + ranks_str(remote_ranks_) +
+                                             ") did not take message " + std::to_string(seq_) + " before the timeout (" +
+                                             std::to_string(o_.remote_hwm) + " messages queued)");
+    } catch (const zmq::error_t& e) {
+      return make_error(Errc::io, std::string("sending to remote readers: ") + e.what());
+    }
+    return {};
+  }
+
+  // Read subscription notices: "\x01\xffR<rank>" (joined) and "\x00\xffR<rank>" (left).
+  void drain_subscriptions(int wait_ms) {
+    zmq::pollitem_t item{pub_->handle(), 0, ZMQ_POLLIN, 0};
+    for (int i = 0;; ++i) {
+      if (zmq::poll(&item, 1, std::chrono::milliseconds(i == 0 ? wait_ms : 0)) <= 0) return;
+      zmq::message_t m;
+      if (!pub_->recv(m, zmq::recv_flags::dontwait)) return;
+      std::string s(static_cast<const char*>(m.data()), m.size());
+      if (s.size() < 3 || s[1] != '\xff' || s[2] != 'R') continue;
+      uint32_t r = uint32_t(std::strtoul(s.c_str() + 3, nullptr, 10));
+      if (s[0] == 1) remote_seen_.insert(r);
+      else {
+        remote_seen_.erase(r);
+        SL_LOG_WARN("message queue: remote reader rank %u disconnected", r);
+      }
+    }
+  }
+
+  void unlink_names() {
+    if (ring_named_) {
+      Segment::unlink(o_.shm_dir, ring_->name());
+      if (!ovf_name_.empty()) Segment::unlink(o_.shm_dir, ovf_name_);
+      ring_named_ = false;
+    }
+  }
+
+  void close() {
+    shutdown();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    if (ring_) unlink_names();
+    for (auto& r : ool_)
+      if (!r.dedicated.empty()) Segment::unlink(o_.shm_dir, r.dedicated);
+    ool_.clear();
+    pub_.reset();
+    ctx_.close();
+  }
+
+  MessageQueueOptions o_;
+  std::mutex mu_;
+  bool closed_ = false, shutdown_sent_ = false, ring_named_ = false;
+  std::unique_ptr<Ring> ring_;
+  std::string tag_, ovf_name_, remote_addr_;
+  std::shared_ptr<Segment> ovf_;
+  std::unique_ptr<BufferAllocator> ovf_alloc_;
+  std::deque<OutOfLine> ool_;
+  std::vector<uint32_t> remote_ranks_;
+  std::set<uint32_t> remote_seen_;
+  zmq::context_t ctx_{1};
+  std::unique_ptr<zmq::socket_t> pub_;
+  std::vector<std::byte> scratch_;
+  uint64_t seq_ = 0, messages_ = 0, bytes_ = 0, overflow_msgs_ = 0, dedicated_msgs_ = 0;
+};
+
+// ---- readers ----
+// What both kinds of reader share: no writing, and dequeue as a copy through dequeue_with.
+class MqReader : public MessageQueue {
+ public:
+  MqReader(MessageQueueHandle h, uint32_t rank) : h_(std::move(h)), rank_(rank) {}
+  MessageQueueHandle export_handle() const override { return h_; }
+  bool is_writer() const override { return false; }
+  uint32_t rank() const override { return rank_; }
+  Status wait_until_ready(double) override { return {}; }
+  Status enqueue(const Payload&, double) override {
+    return make_error(Errc::invalid_argument, "enqueue on a reader of a message queue");
+  }
+  Status drop_reader(uint32_t) override { return make_error(Errc::invalid_argument, "only the writer drops readers"); }
+  Result<Message> dequeue(double timeout_s) override {
+    Message m;
+    Status inner;
+    SL_TRY(dequeue_with(timeout_s, [&](std::span<const std::byte> frame) {
+      auto p = decode_frame_copy(frame);
+      if (!p.ok()) inner = std::move(p).error();
+      else m.payload = std::move(p).value();
+      m.size = frame.size();
+    }));
+    SL_TRY(inner);
+    m.seq = delivered() - 1;
+    return m;
+  }
+  Value stats() override {
+    Value::Map m;
+    m.emplace_back("role", kind());
+    m.emplace_back("rank", uint64_t(rank_));
+    m.emplace_back("messages", delivered());
+    return Value(std::move(m));
+  }
+
+ protected:
+  virtual uint64_t delivered() const = 0;  // messages handed out so far
+  virtual const char* kind() const = 0;
+  MessageQueueHandle h_;
+  uint32_t rank_;
+};
+
+class MqLocalReader final : public MqReader {
+ public:
+  using MqReader::MqReader;
+
+  Status init(uint32_t local_index) {
+    shm::RingOptions ro;
+    ro.spin_ns = h_.spin_us * 1000;
+    auto r = Ring::attach(h_.shm_dir, h_.ring_name, local_index, ro);
+    if (!r.ok()) {
+      if (r.error().code == Errc::not_found)
+        return make_error(Errc::not_found, "message queue ring " + h_.ring_name +
+                                               " is gone: the writer closed, or every reader had attached already");
+      return std::move(r).error();
+    }
+    ring_ = std::move(r).value();
+    if (!h_.overflow_name.empty()) {
+      SL_ASSIGN(ovf_, Segment::open(h_.shm_dir, h_.overflow_name, false, false));
+    }
+    return {};
+  }
+
+  Status dequeue_with(double timeout_s, const std::function<void(std::span<const std::byte>)>& fn) override {
+    SL_ASSIGN(RingChunk * c, ring_->acquire_read(deadline_from(timeout_s)));
+    std::shared_ptr<Segment> dedicated;
+    auto frame = locate(c, dedicated);
+    if (!frame.ok()) {
+      ring_->release_read(c);
+      return std::move(frame).error();
+    }
+    fn(*frame);
+    const bool valid = ring_->still_valid(c);
+    ring_->release_read(c);
+    if (!valid) return make_error(Errc::closed, "reader rank " + std::to_string(rank_) + " was dropped while reading");
+    return {};
+  }
+
+  void shutdown() override { ring_->cancel_local(); }
+
+ protected:
+  uint64_t delivered() const override { return ring_->read_seq(); }
+  const char* kind() const override { return "local reader"; }
+
+ private:
+  Result<std::span<const std::byte>> locate(RingChunk* c, std::shared_ptr<Segment>& dedicated) {
+    const uint64_t len = c->len;
+    switch (c->kind) {
+      case shm::kInline:
+        if (len > ring_->chunk_bytes()) return make_error(Errc::corrupt, "ring chunk length exceeds the chunk");
+        return std::span<const std::byte>(ring_->data(c), len);
+      case shm::kOverflow:
+        if (!ovf_ || c->ov_offset > ovf_->size() || len > ovf_->size() - c->ov_offset)
+          return make_error(Errc::corrupt, "overflow message lies outside the overflow area");
+        return std::span<const std::byte>(ovf_->data() + c->ov_offset, len);
+      case shm::kDedicated: {
+        const char* name = reinterpret_cast<const char*>(ring_->data(c));
+        std::string n(name, strnlen(name, std::min<size_t>(kMaxSegName, ring_->chunk_bytes())));
+        if (n.rfind(shm::user_prefix() + "mq.m", 0) != 0 || n.find('/') != std::string::npos)
+          return make_error(Errc::corrupt, "dedicated message names a segment outside the queue's prefix");
+        SL_ASSIGN(dedicated, Segment::open(h_.shm_dir, n, false, false, len));
+        return std::span<const std::byte>(dedicated->data(), len);
+      }
+    }
+    return make_error(Errc::corrupt, "unknown ring message kind " + std::to_string(c->kind));
+  }
+
+  std::unique_ptr<Ring> ring_;
+  std::shared_ptr<Segment> ovf_;
+};
+
+class MqRemoteReader final : public MqReader {
+ public:
+  using MqReader::MqReader;
+  ~MqRemoteReader() override {
+    sub_.reset();
+    ctx_.close();
+    if (efd_ >= 0) ::close(efd_);
+  }
+
+  Status init() {
+    efd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (efd_ < 0) return make_error(Errc::io, "eventfd failed");
+    try {
+      sub_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::sub);
+      sub_->set(zmq::sockopt::rcvhwm, 0);
+      sub_->set(zmq::sockopt::linger, 0);
+      sub_->set(zmq::sockopt::subscribe, std::string(1, kMsgTag));
+      sub_->set(zmq::sockopt::subscribe, std::string(1, kShutdownTag));
+      sub_->set(zmq::sockopt::subscribe, rank_topic(rank_));
+      sub_->connect(h_.remote_addr);
+    } catch (const zmq::error_t& e) {
+      return make_error(Errc::io, "connecting to " + h_.remote_addr + ": " + e.what());
+    }
+    return {};
+  }
+
+  Status dequeue_with(double timeout_s, const std::function<void(std::span<const std::byte>)>& fn) override {
+    const uint64_t dl = deadline_from(timeout_s);
+    zmq::pollitem_t items[2] = {{sub_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, efd_, ZMQ_POLLIN, 0}};
+    for (;;) {
+      if (cancelled_.load()) return make_error(Errc::cancelled, "message queue was shut down");
+      zmq::message_t head;
+      if (sub_->recv(head, zmq::recv_flags::dontwait)) {
+        std::vector<zmq::message_t> rest;
+        for (bool more = head.more(); more; more = rest.back().more()) {
+          rest.emplace_back();
+          if (!sub_->recv(rest.back(), zmq::recv_flags::none)) return make_error(Errc::io, "truncated multipart message");
+        }
+        const char* d = static_cast<const char*>(head.data());
+        if (head.size() >= 1 && d[0] == kShutdownTag) {
+          cancelled_.store(true);
+          return make_error(Errc::cancelled, "message queue was shut down by the writer");
+        }
+        if (head.size() != 9 || d[0] != kMsgTag || rest.size() != 1)
+          return make_error(Errc::corrupt, "malformed message from the writer");
+        uint64_t seq;
+        std::memcpy(&seq, d + 1, 8);
+        if (seq != next_)
+          return make_error(Errc::corrupt, "remote reader rank " + std::to_string(rank_) + " expected message " +
+                                               std::to_string(next_) + " but got " + std::to_string(seq) +
+                                               " (did the writer enqueue before wait_until_ready?)");
+        ++next_;
+        fn(std::span<const std::byte>(static_cast<const std::byte*>(rest[0].data()), rest[0].size()));
+        return {};
+      }
+      int wait_ms = -1;
+      if (dl) {
+        const uint64_t now = mono_ns();
+        if (now >= dl)
+          return make_error(Errc::timeout, "remote reader rank " + std::to_string(rank_) + ": no message " +
+                                               std::to_string(next_) + " from " + h_.remote_addr + " before the timeout");
+        wait_ms = int(std::min<uint64_t>((dl - now + 999999) / 1000000, 1u << 30));
+      }
+      zmq::poll(items, 2, std::chrono::milliseconds(wait_ms));
+    }
+  }
+
+  void shutdown() override {
+    cancelled_.store(true);
+    uint64_t one = 1;
+    if (::write(efd_, &one, sizeof one) < 0) {
+    }
+  }
+
+ protected:
+  uint64_t delivered() const override { return next_; }
+  const char* kind() const override { return "remote reader"; }
+
+ private:
+  zmq::context_t ctx_{1};
+  std::unique_ptr<zmq::socket_t> sub_;
+  int efd_ = -1;
+  std::atomic<bool> cancelled_{false};
+  uint64_t next_ = 0;
+};
+
+Result<std::unique_ptr<MessageQueue>> MessageQueue::create(const MessageQueueOptions& o) {
+  auto w = std::make_unique<MqWriter>(o);
+  SL_TRY(w->init());
+  return std::unique_ptr<MessageQueue>(std::move(w));
+}
+
+Result<std::unique_ptr<MessageQueue>> MessageQueue::create_from_handle(const MessageQueueHandle& h, uint32_t rank) {
+  if (rank >= h.n_reader)
+    return make_error(Errc::invalid_argument, "rank " + std::to_string(rank) + " out of range: the queue has " +
+                                                  std::to_string(h.n_reader) + " readers");
+  for (size_t i = 0; i < h.local_reader_ranks.size(); ++i) {
+    if (h.local_reader_ranks[i] != rank) continue;
+    auto r = std::make_unique<MqLocalReader>(h, rank);
+    SL_TRY(r->init(uint32_t(i)));
+    return std::unique_ptr<MessageQueue>(std::move(r));
+  }
+  if (h.remote_addr.empty())
+    return make_error(Errc::invalid_argument, "rank " + std::to_string(rank) + " is not a local reader and the queue has no remote address");
+  auto r = std::make_unique<MqRemoteReader>(h, rank);
+  SL_TRY(r->init());
+  return std::unique_ptr<MessageQueue>(std::move(r));
+}
+
+}  // namespace stagelink

@@ -1,0 +1,336 @@
+#include "shm/ring.hpp"
+
+#include <cstring>
+#include <thread>
+
+#include "core/log.hpp"
+#include "shm/futex.hpp"
+
+namespace stagelink::shm {
+
+namespace {
+constexpr size_t align64(size_t v) { return (v + 63) / 64 * 64; }
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// Spin on `ready()` for up to spin_ns, checking the clock every 64 rounds.
+template <class F>
+bool spin_until(F&& ready, uint64_t spin_ns) {
+  if (spin_ns == 0) return ready();
+  const uint64_t until = mono_ns() + spin_ns;
+  for (uint32_t i = 0;; ++i) {
+    if (ready()) return true;
+    cpu_relax();
+    if ((i & 63) == 63 && mono_ns() >= until) return ready();
+  }
+}
+
+}  // namespace
+
+std::string describe(const std::vector<Laggard>& l) {
+  std::string s;
+  for (auto& g : l) {
+    if (!s.empty()) s += ", ";
+    s += "rank " + std::to_string(g.rank);
+    if (g.pid == 0) s += " (never attached)";
+    else s += " (pid " + std::to_string(g.pid) + (g.alive ? "" : ", dead") + ", read " + std::to_string(g.consumed) + ")";
+  }
+  return s;
+}
+
+size_t ring_bytes(const RingOptions& o) {
+  return align64(sizeof(RingHeader)) + align64(sizeof(RingChunk) * o.max_chunks) +
+         size_t(o.max_chunks) * align64(o.chunk_bytes);
+}
+
+Result<std::unique_ptr<Ring>> Ring::create(const std::string& dir, const std::string& name, const RingOptions& o) {
+  if (o.n_readers > kRingMaxReaders)
+    return make_error(Errc::invalid_argument, "at most 64 local readers, got " + std::to_string(o.n_readers));
+  if (o.max_chunks < 1 || o.max_chunks > (1u << 20))
+    return make_error(Errc::invalid_argument, "max_chunks must be in [1, 1048576], got " + std::to_string(o.max_chunks));
+  if (o.chunk_bytes < 64 || o.chunk_bytes > (1ull << 32))
+    return make_error(Errc::invalid_argument, "max_chunk_bytes must be in [64, 4 GiB], got " + std::to_string(o.chunk_bytes));
+  SL_ASSIGN(auto seg, Segment::create(dir, name, ring_bytes(o), true));
+  std::unique_ptr<Ring> r(new Ring());
+  r->seg_ = seg;
+  r->opts_ = o;
+  r->writer_ = true;
+  r->hdr_ = new (seg->data()) RingHeader();  // the segment is zero-filled: placement-new sets up atomics
+  auto& h = *r->hdr_;
+  h.n_readers = o.n_readers;
+  h.max_chunks = o.max_chunks;
+  h.chunk_bytes = align64(o.chunk_bytes);
+  const ProcId me = self_proc();
+  h.writer_pid = me.pid;
+  h.writer_start = me.start;
+  h.created_ns = now_ns();
+  h.live_mask.store(r->all_mask(), std::memory_order_relaxed);
+  r->chunks_ = reinterpret_cast<RingChunk*>(seg->data() + align64(sizeof(RingHeader)));
+  r->data_ = seg->data() + align64(sizeof(RingHeader)) + align64(sizeof(RingChunk) * o.max_chunks);
+  h.version = kRingVersion;
+  std::atomic_thread_fence(std::memory_order_release);
+  std::atomic_ref<uint32_t>(h.magic).store(kRingMagic, std::memory_order_release);
+  return r;
+}
+
+Result<std::unique_ptr<Ring>> Ring::attach(const std::string& dir, const std::string& name, uint32_t rank,
+                                           const RingOptions& o) {
+  SL_ASSIGN(auto seg, Segment::open(dir, name, true, true, sizeof(RingHeader)));
+  auto* h = reinterpret_cast<RingHeader*>(seg->data());
+  if (std::atomic_ref<uint32_t>(h->magic).load(std::memory_order_acquire) != kRingMagic || h->version != kRingVersion)
+    return make_error(Errc::corrupt, "'" + name + "' is not a stagelink ring (bad magic or version)");
+  if (h->n_readers > kRingMaxReaders || h->max_chunks == 0 ||
+      ring_bytes(RingOptions{h->n_readers, h->max_chunks, h->chunk_bytes}) > seg->size())
+    return make_error(Errc::corrupt, "ring '" + name + "' header does not match its size");
+  if (rank >= h->n_readers)
+    return make_error(Errc::invalid_argument, "local reader rank " + std::to_string(rank) + " out of range: the ring has " +
+                                                  std::to_string(h->n_readers) + " local readers");
+  RingReader& me = h->readers[rank];
+  uint32_t st = kReaderAbsent;
+  if (!me.state.compare_exchange_strong(st, kReaderAttached, std::memory_order_acq_rel)) {
+    const uint32_t pid = me.pid.load();
+    if (st == kReaderAttached && proc_alive(ProcId{pid, me.start.load()}))
+      return make_error(Errc::exists, "reader rank " + std::to_string(rank) + " of '" + name + "' is already attached (pid " +
+                                          std::to_string(pid) + ")");
+    return make_error(Errc::invalid_argument, "reader rank " + std::to_string(rank) + " of '" + name +
+                                                  "' was attached before and left or was dropped");
+  }
+  const ProcId self = self_proc();
+  me.pid.store(self.pid, std::memory_order_relaxed);
+  me.start.store(self.start, std::memory_order_relaxed);
+  me.consumed.store(0, std::memory_order_release);
+  h->attach_seq.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&h->attach_seq);
+  std::unique_ptr<Ring> r(new Ring());
+  r->seg_ = seg;
+  r->opts_ = o;
+  r->hdr_ = h;
+  r->rank_ = rank;
+  r->chunks_ = reinterpret_cast<RingChunk*>(seg->data() + align64(sizeof(RingHeader)));
+  r->data_ = seg->data() + align64(sizeof(RingHeader)) + align64(sizeof(RingChunk) * h->max_chunks);
+  return r;
+}
+
+Ring::~Ring() {
+  if (!hdr_) return;
+  if (!writer_) {
+    // Leaving: the writer stops waiting for us.
+    RingReader& me = hdr_->readers[rank_];
+    uint32_t st = kReaderAttached;
+    if (me.state.compare_exchange_strong(st, kReaderLeft, std::memory_order_acq_rel)) {
+      hdr_->live_mask.fetch_and(~(1ull << rank_), std::memory_order_acq_rel);
+      hdr_->free_seq.fetch_add(1, std::memory_order_seq_cst);
+      if (hdr_->free_waiters.load(std::memory_order_seq_cst)) futex_wake_all(&hdr_->free_seq);
+      hdr_->attach_seq.fetch_add(1, std::memory_order_seq_cst);
+      futex_wake_all(&hdr_->attach_seq);
+    }
+  }
+}
+
+std::byte* Ring::data(RingChunk* c) { return data_ + size_t(c - chunks_) * hdr_->chunk_bytes; }
+
+bool Ring::chunk_free(RingChunk* c) const {
+  if (c->seq.load(std::memory_order_acquire) == 0) return true;
+  const uint64_t live = hdr_->live_mask.load(std::memory_order_acquire);
+  return ((c->read_mask.load(std::memory_order_acquire) | ~live) & all_mask()) == all_mask();
+}
+
+bool Ring::chunk_done(uint64_t seq) {
+  RingChunk* c = chunk(seq);
+  const uint64_t s = c->seq.load(std::memory_order_acquire);
+  if (s != seq + 1) return s > seq + 1;  // reused since: it was done
+  return chunk_free(c);
+}
+
+std::vector<Laggard> Ring::laggards_for(RingChunk* c) const {
+  std::vector<Laggard> out;
+  const uint64_t live = hdr_->live_mask.load(std::memory_order_acquire);
+  const uint64_t mask = c->read_mask.load(std::memory_order_acquire);
+  for (uint32_t r = 0; r < hdr_->n_readers; ++r) {
+    if (!(live >> r & 1) || (mask >> r & 1)) continue;
+    const RingReader& rd = hdr_->readers[r];
+    Laggard g{r, rank_name(r), 0, false, rd.consumed.load(std::memory_order_relaxed)};
+    if (rd.state.load(std::memory_order_acquire) == kReaderAttached) {
+      g.pid = rd.pid.load(std::memory_order_relaxed);
+      g.alive = proc_alive(ProcId{g.pid, rd.start.load(std::memory_order_relaxed)});
+    } else {
+      g.alive = true;  // not attached yet: not dead
+    }
+    out.push_back(g);
+  }
+  return out;
+}
+
+Result<RingChunk*> Ring::acquire_write(uint64_t deadline_ns, bool drop_dead, uint64_t warn_ns,
+                                       const std::function<void(const std::vector<Laggard>&, double)>& on_blocked) {
+  RingChunk* c = chunk(wseq_);
+  if (spin_until([&] { return chunk_free(c) || is_shutdown(); }, opts_.spin_ns)) {
+    if (is_shutdown()) return make_error(Errc::cancelled, "message queue was shut down");
+    return c;
+  }
+  const uint64_t t0 = mono_ns();
+  uint64_t next_warn = warn_ns ? t0 + warn_ns : 0;
+  for (;;) {
+    const uint32_t seen = hdr_->free_seq.load(std::memory_order_seq_cst);
+    hdr_->free_waiters.fetch_add(1, std::memory_order_seq_cst);
+    const bool ready = chunk_free(c) || is_shutdown() || local_cancel_.load();
+    uint64_t now = mono_ns();
+    if (!ready) {
+      uint64_t until = now + opts_.liveness_ns;
+      if (deadline_ns && deadline_ns < until) until = deadline_ns;
+      if (next_warn && next_warn < until) until = next_warn;
+      futex_wait(&hdr_->free_seq, seen, until);
+      now = mono_ns();
+    }
+    hdr_->free_waiters.fetch_sub(1, std::memory_order_seq_cst);
+    if (is_shutdown() || local_cancel_.load()) return make_error(Errc::cancelled, "message queue was shut down");
+    if (chunk_free(c)) return c;
+    // Still blocked: who is behind, and are they alive?
+    auto lag = laggards_for(c);
+    for (auto& g : lag) {
+      if (g.alive) continue;
+      if (drop_dead) {
+        SL_LOG_WARN("message queue %s: reader rank %u (pid %u) died; dropping it", name().c_str(), g.rank, g.pid);
+        (void)drop_reader(g.index, "died");
+      } else {
+        return make_error(Errc::peer_dead, "message queue " + name() + ": reader rank " + std::to_string(g.rank) +
+                                               " (pid " + std::to_string(g.pid) +
+                                               ") died; drop_reader(" + std::to_string(g.rank) + ") to go on without it");
+      }
+    }
+    if (chunk_free(c)) return c;
+    if (next_warn && now >= next_warn) {
+      if (on_blocked) on_blocked(lag, double(now - t0) / 1e9);
+      next_warn = now + warn_ns;
+    }
+    if (deadline_ns && now >= deadline_ns)
+      return make_error(Errc::timeout, "message queue " + name() + ": message " + std::to_string(wseq_) +
+                                           " has no free chunk after " + std::to_string(double(now - t0) / 1e9) +
+                                           " s; not caught up: " + describe(lag));
+  }
+}
+
+void Ring::publish(RingChunk* c, uint64_t len, RingMsgKind kind, uint64_t ov_offset) {
+  c->len = len;
+  c->kind = kind;
+  c->ov_offset = ov_offset;
+  c->read_mask.store(0, std::memory_order_relaxed);
+  c->seq.store(wseq_ + 1, std::memory_order_release);
+  ++wseq_;
+  hdr_->pub_seq.fetch_add(1, std::memory_order_seq_cst);
+  if (hdr_->pub_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->pub_seq);
+}
+
+Status Ring::drop_reader(uint32_t rank, const char* why) {
+  if (rank >= hdr_->n_readers) return make_error(Errc::invalid_argument, "no local reader rank " + std::to_string(rank));
+  hdr_->live_mask.fetch_and(~(1ull << rank), std::memory_order_acq_rel);
+  RingReader& rd = hdr_->readers[rank];
+  uint32_t st = rd.state.load();
+  while (st != kReaderLeft && st != kReaderDropped && !rd.state.compare_exchange_weak(st, kReaderDropped)) {
+  }
+  SL_LOG_INFO("message queue %s: reader rank %u dropped (%s)", name().c_str(), rank_name(rank), why);
+  // A dropped reader that is still alive and blocked learns it at its next wake-up.
+  hdr_->pub_seq.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&hdr_->pub_seq);
+  return {};
+}
+
+uint32_t Ring::attached_count() const {
+  uint32_t n = 0;
+  for (uint32_t r = 0; r < hdr_->n_readers; ++r)
+    if (hdr_->readers[r].state.load(std::memory_order_acquire) != kReaderAbsent) ++n;
+  return n;
+}
+
+void Ring::wait_attach(uint32_t seen, uint64_t deadline_ns) {
+  uint64_t until = mono_ns() + opts_.liveness_ns;
+  if (deadline_ns && deadline_ns < until) until = deadline_ns;
+  futex_wait(&hdr_->attach_seq, seen, until);
+}
+
+void Ring::wait_free(uint32_t seen, uint64_t deadline_ns) {
+  hdr_->free_waiters.fetch_add(1, std::memory_order_seq_cst);
+  uint64_t until = mono_ns() + opts_.liveness_ns;
+  if (deadline_ns && deadline_ns < until) until = deadline_ns;
+  if (!is_shutdown() && !local_cancel_.load()) futex_wait(&hdr_->free_seq, seen, until);
+  hdr_->free_waiters.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+std::vector<Laggard> Ring::oldest_laggards() {
+  for (uint64_t s = wseq_ > hdr_->max_chunks ? wseq_ - hdr_->max_chunks : 0; s < wseq_; ++s)
+    if (!chunk_done(s)) return laggards_for(chunk(s));
+  return {};
+}
+
+bool Ring::still_valid(RingChunk* c) const {
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return c->seq.load(std::memory_order_relaxed) == rseq_ + 1;
+}
+
+bool Ring::writer_alive() const { return proc_alive(ProcId{hdr_->writer_pid, hdr_->writer_start}); }
+
+Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
+  RingChunk* c = chunk(rseq_);
+  const uint64_t want = rseq_ + 1;
+  auto ready = [&] { return c->seq.load(std::memory_order_acquire) == want; };
+  auto dropped = [&] { return hdr_->readers[rank_].state.load(std::memory_order_acquire) == kReaderDropped; };
+  if (spin_until([&] { return ready() || is_shutdown(); }, opts_.spin_ns) && ready()) return c;
+  for (;;) {
+    const uint32_t seen = hdr_->pub_seq.load(std::memory_order_seq_cst);
+    hdr_->pub_waiters.fetch_add(1, std::memory_order_seq_cst);
+    bool ok = ready();
+    const bool stop = is_shutdown() || local_cancel_.load() || dropped();
+    if (!ok && !stop) {
+      uint64_t until = mono_ns() + opts_.liveness_ns;
+      if (deadline_ns && deadline_ns < until) until = deadline_ns;
+      futex_wait(&hdr_->pub_seq, seen, until);
+      ok = ready();
+    }
+    hdr_->pub_waiters.fetch_sub(1, std::memory_order_seq_cst);
+    if (ok) return c;  // pending messages are delivered even after a shutdown
+    if (dropped()) return make_error(Errc::closed, "reader rank " + std::to_string(rank_) + " was dropped by the writer");
+    if (is_shutdown() || local_cancel_.load()) return make_error(Errc::cancelled, "message queue was shut down");
+    const uint64_t now = mono_ns();
+    if (!writer_alive())
+      return make_error(Errc::peer_dead, "message queue " + name() + ": the writer (pid " +
+                                             std::to_string(hdr_->writer_pid) + ") died");
+    if (deadline_ns && now >= deadline_ns)
+      return make_error(Errc::timeout, "message queue " + name() + ": no message " + std::to_string(rseq_) +
+                                           " for reader rank " + std::to_string(rank_) + " before the timeout (writer pid " +
+                                           std::to_string(hdr_->writer_pid) + " alive, " +
+                                           std::to_string(hdr_->pub_seq.load()) + " messages published)");
+  }
+}
+
+void Ring::release_read(RingChunk* c) {
+  c->read_mask.fetch_or(1ull << rank_, std::memory_order_acq_rel);
+  ++rseq_;
+  hdr_->readers[rank_].consumed.store(rseq_, std::memory_order_release);
+  hdr_->free_seq.fetch_add(1, std::memory_order_seq_cst);
+  if (hdr_->free_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->free_seq);
+}
+
+void Ring::cancel_local() {
+  local_cancel_.store(true);
+  futex_wake_all(&hdr_->pub_seq);
+  futex_wake_all(&hdr_->free_seq);
+  futex_wake_all(&hdr_->attach_seq);
+}
+
+void Ring::shutdown() {
+  hdr_->shutdown.store(1, std::memory_order_seq_cst);
+  hdr_->pub_seq.fetch_add(1, std::memory_order_seq_cst);
+  hdr_->free_seq.fetch_add(1, std::memory_order_seq_cst);
+  hdr_->attach_seq.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&hdr_->pub_seq);
+  futex_wake_all(&hdr_->free_seq);
+  futex_wake_all(&hdr_->attach_seq);
+}
+
+}  // namespace stagelink::shm

@@ -1,0 +1,360 @@
+// MessageQueue: the ring under threads (also run under ThreadSanitizer), and real processes:
+// local readers (fork), a remote reader over TCP, overflow, shutdown, timeouts, killed readers.
+#include <gtest/gtest.h>
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "shm/ring.hpp"
+#include "util.hpp"
+#include "stagelink/mq.hpp"
+#include "stagelink/shm.hpp"
+
+using namespace stagelink;
+using testing_util::checksum;
+using testing_util::wait_child;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+// Message i: deterministic size and bytes, so every reader can check it independently.
+std::vector<std::byte> message(uint64_t i, size_t max_size) {
+  std::mt19937_64 g(i * 7919 + 1);
+  const size_t n = (i % 97 == 0) ? 0 : size_t(g() % (max_size + 1));
+  std::vector<std::byte> v(n);
+  for (auto& b : v) b = std::byte(g());
+  return v;
+}
+// Message-queue segments of process `pid` (names "sl.<uid>.mq.<kind><pid>.<n>..."): tests run in
+// parallel, so count only our own.
+size_t mq_files(pid_t pid = getpid()) {
+  size_t n = 0;
+  const std::string pre = shm::user_prefix() + "mq.";
+  DIR* d = opendir("/dev/shm");
+  while (dirent* e = readdir(d)) {
+    std::string s = e->d_name;
+    if (s.rfind(pre, 0) != 0 || s.size() < pre.size() + 2) continue;
+    n += std::strtoul(s.c_str() + pre.size() + 1, nullptr, 10) == unsigned(pid);
+  }
+  closedir(d);
+  return n;
+}
+void jitter(std::mt19937& g) {
+  if (g() % 64 == 0) std::this_thread::sleep_for(std::chrono::microseconds(g() % 300));
+}
+// A reader process body: dequeue n messages, check order and bytes. Exit code 0 = all good.
+int read_all(const MessageQueueHandle& h, uint32_t rank, uint64_t n, size_t max_size, bool slow) {
+  auto q = MessageQueue::create_from_handle(h, rank);
+  if (!q.ok()) { fprintf(stderr, "attach %u: %s\n", rank, q.error().message.c_str()); return 2; }
+  std::mt19937 g(rank + 100);
+  for (uint64_t i = 0; i < n; ++i) {
+    auto m = (*q)->dequeue(30.0);
+    if (!m.ok()) { fprintf(stderr, "rank %u msg %lu: %s\n", rank, (unsigned long)i, m.error().message.c_str()); return 3; }
+    auto want = message(i, max_size);
+    if (m->seq != i || m->payload.tensors.size() != 1 || checksum(m->payload.tensors[0].data) != checksum(want) ||
+        m->payload.tensors[0].nbytes() != want.size()) {
+      fprintf(stderr, "rank %u msg %lu: wrong message (seq %lu)\n", rank, (unsigned long)i, (unsigned long)m->seq);
+      return 4;
+    }
+    if (slow || rank % 2) jitter(g);
+  }
+  return 0;
+}
+// A writer with two local readers (ranks 0 and 1) in this process.
+struct Trio {
+  std::unique_ptr<MessageQueue> w, r0, r1;
+  explicit Trio(MessageQueueOptions o) {
+    o.n_reader = o.n_local_reader = 2;
+    auto wr = MessageQueue::create(o);
+    EXPECT_TRUE(wr.ok()) << (wr.ok() ? "" : wr.error().message);
+    if (!wr.ok()) return;
+    w = std::move(wr).value();
+    auto a = MessageQueue::create_from_handle(w->export_handle(), 0);
+    auto b = MessageQueue::create_from_handle(w->export_handle(), 1);
+    EXPECT_TRUE(a.ok() && b.ok());
+    if (a.ok()) r0 = std::move(a).value();
+    if (b.ok()) r1 = std::move(b).value();
+  }
+};
+MessageQueueOptions small(size_t chunk, uint32_t chunks) {
+  MessageQueueOptions o;
+  o.max_chunk_bytes = chunk;
+  o.max_chunks = chunks;
+  return o;
+}
+}  // namespace
+
+// The ring's protocol with threads: 1 writer, 3 readers, random sizes and delays. Under
+// -DSTAGELINK_TSAN=ON this is the ThreadSanitizer check of the memory orders.
+TEST(Ring, ThreadsSeeEveryMessageInOrderIntact) {
+  const std::string name = shm::user_prefix() + "mq.tring" + std::to_string(getpid());
+  shm::RingOptions o;
+  o.n_readers = 3;
+  o.max_chunks = 4;
+  o.chunk_bytes = 256;
+  o.spin_ns = 2000;
+  auto w = shm::Ring::create("/dev/shm", name, o);
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  constexpr uint64_t kN = 5000;
+  std::vector<std::thread> readers;
+  std::atomic<int> bad{0};
+  for (uint32_t r = 0; r < 3; ++r) {
+    readers.emplace_back([&, r] {
+      auto rd = shm::Ring::attach("/dev/shm", name, r, o);
+      if (!rd.ok()) { bad++; return; }
+      std::mt19937 g(r);
+      for (uint64_t i = 0; i < kN; ++i) {
+        auto c = (*rd)->acquire_read(mono_ns() + 20'000'000'000ull);
+        if (!c.ok()) { bad++; return; }
+        auto want = message(i, 248);
+        if ((*c)->len != want.size() + 8 || std::memcmp((*rd)->data(*c), &i, 8) != 0 ||
+            std::memcmp((*rd)->data(*c) + 8, want.data(), want.size()) != 0)
+          bad++;
+        (*rd)->release_read(*c);
+        jitter(g);
+      }
+    });
+  }
+  std::mt19937 g(99);
+  for (uint64_t i = 0; i < kN; ++i) {
+    auto c = (*w)->acquire_write(mono_ns() + 20'000'000'000ull, false, 0, nullptr);
+    ASSERT_TRUE(c.ok()) << c.error().message;
+    auto m = message(i, 248);
+    std::memcpy((*w)->data(*c), &i, 8);
+    if (!m.empty()) std::memcpy((*w)->data(*c) + 8, m.data(), m.size());
+    (*w)->publish(*c, m.size() + 8, shm::kInline, 0);
+    jitter(g);
+  }
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  shm::Segment::unlink("/dev/shm", name);
+}
+
+// 1 to 8 local readers in processes, plus one remote reader over TCP; 10,000 messages of random
+// sizes from 0 B to 3x the chunk (overflow), random delays on both sides.
+class MqFanOut : public ::testing::TestWithParam<uint32_t> {};
+TEST_P(MqFanOut, EveryReaderGetsEveryMessageOnceInOrderIntact) {
+  const uint32_t n_local = GetParam();
+  const size_t before = mq_files();
+  MessageQueueOptions o;
+  o.n_reader = n_local + 1;
+  o.n_local_reader = n_local;
+  o.max_chunk_bytes = 4096;
+  o.max_chunks = 8;
+  o.overflow_bytes = 64 << 10;
+  o.spin_us = 20;
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  const auto h = (*w)->export_handle();
+  constexpr uint64_t kN = 10000;
+  const size_t max_size = 3 * 4096;
+  std::vector<pid_t> kids;
+  for (uint32_t r = 0; r <= n_local; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) _exit(read_all(h, r, kN, max_size, false));
+    kids.push_back(pid);
+  }
+  ASSERT_TRUE((*w)->wait_until_ready(30).ok());
+  EXPECT_EQ(mq_files(), before) << "the ring's names are unlinked once everyone attached";
+  std::mt19937 g(7);
+  for (uint64_t i = 0; i < kN; ++i) {
+    auto m = message(i, max_size);
+    auto st = (*w)->enqueue_bytes(m, 30.0);
+    ASSERT_TRUE(st.ok()) << i << ": " << st.error().message;
+    jitter(g);
+  }
+  for (auto pid : kids) EXPECT_EQ(wait_child(pid), 0);
+  auto s = (*w)->stats();
+  EXPECT_GT(s.find("overflow_messages")->as<uint64_t>(), 0u);
+  w->reset();
+  EXPECT_EQ(mq_files(), before);
+}
+INSTANTIATE_TEST_SUITE_P(Readers, MqFanOut, ::testing::Values(1u, 4u, 8u));
+
+TEST(Mq, MessageLargerThanOverflowGetsOwnSegmentFreedWhenRead) {
+  const size_t before = mq_files();
+  auto o = small(1024, 2);
+  o.overflow_bytes = 4096;
+  Trio t(o);
+  ASSERT_TRUE(t.r1);
+  auto& w = t.w;
+  auto& r0 = t.r0;
+  auto& r1 = t.r1;
+  ASSERT_TRUE(w->wait_until_ready(1).ok());
+  std::vector<std::byte> big(1 << 20, std::byte{5});
+  ASSERT_TRUE(w->enqueue_bytes(big, 1).ok());
+  EXPECT_EQ(mq_files(), before + 1);  // the message's own segment
+  for (auto* r : {&r0, &r1}) {
+    auto m = (*r)->dequeue(1);
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    EXPECT_EQ(checksum(m->payload.tensors[0].data), checksum(big));
+  }
+  ASSERT_TRUE(w->enqueue_bytes(big, 1).ok());  // reclaims the first one's segment
+  EXPECT_EQ(mq_files(), before + 1);
+  for (auto* r : {&r0, &r1}) ASSERT_TRUE((*r)->dequeue(1).ok());
+  r0.reset();
+  r1.reset();
+  w.reset();
+  EXPECT_EQ(mq_files(), before);
+}
+
+TEST(Mq, TimeoutsNameTheReadersBehind) {
+  Trio t(small(256, 2));
+  ASSERT_TRUE(t.r1);
+  auto& w = t.w;
+  auto& r0 = t.r0;
+  auto t0 = Clock::now();
+  auto none = r0->dequeue(0.1);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.error().code, Errc::timeout);
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(90));
+  std::byte b[8]{};
+  ASSERT_TRUE(w->enqueue_bytes(b, 1).ok());
+  ASSERT_TRUE(w->enqueue_bytes(b, 1).ok());
+  ASSERT_TRUE(r0->dequeue(1).ok());  // rank 0 reads one; rank 1 reads none
+  auto full = w->enqueue_bytes(b, 0.1);
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.error().code, Errc::timeout);
+  EXPECT_NE(full.error().message.find("rank 1 (pid"), std::string::npos) << full.error().message;
+  EXPECT_EQ(full.error().message.find("rank 0"), std::string::npos) << full.error().message;
+}
+
+TEST(Mq, ShutdownWakesBlockedReadersAndWriter) {
+  Trio t(small(256, 1));
+  ASSERT_TRUE(t.r1);
+  auto& w = t.w;
+  auto& r0 = t.r0;
+  auto& r1 = t.r1;
+  std::byte b[8]{};
+  ASSERT_TRUE(w->enqueue_bytes(b, 1).ok());
+  ASSERT_TRUE(r0->dequeue(1).ok());
+  // rank 0 now waits for message 1; the writer waits for rank 1 to free the only chunk.
+  Errc reader_err = Errc::ok, writer_err = Errc::ok;
+  std::thread rt([&] { auto m = r0->dequeue(-1); reader_err = m.ok() ? Errc::ok : m.error().code; });
+  std::thread wt([&] { auto s = w->enqueue_bytes(b, -1); writer_err = s.ok() ? Errc::ok : s.error().code; });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto t0 = Clock::now();
+  w->shutdown();
+  rt.join();
+  wt.join();
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(100));
+  EXPECT_EQ(reader_err, Errc::cancelled);
+  EXPECT_EQ(writer_err, Errc::cancelled);
+  // The pending message is still delivered to rank 1, then cancelled.
+  EXPECT_TRUE(r1->dequeue(1).ok());
+  EXPECT_EQ(r1->dequeue(1).error().code, Errc::cancelled);
+}
+
+TEST(Mq, KilledReaderIsReportedByRankThenDropped) {
+  for (bool automatic : {false, true}) {
+    MessageQueueOptions o;
+    o.n_reader = o.n_local_reader = 2;
+    o.max_chunk_bytes = 256;
+    o.max_chunks = 2;
+    o.drop_dead_readers = automatic;
+    auto w = MessageQueue::create(o);
+    ASSERT_TRUE(w.ok());
+    const auto h = (*w)->export_handle();
+    int ready[2];
+    ASSERT_EQ(pipe(ready), 0);
+    pid_t victim = fork();
+    if (victim == 0) {
+      auto r = MessageQueue::create_from_handle(h, 1);
+      char c = r.ok() ? 1 : 0;
+      if (write(ready[1], &c, 1) != 1) _exit(1);
+      pause();
+      _exit(0);
+    }
+    char c = 0;
+    ASSERT_EQ(read(ready[0], &c, 1), 1);
+    close(ready[0]);
+    close(ready[1]);
+    ASSERT_EQ(c, 1);
+    auto r0 = MessageQueue::create_from_handle(h, 0);
+    ASSERT_TRUE(r0.ok());
+    ASSERT_TRUE((*w)->wait_until_ready(5).ok());
+    kill(victim, SIGKILL);
+    EXPECT_EQ(wait_child(victim), 128 + SIGKILL);
+    std::byte b[8]{};
+    for (int i = 0; i < 2; ++i) ASSERT_TRUE((*w)->enqueue_bytes(b, 1).ok());
+    for (int i = 0; i < 2; ++i) ASSERT_TRUE((*r0)->dequeue(1).ok());
+    auto st = (*w)->enqueue_bytes(b, 5);  // the chunk waits for the dead rank 1
+    if (automatic) {
+      EXPECT_TRUE(st.ok()) << st.error().message;
+    } else {
+      ASSERT_FALSE(st.ok());
+      EXPECT_EQ(st.error().code, Errc::peer_dead);
+      EXPECT_NE(st.error().message.find("rank 1"), std::string::npos) << st.error().message;
+      ASSERT_TRUE((*w)->drop_reader(1).ok());
+      EXPECT_TRUE((*w)->enqueue_bytes(b, 1).ok());
+    }
+    EXPECT_TRUE((*r0)->dequeue(1).ok());
+  }
+}
+
+TEST(Mq, ReaderLearnsTheWriterDied) {
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  pid_t writer = fork();
+  if (writer == 0) {
+    MessageQueueOptions o;
+    o.n_reader = o.n_local_reader = 1;
+    o.max_chunk_bytes = 256;
+    o.max_chunks = 2;
+    o.overflow_bytes = 4096;
+    auto w = MessageQueue::create(o);
+    if (!w.ok()) _exit(1);
+    auto bytes = (*w)->export_handle().to_msgpack();
+    uint32_t n = uint32_t(bytes.size());
+    if (write(pipefd[1], &n, 4) != 4 || write(pipefd[1], bytes.data(), n) != ssize_t(n)) _exit(1);
+    pause();
+    _exit(0);
+  }
+  uint32_t n = 0;
+  ASSERT_EQ(read(pipefd[0], &n, 4), 4);
+  std::vector<std::byte> bytes(n);
+  ASSERT_EQ(read(pipefd[0], bytes.data(), n), ssize_t(n));
+  auto h = MessageQueueHandle::from_msgpack(bytes);
+  ASSERT_TRUE(h.ok()) << h.error().message;
+  auto r = MessageQueue::create_from_handle(*h, 0);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  kill(writer, SIGKILL);
+  EXPECT_EQ(wait_child(writer), 128 + SIGKILL);
+  auto m = (*r)->dequeue(5);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.error().code, Errc::peer_dead);
+  // What the dead writer left (its ring name) is reclaimed by reap.
+  shm::reap();
+  r->reset();
+  EXPECT_EQ(mq_files(writer), 0u);
+}
+
+TEST(Mq, BadHandlesAndArgumentsAreClearErrors) {
+  std::byte junk[5] = {std::byte{1}, std::byte{2}};
+  EXPECT_FALSE(MessageQueueHandle::from_msgpack(junk).ok());
+  MessageQueueHandle h;
+  h.shm_dir = "/dev/shm";
+  h.ring_name = "../../etc/passwd";
+  h.local_reader_ranks = {0};
+  h.n_reader = 1;
+  EXPECT_FALSE(MessageQueueHandle::from_msgpack(h.to_msgpack()).ok());
+  MessageQueueOptions o;
+  o.n_reader = 1;
+  o.n_local_reader = 2;
+  EXPECT_EQ(MessageQueue::create(o).error().code, Errc::invalid_argument);
+  o.n_local_reader = 1;
+  o.max_chunk_bytes = 256;
+  o.max_chunks = 2;
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ(MessageQueue::create_from_handle((*w)->export_handle(), 5).error().code, Errc::invalid_argument);
+  auto r = MessageQueue::create_from_handle((*w)->export_handle(), 0);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(MessageQueue::create_from_handle((*w)->export_handle(), 0).error().code, Errc::exists);
+  EXPECT_FALSE((*r)->enqueue_bytes({}, 0).ok());
+  EXPECT_FALSE((*w)->dequeue(0).ok());
+}
