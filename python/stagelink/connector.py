@@ -8,6 +8,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _core, _serde
+from ._lifetime import NativeOwner
 
 log = logging.getLogger("stagelink")
 
@@ -29,7 +30,7 @@ class Loan:
         return not self._loan.valid
 
 
-class Connector:
+class Connector(NativeOwner):
     """put/get/cleanup/health/close by key, as vLLM-Omni's OmniConnectorBase.
 
     ``put`` returns ``(success, size, metadata)``; ``get`` returns ``(data, size)`` or ``None``.
@@ -136,26 +137,9 @@ class Connector:
     def health(self) -> dict:
         return self._c.health()
 
-    def close(self) -> None:
-        """Release everything this connector owns. Safe to call twice."""
-        self._c.close()
-
     @property
-    def closed(self) -> bool:
-        return self._c.closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            self._c.close()
-        except Exception:
-            pass
+    def _native(self):
+        return self.__dict__.get("_c")
 
 
 def create_connector(name: str, extra: Optional[dict] = None, **injected) -> Connector:

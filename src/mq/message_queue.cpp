@@ -481,19 +481,19 @@ class MqLocalReader final : public MqReader {
   using MqReader::MqReader;
 
   Status init(uint32_t local_index) {
+    // Map the overflow area first: the writer unlinks both names as soon as every reader has
+    // attached to the ring.
+    if (!h_.overflow_name.empty()) {
+      auto o = Segment::open(h_.shm_dir, h_.overflow_name, false, false);
+      if (!o.ok()) return gone(o.error());
+      ovf_ = o.value();
+    }
     shm::RingOptions ro;
     ro.spin_ns = h_.spin_us * 1000;
     auto r = Ring::attach(h_.shm_dir, h_.ring_name, local_index, ro);
-    if (!r.ok()) {
-      if (r.error().code == Errc::not_found)
-        return make_error(Errc::not_found, "message queue ring " + h_.ring_name +
-                                               " is gone: the writer closed, or every reader had attached already");
-      return std::move(r).error();
-    }
+    if (!r.ok()) return gone(r.error());
     ring_ = std::move(r).value();
-    if (!h_.overflow_name.empty()) {
-      SL_ASSIGN(ovf_, Segment::open(h_.shm_dir, h_.overflow_name, false, false));
-    }
+    ring_->set_rank_names(h_.local_reader_ranks);
     return {};
   }
 
@@ -519,6 +519,12 @@ class MqLocalReader final : public MqReader {
   const char* kind() const override { return "local reader"; }
 
  private:
+  Error gone(const Error& e) const {
+    if (e.code != Errc::not_found) return e;
+    return Error{Errc::not_found, "message queue " + h_.ring_name +
+                                      " is gone: the writer closed, or every reader had attached already (" + e.message + ")"};
+  }
+
   Result<std::span<const std::byte>> locate(RingChunk* c, std::shared_ptr<Segment>& dedicated) {
     const uint64_t len = c->len;
     switch (c->kind) {

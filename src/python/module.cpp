@@ -138,6 +138,8 @@ nb::object region_view(const Tensor& t) {
       reinterpret_cast<const uint8_t*>(t.data.data()), 1, shape, owner));
 }
 
+constexpr int64_t KIND_NATIVE_ = -1;  // a frame from a C++ producer
+
 // Copies of regions larger than this release the GIL around the memcpy.
 constexpr size_t kGilReleaseBytes = 256u << 10;
 
@@ -174,12 +176,11 @@ struct PyConnector {
   }
 };
 
-nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, int kind,
-                    nb::list regions, nb::object dtypes, nb::object shapes, uint32_t readers) {
-  std::string f = stage_str(from), t = stage_str(to);
-  Payload p;
+// A Python message as a payload: tree {"py": kind, "r": [refs]}, one tensor per region (views of
+// the Python buffers, held by `bv`). Returns the regions' total bytes.
+size_t payload_from_parts(int kind, nb::list regions, nb::object dtypes, nb::object shapes, BufferViews& bv,
+                          Payload& p) {
   Value::List refs;
-  BufferViews bv;
   size_t n = nb::len(regions);
   bv.views.reserve(n);
   p.tensors.reserve(n);
@@ -208,6 +209,15 @@ nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std
   tree.emplace_back("py", int64_t(kind));
   tree.emplace_back("r", Value(std::move(refs)));
   p.tree = Value(std::move(tree));
+  return total;
+}
+
+nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, int kind,
+                    nb::list regions, nb::object dtypes, nb::object shapes, uint32_t readers) {
+  std::string f = stage_str(from), t = stage_str(to);
+  Payload p;
+  BufferViews bv;
+  const size_t total = payload_from_parts(kind, regions, dtypes, shapes, bv, p);
   Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<PutResult> r = make_error(Errc::io, "");
   if (total > kGilReleaseBytes) {
@@ -310,6 +320,73 @@ nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, con
     std::memcpy(view.buf, tn.data.data(), tn.nbytes());
   }
   return nb::int_(tn.nbytes());
+}
+
+// ---- MessageQueue ----
+// shared_ptr: an enqueue/dequeue blocked with the GIL released keeps the queue alive even if
+// another thread closes it (close shuts it down first, which wakes that call with cancelled).
+struct PyMq {
+  std::shared_ptr<MessageQueue> q;
+  std::shared_ptr<MessageQueue> get() {
+    if (!q) raise(make_error(Errc::closed, "message queue is closed"));
+    return q;
+  }
+};
+
+double timeout_arg(nb::handle t) { return t.is_none() ? -1.0 : std::max(0.0, nb::cast<double>(t)); }
+
+void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::object dtypes, nb::object shapes, nb::handle timeout) {
+  Payload p;
+  BufferViews bv;
+  payload_from_parts(kind, regions, dtypes, shapes, bv, p);
+  const double t = timeout_arg(timeout);
+  auto q = self.get();
+  Status st;
+  {
+    nb::gil_scoped_release nogil;  // a full ring blocks until readers catch up
+    st = q->enqueue(p, t);
+  }
+  if (!st.ok()) raise(st.error());
+}
+
+// Returns (kind, [regions]) (or (-1, tree) for a C++ frame); each region copied once, straight from shared memory into a Python
+// object, while the chunk is held.
+nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
+  const double t = timeout_arg(timeout);
+  auto q = self.get();
+  nb::object out;
+  Error decode_err{Errc::ok, ""};
+  Status st;
+  {
+    nb::gil_scoped_release nogil;
+    st = q->dequeue_with(t, [&](std::span<const std::byte> frame) {
+      auto p = decode_frame(frame, nullptr);
+      nb::gil_scoped_acquire gil;
+      if (!p.ok()) {
+        decode_err = p.error();
+        return;
+      }
+      int64_t kind = KIND_NATIVE_;
+      const Value* py = p->tree.find("py");
+      if (py) py->get_i64(kind);
+      nb::list l;
+      for (size_t i = 0; i < p->tensors.size(); ++i) l.append(region_copy(p->tensors[i], py && i == 0));
+      if (!py) {  // a frame from C++: its tree, tensors as (region, dtype, shape)
+        std::vector<nb::object> typed;
+        for (size_t i = 0; i < p->tensors.size(); ++i) {
+          nb::list shape;
+          for (auto d : p->tensors[i].shape) shape.append(d);
+          typed.push_back(nb::make_tuple(l[i], dtype_name(p->tensors[i].dtype), nb::tuple(shape)));
+        }
+        out = nb::make_tuple(kind, to_py(p->tree, &typed));
+      } else {
+        out = nb::make_tuple(kind, l);
+      }
+    });
+  }
+  if (!st.ok()) raise(st.error());
+  if (decode_err.code != Errc::ok) raise(decode_err);
+  return nb::borrow<nb::tuple>(out);
 }
 
 nb::dict spec_dict(const ConnectorSpec& s) {
@@ -433,6 +510,66 @@ NB_MODULE(_core, m) {
            })
       .def_prop_ro("name", [](PyConnector& self) { return self.c ? self.c->name() : std::string(); })
       .def_prop_ro("closed", [](PyConnector& self) { return !self.c; });
+
+  nb::class_<PyMq>(m, "_MessageQueue")
+      .def_static("create", [](uint32_t n_reader, uint32_t n_local_reader, std::vector<uint32_t> local_ranks,
+                               size_t max_chunk_bytes, uint32_t max_chunks, const std::string& connect_ip, int remote_port,
+                               size_t overflow_bytes, double warn_interval_s, bool drop_dead_readers, uint64_t spin_us,
+                               const std::string& shm_dir) {
+             MessageQueueOptions o;
+             o.n_reader = n_reader;
+             o.n_local_reader = n_local_reader;
+             o.local_reader_ranks = std::move(local_ranks);
+             o.max_chunk_bytes = max_chunk_bytes;
+             o.max_chunks = max_chunks;
+             o.connect_ip = connect_ip;
+             o.remote_port = remote_port;
+             o.overflow_bytes = overflow_bytes;
+             o.warn_interval_s = warn_interval_s;
+             o.drop_dead_readers = drop_dead_readers;
+             o.spin_us = spin_us;
+             o.shm_dir = shm_dir;
+             return PyMq{unwrap(MessageQueue::create(o))};
+           })
+      .def_static("create_from_handle", [](nb::bytes handle, uint32_t rank) {
+             auto h = unwrap(MessageQueueHandle::from_msgpack(
+                 std::span<const std::byte>(reinterpret_cast<const std::byte*>(handle.c_str()), handle.size())));
+             return PyMq{unwrap(MessageQueue::create_from_handle(h, rank))};
+           })
+      .def("export_handle", [](PyMq& self) {
+             auto b = self.get()->export_handle().to_msgpack();
+             return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+           })
+      .def("wait_until_ready", [](PyMq& self, nb::handle timeout) {
+             const double t = timeout_arg(timeout);
+             auto q = self.get();
+             Status st;
+             {
+               nb::gil_scoped_release nogil;
+               st = q->wait_until_ready(t);
+             }
+             if (!st.ok()) raise(st.error());
+           }, nb::arg("timeout").none())
+      .def("enqueue_parts", &mq_enqueue_parts, nb::arg("kind"), nb::arg("regions"), nb::arg("dtypes").none(),
+           nb::arg("shapes").none(), nb::arg("timeout").none())
+      .def("dequeue_parts", &mq_dequeue_parts, nb::arg("timeout").none())
+      .def("drop_reader", [](PyMq& self, uint32_t rank) {
+             auto st = self.get()->drop_reader(rank);
+             if (!st.ok()) raise(st.error());
+           })
+      .def("shutdown", [](PyMq& self) { if (self.q) self.q->shutdown(); })
+      .def("stats", [](PyMq& self) { return self.q ? to_py(self.q->stats()) : nb::object(nb::dict()); })
+      .def_prop_ro("is_writer", [](PyMq& self) { return self.get()->is_writer(); })
+      .def_prop_ro("rank", [](PyMq& self) { return self.get()->rank(); })
+      .def_prop_ro("closed", [](PyMq& self) { return !self.q; })
+      .def("close", [](PyMq& self) {
+             std::shared_ptr<MessageQueue> q = std::move(self.q);
+             if (q) {
+               nb::gil_scoped_release nogil;  // the writer's socket may flush (bounded linger)
+               q->shutdown();
+               q.reset();
+             }
+           });
 
   m.def("create_connector", [](const std::string& name, nb::handle extra) {
     Value e = extra.is_none() ? Value(Value::Map{}) : from_py(extra);

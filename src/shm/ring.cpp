@@ -74,7 +74,6 @@ Result<std::unique_ptr<Ring>> Ring::create(const std::string& dir, const std::st
   r->chunks_ = reinterpret_cast<RingChunk*>(seg->data() + align64(sizeof(RingHeader)));
   r->data_ = seg->data() + align64(sizeof(RingHeader)) + align64(sizeof(RingChunk) * o.max_chunks);
   h.version = kRingVersion;
-  std::atomic_thread_fence(std::memory_order_release);
   std::atomic_ref<uint32_t>(h.magic).store(kRingMagic, std::memory_order_release);
   return r;
 }
@@ -269,8 +268,9 @@ std::vector<Laggard> Ring::oldest_laggards() {
 }
 
 bool Ring::still_valid(RingChunk* c) const {
-  std::atomic_thread_fence(std::memory_order_acquire);
-  return c->seq.load(std::memory_order_relaxed) == rseq_ + 1;
+  // A read-modify-write with release order keeps the data reads before it (a plain load would
+  // not); ThreadSanitizer models it, where it does not model a standalone fence.
+  return c->seq.fetch_add(0, std::memory_order_acq_rel) == rseq_ + 1;
 }
 
 bool Ring::writer_alive() const { return proc_alive(ProcId{hdr_->writer_pid, hdr_->writer_start}); }
@@ -294,7 +294,7 @@ Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
     }
     hdr_->pub_waiters.fetch_sub(1, std::memory_order_seq_cst);
     if (ok) return c;  // pending messages are delivered even after a shutdown
-    if (dropped()) return make_error(Errc::closed, "reader rank " + std::to_string(rank_) + " was dropped by the writer");
+    if (dropped()) return make_error(Errc::closed, "reader rank " + std::to_string(rank_name(rank_)) + " was dropped by the writer");
     if (is_shutdown() || local_cancel_.load()) return make_error(Errc::cancelled, "message queue was shut down");
     const uint64_t now = mono_ns();
     if (!writer_alive())
@@ -302,7 +302,7 @@ Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
                                              std::to_string(hdr_->writer_pid) + ") died");
     if (deadline_ns && now >= deadline_ns)
       return make_error(Errc::timeout, "message queue " + name() + ": no message " + std::to_string(rseq_) +
-                                           " for reader rank " + std::to_string(rank_) + " before the timeout (writer pid " +
+                                           " for reader rank " + std::to_string(rank_name(rank_)) + " before the timeout (writer pid " +
                                            std::to_string(hdr_->writer_pid) + " alive, " +
                                            std::to_string(hdr_->pub_seq.load()) + " messages published)");
   }

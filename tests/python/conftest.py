@@ -11,3 +11,17 @@ def ns():
     yield name
     left = [f for f in os.listdir("/dev/shm") if f".{name}." in f]
     assert not left, f"test left shared memory behind: {left}"
+
+
+def _mq_files():
+    pre = f"sl.{os.getuid()}.mq."
+    return {f for f in os.listdir("/dev/shm") if f.startswith(pre)}
+
+
+@pytest.fixture
+def mq_clean():
+    """Message-queue tests must leave no mq segment of theirs behind."""
+    before = _mq_files()
+    yield
+    left = _mq_files() - before
+    assert not left, f"test left message-queue segments behind: {left}"
