@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 
+#include "bench/mq_bench.hpp"
 #include "bench/shm_bench.hpp"
 #include "stagelink/stagelink.hpp"
 
@@ -599,6 +600,19 @@ NB_MODULE(_core, m) {
   }, nb::arg("shm_dir") = "/dev/shm");
   m.def("shm_reap", [](const std::string& dir) { return shm::reap(dir); }, nb::arg("shm_dir") = "/dev/shm");
   m.def("shm_user_prefix", &shm::user_prefix);
+  m.def("bench_mq_cpp", [](uint64_t latency_msgs, uint64_t throughput_msgs, uint64_t bandwidth_msgs, uint64_t idle_msgs,
+                           double idle_gap_s, nb::object progress) {
+    bench::MqBenchOptions o{latency_msgs, throughput_msgs, bandwidth_msgs, idle_msgs, idle_gap_s};
+    Value v;
+    {
+      nb::gil_scoped_release nogil;
+      v = bench::bench_mq(o, [&](const std::string& msg) {
+        nb::gil_scoped_acquire gil;
+        if (!progress.is_none()) progress(msg);
+      });
+    }
+    return to_py(v);
+  });
   m.def("bench_shm_cpp", [](std::vector<size_t> sizes, int iters, const std::string& ns, size_t arena) {
     std::vector<bench::ShmRow> rows;
     {
