@@ -143,7 +143,7 @@ class MqWriter final : public MessageQueue {
       ring_named_ = true;
       if (o_.overflow_bytes) {
         ovf_name_ = base + "o" + tag_;
-        auto seg = Segment::create(o_.shm_dir, ovf_name_, o_.overflow_bytes, false);
+        auto seg = Segment::create(o_.shm_dir, ovf_name_, o_.overflow_bytes, true);  // pre-faulted
         if (!seg.ok()) {
           Segment::unlink(o_.shm_dir, ring_->name());
           return std::move(seg).error();
@@ -322,27 +322,42 @@ class MqWriter final : public MessageQueue {
     const uint64_t seq = ring_->next_seq();
     if (ovf_alloc_ && plan.total <= ovf_alloc_->capacity()) {
       // Room in the overflow area: wait (kernel sleep) for readers to finish older messages.
+      size_t off = 0;
       for (;;) {
-        const uint32_t seen = ring_->free_seq();
-        reclaim();
-        auto off = ovf_alloc_->allocate(plan.total);
-        if (off.ok()) {
-          SL_ASSIGN(RingChunk * c, acquire(dl));
-          std::byte* dst = ovf_->data() + *off;
-          write_frame(plan, p.tensors, dst);
-          written = {dst, plan.total};
-          ool_.push_back(OutOfLine{seq, *off, plan.total, "", nullptr});
-          ring_->publish(c, plan.total, shm::kOverflow, *off);
-          ++overflow_msgs_;
-          return {};
-        }
+        const bool got = ring_->wait_free_until([&] {
+          reclaim();
+          auto a = ovf_alloc_->allocate(plan.total);
+          if (a.ok()) off = *a;
+          return a.ok();
+        }, dl);
+        if (got) break;
         if (ring_->is_shutdown()) return make_error(Errc::cancelled, "message queue was shut down");
+        for (auto& g : ring_->oldest_laggards()) {  // a dead reader holds the area: same policy as the ring
+          if (g.alive) continue;
+          if (!o_.drop_dead_readers)
+            return make_error(Errc::peer_dead, "message queue " + ring_->name() + ": reader rank " + std::to_string(g.rank) +
+                                                   " (pid " + std::to_string(g.pid) + ") died; drop_reader(" +
+                                                   std::to_string(g.rank) + ") to go on without it");
+          SL_LOG_WARN("message queue %s: reader rank %u (pid %u) died; dropping it", ring_->name().c_str(), g.rank, g.pid);
+          (void)ring_->drop_reader(g.index, "died");
+        }
         if (dl && mono_ns() >= dl)
           return make_error(Errc::timeout, "message queue " + ring_->name() + ": no overflow room for a " +
                                                std::to_string(plan.total) + "-byte message; not caught up: " +
                                                shm::describe(ring_->oldest_laggards()));
-        ring_->wait_free(seen, dl);
       }
+      auto c = acquire(dl);
+      if (!c.ok()) {
+        (void)ovf_alloc_->free(off, plan.total);
+        return std::move(c).error();
+      }
+      std::byte* dst = ovf_->data() + off;
+      write_frame(plan, p.tensors, dst);
+      written = {dst, plan.total};
+      ool_.push_back(OutOfLine{seq, off, plan.total, "", nullptr});
+      ring_->publish(*c, plan.total, shm::kOverflow, off);
+      ++overflow_msgs_;
+      return {};
     }
     // Larger than the overflow area: a segment of its own, named in the chunk, unlinked when read.
     const std::string name = shm::user_prefix() + "mq.m" + tag_ + "x" + std::to_string(seq);
@@ -484,7 +499,7 @@ class MqLocalReader final : public MqReader {
     // Map the overflow area first: the writer unlinks both names as soon as every reader has
     // attached to the ring.
     if (!h_.overflow_name.empty()) {
-      auto o = Segment::open(h_.shm_dir, h_.overflow_name, false, false);
+      auto o = Segment::open(h_.shm_dir, h_.overflow_name, false, true);  // pre-faulted
       if (!o.ok()) return gone(o.error());
       ovf_ = o.value();
     }

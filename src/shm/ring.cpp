@@ -1,6 +1,8 @@
 #include "shm/ring.hpp"
 
 #include <cstring>
+#include <sched.h>
+
 #include <thread>
 
 #include "core/log.hpp"
@@ -19,15 +21,21 @@ inline void cpu_relax() {
 #endif
 }
 
-// Spin on `ready()` for up to spin_ns, checking the clock every 64 rounds.
+// Spin on `ready()` for up to spin_ns, checking the clock every 64 rounds. `yield`: more
+// processes than cores (the readers and the writer cannot all spin at once): after 0.5 us of pure
+// spinning, give the core away on every round so the peer we wait for can run.
 template <class F>
-bool spin_until(F&& ready, uint64_t spin_ns) {
+bool spin_until(F&& ready, uint64_t spin_ns, bool yield) {
   if (spin_ns == 0) return ready();
-  const uint64_t until = mono_ns() + spin_ns;
+  const uint64_t start = mono_ns(), until = start + spin_ns;
   for (uint32_t i = 0;; ++i) {
     if (ready()) return true;
     cpu_relax();
-    if ((i & 63) == 63 && mono_ns() >= until) return ready();
+    if ((i & 63) == 63) {
+      const uint64_t now = mono_ns();
+      if (now >= until) return ready();
+      if (yield && now - start > 500) sched_yield();
+    }
   }
 }
 
@@ -61,6 +69,7 @@ Result<std::unique_ptr<Ring>> Ring::create(const std::string& dir, const std::st
   r->seg_ = seg;
   r->opts_ = o;
   r->writer_ = true;
+  r->yield_ = o.n_readers + 1 > std::thread::hardware_concurrency();
   r->hdr_ = new (seg->data()) RingHeader();  // the segment is zero-filled: placement-new sets up atomics
   auto& h = *r->hdr_;
   h.n_readers = o.n_readers;
@@ -111,6 +120,7 @@ Result<std::unique_ptr<Ring>> Ring::attach(const std::string& dir, const std::st
   r->opts_ = o;
   r->hdr_ = h;
   r->rank_ = rank;
+  r->yield_ = h->n_readers + 1 > std::thread::hardware_concurrency();
   r->chunks_ = reinterpret_cast<RingChunk*>(seg->data() + align64(sizeof(RingHeader)));
   r->data_ = seg->data() + align64(sizeof(RingHeader)) + align64(sizeof(RingChunk) * h->max_chunks);
   return r;
@@ -134,10 +144,11 @@ Ring::~Ring() {
 
 std::byte* Ring::data(RingChunk* c) { return data_ + size_t(c - chunks_) * hdr_->chunk_bytes; }
 
+// seq_cst loads: they pair with the readers' seq_cst release (see release_read).
 bool Ring::chunk_free(RingChunk* c) const {
-  if (c->seq.load(std::memory_order_acquire) == 0) return true;
-  const uint64_t live = hdr_->live_mask.load(std::memory_order_acquire);
-  return ((c->read_mask.load(std::memory_order_acquire) | ~live) & all_mask()) == all_mask();
+  if (c->seq.load(std::memory_order_seq_cst) == 0) return true;
+  const uint64_t live = hdr_->live_mask.load(std::memory_order_seq_cst);
+  return ((c->read_mask.load(std::memory_order_seq_cst) | ~live) & all_mask()) == all_mask();
 }
 
 bool Ring::chunk_done(uint64_t seq) {
@@ -169,15 +180,15 @@ std::vector<Laggard> Ring::laggards_for(RingChunk* c) const {
 Result<RingChunk*> Ring::acquire_write(uint64_t deadline_ns, bool drop_dead, uint64_t warn_ns,
                                        const std::function<void(const std::vector<Laggard>&, double)>& on_blocked) {
   RingChunk* c = chunk(wseq_);
-  if (spin_until([&] { return chunk_free(c) || is_shutdown(); }, opts_.spin_ns)) {
+  if (spin_until([&] { return chunk_free(c) || is_shutdown(); }, opts_.spin_ns, yield_)) {
     if (is_shutdown()) return make_error(Errc::cancelled, "message queue was shut down");
     return c;
   }
   const uint64_t t0 = mono_ns();
   uint64_t next_warn = warn_ns ? t0 + warn_ns : 0;
   for (;;) {
-    const uint32_t seen = hdr_->free_seq.load(std::memory_order_seq_cst);
     hdr_->free_waiters.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = hdr_->free_seq.load(std::memory_order_seq_cst);
     const bool ready = chunk_free(c) || is_shutdown() || local_cancel_.load();
     uint64_t now = mono_ns();
     if (!ready) {
@@ -220,10 +231,14 @@ void Ring::publish(RingChunk* c, uint64_t len, RingMsgKind kind, uint64_t ov_off
   c->kind = kind;
   c->ov_offset = ov_offset;
   c->read_mask.store(0, std::memory_order_relaxed);
-  c->seq.store(wseq_ + 1, std::memory_order_release);
+  // seq_cst store, then the waiter count: either we see a sleeper (and bump + wake), or the
+  // sleeper's re-check, ordered after its count, sees this store. No shared write otherwise.
+  c->seq.store(wseq_ + 1, std::memory_order_seq_cst);
   ++wseq_;
-  hdr_->pub_seq.fetch_add(1, std::memory_order_seq_cst);
-  if (hdr_->pub_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->pub_seq);
+  if (hdr_->pub_waiters.load(std::memory_order_seq_cst) != 0) {
+    hdr_->pub_seq.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&hdr_->pub_seq);
+  }
 }
 
 Status Ring::drop_reader(uint32_t rank, const char* why) {
@@ -253,12 +268,17 @@ void Ring::wait_attach(uint32_t seen, uint64_t deadline_ns) {
   futex_wait(&hdr_->attach_seq, seen, until);
 }
 
-void Ring::wait_free(uint32_t seen, uint64_t deadline_ns) {
+bool Ring::wait_free_until(const std::function<bool()>& done, uint64_t deadline_ns) {
   hdr_->free_waiters.fetch_add(1, std::memory_order_seq_cst);
-  uint64_t until = mono_ns() + opts_.liveness_ns;
-  if (deadline_ns && deadline_ns < until) until = deadline_ns;
-  if (!is_shutdown() && !local_cancel_.load()) futex_wait(&hdr_->free_seq, seen, until);
+  const uint32_t seen = hdr_->free_seq.load(std::memory_order_seq_cst);
+  bool ok = done();
+  if (!ok && !is_shutdown() && !local_cancel_.load()) {
+    uint64_t until = mono_ns() + opts_.liveness_ns;
+    if (deadline_ns && deadline_ns < until) until = deadline_ns;
+    futex_wait(&hdr_->free_seq, seen, until);
+  }
   hdr_->free_waiters.fetch_sub(1, std::memory_order_seq_cst);
+  return ok;
 }
 
 std::vector<Laggard> Ring::oldest_laggards() {
@@ -278,12 +298,12 @@ bool Ring::writer_alive() const { return proc_alive(ProcId{hdr_->writer_pid, hdr
 Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
   RingChunk* c = chunk(rseq_);
   const uint64_t want = rseq_ + 1;
-  auto ready = [&] { return c->seq.load(std::memory_order_acquire) == want; };
+  auto ready = [&] { return c->seq.load(std::memory_order_seq_cst) == want; };
   auto dropped = [&] { return hdr_->readers[rank_].state.load(std::memory_order_acquire) == kReaderDropped; };
-  if (spin_until([&] { return ready() || is_shutdown(); }, opts_.spin_ns) && ready()) return c;
+  if (spin_until([&] { return ready() || is_shutdown(); }, opts_.spin_ns, yield_) && ready()) return c;
   for (;;) {
-    const uint32_t seen = hdr_->pub_seq.load(std::memory_order_seq_cst);
     hdr_->pub_waiters.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = hdr_->pub_seq.load(std::memory_order_seq_cst);
     bool ok = ready();
     const bool stop = is_shutdown() || local_cancel_.load() || dropped();
     if (!ok && !stop) {
@@ -309,11 +329,13 @@ Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
 }
 
 void Ring::release_read(RingChunk* c) {
-  c->read_mask.fetch_or(1ull << rank_, std::memory_order_acq_rel);
+  c->read_mask.fetch_or(1ull << rank_, std::memory_order_seq_cst);
   ++rseq_;
   hdr_->readers[rank_].consumed.store(rseq_, std::memory_order_release);
-  hdr_->free_seq.fetch_add(1, std::memory_order_seq_cst);
-  if (hdr_->free_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->free_seq);
+  if (hdr_->free_waiters.load(std::memory_order_seq_cst) != 0) {  // same pairing as publish()
+    hdr_->free_seq.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&hdr_->free_seq);
+  }
 }
 
 void Ring::cancel_local() {

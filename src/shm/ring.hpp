@@ -6,16 +6,17 @@
 // k + i*max_chunks and a reader waits for exactly the seq it expects next.
 //
 // Ordering (every access is a std::atomic with an explicit order; correct on x86 and ARM):
-//   writer: wait until (read_mask | ~live) covers all   [acquire: readers' reads happen-before]
-//           read_mask = 0 (relaxed); write the bytes; seq = n + 1 (release)
-//           pub_seq++ (seq_cst); if pub_waiters: futex wake
-//   reader: wait until seq == n + 1                    [acquire: the bytes are visible]
-//           read the bytes; read_mask |= bit (release)
-//           free_seq++ (seq_cst); if free_waiters: futex wake
-// Waiting spins for `spin_ns`, then sleeps on pub_seq / free_seq (futex) with the Dekker pairing
-// "bump the word, then look at the waiter count" against "count yourself, then re-check, then
-// sleep on the value seen before the check": no lost wake-up, and nobody wakes the kernel unless
-// someone sleeps.
+//   writer: wait until (read_mask | ~live) covers all   [seq_cst loads: readers' reads happen-before]
+//           read_mask = 0 (relaxed); write the bytes; seq = n + 1 (seq_cst store)
+//           if pub_waiters: pub_seq++, futex wake
+//   reader: wait until seq == n + 1                    [seq_cst load: the bytes are visible]
+//           read the bytes; read_mask |= bit (seq_cst RMW)
+//           if free_waiters: free_seq++, futex wake
+// Waiting spins for `spin_ns`, then sleeps on pub_seq / free_seq (futex). The Dekker pairing
+// "publish (seq_cst), then look at the waiter count" against "count yourself, read the futex
+// word, re-check (seq_cst), then sleep on the word": either the publisher sees the sleeper and
+// bumps + wakes, or the sleeper's re-check sees the publication. No lost wake-up, and when
+// nobody sleeps the hot path writes no shared counter and makes no system call.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -130,9 +131,9 @@ class Ring {
   std::vector<Laggard> laggards_for(RingChunk* c) const;
   // Ranks to report for local indexes 0..n-1 in errors and warnings (default: the index).
   void set_rank_names(std::vector<uint32_t> ranks) { rank_names_ = std::move(ranks); }
-  // Sleep until some reader releases a chunk (free_seq moves past `seen`) or the deadline.
-  uint32_t free_seq() const { return hdr_->free_seq.load(std::memory_order_seq_cst); }
-  void wait_free(uint32_t seen, uint64_t deadline_ns);
+  // Writer: run `done` (e.g. reclaim and allocate); if it fails, sleep until a reader releases
+  // a chunk, the deadline, or a liveness slice. Returns what `done` returned.
+  bool wait_free_until(const std::function<bool()>& done, uint64_t deadline_ns);
   // Laggards of the oldest unfinished message (for errors while waiting for overflow room).
   std::vector<Laggard> oldest_laggards();
 
@@ -172,6 +173,7 @@ class Ring {
   uint64_t wseq_ = 0;  // writer: next message number
   uint64_t rseq_ = 0;  // reader: next message number
   std::atomic<bool> local_cancel_{false};
+  bool yield_ = false;  // more processes than cores: yield while spinning
   std::vector<uint32_t> rank_names_;
   uint32_t rank_name(uint32_t index) const { return index < rank_names_.size() ? rank_names_[index] : index; }
 };
