@@ -83,7 +83,7 @@ struct RingOptions {
   uint32_t max_chunks = 10;
   size_t chunk_bytes = 1u << 20;
   uint64_t spin_ns = 50'000;       // spin before sleeping in the kernel
-  uint64_t liveness_ns = 100'000'000;  // how often a sleeping waiter checks its peers are alive
+  uint64_t liveness_ns = 500'000'000;  // how often a sleeping waiter checks its peers are alive
 };
 
 // Who a blocked wait is waiting for, for error messages and warnings.
