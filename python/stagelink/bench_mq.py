@@ -34,16 +34,22 @@ def python_latency(n=5000):
     p = ctx.Process(target=_py_reader, args=(w.export_handle(), n, ack, out))
     p.start()
     w.wait_until_ready(timeout=60)
+    lat = _paced(n, lambda: w.enqueue(time.monotonic_ns()), ack, out, p, "stagelink")
+    w.close()
+    return lat
+
+
+def _paced(n, send, ack, out, proc, who):
+    """Send n messages, each after the reader acknowledged the previous one; the reader's
+    latency samples (minus 200 of warm-up) as median and p99."""
     for i in range(n):
-        w.enqueue(time.monotonic_ns())
+        send()
         deadline = time.monotonic() + 30
         while ack.value < i + 1:
             if time.monotonic() > deadline:
-                raise TimeoutError("python latency reader stalled")
-    lat = out.get(timeout=60)
-    p.join(30)
-    w.close()
-    lat = sorted(lat[200:])
+                raise TimeoutError(f"{who} latency reader stalled")
+    lat = sorted(out.get(timeout=60)[200:])
+    proc.join(30)
     return {"median_us": lat[len(lat) // 2], "p99_us": lat[int(len(lat) * 0.99)]}
 
 
@@ -90,18 +96,10 @@ def iceoryx2_latency(n=5000):
     if not ready.wait(60):
         raise TimeoutError("iceoryx2 reader did not start")
     time.sleep(0.2)
-    for i in range(n):
-        sample = pub.loan_uninit()
-        sample = sample.write_payload(Msg(ts=time.monotonic_ns()))
-        sample.send()
-        deadline = time.monotonic() + 30
-        while ack.value < i + 1:
-            if time.monotonic() > deadline:
-                raise TimeoutError("iceoryx2 reader stalled")
-    lat = out.get(timeout=60)
-    p.join(30)
-    lat = sorted(lat[200:])
-    return {"median_us": lat[len(lat) // 2], "p99_us": lat[int(len(lat) * 0.99)]}
+
+    def send():
+        pub.loan_uninit().write_payload(Msg(ts=time.monotonic_ns())).send()
+    return _paced(n, send, ack, out, p, "iceoryx2")
 
 
 def _iox_available():
