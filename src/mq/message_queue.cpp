@@ -303,7 +303,7 @@ class MqWriter final : public MessageQueue {
   Result<RingChunk*> acquire(uint64_t dl) {
     const uint64_t warn_ns = o_.warn_interval_s > 0 ? uint64_t(o_.warn_interval_s * 1e9) : 0;
     return ring_->acquire_write(dl, o_.drop_dead_readers, warn_ns, [&](const std::vector<shm::Laggard>& lag, double waited) {
-      SL_LOG_WARN("message queue %s: enqueue of message %llu blocked for %.0f s; waiting for %s", ring_->name().c_str(),
+      SL_LOG_WARN("message queue %s: enqueue of message %llu blocked for %.1f s; waiting for %s", ring_->name().c_str(),
                   static_cast<unsigned long long>(seq_), waited, shm::describe(lag).c_str());
     });
   }

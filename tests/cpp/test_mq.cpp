@@ -223,6 +223,25 @@ TEST(Mq, TimeoutsNameTheReadersBehind) {
   EXPECT_EQ(full.error().message.find("rank 0"), std::string::npos) << full.error().message;
 }
 
+TEST(Mq, BlockedWriterWarnsNamingTheReaderAtTheInterval) {
+  auto o = small(256, 1);
+  o.warn_interval_s = 0.1;
+  Trio t(o);
+  ASSERT_TRUE(t.r1);
+  std::byte b[8]{};
+  ASSERT_TRUE(t.w->enqueue_bytes(b, 1).ok());
+  ASSERT_TRUE(t.r0->dequeue(1).ok());  // rank 1 never reads
+  ::testing::internal::CaptureStderr();
+  auto st = t.w->enqueue_bytes(b, 0.35);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_FALSE(st.ok());
+  size_t warnings = 0;
+  for (size_t pos = 0; (pos = err.find("blocked for", pos)) != std::string::npos; ++pos) ++warnings;
+  EXPECT_GE(warnings, 2u) << err;
+  EXPECT_LE(warnings, 4u) << err;
+  EXPECT_NE(err.find("waiting for rank 1 (pid"), std::string::npos) << err;
+}
+
 TEST(Mq, ShutdownWakesBlockedReadersAndWriter) {
   Trio t(small(256, 1));
   ASSERT_TRUE(t.r1);
