@@ -26,7 +26,8 @@ struct MessageQueueOptions {
   size_t overflow_bytes = 64u << 20;     // shared-memory area for messages larger than a chunk
   std::string connect_ip = "127.0.0.1";  // address remote readers connect to (bound by the writer)
   int remote_port = 0;                   // 0: an ephemeral port
-  int remote_hwm = 1000;                 // messages queued per remote reader before enqueue blocks
+  int remote_hwm = 1000;                 // writer-side queue per remote reader; a reader that stops
+                                         // taking data makes enqueue block, then time out
   double warn_interval_s = 60.0;         // a blocked writer logs the readers it waits for this often
   bool drop_dead_readers = false;        // a dead local reader is dropped instead of failing enqueue
   uint64_t spin_us = 50;                 // spin before sleeping in the kernel

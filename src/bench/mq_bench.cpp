@@ -280,7 +280,7 @@ bool run_phase(const Plan& pl, bool zmq_peer, std::vector<ReaderReport>& reports
       ok = wait_for(sh->acks, (i + 1) * pl.readers, 30.0);
   }
   if (ok && (pl.phase == Phase::throughput || pl.phase == Phase::bandwidth))
-    ok = wait_for(sh->acks, pl.phase == Phase::throughput ? pl.count * pl.readers : pl.count * pl.readers, 120.0);
+    ok = wait_for(sh->acks, pl.count * pl.readers, 120.0);
   elapsed_s = double(mono_ns() - t0) / 1e9;
   reports.clear();
   for (size_t i = 0; i < kids.size(); ++i) {

@@ -231,22 +231,22 @@ class MqWriter final : public MessageQueue {
       } else {
         SL_TRY(enqueue_large(plan, p, dl, written));
       }
-      ++messages_;
-      bytes_ += plan.total;
     }
+    // The message's number is spent once the message reached anyone: if the remote send fails
+    // after the local readers got it, the remote readers see the gap (corrupt) instead of
+    // silently missing a message their local peers have.
+    const uint64_t seq = seq_;
+    if (ring_) ++seq_;
+    bytes_ += plan.total;
     if (pub_) {
       if (written.empty()) {
         scratch_.resize(plan.total);
         write_frame(plan, p.tensors, scratch_.data());
         written = {scratch_.data(), scratch_.size()};
       }
-      SL_TRY(send_remote(written, dl));
-      if (!ring_) {
-        ++messages_;
-        bytes_ += plan.total;
-      }
+      SL_TRY(send_remote(seq, written, dl, bool(ring_)));
+      if (!ring_) ++seq_;
     }
-    ++seq_;
     return {};
   }
 
@@ -281,7 +281,7 @@ class MqWriter final : public MessageQueue {
     std::lock_guard<std::mutex> lock(mu_);
     Value::Map m;
     m.emplace_back("role", "writer");
-    m.emplace_back("messages", uint64_t(messages_));
+    m.emplace_back("messages", uint64_t(seq_));
     m.emplace_back("bytes", uint64_t(bytes_));
     m.emplace_back("overflow_messages", uint64_t(overflow_msgs_));
     m.emplace_back("dedicated_messages", uint64_t(dedicated_msgs_));
@@ -304,7 +304,7 @@ class MqWriter final : public MessageQueue {
     const uint64_t warn_ns = o_.warn_interval_s > 0 ? uint64_t(o_.warn_interval_s * 1e9) : 0;
     return ring_->acquire_write(dl, o_.drop_dead_readers, warn_ns, [&](const std::vector<shm::Laggard>& lag, double waited) {
       SL_LOG_WARN("message queue %s: enqueue of message %llu blocked for %.1f s; waiting for %s", ring_->name().c_str(),
-                  static_cast<unsigned long long>(seq_), waited, shm::describe(lag).c_str());
+                  static_cast<unsigned long long>(ring_->next_seq()), waited, shm::describe(lag).c_str());
     });
   }
 
@@ -332,15 +332,7 @@ class MqWriter final : public MessageQueue {
         }, dl);
         if (got) break;
         if (ring_->is_shutdown()) return make_error(Errc::cancelled, "message queue was shut down");
-        for (auto& g : ring_->oldest_laggards()) {  // a dead reader holds the area: same policy as the ring
-          if (g.alive) continue;
-          if (!o_.drop_dead_readers)
-            return make_error(Errc::peer_dead, "message queue " + ring_->name() + ": reader rank " + std::to_string(g.rank) +
-                                                   " (pid " + std::to_string(g.pid) + ") died; drop_reader(" +
-                                                   std::to_string(g.rank) + ") to go on without it");
-          SL_LOG_WARN("message queue %s: reader rank %u (pid %u) died; dropping it", ring_->name().c_str(), g.rank, g.pid);
-          (void)ring_->drop_reader(g.index, "died");
-        }
+        SL_TRY(ring_->handle_dead(ring_->oldest_laggards(), o_.drop_dead_readers));  // a dead reader holds the area
         if (dl && mono_ns() >= dl)
           return make_error(Errc::timeout, "message queue " + ring_->name() + ": no overflow room for a " +
                                                std::to_string(plan.total) + "-byte message; not caught up: " +
@@ -376,10 +368,10 @@ class MqWriter final : public MessageQueue {
     return {};
   }
 
-  Status send_remote(std::span<const std::byte> frame, uint64_t dl) {
+  Status send_remote(uint64_t seq, std::span<const std::byte> frame, uint64_t dl, bool local_got_it) {
     char head[9];
     head[0] = kMsgTag;
-    std::memcpy(head + 1, &seq_, 8);
+    std::memcpy(head + 1, &seq, 8);
     int timeout_ms = -1;
     if (dl) timeout_ms = int(std::max<int64_t>(0, int64_t(dl - std::min(dl, mono_ns())) / 1000000));
     try {
@@ -387,8 +379,9 @@ class MqWriter final : public MessageQueue {
       if (!pub_->send(zmq::const_buffer(head, sizeof head), zmq::send_flags::sndmore) ||
           !pub_->send(zmq::const_buffer(frame.data(), frame.size()), zmq::send_flags::none))
         return make_error(Errc::timeout, "message queue: remote readers (ranks " + ranks_str(remote_ranks_) +
-                                             ") did not take message " + std::to_string(seq_) + " before the timeout (" +
-                                             std::to_string(o_.remote_hwm) + " messages queued)");
+                                             ") did not take message " + std::to_string(seq) + " before the timeout (" +
+                                             std::to_string(o_.remote_hwm) + " messages queued)" +
+                                             (local_got_it ? "; the local readers got it, the remote ones will report the gap" : ""));
     } catch (const zmq::error_t& e) {
       return make_error(Errc::io, std::string("sending to remote readers: ") + e.what());
     }
@@ -447,7 +440,8 @@ class MqWriter final : public MessageQueue {
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> pub_;
   std::vector<std::byte> scratch_;
-  uint64_t seq_ = 0, messages_ = 0, bytes_ = 0, overflow_msgs_ = 0, dedicated_msgs_ = 0;
+  uint64_t seq_ = 0;  // messages sent (to the ring, the remote readers, or both)
+  uint64_t bytes_ = 0, overflow_msgs_ = 0, dedicated_msgs_ = 0;
 };
 
 // ---- readers ----
@@ -616,7 +610,7 @@ class MqRemoteReader final : public MqReader {
         if (seq != next_)
           return make_error(Errc::corrupt, "remote reader rank " + std::to_string(rank_) + " expected message " +
                                                std::to_string(next_) + " but got " + std::to_string(seq) +
-                                               " (did the writer enqueue before wait_until_ready?)");
+                                               " (a send to remote readers timed out, or the writer enqueued before wait_until_ready)");
         ++next_;
         fn(std::span<const std::byte>(static_cast<const std::byte*>(rest[0].data()), rest[0].size()));
         return {};

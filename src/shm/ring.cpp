@@ -26,7 +26,7 @@ inline void cpu_relax() {
 // spinning, give the core away on every round so the peer we wait for can run.
 template <class F>
 bool spin_until(F&& ready, uint64_t spin_ns, bool yield) {
-  if (spin_ns == 0) return ready();
+  if (ready() || spin_ns == 0) return ready();  // the common case reads no clock
   const uint64_t start = mono_ns(), until = start + spin_ns;
   for (uint32_t i = 0;; ++i) {
     if (ready()) return true;
@@ -37,6 +37,34 @@ bool spin_until(F&& ready, uint64_t spin_ns, bool yield) {
       if (yield && now - start > 500) sched_yield();
     }
   }
+}
+
+// The sleep half of every wait in the ring. Count yourself, read the futex word, re-check, and
+// only then sleep on the word read: against wake_sleepers (publish, then read the count) either
+// the waker sees us or our re-check sees its publication. `ready` includes the stop conditions.
+template <class F>
+bool sleep_on(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, F&& ready, uint64_t until_ns) {
+  waiters.fetch_add(1, std::memory_order_seq_cst);
+  const uint32_t seen = word.load(std::memory_order_seq_cst);
+  bool ok = ready();
+  if (!ok) futex_wait(&word, seen, until_ns);
+  waiters.fetch_sub(1, std::memory_order_seq_cst);
+  return ok || ready();
+}
+
+// The wake half on the hot path: no shared write and no system call unless someone sleeps.
+void wake_sleepers(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters) {
+  if (waiters.load(std::memory_order_seq_cst) != 0) {
+    word.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&word);
+  }
+}
+
+// State changes off the hot path (attach, leave, drop, shutdown): always move the word, so a
+// waiter between its re-check and futex_wait returns at once instead of sleeping a slice.
+void bump_and_wake(std::atomic<uint32_t>& word) {
+  word.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&word);
 }
 
 }  // namespace
@@ -60,9 +88,9 @@ size_t ring_bytes(const RingOptions& o) {
 Result<std::unique_ptr<Ring>> Ring::create(const std::string& dir, const std::string& name, const RingOptions& o) {
   if (o.n_readers > kRingMaxReaders)
     return make_error(Errc::invalid_argument, "at most 64 local readers, got " + std::to_string(o.n_readers));
-  if (o.max_chunks < 1 || o.max_chunks > (1u << 20))
+  if (o.max_chunks < 1 || o.max_chunks > kRingMaxChunks)
     return make_error(Errc::invalid_argument, "max_chunks must be in [1, 1048576], got " + std::to_string(o.max_chunks));
-  if (o.chunk_bytes < 64 || o.chunk_bytes > (1ull << 32))
+  if (o.chunk_bytes < 64 || o.chunk_bytes > kRingMaxChunkBytes)
     return make_error(Errc::invalid_argument, "max_chunk_bytes must be in [64, 4 GiB], got " + std::to_string(o.chunk_bytes));
   SL_ASSIGN(auto seg, Segment::create(dir, name, ring_bytes(o), true));
   std::unique_ptr<Ring> r(new Ring());
@@ -80,8 +108,7 @@ Result<std::unique_ptr<Ring>> Ring::create(const std::string& dir, const std::st
   h.writer_start = me.start;
   h.created_ns = now_ns();
   h.live_mask.store(r->all_mask(), std::memory_order_relaxed);
-  r->chunks_ = reinterpret_cast<RingChunk*>(seg->data() + align64(sizeof(RingHeader)));
-  r->data_ = seg->data() + align64(sizeof(RingHeader)) + align64(sizeof(RingChunk) * o.max_chunks);
+  r->map_layout();
   h.version = kRingVersion;
   std::atomic_ref<uint32_t>(h.magic).store(kRingMagic, std::memory_order_release);
   return r;
@@ -93,8 +120,8 @@ Result<std::unique_ptr<Ring>> Ring::attach(const std::string& dir, const std::st
   auto* h = reinterpret_cast<RingHeader*>(seg->data());
   if (std::atomic_ref<uint32_t>(h->magic).load(std::memory_order_acquire) != kRingMagic || h->version != kRingVersion)
     return make_error(Errc::corrupt, "'" + name + "' is not a stagelink ring (bad magic or version)");
-  if (h->n_readers > kRingMaxReaders || h->max_chunks == 0 ||
-      ring_bytes(RingOptions{h->n_readers, h->max_chunks, h->chunk_bytes}) > seg->size())
+  if (h->n_readers > kRingMaxReaders || h->max_chunks < 1 || h->max_chunks > kRingMaxChunks ||
+      h->chunk_bytes > kRingMaxChunkBytes || ring_bytes(RingOptions{h->n_readers, h->max_chunks, h->chunk_bytes}) > seg->size())
     return make_error(Errc::corrupt, "ring '" + name + "' header does not match its size");
   if (rank >= h->n_readers)
     return make_error(Errc::invalid_argument, "local reader rank " + std::to_string(rank) + " out of range: the ring has " +
@@ -113,17 +140,25 @@ Result<std::unique_ptr<Ring>> Ring::attach(const std::string& dir, const std::st
   me.pid.store(self.pid, std::memory_order_relaxed);
   me.start.store(self.start, std::memory_order_relaxed);
   me.consumed.store(0, std::memory_order_release);
-  h->attach_seq.fetch_add(1, std::memory_order_seq_cst);
-  futex_wake_all(&h->attach_seq);
+  bump_and_wake(h->attach_seq);
   std::unique_ptr<Ring> r(new Ring());
   r->seg_ = seg;
   r->opts_ = o;
   r->hdr_ = h;
   r->rank_ = rank;
   r->yield_ = h->n_readers + 1 > std::thread::hardware_concurrency();
-  r->chunks_ = reinterpret_cast<RingChunk*>(seg->data() + align64(sizeof(RingHeader)));
-  r->data_ = seg->data() + align64(sizeof(RingHeader)) + align64(sizeof(RingChunk) * h->max_chunks);
+  r->map_layout();
   return r;
+}
+
+void Ring::map_layout() {
+  chunks_ = reinterpret_cast<RingChunk*>(seg_->data() + align64(sizeof(RingHeader)));
+  data_ = seg_->data() + align64(sizeof(RingHeader)) + align64(sizeof(RingChunk) * hdr_->max_chunks);
+}
+
+uint64_t Ring::slice_until(uint64_t deadline_ns) const {
+  const uint64_t until = mono_ns() + opts_.liveness_ns;
+  return deadline_ns && deadline_ns < until ? deadline_ns : until;
 }
 
 Ring::~Ring() {
@@ -134,10 +169,8 @@ Ring::~Ring() {
     uint32_t st = kReaderAttached;
     if (me.state.compare_exchange_strong(st, kReaderLeft, std::memory_order_acq_rel)) {
       hdr_->live_mask.fetch_and(~(1ull << rank_), std::memory_order_acq_rel);
-      hdr_->free_seq.fetch_add(1, std::memory_order_seq_cst);
-      if (hdr_->free_waiters.load(std::memory_order_seq_cst)) futex_wake_all(&hdr_->free_seq);
-      hdr_->attach_seq.fetch_add(1, std::memory_order_seq_cst);
-      futex_wake_all(&hdr_->attach_seq);
+      bump_and_wake(hdr_->free_seq);
+      bump_and_wake(hdr_->attach_seq);
     }
   }
 }
@@ -187,33 +220,15 @@ Result<RingChunk*> Ring::acquire_write(uint64_t deadline_ns, bool drop_dead, uin
   const uint64_t t0 = mono_ns();
   uint64_t next_warn = warn_ns ? t0 + warn_ns : 0;
   for (;;) {
-    hdr_->free_waiters.fetch_add(1, std::memory_order_seq_cst);
-    const uint32_t seen = hdr_->free_seq.load(std::memory_order_seq_cst);
-    const bool ready = chunk_free(c) || is_shutdown() || local_cancel_.load();
-    uint64_t now = mono_ns();
-    if (!ready) {
-      uint64_t until = now + opts_.liveness_ns;
-      if (deadline_ns && deadline_ns < until) until = deadline_ns;
-      if (next_warn && next_warn < until) until = next_warn;
-      futex_wait(&hdr_->free_seq, seen, until);
-      now = mono_ns();
-    }
-    hdr_->free_waiters.fetch_sub(1, std::memory_order_seq_cst);
-    if (is_shutdown() || local_cancel_.load()) return make_error(Errc::cancelled, "message queue was shut down");
+    uint64_t until = slice_until(deadline_ns);
+    if (next_warn && next_warn < until) until = next_warn;
+    sleep_on(hdr_->free_seq, hdr_->free_waiters, [&] { return chunk_free(c) || stopping(); }, until);
+    const uint64_t now = mono_ns();
+    if (stopping()) return make_error(Errc::cancelled, "message queue was shut down");
     if (chunk_free(c)) return c;
     // Still blocked: who is behind, and are they alive?
     auto lag = laggards_for(c);
-    for (auto& g : lag) {
-      if (g.alive) continue;
-      if (drop_dead) {
-        SL_LOG_WARN("message queue %s: reader rank %u (pid %u) died; dropping it", name().c_str(), g.rank, g.pid);
-        (void)drop_reader(g.index, "died");
-      } else {
-        return make_error(Errc::peer_dead, "message queue " + name() + ": reader rank " + std::to_string(g.rank) +
-                                               " (pid " + std::to_string(g.pid) +
-                                               ") died; drop_reader(" + std::to_string(g.rank) + ") to go on without it");
-      }
-    }
+    SL_TRY(handle_dead(lag, drop_dead));
     if (chunk_free(c)) return c;
     if (next_warn && now >= next_warn) {
       if (on_blocked) on_blocked(lag, double(now - t0) / 1e9);
@@ -226,6 +241,19 @@ Result<RingChunk*> Ring::acquire_write(uint64_t deadline_ns, bool drop_dead, uin
   }
 }
 
+Status Ring::handle_dead(const std::vector<Laggard>& lag, bool drop_dead) {
+  for (auto& g : lag) {
+    if (g.alive) continue;
+    if (!drop_dead)
+      return make_error(Errc::peer_dead, "message queue " + name() + ": reader rank " + std::to_string(g.rank) +
+                                             " (pid " + std::to_string(g.pid) + ") died; drop_reader(" +
+                                             std::to_string(g.rank) + ") to go on without it");
+    SL_LOG_WARN("message queue %s: reader rank %u (pid %u) died; dropping it", name().c_str(), g.rank, g.pid);
+    (void)drop_reader(g.index, "died");
+  }
+  return {};
+}
+
 void Ring::publish(RingChunk* c, uint64_t len, RingMsgKind kind, uint64_t ov_offset) {
   c->len = len;
   c->kind = kind;
@@ -235,10 +263,7 @@ void Ring::publish(RingChunk* c, uint64_t len, RingMsgKind kind, uint64_t ov_off
   // sleeper's re-check, ordered after its count, sees this store. No shared write otherwise.
   c->seq.store(wseq_ + 1, std::memory_order_seq_cst);
   ++wseq_;
-  if (hdr_->pub_waiters.load(std::memory_order_seq_cst) != 0) {
-    hdr_->pub_seq.fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(&hdr_->pub_seq);
-  }
+  wake_sleepers(hdr_->pub_seq, hdr_->pub_waiters);
 }
 
 Status Ring::drop_reader(uint32_t rank, const char* why) {
@@ -249,9 +274,7 @@ Status Ring::drop_reader(uint32_t rank, const char* why) {
   while (st != kReaderLeft && st != kReaderDropped && !rd.state.compare_exchange_weak(st, kReaderDropped)) {
   }
   SL_LOG_INFO("message queue %s: reader rank %u dropped (%s)", name().c_str(), rank_name(rank), why);
-  // A dropped reader that is still alive and blocked learns it at its next wake-up.
-  hdr_->pub_seq.fetch_add(1, std::memory_order_seq_cst);
-  futex_wake_all(&hdr_->pub_seq);
+  bump_and_wake(hdr_->pub_seq);  // a dropped reader that is still alive and blocked learns it now
   return {};
 }
 
@@ -262,22 +285,12 @@ uint32_t Ring::attached_count() const {
   return n;
 }
 
-void Ring::wait_attach(uint32_t seen, uint64_t deadline_ns) {
-  uint64_t until = mono_ns() + opts_.liveness_ns;
-  if (deadline_ns && deadline_ns < until) until = deadline_ns;
-  futex_wait(&hdr_->attach_seq, seen, until);
-}
+void Ring::wait_attach(uint32_t seen, uint64_t deadline_ns) { futex_wait(&hdr_->attach_seq, seen, slice_until(deadline_ns)); }
 
 bool Ring::wait_free_until(const std::function<bool()>& done, uint64_t deadline_ns) {
-  hdr_->free_waiters.fetch_add(1, std::memory_order_seq_cst);
-  const uint32_t seen = hdr_->free_seq.load(std::memory_order_seq_cst);
-  bool ok = done();
-  if (!ok && !is_shutdown() && !local_cancel_.load()) {
-    uint64_t until = mono_ns() + opts_.liveness_ns;
-    if (deadline_ns && deadline_ns < until) until = deadline_ns;
-    futex_wait(&hdr_->free_seq, seen, until);
-  }
-  hdr_->free_waiters.fetch_sub(1, std::memory_order_seq_cst);
+  bool ok = false;
+  sleep_on(hdr_->free_seq, hdr_->free_waiters, [&] { return (ok = ok || done()) || stopping(); },
+           slice_until(deadline_ns));
   return ok;
 }
 
@@ -302,20 +315,11 @@ Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
   auto dropped = [&] { return hdr_->readers[rank_].state.load(std::memory_order_acquire) == kReaderDropped; };
   if (spin_until([&] { return ready() || is_shutdown(); }, opts_.spin_ns, yield_) && ready()) return c;
   for (;;) {
-    hdr_->pub_waiters.fetch_add(1, std::memory_order_seq_cst);
-    const uint32_t seen = hdr_->pub_seq.load(std::memory_order_seq_cst);
-    bool ok = ready();
-    const bool stop = is_shutdown() || local_cancel_.load() || dropped();
-    if (!ok && !stop) {
-      uint64_t until = mono_ns() + opts_.liveness_ns;
-      if (deadline_ns && deadline_ns < until) until = deadline_ns;
-      futex_wait(&hdr_->pub_seq, seen, until);
-      ok = ready();
-    }
-    hdr_->pub_waiters.fetch_sub(1, std::memory_order_seq_cst);
-    if (ok) return c;  // pending messages are delivered even after a shutdown
+    sleep_on(hdr_->pub_seq, hdr_->pub_waiters, [&] { return ready() || stopping() || dropped(); },
+             slice_until(deadline_ns));
+    if (ready()) return c;  // pending messages are delivered even after a shutdown
     if (dropped()) return make_error(Errc::closed, "reader rank " + std::to_string(rank_name(rank_)) + " was dropped by the writer");
-    if (is_shutdown() || local_cancel_.load()) return make_error(Errc::cancelled, "message queue was shut down");
+    if (stopping()) return make_error(Errc::cancelled, "message queue was shut down");
     const uint64_t now = mono_ns();
     if (!writer_alive())
       return make_error(Errc::peer_dead, "message queue " + name() + ": the writer (pid " +
@@ -323,8 +327,7 @@ Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
     if (deadline_ns && now >= deadline_ns)
       return make_error(Errc::timeout, "message queue " + name() + ": no message " + std::to_string(rseq_) +
                                            " for reader rank " + std::to_string(rank_name(rank_)) + " before the timeout (writer pid " +
-                                           std::to_string(hdr_->writer_pid) + " alive, " +
-                                           std::to_string(hdr_->pub_seq.load()) + " messages published)");
+                                           std::to_string(hdr_->writer_pid) + " alive)");
   }
 }
 
@@ -332,27 +335,26 @@ void Ring::release_read(RingChunk* c) {
   c->read_mask.fetch_or(1ull << rank_, std::memory_order_seq_cst);
   ++rseq_;
   hdr_->readers[rank_].consumed.store(rseq_, std::memory_order_release);
-  if (hdr_->free_waiters.load(std::memory_order_seq_cst) != 0) {  // same pairing as publish()
-    hdr_->free_seq.fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(&hdr_->free_seq);
-  }
+  wake_sleepers(hdr_->free_seq, hdr_->free_waiters);
 }
 
+// Both move every word (not only wake): a waiter between its re-check and futex_wait would
+// otherwise sleep a whole slice. cancel_local wakes the other processes' waiters too; they
+// re-check and sleep again.
 void Ring::cancel_local() {
-  local_cancel_.store(true);
-  futex_wake_all(&hdr_->pub_seq);
-  futex_wake_all(&hdr_->free_seq);
-  futex_wake_all(&hdr_->attach_seq);
+  local_cancel_.store(true, std::memory_order_seq_cst);
+  wake_all_words();
 }
 
 void Ring::shutdown() {
   hdr_->shutdown.store(1, std::memory_order_seq_cst);
-  hdr_->pub_seq.fetch_add(1, std::memory_order_seq_cst);
-  hdr_->free_seq.fetch_add(1, std::memory_order_seq_cst);
-  hdr_->attach_seq.fetch_add(1, std::memory_order_seq_cst);
-  futex_wake_all(&hdr_->pub_seq);
-  futex_wake_all(&hdr_->free_seq);
-  futex_wake_all(&hdr_->attach_seq);
+  wake_all_words();
+}
+
+void Ring::wake_all_words() {
+  bump_and_wake(hdr_->pub_seq);
+  bump_and_wake(hdr_->free_seq);
+  bump_and_wake(hdr_->attach_seq);
 }
 
 }  // namespace stagelink::shm

@@ -35,6 +35,8 @@ namespace stagelink::shm {
 inline constexpr uint32_t kRingMagic = 0x474e5253;  // "SRNG"
 inline constexpr uint32_t kRingVersion = 1;
 inline constexpr uint32_t kRingMaxReaders = 64;
+inline constexpr uint32_t kRingMaxChunks = 1u << 20;
+inline constexpr uint64_t kRingMaxChunkBytes = 1ull << 32;
 
 enum ReaderState : uint32_t { kReaderAbsent = 0, kReaderAttached = 1, kReaderDropped = 2, kReaderLeft = 3 };
 
@@ -129,6 +131,8 @@ class Ring {
   // Wait until attach_seq moves (a reader attached or left) or the deadline.
   void wait_attach(uint32_t seen, uint64_t deadline_ns);
   std::vector<Laggard> laggards_for(RingChunk* c) const;
+  // The dead-reader policy: a dead one among `lag` is a peer_dead error, or (drop_dead) dropped.
+  Status handle_dead(const std::vector<Laggard>& lag, bool drop_dead);
   // Ranks to report for local indexes 0..n-1 in errors and warnings (default: the index).
   void set_rank_names(std::vector<uint32_t> ranks) { rank_names_ = std::move(ranks); }
   // Writer: run `done` (e.g. reclaim and allocate); if it fails, sleep until a reader releases
@@ -162,6 +166,10 @@ class Ring {
     return hdr_->n_readers >= 64 ? ~0ull : ((1ull << hdr_->n_readers) - 1);
   }
   bool chunk_free(RingChunk* c) const;
+  void map_layout();                                  // chunks_ and data_ from the header
+  uint64_t slice_until(uint64_t deadline_ns) const;   // min(deadline, now + liveness slice)
+  bool stopping() const { return is_shutdown() || local_cancel_.load(std::memory_order_seq_cst); }
+  void wake_all_words();
 
   std::shared_ptr<Segment> seg_;
   RingHeader* hdr_ = nullptr;

@@ -352,6 +352,99 @@ TEST(Mq, ReaderLearnsTheWriterDied) {
   EXPECT_EQ(mq_files(writer), 0u);
 }
 
+// Regression: attach computed the ring's size from header fields before bounding them; 16 chunks
+// of 2^60 bytes wrap to 0 and passed the size check.
+TEST(Ring, AttachRejectsAHeaderWhoseSizeOverflows) {
+  const std::string name = shm::user_prefix() + "mq.tbad" + std::to_string(getpid());
+  shm::RingOptions o;
+  o.max_chunks = 16;
+  o.chunk_bytes = 256;
+  auto w = shm::Ring::create("/dev/shm", name, o);
+  ASSERT_TRUE(w.ok());
+  (*w)->header().chunk_bytes = 1ull << 60;
+  auto r = shm::Ring::attach("/dev/shm", name, 0, o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, Errc::corrupt);
+  shm::Segment::unlink("/dev/shm", name);
+}
+
+// A reader's own shutdown() wakes its blocked dequeue at once, at any moment of the wait (fails
+// if the wake is lost: the waiter would sleep its 0.5 s liveness slice). The narrow window the
+// review found (shutdown between the waiter's re-check and futex_wait, when shutdown only woke
+// and did not move the word) is not reproducible on demand; it is closed by construction:
+// cancel_local moves the words exactly as the writer's shutdown does.
+TEST(Mq, ReaderShutdownFromAnotherThreadWakesItPromptly) {
+  double worst_ms = 0;
+  for (int i = 0; i < 60; ++i) {
+    auto o = small(256, 2);
+    o.spin_us = 0;  // straight to the kernel: the window is the futex path
+    o.overflow_bytes = 0;
+    Trio t(o);
+    ASSERT_TRUE(t.r1);
+    std::thread rt([&] { (void)t.r0->dequeue(-1); });
+    if (i % 3) std::this_thread::sleep_for(std::chrono::microseconds(i * 7));
+    auto t0 = Clock::now();
+    t.r0->shutdown();
+    rt.join();
+    worst_ms = std::max(worst_ms, std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  EXPECT_LT(worst_ms, 250.0);
+}
+
+// Regression: when a message reached the local readers but the send to a remote reader timed
+// out, the writer did not spend its number, so the remote reader silently missed it. It must
+// see the gap. The remote reader is stopped (SIGSTOP: a hung host) so its socket fills.
+TEST(Mq, RemoteReaderReportsAMessageItMissedThatLocalReadersGot) {
+  MessageQueueOptions o;
+  o.n_reader = 2;
+  o.n_local_reader = 1;
+  o.max_chunk_bytes = 4u << 20;
+  o.max_chunks = 4;
+  o.overflow_bytes = 0;
+  o.remote_hwm = 1;
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok());
+  const auto h = (*w)->export_handle();
+  int to_child[2], ready[2];
+  ASSERT_EQ(pipe(to_child), 0);
+  ASSERT_EQ(pipe(ready), 0);
+  pid_t pid = fork();
+  if (pid == 0) {  // the remote reader: read what it is told arrived, then expect the gap
+    auto r = MessageQueue::create_from_handle(h, 1);
+    char c = r.ok();
+    if (write(ready[1], &c, 1) != 1 || !r.ok()) _exit(2);
+    int sent = 0;
+    if (read(to_child[0], &sent, sizeof sent) != sizeof sent) _exit(3);
+    for (int i = 0; i < sent; ++i)
+      if (!(*r)->dequeue(10).ok()) _exit(4);
+    auto gap = (*r)->dequeue(10);
+    _exit(!gap.ok() && gap.error().code == Errc::corrupt ? 0 : 5);
+  }
+  char c = 0;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  ASSERT_EQ(c, 1);
+  auto local = MessageQueue::create_from_handle(h, 0);
+  ASSERT_TRUE(local.ok());
+  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  kill(pid, SIGSTOP);
+  std::vector<std::byte> big(3u << 20, std::byte{1});
+  int sent = 0;
+  Status st;
+  while (sent < 200 && (st = (*w)->enqueue_bytes(big, 0.3)).ok()) {
+    ++sent;
+    ASSERT_TRUE((*local)->dequeue(1).ok());
+  }
+  ASSERT_FALSE(st.ok()) << "the stopped reader's socket never filled";
+  EXPECT_EQ(st.error().code, Errc::timeout);
+  EXPECT_NE(st.error().message.find("local readers got it"), std::string::npos) << st.error().message;
+  EXPECT_TRUE((*local)->dequeue(1).ok());  // the local reader has the message the remote one lacks
+  kill(pid, SIGCONT);
+  ASSERT_EQ(write(to_child[1], &sent, sizeof sent), ssize_t(sizeof sent));
+  ASSERT_TRUE((*w)->enqueue_bytes(big, 10).ok());
+  EXPECT_EQ(wait_child(pid), 0);
+  for (int fd : {to_child[0], to_child[1], ready[0], ready[1]}) close(fd);
+}
+
 TEST(Mq, BadHandlesAndArgumentsAreClearErrors) {
   std::byte junk[5] = {std::byte{1}, std::byte{2}};
   EXPECT_FALSE(MessageQueueHandle::from_msgpack(junk).ok());
