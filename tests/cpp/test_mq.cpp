@@ -363,9 +363,9 @@ TEST(Ring, AttachRejectsAHeaderWhoseSizeOverflows) {
   ASSERT_TRUE(w.ok());
   (*w)->header().chunk_bytes = 1ull << 60;
   auto r = shm::Ring::attach("/dev/shm", name, 0, o);
+  shm::Segment::unlink("/dev/shm", name);  // before asserting: a failure must not leave it behind
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error().code, Errc::corrupt);
-  shm::Segment::unlink("/dev/shm", name);
 }
 
 // A reader's own shutdown() wakes its blocked dequeue at once, at any moment of the wait (fails
