@@ -51,6 +51,8 @@ struct FramePlan {
 
 Result<FramePlan> plan_frame(const Value& tree, std::span<const TensorSpec> specs);
 Result<FramePlan> plan_frame(const Payload& p);
+// As plan_frame, into an existing plan whose vectors keep their capacity (hot paths keep one).
+Status plan_frame_into(FramePlan& plan, const Payload& p);
 // Writes head and padding into dst (plan.total bytes); copies `tensors` (may be empty to leave
 // regions for the caller to fill, as a loan does).
 void write_frame_head(const FramePlan& plan, std::byte* dst);

@@ -344,11 +344,15 @@ class ShmConnector final : public Connector {
                                reg.arena_gen, now, ikey.substr(0, rid_len)});
     PutResult pr;
     pr.size = total;
+    // Inline payloads need only the entry (reader accounting); the segment's name and offset are
+    // for payloads read from shared memory. Fewer fields: cheaper to build, ship and convert.
     Value::Map shm;
     shm.reserve(5);
-    shm.emplace_back("name", reg.dedicated ? reg.dedicated->name() : arena_->name());
-    shm.emplace_back("size", uint64_t(total));
-    shm.emplace_back("offset", uint64_t(reg.offset));
+    if (inline_bytes.empty()) {
+      shm.emplace_back("name", reg.dedicated ? reg.dedicated->name() : arena_->name());
+      shm.emplace_back("size", uint64_t(total));
+      shm.emplace_back("offset", uint64_t(reg.offset));
+    }
     shm.emplace_back("entry", uint64_t(cl.idx));
     shm.emplace_back("gen", uint64_t(cl.gen));
     Value::Map md;
@@ -370,10 +374,10 @@ class ShmConnector final : public Connector {
     const uint32_t readers = po.readers ? po.readers : opts_.readers;
     if (readers > shm::kMaxFanout)
       return make_error(Errc::invalid_argument, "readers must be in [1, 8], got " + std::to_string(readers));
-    FramePlan local;
     if (!given_plan) {
-      SL_ASSIGN(local, plan_frame(payload));
-      given_plan = &local;
+      thread_local FramePlan scratch;  // reused: planning a put allocates nothing once warm
+      SL_TRY(plan_frame_into(scratch, payload));
+      given_plan = &scratch;
     }
     const FramePlan& plan = *given_plan;
     const std::string ikey = make_internal_key(key, from, to);

@@ -11,12 +11,13 @@ constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 // Lays out a frame for n tensors; spec(i) yields (dtype, shape, nbytes, device) of tensor i.
 // The header is packed once, straight from the tree: each region offset is written as a
 // fixed-width uint64 placeholder and patched once the header's length is known.
+// Fills `plan`, reusing its vectors' capacity (a caller that keeps one plan allocates nothing).
 template <class SpecAt>
-Result<FramePlan> plan_impl(const Value& tree, size_t n, SpecAt spec) {
+Status plan_impl(FramePlan& plan, const Value& tree, size_t n, SpecAt spec) {
   if (n > kFrameMaxTensors)
     return make_error(Errc::invalid_argument, "payload has " + std::to_string(n) +
                                                   " tensors; the frame holds at most 65536");
-  FramePlan plan;
+  plan.head.clear();
   plan.head.reserve(kFrameHeaderBytes + 64 + 32 * n);
   plan.head.resize(kFrameHeaderBytes);
   plan.offsets.resize(n);
@@ -74,7 +75,7 @@ Result<FramePlan> plan_impl(const Value& tree, size_t n, SpecAt spec) {
   fh.n_tensors = uint32_t(n);
   fh.total_len = plan.total;
   std::memcpy(plan.head.data(), &fh, sizeof fh);
-  return plan;
+  return {};
 }
 
 struct SpecView {
@@ -86,13 +87,21 @@ struct SpecView {
 }  // namespace
 
 Result<FramePlan> plan_frame(const Value& tree, std::span<const TensorSpec> specs) {
-  return plan_impl(tree, specs.size(), [&](size_t i) {
+  FramePlan plan;
+  SL_TRY(plan_impl(plan, tree, specs.size(), [&](size_t i) {
     auto& s = specs[i];
     return SpecView{s.dtype, s.shape, s.nbytes, s.device};
-  });
+  }));
+  return plan;
 }
 
 Result<FramePlan> plan_frame(const Payload& p) {
+  FramePlan plan;
+  SL_TRY(plan_frame_into(plan, p));
+  return plan;
+}
+
+Status plan_frame_into(FramePlan& plan, const Payload& p) {
   for (auto& t : p.tensors) {
     if (t.shape.empty()) continue;
     size_t n = dtype_size(t.dtype);
@@ -104,7 +113,7 @@ Result<FramePlan> plan_frame(const Payload& p) {
       return make_error(Errc::invalid_argument, "tensor shape holds " + std::to_string(n) +
                                                     " bytes but data has " + std::to_string(t.nbytes()));
   }
-  return plan_impl(p.tree, p.tensors.size(), [&](size_t i) {
+  return plan_impl(plan, p.tree, p.tensors.size(), [&](size_t i) {
     auto& t = p.tensors[i];
     return SpecView{t.dtype, t.shape, t.nbytes(), t.device};
   });
@@ -166,52 +175,74 @@ Result<Payload> decode_frame(std::span<const std::byte> buf, std::shared_ptr<con
   if (fh.header_len > fh.total_len - kFrameHeaderBytes || fh.header_len > kFrameMaxHeader)
     return make_error(Errc::corrupt, "frame header length " + std::to_string(fh.header_len) +
                                          " runs past the frame");
-  SL_ASSIGN(Value hdr, value_from_msgpack(buf.subspan(kFrameHeaderBytes, fh.header_len)));
-  Value* tree = const_cast<Value*>(hdr.find("t"));
-  const Value* table = hdr.find("x");
-  if (!tree || !table || !table->is<Value::List>())
-    return make_error(Errc::corrupt, "frame header lacks tree or tensor table");
-  auto& rows = table->as<Value::List>();
-  if (rows.size() != fh.n_tensors)
-    return make_error(Errc::corrupt, "tensor table has " + std::to_string(rows.size()) +
-                                         " rows, header says " + std::to_string(fh.n_tensors));
+  // The msgpack header is read in place: the tree into a Value, the tensor table straight into
+  // Tensors (no intermediate Value per row).
+  detail::MpReader rd(buf.data() + kFrameHeaderBytes, fh.header_len);
+  auto bad_header = [&]() { return make_error(Errc::corrupt, "frame header: " + rd.error); };
+  uint32_t nkeys;
+  if (!rd.read_map(nkeys)) return bad_header();
   Payload p;
-  p.tensors.reserve(rows.size());
+  bool have_tree = false, have_table = false;
   const size_t data_start = kFrameHeaderBytes + fh.header_len;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    auto bad = [&](const std::string& why) {
-      return make_error(Errc::corrupt, "tensor " + std::to_string(i) + ": " + why);
-    };
-    if (!rows[i].is<Value::List>()) return bad("row is not a list");
-    auto& r = rows[i].as<Value::List>();
-    uint64_t dt, off, len;
-    if (r.size() < 4 || !r[0].get_u64(dt) || !r[2].get_u64(off) || !r[3].get_u64(len) ||
-        !r[1].is<Value::List>())
-      return bad("malformed row");
-    if (dt >= uint64_t(kDTypeCount)) return bad("unknown dtype " + std::to_string(dt));
-    if (off < data_start || off > fh.total_len || len > fh.total_len - off)
-      return bad("region [" + std::to_string(off) + ", +" + std::to_string(len) +
-                 ") lies outside the frame of " + std::to_string(fh.total_len) + " bytes");
-    Tensor t;
-    t.dtype = static_cast<DType>(dt);
-    uint64_t elems = 1;
-    t.shape.reserve(r[1].as<Value::List>().size());
-    for (auto& d : r[1].as<Value::List>()) {
-      int64_t x;
-      if (!d.get_i64(x) || x < 0) return bad("bad dimension");
-      if (x != 0 && elems > UINT64_MAX / uint64_t(x)) return bad("shape overflows");
-      elems *= uint64_t(x);
-      t.shape.push_back(x);
+  for (uint32_t k = 0; k < nkeys; ++k) {
+    std::string_view key;
+    if (!rd.read_str(key)) return bad_header();
+    if (key == "t") {
+      if (!rd.read_value(p.tree)) return bad_header();
+      have_tree = true;
+      continue;
     }
-    if (elems > UINT64_MAX / dtype_size(t.dtype) || elems * dtype_size(t.dtype) != len)
-      return bad("shape does not match region length " + std::to_string(len));
-    if (r.size() > 4 && r[4].is<std::string>()) t.device = r[4].as<std::string>();
-    t.data = buf.subspan(off, len);
-    t.keepalive = keepalive;
-    p.tensors.push_back(std::move(t));
+    if (key != "x") {
+      if (!rd.skip()) return bad_header();
+      continue;
+    }
+    uint32_t rows;
+    if (!rd.read_array(rows)) return bad_header();
+    if (rows != fh.n_tensors)
+      return make_error(Errc::corrupt, "tensor table has " + std::to_string(rows) +
+                                           " rows, header says " + std::to_string(fh.n_tensors));
+    have_table = true;
+    p.tensors.reserve(rows);
+    for (uint32_t i = 0; i < rows; ++i) {
+      auto bad = [&](const std::string& why) {
+        return make_error(Errc::corrupt, "tensor " + std::to_string(i) + ": " + why);
+      };
+      uint32_t cols, ndim;
+      uint64_t dt, off, len;
+      if (!rd.read_array(cols) || cols < 4 || !rd.read_u64(dt) || !rd.read_array(ndim))
+        return bad("malformed row" + (rd.error.empty() ? std::string() : ": " + rd.error));
+      if (dt >= uint64_t(kDTypeCount)) return bad("unknown dtype " + std::to_string(dt));
+      Tensor& t = p.tensors.emplace_back();
+      t.dtype = static_cast<DType>(dt);
+      t.shape.resize(ndim);
+      uint64_t elems = 1;
+      for (auto& x : t.shape) {
+        if (!rd.read_i64(x) || x < 0) return bad("bad dimension");
+        if (x != 0 && elems > UINT64_MAX / uint64_t(x)) return bad("shape overflows");
+        elems *= uint64_t(x);
+      }
+      if (!rd.read_u64(off) || !rd.read_u64(len))
+        return bad("malformed row" + (rd.error.empty() ? std::string() : ": " + rd.error));
+      if (off < data_start || off > fh.total_len || len > fh.total_len - off)
+        return bad("region [" + std::to_string(off) + ", +" + std::to_string(len) +
+                   ") lies outside the frame of " + std::to_string(fh.total_len) + " bytes");
+      if (elems > UINT64_MAX / dtype_size(t.dtype) || elems * dtype_size(t.dtype) != len)
+        return bad("shape does not match region length " + std::to_string(len));
+      if (cols > 4) {
+        std::string_view dev;
+        if (!rd.read_str(dev)) return bad("malformed device");
+        t.device.assign(dev);
+      }
+      for (uint32_t c = 5; c < cols; ++c)
+        if (!rd.skip()) return bad_header();
+      t.data = buf.subspan(off, len);
+      t.keepalive = keepalive;
+    }
   }
-  SL_TRY(check_refs(*tree, p.tensors.size(), 0));
-  p.tree = std::move(*tree);
+  if (!rd.at_end())
+    return make_error(Errc::corrupt, "frame header: " + std::to_string(rd.left()) + " trailing bytes");
+  if (!have_tree || !have_table) return make_error(Errc::corrupt, "frame header lacks tree or tensor table");
+  SL_TRY(check_refs(p.tree, p.tensors.size(), 0));
   return p;
 }
 

@@ -124,109 +124,215 @@ void pack_value(Packer& pk, const Value& v) {
 }
 }  // namespace detail
 
-namespace {
-// Builds a Value straight from the msgpack parser's events (no intermediate msgpack::object
-// zone). Bounds: the parser never reads past the buffer; this visitor caps nesting at 64 and
-// never reserves more elements than bytes remain.
-class ValueBuilder {
- public:
-  explicit ValueBuilder(size_t len) : len_(len) {}
-  Value result;
-  std::string error;
+// ---- MpReader ----
+namespace detail {
+bool MpReader::fail(const char* why) {
+  if (error.empty()) error = std::string(why) + " at byte " + std::to_string(pos());
+  return false;
+}
 
-  bool visit_nil() { return put(Value()); }
-  bool visit_boolean(bool b) { return put(Value(b)); }
-  bool visit_positive_integer(uint64_t v) {
-    if (key_) { *key_ = std::to_string(v); key_ = nullptr; return true; }
-    return put(Value(v));
+bool MpReader::len_prefix(uint8_t tag, uint8_t t8, uint32_t& n) {
+  switch (tag - t8) {
+    case 0:
+      if (!need(1)) return false;
+      n = *p_++;
+      return true;
+    case 1:
+      if (!need(2)) return false;
+      n = be<uint16_t>();
+      return true;
+    default:
+      if (!need(4)) return false;
+      n = be<uint32_t>();
+      return true;
   }
-  bool visit_negative_integer(int64_t v) {
-    if (key_) { *key_ = std::to_string(v); key_ = nullptr; return true; }
-    return put(Value(v));
-  }
-  bool visit_float32(float v) { return put(Value(double(v))); }
-  bool visit_float64(double v) { return put(Value(v)); }
-  bool visit_str(const char* p, uint32_t n) {
-    if (key_) { key_->assign(p, n); key_ = nullptr; return true; }
-    return put(Value(std::string(p, n)));
-  }
-  bool visit_bin(const char* p, uint32_t n) {
-    auto* b = reinterpret_cast<const std::byte*>(p);
-    return put(Value(Value::Bytes(b, b + n)));
-  }
-  bool visit_ext(const char* p, uint32_t n) {  // p[0] is the ext type, n counts it
-    if (n != 5 || int8_t(p[0]) != detail::kExtTensorRef)
-      return fail("unknown msgpack ext type " + std::to_string(n ? int(int8_t(p[0])) : -1));
-    auto* u = reinterpret_cast<const uint8_t*>(p + 1);
-    return put(Value(TensorRef{uint32_t(u[0]) << 24 | uint32_t(u[1]) << 16 | uint32_t(u[2]) << 8 | u[3]}));
-  }
-  bool start_array(uint32_t n) {
-    if (!put(Value(Value::List{}))) return false;
-    auto& l = slot_->as<Value::List>();
-    l.reserve(std::min<size_t>(n, len_));
-    return push(slot_);
-  }
-  bool start_array_item() {
-    auto& l = stack_[depth_ - 1]->as<Value::List>();
-    slot_ = &l.emplace_back();
-    filled_ = false;
-    return true;
-  }
-  bool end_array_item() { return true; }
-  bool end_array() { --depth_; return true; }
-  bool start_map(uint32_t n) {
-    if (!put(Value(Value::Map{}))) return false;
-    slot_->as<Value::Map>().reserve(std::min<size_t>(n, len_));
-    return push(slot_);
-  }
-  bool start_map_key() {
-    auto& m = stack_[depth_ - 1]->as<Value::Map>();
-    m.emplace_back();
-    key_ = &m.back().first;
-    return true;
-  }
-  bool end_map_key() {
-    if (key_) return fail("msgpack map key is neither string nor integer");
-    return true;
-  }
-  bool start_map_value() {
-    slot_ = &stack_[depth_ - 1]->as<Value::Map>().back().second;
-    filled_ = false;
-    return true;
-  }
-  bool end_map_value() { return true; }
-  bool end_map() { --depth_; return true; }
-  void parse_error(size_t, size_t at) { if (error.empty()) error = "malformed msgpack at byte " + std::to_string(at); }
-  void insufficient_bytes(size_t, size_t) { if (error.empty()) error = "truncated msgpack value"; }
-  bool referenced() const { return false; }
-  void set_referenced(bool) {}
+}
 
- private:
-  bool fail(std::string why) {
-    if (error.empty()) error = std::move(why);
-    return false;
+// Array and map headers: fix form (high nibble `fix`), then 16- and 32-bit lengths (tags t16,
+// t16 + 1). Each element takes at least `min_bytes` bytes, which bounds n by what is left.
+bool MpReader::read_container(uint8_t fix, uint8_t t16, size_t min_bytes, uint32_t& n, const char* what) {
+  if (!need(1)) return false;
+  const uint8_t t = *p_++;
+  if ((t & 0xf0) == fix) n = t & 0x0f;
+  else if (t == t16) { if (!need(2)) return false; n = be<uint16_t>(); }
+  else if (t == t16 + 1) { if (!need(4)) return false; n = be<uint32_t>(); }
+  else { --p_; return fail(what); }
+  return n <= left() / min_bytes ? true : fail("msgpack container longer than its buffer");
+}
+bool MpReader::read_array(uint32_t& n) { return read_container(0x90, 0xdc, 1, n, "expected a msgpack array"); }
+bool MpReader::read_map(uint32_t& n) { return read_container(0x80, 0xde, 2, n, "expected a msgpack map"); }
+
+bool MpReader::read_str(std::string_view& s) {
+  if (!need(1)) return false;
+  const uint8_t t = *p_++;
+  uint32_t n;
+  if ((t & 0xe0) == 0xa0) n = t & 0x1f;
+  else if (t >= 0xd9 && t <= 0xdb) { if (!len_prefix(t, 0xd9, n)) return false; }
+  else { --p_; return fail("expected a msgpack string"); }
+  if (!need(n)) return false;
+  s = std::string_view(reinterpret_cast<const char*>(p_), n);
+  p_ += n;
+  return true;
+}
+
+bool MpReader::read_u64(uint64_t& v) {
+  if (!need(1)) return false;
+  const uint8_t t = *p_++;
+  if (t <= 0x7f) { v = t; return true; }
+  switch (t) {
+    case 0xcc: if (!need(1)) return false; v = *p_++; return true;
+    case 0xcd: if (!need(2)) return false; v = be<uint16_t>(); return true;
+    case 0xce: if (!need(4)) return false; v = be<uint32_t>(); return true;
+    case 0xcf: if (!need(8)) return false; v = be<uint64_t>(); return true;
+    case 0xd0: case 0xd1: case 0xd2: case 0xd3: {
+      --p_;
+      int64_t x;
+      if (!read_i64(x)) return false;
+      if (x < 0) return fail("expected a non-negative integer");
+      v = uint64_t(x);
+      return true;
+    }
+    default: --p_; return fail("expected a msgpack integer");
   }
-  bool put(Value v) {
-    if (key_) return fail("msgpack map key is neither string nor integer");
-    if (filled_) return fail("malformed msgpack");
-    *slot_ = std::move(v);
-    filled_ = true;
+}
+
+bool MpReader::read_i64(int64_t& v) {
+  if (!need(1)) return false;
+  const uint8_t t = *p_++;
+  if (t <= 0x7f) { v = t; return true; }
+  if (t >= 0xe0) { v = int8_t(t); return true; }
+  switch (t) {
+    case 0xd0: if (!need(1)) return false; v = int8_t(*p_++); return true;
+    case 0xd1: if (!need(2)) return false; v = be<int16_t>(); return true;
+    case 0xd2: if (!need(4)) return false; v = be<int32_t>(); return true;
+    case 0xd3: if (!need(8)) return false; v = be<int64_t>(); return true;
+    case 0xcc: case 0xcd: case 0xce: case 0xcf: {
+      --p_;
+      uint64_t x;
+      if (!read_u64(x)) return false;
+      if (x > uint64_t(INT64_MAX)) return fail("integer does not fit int64");
+      v = int64_t(x);
+      return true;
+    }
+    default: --p_; return fail("expected a msgpack integer");
+  }
+}
+
+bool MpReader::read_value(Value& out, int depth) {
+  if (!need(1)) return false;
+  const uint8_t t = *p_;
+  if (t <= 0x7f || (t >= 0xcc && t <= 0xcf)) {
+    uint64_t v;
+    if (!read_u64(v)) return false;
+    out = Value(v);
     return true;
   }
-  bool push(Value* v) {
-    if (depth_ >= kMaxDepth) return fail("msgpack nesting deeper than 64");
-    stack_[depth_++] = v;
+  if (t >= 0xe0 || (t >= 0xd0 && t <= 0xd3)) {
+    int64_t v;
+    if (!read_i64(v)) return false;
+    out = v >= 0 ? Value(uint64_t(v)) : Value(v);
     return true;
   }
-  size_t len_;
-  Value* slot_ = &result;
-  bool filled_ = false;
-  std::string* key_ = nullptr;
-  static constexpr size_t kMaxDepth = 64;
-  Value* stack_[kMaxDepth];
-  size_t depth_ = 0;
-};
-}  // namespace
+  if ((t & 0xe0) == 0xa0 || (t >= 0xd9 && t <= 0xdb)) {
+    std::string_view s;
+    if (!read_str(s)) return false;
+    out = Value(std::string(s));
+    return true;
+  }
+  if ((t & 0xf0) == 0x90 || t == 0xdc || t == 0xdd) {
+    if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
+    uint32_t n;
+    if (!read_array(n)) return false;
+    Value::List l;
+    l.reserve(std::min<uint32_t>(n, 1024));  // grows with what is actually there
+    for (uint32_t i = 0; i < n; ++i)
+      if (!read_value(l.emplace_back(), depth + 1)) return false;
+    out = Value(std::move(l));
+    return true;
+  }
+  if ((t & 0xf0) == 0x80 || t == 0xde || t == 0xdf) {
+    if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
+    uint32_t n;
+    if (!read_map(n)) return false;
+    Value::Map m;
+    m.reserve(std::min<uint32_t>(n, 1024));
+    for (uint32_t i = 0; i < n; ++i) {
+      auto& [k, v] = m.emplace_back();
+      if (!need(1)) return false;
+      const uint8_t kt = *p_;
+      if ((kt & 0xe0) == 0xa0 || (kt >= 0xd9 && kt <= 0xdb)) {
+        std::string_view s;
+        if (!read_str(s)) return false;
+        k.assign(s);
+      } else if (kt <= 0x7f || (kt >= 0xcc && kt <= 0xcf)) {
+        uint64_t x;
+        if (!read_u64(x)) return false;
+        k = std::to_string(x);
+      } else if (kt >= 0xe0 || (kt >= 0xd0 && kt <= 0xd3)) {
+        int64_t x;
+        if (!read_i64(x)) return false;
+        k = std::to_string(x);
+      } else {
+        return fail("msgpack map key is neither string nor integer");
+      }
+      if (!read_value(v, depth + 1)) return false;
+    }
+    out = Value(std::move(m));
+    return true;
+  }
+  ++p_;
+  switch (t) {
+    case 0xc0: out = Value(); return true;
+    case 0xc2: out = Value(false); return true;
+    case 0xc3: out = Value(true); return true;
+    case 0xc4: case 0xc5: case 0xc6: {
+      uint32_t n;
+      if (!len_prefix(t, 0xc4, n) || !need(n)) return false;
+      auto* b = reinterpret_cast<const std::byte*>(p_);
+      out = Value(Value::Bytes(b, b + n));
+      p_ += n;
+      return true;
+    }
+    case 0xca: {
+      if (!need(4)) return false;
+      const uint32_t bits = be<uint32_t>();
+      float f;
+      std::memcpy(&f, &bits, 4);
+      out = Value(double(f));
+      return true;
+    }
+    case 0xcb: {
+      if (!need(8)) return false;
+      const uint64_t bits = be<uint64_t>();
+      double d;
+      std::memcpy(&d, &bits, 8);
+      out = Value(d);
+      return true;
+    }
+    case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8: case 0xc7: case 0xc8: case 0xc9: {
+      uint32_t n;
+      if (t >= 0xd4) n = 1u << (t - 0xd4);
+      else if (!len_prefix(t, 0xc7, n)) return false;
+      if (!need(size_t(n) + 1)) return false;
+      const int8_t type = int8_t(*p_++);
+      if (type != kExtTensorRef || n != 4) {
+        --p_;
+        return fail("unknown msgpack ext type");
+      }
+      out = Value(TensorRef{be<uint32_t>()});
+      return true;
+    }
+    default:
+      --p_;
+      return fail("malformed msgpack");
+  }
+}
+
+bool MpReader::skip(int depth) {
+  Value ignored;
+  return read_value(ignored, depth);
+}
+}  // namespace detail
 
 std::vector<std::byte> value_to_msgpack(const Value& v) {
   std::vector<std::byte> out;
@@ -239,18 +345,12 @@ std::vector<std::byte> value_to_msgpack(const Value& v) {
 
 Result<Value> value_from_msgpack(std::span<const std::byte> buf) {
   if (buf.empty()) return make_error(Errc::corrupt, "empty msgpack buffer");
-  ValueBuilder vb(buf.size());
-  size_t off = 0;
-  bool ok;
-  try {
-    ok = msgpack::v2::parse(reinterpret_cast<const char*>(buf.data()), buf.size(), off, vb);
-  } catch (const std::exception& e) {
-    return make_error(Errc::corrupt, std::string("msgpack decode failed: ") + e.what());
-  }
-  if (!ok) return make_error(Errc::corrupt, "msgpack decode failed: " + (vb.error.empty() ? std::string("malformed") : vb.error));
-  if (off != buf.size())
-    return make_error(Errc::corrupt, "trailing bytes after msgpack value (" + std::to_string(buf.size() - off) + ")");
-  return std::move(vb.result);
+  detail::MpReader rd(buf.data(), buf.size());
+  Value v;
+  if (!rd.read_value(v)) return make_error(Errc::corrupt, "msgpack decode failed: " + rd.error);
+  if (!rd.at_end())
+    return make_error(Errc::corrupt, "trailing bytes after msgpack value (" + std::to_string(rd.left()) + ")");
+  return v;
 }
 
 }  // namespace stagelink
