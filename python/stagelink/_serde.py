@@ -2,10 +2,11 @@
 
 Kinds of payload (region 0 is always the small part, the rest travel out of band):
   RAW     bytes-like data, one region, no pickling.
-  ARRAY   a numpy array: region 0 a tiny (dtype, shape) header, region 1 the array's bytes.
   PICKLE  anything else: region 0 the pickle-5 stream, then one region per out-of-band buffer
           (numpy arrays, torch tensors, bytearrays, objects with __dlpack__), written once,
           straight into shared memory.
+A plain C-contiguous numpy array never comes here: the native layer puts it as one typed tensor
+(what a C++ producer sends too) and hands back a finished array (KIND_OBJECT).
 """
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import numpy as np
 
 KIND_PICKLE = 0
 KIND_RAW = 1
-KIND_ARRAY = 2
-KIND_NATIVE = -1  # a frame from a C++ producer
+KIND_OBJECT = -1  # built by the native layer: a numpy array, or the tree of a C++ producer
 
 _NP_TO_NAME = {
     np.dtype(np.uint8): "uint8", np.dtype(np.int8): "int8", np.dtype(np.uint16): "uint16",
@@ -28,7 +28,6 @@ _NP_TO_NAME = {
     np.dtype(np.float32): "float32", np.dtype(np.float64): "float64", np.dtype(np.bool_): "bool",
     np.dtype(np.complex64): "complex64", np.dtype(np.complex128): "complex128",
 }
-_NAME_TO_NP = {v: k for k, v in _NP_TO_NAME.items()}
 
 
 def _rebuild_torch(buf, dtype_name: str, shape):
@@ -68,12 +67,9 @@ class _Pickler(pickle.Pickler):
 
 
 def encode(data):
-    """Returns (kind, regions, dtypes, shapes)."""
+    """Returns (kind, regions)."""
     if isinstance(data, (bytes, bytearray, memoryview)):
-        return KIND_RAW, [data], None, None
-    if type(data) is np.ndarray and data.dtype in _NP_TO_NAME and data.flags.c_contiguous:
-        hdr = pickle.dumps((data.dtype.str, data.shape), protocol=5)
-        return KIND_ARRAY, [hdr, data if data.ndim else data.reshape(1)], [None, _NP_TO_NAME[data.dtype]], [None, data.shape or (1,)]
+        return KIND_RAW, [data]
     bufs: list = []
     if "torch" in sys.modules or _has_dlpack(data):
         f = io.BytesIO()
@@ -87,7 +83,7 @@ def encode(data):
             regions.append(b.raw())
         except BufferError:  # non-contiguous: one copy to make it contiguous
             regions.append(memoryview(bytes(b)))
-    return KIND_PICKLE, regions, None, None
+    return KIND_PICKLE, regions
 
 
 def _has_dlpack(obj) -> bool:
@@ -95,29 +91,11 @@ def _has_dlpack(obj) -> bool:
 
 
 def decode(kind: int, regions, zero_copy: bool):
+    if kind == KIND_OBJECT:
+        return regions
     if kind == KIND_RAW:
         r = regions[0]
         return memoryview(r) if zero_copy else r
-    if kind == KIND_ARRAY:
-        dtype, shape = pickle.loads(regions[0])
-        arr = np.frombuffer(regions[1], dtype=np.dtype(dtype))
-        return arr.reshape(shape)
     if kind == KIND_PICKLE:
         return pickle.loads(regions[0], buffers=regions[1:])
-    if kind == KIND_NATIVE:
-        return _native(regions)
     raise ValueError(f"unknown payload kind {kind}")
-
-
-def _native(tree):
-    if isinstance(tree, tuple) and len(tree) == 3 and isinstance(tree[1], str):
-        region, dtype, shape = tree
-        npdt = _NAME_TO_NP.get(dtype)
-        if npdt is None:  # bfloat16: no numpy dtype; raw bytes with its shape
-            return np.frombuffer(region, dtype=np.uint8)
-        return np.frombuffer(region, dtype=npdt).reshape(shape)
-    if isinstance(tree, dict):
-        return {k: _native(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_native(v) for v in tree]
-    return tree

@@ -22,7 +22,7 @@ class Loan:
 
     def __init__(self, core_loan, shape, dtype):
         self._loan = core_loan
-        raw = core_loan.region(1)
+        raw = core_loan.region(0)
         self.array = raw.view(dtype).reshape(shape) if raw.size else np.empty(shape, dtype)
 
     @property
@@ -62,13 +62,18 @@ class Connector(NativeOwner):
         ``readers``: how many gets may read it (fan-out); the memory is freed after the last one.
         """
         try:
-            if isinstance(data, Loan):
+            # numpy arrays travel as one typed tensor, without pickling (None: needs pickling)
+            r = self._c.put_array(from_stage, to_stage, put_key, data, readers or 0) \
+                if type(data) is np.ndarray else None
+            if r is not None:
+                size, meta = r
+            elif isinstance(data, Loan):
                 size, meta = self._c.put_loan(from_stage, to_stage, put_key, data._loan, readers or 0)
             else:
-                kind, regions, dtypes, shapes = _serde.encode(data)
-                size, meta = self._c.put_parts(from_stage, to_stage, put_key, kind, regions, dtypes, shapes, readers or 0)
+                kind, regions = _serde.encode(data)
+                size, meta = self._c.put_parts(from_stage, to_stage, put_key, kind, regions, readers or 0)
             return True, size, meta
-        except (_core.StagelinkError, pickle.PicklingError, TypeError, ValueError, BufferError) as e:
+        except (_core.StagelinkError, pickle.PicklingError, AttributeError, TypeError, ValueError, BufferError) as e:
             self._fail("put", e)
             return False, 0, None
 
@@ -91,6 +96,8 @@ class Connector(NativeOwner):
         if r is None:
             return None
         kind, regions, size = r
+        if kind == _serde.KIND_OBJECT:  # built in C++: a numpy array, or a C++ producer's tree
+            return regions, size
         try:
             return _serde.decode(kind, regions, zero_copy), size
         except Exception as e:  # a foreign or damaged pickle
@@ -118,13 +125,10 @@ class Connector(NativeOwner):
         """Reserve a numpy array of ``shape``/``dtype`` in shared memory to fill and then put."""
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-        hdr = pickle.dumps((dtype.str, shape), protocol=5)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         name = _serde._NP_TO_NAME.get(dtype)
-        core_loan = self._c.loan(_serde.KIND_ARRAY, [len(hdr), nbytes], [None, name] if name else None,
-                                 [None, shape or (1,)] if name else None)
-        np.asarray(core_loan.region(0))[:] = np.frombuffer(hdr, dtype=np.uint8)
-        return Loan(core_loan, shape, dtype)
+        if name is None or not shape:
+            raise TypeError(f"loan: dtype {dtype} and shape {shape}: a loan holds a numeric array of at least one dimension")
+        return Loan(self._c.loan_array(name, list(shape)), shape, dtype)
 
     def cleanup(self, request_id: str) -> int:
         """Release every put of ``request_id`` (keys equal to it or starting with it + a separator)."""

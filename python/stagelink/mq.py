@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from . import _core, _serde
 from ._lifetime import NativeOwner
 
@@ -88,8 +90,10 @@ class MessageQueue(NativeOwner):
         """Send ``obj`` (any picklable object; arrays and buffers travel out of band) to every
         reader. Blocks while the ring is full; ``timeout`` None waits forever (warning every
         ``warn_interval_s``)."""
-        kind, regions, dtypes, shapes = _serde.encode(obj)
-        self._q.enqueue_parts(kind, regions, dtypes, shapes, timeout)
+        if type(obj) is np.ndarray and self._q.enqueue_array(obj, timeout):
+            return  # one typed tensor, no pickling
+        kind, regions = _serde.encode(obj)
+        self._q.enqueue_parts(kind, regions, timeout)
 
     def dequeue(self, timeout: Optional[float] = None) -> Any:
         """The next message, in order. ``timeout`` None waits forever."""

@@ -9,6 +9,9 @@
 #include <cstring>
 #include <optional>
 
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+
 #include "bench/mq_bench.hpp"
 #include "bench/shm_bench.hpp"
 #include "stagelink/stagelink.hpp"
@@ -35,11 +38,11 @@ T unwrap(Result<T>&& r) {
 // Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
 // is cached, so building and reading the dict skips hashing and allocating them).
 nb::object key_str(const std::string& k) {
-  static const char* const kCommon[] = {"shm", "name", "size", "offset", "entry", "gen", "readers", "inline"};
+  static constexpr std::string_view kCommon[] = {"shm", "name", "size", "offset", "entry", "gen", "readers", "inline"};
   static PyObject* interned[std::size(kCommon)] = {};
   for (size_t i = 0; i < std::size(kCommon); ++i) {
-    if (k == kCommon[i]) {
-      if (!interned[i]) interned[i] = PyUnicode_InternFromString(kCommon[i]);  // immortal: kept
+    if (k.size() == kCommon[i].size() && std::memcmp(k.data(), kCommon[i].data(), k.size()) == 0) {
+      if (!interned[i]) interned[i] = PyUnicode_InternFromString(kCommon[i].data());  // immortal: kept
       return nb::borrow(interned[i]);
     }
   }
@@ -90,7 +93,12 @@ Value from_py(nb::handle h, int depth = 0) {
     return Value(int64_t(v));
   }
   if (PyFloat_Check(h.ptr())) return Value(PyFloat_AsDouble(h.ptr()));
-  if (PyUnicode_Check(h.ptr())) return Value(nb::cast<std::string>(h));
+  if (PyUnicode_Check(h.ptr())) {
+    Py_ssize_t n = 0;
+    const char* s = PyUnicode_AsUTF8AndSize(h.ptr(), &n);
+    if (!s) throw nb::python_error();
+    return Value(std::string(s, size_t(n)));
+  }
   if (PyBytes_Check(h.ptr())) {
     auto* p = reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(h.ptr()));
     return Value(Value::Bytes(p, p + PyBytes_GET_SIZE(h.ptr())));
@@ -125,8 +133,18 @@ struct BufferViews {
 };
 
 std::string stage_str(nb::handle h) {
-  if (PyUnicode_Check(h.ptr())) return nb::cast<std::string>(h);
-  if (PyLong_Check(h.ptr())) return nb::cast<std::string>(nb::str(h));
+  if (PyUnicode_Check(h.ptr())) {
+    Py_ssize_t n = 0;
+    const char* s = PyUnicode_AsUTF8AndSize(h.ptr(), &n);
+    if (!s) throw nb::python_error();
+    return std::string(s, size_t(n));
+  }
+  if (PyLong_Check(h.ptr())) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+    if (!overflow) return std::to_string(v);
+    return nb::cast<std::string>(nb::str(h));
+  }
   throw nb::type_error("stage ids must be int or str");
 }
 
@@ -139,7 +157,9 @@ nb::object region_view(const Tensor& t) {
       reinterpret_cast<const uint8_t*>(t.data.data()), 1, shape, owner));
 }
 
-constexpr int64_t KIND_NATIVE_ = -1;  // a frame from a C++ producer
+// get_parts/dequeue_parts return (KIND_OBJECT, object): a frame without a Python pickle (a numpy
+// array put from Python, or anything a C++ producer put), already turned into Python objects.
+constexpr int64_t KIND_OBJECT = -1;
 
 // Copies of regions larger than this release the GIL around the memcpy.
 constexpr size_t kGilReleaseBytes = 256u << 10;
@@ -156,6 +176,114 @@ nb::object region_copy(const Tensor& t, bool as_bytes) {
     std::memcpy(dst, t.data.data(), t.nbytes());
   }
   return nb::steal(o);
+}
+
+// ---- numpy arrays as typed tensors (numpy's C API: building an array costs ~0.1 us, the
+// buffer-protocol route through np.frombuffer ~1.5 us) ----
+std::optional<DType> dtype_of(PyArray_Descr* d) {
+  const int sz = int(PyDataType_ELSIZE(d));
+  switch (d->kind) {
+    case 'b': if (sz == 1) return DType::boolean; break;
+    case 'u': if (sz == 1) return DType::u8; if (sz == 2) return DType::u16; if (sz == 4) return DType::u32; if (sz == 8) return DType::u64; break;
+    case 'i': if (sz == 1) return DType::i8; if (sz == 2) return DType::i16; if (sz == 4) return DType::i32; if (sz == 8) return DType::i64; break;
+    case 'f': if (sz == 2) return DType::f16; if (sz == 4) return DType::f32; if (sz == 8) return DType::f64; break;
+    case 'c': if (sz == 8) return DType::c64; if (sz == 16) return DType::c128; break;
+  }
+  return std::nullopt;
+}
+
+int npy_type(DType d) {
+  switch (d) {
+    case DType::u8: return NPY_UINT8;
+    case DType::i8: return NPY_INT8;
+    case DType::u16: return NPY_UINT16;
+    case DType::i16: return NPY_INT16;
+    case DType::u32: return NPY_UINT32;
+    case DType::i32: return NPY_INT32;
+    case DType::u64: return NPY_UINT64;
+    case DType::i64: return NPY_INT64;
+    case DType::f16: return NPY_FLOAT16;
+    case DType::f32: return NPY_FLOAT32;
+    case DType::f64: return NPY_FLOAT64;
+    case DType::boolean: return NPY_BOOL;
+    case DType::c64: return NPY_COMPLEX64;
+    case DType::c128: return NPY_COMPLEX128;
+    case DType::bf16: return -1;  // numpy has none: travels as raw uint8
+  }
+  return -1;
+}
+
+// A plain, C-contiguous, native-endian numpy array of at least one dimension becomes one typed
+// tensor viewing its memory (held by `bv` for the call); anything else returns false and takes
+// the pickle path (0-d arrays, subclasses, object/structured dtypes, strided views).
+bool array_payload(nb::handle obj, BufferViews& bv, Payload& p) {
+  if (!PyArray_CheckExact(obj.ptr())) return false;
+  auto* a = reinterpret_cast<PyArrayObject*>(obj.ptr());
+  if (PyArray_NDIM(a) < 1 || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISNOTSWAPPED(a)) return false;
+  const auto dt = dtype_of(PyArray_DESCR(a));
+  if (!dt) return false;
+  Py_buffer v;
+  if (PyObject_GetBuffer(obj.ptr(), &v, PyBUF_SIMPLE) != 0) {  // pins the memory (no resize meanwhile)
+    PyErr_Clear();
+    return false;
+  }
+  bv.views.push_back(v);
+  Tensor t;
+  t.dtype = *dt;
+  t.shape.assign(PyArray_DIMS(a), PyArray_DIMS(a) + PyArray_NDIM(a));
+  t.data = std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len));
+  p.tree = Value(TensorRef{0});
+  p.tensors.push_back(std::move(t));
+  return true;
+}
+
+// A received tensor as a numpy array: a copy the array owns, or (zero_copy) a read-only view whose
+// base holds the slot until the array is dropped. bfloat16 comes back as its raw bytes (uint8).
+nb::object tensor_array(const Tensor& t, bool zero_copy) {
+  int type = npy_type(t.dtype);
+  std::vector<npy_intp> dims(t.shape.begin(), t.shape.end());
+  if (type < 0) {
+    type = NPY_UINT8;
+    dims.assign(1, npy_intp(t.nbytes()));
+  }
+  if (zero_copy && t.keepalive) {
+    PyObject* arr = PyArray_New(&PyArray_Type, int(dims.size()), dims.data(), type, nullptr,
+                                const_cast<std::byte*>(t.data.data()), 0, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, nullptr);
+    if (!arr) throw nb::python_error();
+    auto* keep = new std::shared_ptr<const void>(t.keepalive);
+    PyObject* cap = PyCapsule_New(keep, nullptr, [](PyObject* c) {
+      delete static_cast<std::shared_ptr<const void>*>(PyCapsule_GetPointer(c, nullptr));
+    });
+    if (!cap) {
+      delete keep;
+      Py_DECREF(arr);
+      throw nb::python_error();
+    }
+    if (PyArray_SetBaseObject(reinterpret_cast<PyArrayObject*>(arr), cap) != 0) {  // steals cap
+      Py_DECREF(arr);
+      throw nb::python_error();
+    }
+    return nb::steal(arr);
+  }
+  PyObject* arr = PyArray_SimpleNew(int(dims.size()), dims.data(), type);
+  if (!arr) throw nb::python_error();
+  void* dst = PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr));
+  if (t.nbytes() > kGilReleaseBytes) {
+    nb::gil_scoped_release nogil;
+    std::memcpy(dst, t.data.data(), t.nbytes());
+  } else if (t.nbytes()) {
+    std::memcpy(dst, t.data.data(), t.nbytes());
+  }
+  return nb::steal(arr);
+}
+
+// A frame from a C++ producer, or a numpy array from Python: its tree with each tensor as an array.
+nb::object native_object(const Payload& p, bool zero_copy) {
+  if (p.tree.is<TensorRef>() && p.tensors.size() == 1) return tensor_array(p.tensors[0], zero_copy);
+  std::vector<nb::object> arrays;
+  arrays.reserve(p.tensors.size());
+  for (auto& t : p.tensors) arrays.push_back(tensor_array(t, zero_copy));
+  return to_py(p.tree, &arrays);
 }
 
 struct PyLoan {
@@ -179,8 +307,7 @@ struct PyConnector {
 
 // A Python message as a payload: tree {"py": kind, "r": [refs]}, one tensor per region (views of
 // the Python buffers, held by `bv`). Returns the regions' total bytes.
-size_t payload_from_parts(int kind, nb::list regions, nb::object dtypes, nb::object shapes, BufferViews& bv,
-                          Payload& p) {
+size_t payload_from_parts(int kind, nb::list regions, BufferViews& bv, Payload& p) {
   Value::List refs;
   size_t n = nb::len(regions);
   bv.views.reserve(n);
@@ -191,17 +318,6 @@ size_t payload_from_parts(int kind, nb::list regions, nb::object dtypes, nb::obj
     if (PyObject_GetBuffer(regions[i].ptr(), &v, PyBUF_SIMPLE) != 0) throw nb::python_error();
     bv.views.push_back(v);
     Tensor tn = Tensor::view_of(std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len)));
-    if (!dtypes.is_none()) {
-      nb::handle d = dtypes[i];
-      if (!d.is_none()) {
-        auto dt = dtype_from_name(nb::cast<std::string>(d));
-        if (dt.ok()) {
-          tn.dtype = dt.value();
-          tn.shape.clear();
-          for (auto e : nb::borrow<nb::tuple>(shapes[i])) tn.shape.push_back(nb::cast<int64_t>(e));
-        }
-      }
-    }
     total += tn.nbytes();
     p.tensors.push_back(std::move(tn));
     refs.emplace_back(TensorRef{uint32_t(i)});
@@ -213,12 +329,9 @@ size_t payload_from_parts(int kind, nb::list regions, nb::object dtypes, nb::obj
   return total;
 }
 
-nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, int kind,
-                    nb::list regions, nb::object dtypes, nb::object shapes, uint32_t readers) {
+nb::tuple put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, const Payload& p,
+                      size_t total, uint32_t readers) {
   std::string f = stage_str(from), t = stage_str(to);
-  Payload p;
-  BufferViews bv;
-  const size_t total = payload_from_parts(kind, regions, dtypes, shapes, bv, p);
   Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<PutResult> r = make_error(Errc::io, "");
   if (total > kGilReleaseBytes) {
@@ -229,6 +342,23 @@ nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std
   }
   PutResult pr = unwrap(std::move(r));
   return nb::make_tuple(pr.size, to_py(pr.metadata));
+}
+
+nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, int kind,
+                    nb::list regions, uint32_t readers) {
+  Payload p;
+  BufferViews bv;
+  const size_t total = payload_from_parts(kind, regions, bv, p);
+  return put_payload(self, from, to, key, p, total, readers);
+}
+
+// A numpy array as one typed tensor, no pickling; None when the array needs the pickle path.
+nb::object put_array(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, nb::handle arr,
+                     uint32_t readers) {
+  Payload p;
+  BufferViews bv;
+  if (!array_payload(arr, bv, p)) return nb::none();
+  return put_payload(self, from, to, key, p, p.tensors[0].nbytes(), readers);
 }
 
 // Borrow key's slot zero-copy (the slot is released when the result is dropped). nullopt when absent
@@ -265,28 +395,16 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
   if (!got) return nb::none();
   GetResult& g = *got;
   const Value* py = g.payload.tree.find("py");
-  std::vector<nb::object> objs;
-  objs.reserve(g.payload.tensors.size());
+  if (!py) return nb::make_tuple(KIND_OBJECT, native_object(g.payload, zero_copy), g.size);
+  int64_t kind = 0;
+  py->get_i64(kind);
+  nb::list l;
   for (size_t i = 0; i < g.payload.tensors.size(); ++i) {
     const Tensor& tn = g.payload.tensors[i];
-    if (zero_copy && tn.keepalive) objs.push_back(region_view(tn));
-    else objs.push_back(region_copy(tn, py && i == 0));
+    if (zero_copy && tn.keepalive) l.append(region_view(tn));
+    else l.append(region_copy(tn, i == 0));
   }
-  if (py) {
-    int64_t kind = 0;
-    py->get_i64(kind);
-    nb::list l;
-    for (auto& o : objs) l.append(o);
-    return nb::make_tuple(kind, l, g.size);
-  }
-  // A frame from a C++ producer: tensors as (region, dtype, shape) so Python can type them.
-  std::vector<nb::object> typed;
-  for (size_t i = 0; i < objs.size(); ++i) {
-    nb::list shape;
-    for (auto d : g.payload.tensors[i].shape) shape.append(d);
-    typed.push_back(nb::make_tuple(objs[i], dtype_name(g.payload.tensors[i].dtype), nb::tuple(shape)));
-  }
-  return nb::make_tuple(-1, to_py(g.payload.tree, &typed), g.size);
+  return nb::make_tuple(kind, l, g.size);
 }
 
 // get_into: copy the array (or bytes) of key straight into `out`, a writable contiguous buffer the
@@ -336,10 +454,10 @@ struct PyMq {
 
 double timeout_arg(nb::handle t) { return t.is_none() ? -1.0 : std::max(0.0, nb::cast<double>(t)); }
 
-void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::object dtypes, nb::object shapes, nb::handle timeout) {
+void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::handle timeout) {
   Payload p;
   BufferViews bv;
-  payload_from_parts(kind, regions, dtypes, shapes, bv, p);
+  payload_from_parts(kind, regions, bv, p);
   const double t = timeout_arg(timeout);
   auto q = self.get();
   Status st;
@@ -350,7 +468,23 @@ void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::object dtypes,
   if (!st.ok()) raise(st.error());
 }
 
-// Returns (kind, [regions]) (or (-1, tree) for a C++ frame); each region copied once, straight from shared memory into a Python
+// A numpy array as one typed tensor; False when it needs the pickle path.
+bool mq_enqueue_array(PyMq& self, nb::handle arr, nb::handle timeout) {
+  Payload p;
+  BufferViews bv;
+  if (!array_payload(arr, bv, p)) return false;
+  const double t = timeout_arg(timeout);
+  auto q = self.get();
+  Status st;
+  {
+    nb::gil_scoped_release nogil;
+    st = q->enqueue(p, t);
+  }
+  if (!st.ok()) raise(st.error());
+  return true;
+}
+
+// Returns (kind, [regions]) (or (KIND_OBJECT, object) for a numpy array or a C++ frame); each region copied once, straight from shared memory into a Python
 // object, while the chunk is held.
 nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
   const double t = timeout_arg(timeout);
@@ -367,22 +501,16 @@ nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
         decode_err = p.error();
         return;
       }
-      int64_t kind = KIND_NATIVE_;
       const Value* py = p->tree.find("py");
-      if (py) py->get_i64(kind);
-      nb::list l;
-      for (size_t i = 0; i < p->tensors.size(); ++i) l.append(region_copy(p->tensors[i], py && i == 0));
-      if (!py) {  // a frame from C++: its tree, tensors as (region, dtype, shape)
-        std::vector<nb::object> typed;
-        for (size_t i = 0; i < p->tensors.size(); ++i) {
-          nb::list shape;
-          for (auto d : p->tensors[i].shape) shape.append(d);
-          typed.push_back(nb::make_tuple(l[i], dtype_name(p->tensors[i].dtype), nb::tuple(shape)));
-        }
-        out = nb::make_tuple(kind, to_py(p->tree, &typed));
-      } else {
-        out = nb::make_tuple(kind, l);
+      if (!py) {  // a numpy array, or a frame from C++
+        out = nb::make_tuple(KIND_OBJECT, native_object(p.value(), false));
+        return;
       }
+      int64_t kind = 0;
+      py->get_i64(kind);
+      nb::list l;
+      for (size_t i = 0; i < p->tensors.size(); ++i) l.append(region_copy(p->tensors[i], i == 0));
+      out = nb::make_tuple(kind, l);
     });
   }
   if (!st.ok()) raise(st.error());
@@ -445,6 +573,7 @@ nb::dict stat_dict(const bench::Stat& s) {
 
 NB_MODULE(_core, m) {
   m.doc() = "stagelink native core";
+  if (_import_array() < 0) throw nb::python_error();  // numpy's C API
   PyObject* base = PyErr_NewException("stagelink.StagelinkError", PyExc_RuntimeError, nullptr);
   m.attr("StagelinkError") = nb::handle(base);
   const char* names[] = {"", "TimeoutError", "NotFoundError", "ClosedError", "CancelledError",
@@ -470,28 +599,25 @@ NB_MODULE(_core, m) {
 
   nb::class_<PyConnector>(m, "_Connector")
       .def("put_parts", &put_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("kind"),
-           nb::arg("regions"), nb::arg("dtypes").none(), nb::arg("shapes").none(), nb::arg("readers") = 0)
+           nb::arg("regions"), nb::arg("readers") = 0)
       .def("get_into_parts", &get_into_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),
            nb::arg("metadata").none(), nb::arg("timeout").none(), nb::arg("out"))
       .def("get_parts", &get_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),
            nb::arg("metadata").none(), nb::arg("timeout").none(), nb::arg("zero_copy") = false)
-      .def("loan", [](PyConnector& self, int kind, std::vector<size_t> sizes, nb::object dtypes, nb::object shapes) {
-             std::vector<TensorSpec> specs;
-             Value::List refs;
-             for (size_t i = 0; i < sizes.size(); ++i) {
-               TensorSpec s;
-               s.nbytes = sizes[i];
-               if (!dtypes.is_none() && !nb::handle(dtypes[i]).is_none()) {
-                 s.dtype = unwrap(dtype_from_name(nb::cast<std::string>(dtypes[i])));
-                 for (auto e : nb::borrow<nb::tuple>(shapes[i])) s.shape.push_back(nb::cast<int64_t>(e));
-               }
-               specs.push_back(std::move(s));
-               refs.emplace_back(TensorRef{uint32_t(i)});
+      .def("put_array", &put_array, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("array"),
+           nb::arg("readers") = 0)
+      .def("loan_array", [](PyConnector& self, const std::string& dtype, std::vector<int64_t> shape) {
+             // One typed region in the arena, read back as a numpy array (or a C++ tensor).
+             TensorSpec spec;
+             spec.dtype = unwrap(dtype_from_name(dtype));
+             size_t n = dtype_size(spec.dtype);
+             for (auto d : shape) {
+               if (d < 0) raise(make_error(Errc::invalid_argument, "loan: negative dimension"));
+               n *= size_t(d);
              }
-             Value::Map tree;
-             tree.emplace_back("py", int64_t(kind));
-             tree.emplace_back("r", Value(std::move(refs)));
-             return PyLoan{unwrap(self.get().loan(Value(std::move(tree)), specs))};
+             spec.nbytes = n;
+             spec.shape = std::move(shape);
+             return PyLoan{unwrap(self.get().loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1)))};
            })
       .def("put_loan", [](PyConnector& self, nb::handle from, nb::handle to, const std::string& key, PyLoan& loan, uint32_t readers) {
              PutResult pr = unwrap(self.get().put_loan(stage_str(from), stage_str(to), key, std::move(loan.loan), PutOptions{readers}));
@@ -551,8 +677,8 @@ NB_MODULE(_core, m) {
              }
              if (!st.ok()) raise(st.error());
            }, nb::arg("timeout").none())
-      .def("enqueue_parts", &mq_enqueue_parts, nb::arg("kind"), nb::arg("regions"), nb::arg("dtypes").none(),
-           nb::arg("shapes").none(), nb::arg("timeout").none())
+      .def("enqueue_parts", &mq_enqueue_parts, nb::arg("kind"), nb::arg("regions"), nb::arg("timeout").none())
+      .def("enqueue_array", &mq_enqueue_array, nb::arg("array"), nb::arg("timeout").none())
       .def("dequeue_parts", &mq_dequeue_parts, nb::arg("timeout").none())
       .def("drop_reader", [](PyMq& self, uint32_t rank) {
              auto st = self.get()->drop_reader(rank);

@@ -87,6 +87,54 @@ def test_types_round_trip(ns):
                 assert bytes(got) == bytes(v)
 
 
+ARRAY_DTYPES = [np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
+                np.float16, np.float32, np.float64, np.bool_, np.complex64, np.complex128]
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_numpy_arrays_travel_typed_without_pickling(ns, zero_copy):
+    """A plain array is put as one typed tensor (no pickle) and comes back as an equal array."""
+    rng = np.random.default_rng(3)
+    with shm(ns) as c:
+        for i, dt in enumerate(ARRAY_DTYPES):
+            for shape in [(1,), (7,), (3, 5, 2), (40000,)]:  # the last one is past the inline threshold
+                a = (rng.integers(0, 100, shape) % 2 == 1) if dt is np.bool_ else rng.integers(0, 100, shape).astype(dt)
+                key = f"a{i}.{len(shape)}.{shape[0]}"
+                ok, size, meta = c.put(0, 1, key, a)
+                assert ok
+                assert size < a.nbytes + 512  # a 64-byte header and a small table: no pickle stream
+                got, _ = c.get(0, 1, key, meta, zero_copy=zero_copy)
+                assert type(got) is np.ndarray and got.dtype == a.dtype and got.shape == a.shape
+                assert np.array_equal(got, a)
+                if zero_copy:
+                    assert not got.flags.writeable
+                del got
+        assert c.health()["outstanding"] == 0 or c.cleanup("a") >= 0
+
+
+class Sub(np.ndarray):
+    pass
+
+
+def test_arrays_the_typed_path_cannot_carry_are_pickled_exactly(ns):
+    """0-d, strided, byte-swapped, subclassed and structured arrays keep their exact type."""
+    cases = {
+        "zerod": np.array(3.5),
+        "strided": np.arange(30, dtype=np.int32)[::3],
+        "bigendian": np.arange(6, dtype=">i4").reshape(2, 3),
+        "sub": np.arange(4).view(Sub),
+        "struct": np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]),
+        "fortran": np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    }
+    with shm(ns) as c:
+        for k, v in cases.items():
+            ok, _, meta = c.put(0, 1, k, v)
+            assert ok, k
+            got, _ = c.get(0, 1, k, meta)
+            assert type(got) is type(v) and got.dtype == v.dtype and got.shape == v.shape, k
+            assert np.array_equal(got, v), k
+
+
 def test_torch_tensors_come_back_as_torch():
     torch = pytest.importorskip("torch")
     ns = "pytorch" + str(os.getpid())
@@ -211,6 +259,13 @@ def test_bad_input_is_a_clear_error(ns):
         assert c.get(0, 1, "k", {"shm": {"entry": 10**9, "gen": 1}}) is None
         assert isinstance(c.last_error, stagelink.CorruptError)
         assert c.get(0, 1, "k", {"nonsense": True}) is None
+
+        class Local:  # pickle cannot find a local class: AttributeError, reported, not raised
+            pass
+        ok, _, _ = c.put(0, 1, "local", Local())
+        assert not ok and isinstance(c.last_error, AttributeError)
+        ok, _, _ = c.put(0, 1, "lambda", lambda: 1)
+        assert not ok and c.last_error is not None
     strict = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "strict": True})
     with strict, pytest.raises(stagelink.InvalidArgumentError):
         strict.put(0, 1, "a/b", b"x")

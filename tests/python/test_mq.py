@@ -85,6 +85,11 @@ def test_torch_and_numpy_arrive_typed(mq_clean):
         w.enqueue({"t": t, "a": np.eye(3)})
         got = r.dequeue(timeout=5)
         assert torch.equal(got["t"], t) and np.array_equal(got["a"], np.eye(3))
+        for a in (np.arange(10.0).reshape(2, 5), np.arange(300, dtype=np.int16), np.array(7)):
+            w.enqueue(a)  # plain arrays travel as one typed tensor; the 0-d one is pickled
+            got = r.dequeue(timeout=5)
+            assert type(got) is np.ndarray and got.dtype == a.dtype and got.shape == a.shape
+            assert np.array_equal(got, a)
         assert w.broadcast_object("x") == "x" and r.broadcast_object() == "x"
         r.close()
 
