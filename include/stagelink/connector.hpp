@@ -43,11 +43,12 @@ struct GetResult {
 };
 
 // A writable reservation in the transport's memory (write tensors in place, then publish).
-// Dropping an unpublished loan returns its memory.
+// Dropping an unpublished loan returns its memory. A loan may outlive its connector: its region
+// stays writable and dropping it then frees what is left (nothing leaks, nothing dangles).
 class Loan {
  public:
   struct Impl;
-  Loan() = default;
+  Loan();
   explicit Loan(std::unique_ptr<Impl> impl);
   Loan(Loan&&) noexcept;
   Loan& operator=(Loan&&) noexcept;

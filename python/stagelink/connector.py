@@ -50,9 +50,11 @@ class Connector(NativeOwner):
 
     # -- helpers
     def _fail(self, op: str, e: BaseException):
-        self.last_error = e
         if self.strict:
+            self.last_error = e
             raise e
+        # Kept without its traceback: the frames would keep the failed call's payload alive.
+        self.last_error = e.with_traceback(None)
         log.warning("%s %s failed: %s", self.name, op, e)
 
     # -- the contract

@@ -46,6 +46,17 @@ struct Lease {
   Claim claim;
 };
 
+}  // namespace
+
+class ShmConnector;
+// Loans point back to their connector through this gate, cleared by close(): a loan dropped after
+// its connector closed (or was destroyed) returns nothing instead of touching freed memory.
+struct LoanGate {
+  std::mutex mu;
+  ShmConnector* owner = nullptr;
+};
+
+namespace {
 struct Outstanding {
   uint32_t idx, gen;
   size_t offset, length;
@@ -98,7 +109,9 @@ Result<ShmConnectorOptions> ShmConnectorOptions::from_extra(const Value& extra) 
 
 class ShmConnector final : public Connector {
  public:
-  explicit ShmConnector(ShmConnectorOptions o) : opts_(std::move(o)) {}
+  explicit ShmConnector(ShmConnectorOptions o) : opts_(std::move(o)), gate_(std::make_shared<LoanGate>()) {
+    gate_->owner = this;
+  }
   ~ShmConnector() override { close(); }
 
   Status init() {
@@ -175,6 +188,11 @@ class ShmConnector final : public Connector {
   }
 
   void close() override {
+    {
+      // First, and not under mu_ (a loan's destructor takes the gate, then mu_).
+      std::lock_guard<std::mutex> g(gate_->mu);
+      gate_->owner = nullptr;
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
     closed_ = true;
@@ -464,6 +482,7 @@ class ShmConnector final : public Connector {
   std::unique_ptr<BufferAllocator> arena_alloc_;
   uint32_t arena_idx_ = 0, arena_gen_ = 0;
   std::deque<Outstanding> out_;
+  std::shared_ptr<LoanGate> gate_;
   uint64_t last_reap_ns_ = 0;
   std::atomic<uint64_t> puts_{0}, gets_{0}, bytes_{0}, errors_{0}, timeouts_{0}, inline_puts_{0},
       dedicated_puts_{0}, cleanups_{0};
@@ -471,18 +490,29 @@ class ShmConnector final : public Connector {
 
 // ---- Loans ----
 struct Loan::Impl {
-  ShmConnector* owner = nullptr;
+  std::shared_ptr<LoanGate> gate;
+  std::shared_ptr<Segment> mapping;  // keeps region() writable even after the connector closed
   FramePlan plan;
   std::byte* base = nullptr;
   size_t offset = 0, length = 0;
   std::shared_ptr<Segment> dedicated;
+  std::shared_ptr<Directory> dir;  // a dedicated segment outliving its connector unregisters here
+  std::string shm_dir;
   uint32_t arena_idx = 0, arena_gen = 0;
   bool published = false;
   ~Impl() {
-    if (!published && owner) owner->return_loan(offset, length, dedicated, arena_idx, arena_gen);
+    if (published || !gate) return;
+    std::lock_guard<std::mutex> g(gate->mu);  // close() cannot finish meanwhile
+    if (gate->owner) {
+      gate->owner->return_loan(offset, length, dedicated, arena_idx, arena_gen);
+    } else if (dedicated) {  // the connector is gone: its arena went with it, this segment did not
+      dir->unregister_arena(arena_idx, arena_gen);
+      Segment::unlink(shm_dir, dedicated->name());
+    }
   }
 };
 
+Loan::Loan() = default;
 Loan::Loan(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Loan::Loan(Loan&&) noexcept = default;
 Loan& Loan::operator=(Loan&&) noexcept = default;
@@ -500,7 +530,10 @@ Result<Loan> ShmConnector::loan(const Value& tree, std::span<const TensorSpec> s
   if (closed_) return make_error(Errc::closed, "loan on a closed SharedMemoryConnector");
   SL_ASSIGN(Region reg, allocate_locked(lock, plan.total, mono_ns()));
   auto impl = std::make_unique<Loan::Impl>();
-  impl->owner = this;
+  impl->gate = gate_;
+  impl->mapping = reg.dedicated ? reg.dedicated : arena_;
+  impl->dir = dir_;
+  impl->shm_dir = opts_.shm_dir;
   impl->base = reg.base;
   impl->offset = reg.offset;
   impl->length = reg.length;
@@ -515,7 +548,7 @@ Result<Loan> ShmConnector::loan(const Value& tree, std::span<const TensorSpec> s
 Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::string& to, const std::string& key,
                                          Loan&& loan, const PutOptions& po) {
   auto* impl = loan.impl();
-  if (!impl || impl->owner != this)
+  if (!impl || impl->gate != gate_)
     return make_error(Errc::invalid_argument, "loan is empty or belongs to another connector");
   SL_TRY(validate_edge(from, to, key));
   const uint32_t readers = po.readers ? po.readers : opts_.readers;

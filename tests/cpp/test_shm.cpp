@@ -237,6 +237,45 @@ TEST(Shm, CleanupAndCloseFreeEverything) {
   EXPECT_EQ(files_with(ns), 0u);
 }
 
+TEST(Shm, LoansWriteInPlaceAndMayOutliveTheirConnector) {
+  const std::string ns = unique_ns("loan");
+  auto c = make(extra(ns, 1u << 20));
+  auto other = make(extra(ns + "o", 1u << 20));
+  TensorSpec spec;
+  spec.dtype = DType::f32;
+  spec.shape = {1024};
+  spec.nbytes = 4096;
+  auto l = c->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
+  ASSERT_TRUE(l.ok()) << l.error().message;
+  auto bytes = pattern(4096, 9);
+  std::memcpy(l->region(0).data(), bytes.data(), bytes.size());
+  EXPECT_EQ(other->put_loan("0", "1", "k", std::move(*l)).error().code, Errc::invalid_argument);
+  auto r = c->put_loan("0", "1", "k", std::move(*l));
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  auto g = c->get("0", "1", "k", &r->metadata);
+  ASSERT_TRUE(g.ok());
+  ASSERT_EQ(g->payload.tensors[0].nbytes(), 4096u);
+  EXPECT_EQ(std::memcmp(g->payload.tensors[0].data.data(), bytes.data(), 4096), 0);
+  EXPECT_EQ(g->payload.tensors[0].dtype, DType::f32);
+
+  // One loan in the arena, one larger than the arena (a segment of its own); then the connector
+  // goes away first. Writing to the loans stays valid, dropping them frees, nothing is left.
+  auto in_arena = c->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
+  TensorSpec big = spec;
+  big.shape = {1 << 20};
+  big.nbytes = 4u << 20;
+  auto own = c->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&big, 1));
+  ASSERT_TRUE(in_arena.ok() && own.ok());
+  EXPECT_EQ(files_with(ns + ".x"), 1u);
+  c.reset();
+  std::memset(in_arena->region(0).data(), 1, 4096);
+  std::memset(own->region(0).data(), 2, 4u << 20);
+  *in_arena = Loan();
+  *own = Loan();
+  other->close();
+  EXPECT_EQ(files_with(ns), 0u);
+}
+
 TEST(Shm, BadMetadataIsCorruptNotACrash) {
   auto c = make(extra(unique_ns("meta")));
   std::vector<std::byte> d(200000);

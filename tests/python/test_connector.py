@@ -206,6 +206,22 @@ def _reader(ns, meta, q):
         q.put(None if got is None else int(got[0].sum()))
 
 
+def test_loan_may_outlive_its_connector(ns):
+    c = shm(ns, arena_bytes=1 << 20)
+    small = c.loan((1024,), np.float32)
+    big = c.loan((1 << 20,), np.float32)  # larger than the arena: a segment of its own
+    view = big.array
+    c.close()
+    small.array[:] = 1.0  # still mapped: writing is safe
+    view[:] = 2.0
+    ok, _, _ = c.put(0, 1, "late", small)
+    assert not ok and isinstance(c.last_error, stagelink.ClosedError)
+    del small, big, view
+    import gc
+    gc.collect()
+    assert not [f for f in os.listdir("/dev/shm") if f".{ns}." in f]
+
+
 def test_fan_out_three_readers(ns):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
