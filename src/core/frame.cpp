@@ -1,5 +1,6 @@
 #include "stagelink/frame.hpp"
 
+#include "core/host_pool.hpp"
 #include "core/msgpack_io.hpp"
 
 #include <cstring>
@@ -249,8 +250,10 @@ Result<Payload> decode_frame(std::span<const std::byte> buf, std::shared_ptr<con
 Result<Payload> decode_frame_copy(std::span<const std::byte> buf) {
   SL_ASSIGN(Payload p, decode_frame(buf, nullptr));
   for (auto& t : p.tensors) {
-    // One allocation, not zero-filled: the copy overwrites it.
-    std::shared_ptr<std::byte[]> store = std::make_shared_for_overwrite<std::byte[]>(t.data.size());
+    // Not zero-filled (the copy overwrites it); large ones reuse already-faulted pages.
+    std::shared_ptr<std::byte> store = host_pool::allocate(t.data.size());
+    if (!store)
+      return make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(t.data.size()) + " bytes");
     if (!t.data.empty()) std::memcpy(store.get(), t.data.data(), t.data.size());
     t.data = std::span<const std::byte>(store.get(), t.data.size());
     t.keepalive = std::move(store);

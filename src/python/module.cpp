@@ -13,6 +13,7 @@
 #include <numpy/arrayobject.h>
 
 #include "bench/mq_bench.hpp"
+#include "core/host_pool.hpp"
 #include "bench/shm_bench.hpp"
 #include "stagelink/stagelink.hpp"
 
@@ -164,7 +165,15 @@ constexpr int64_t KIND_OBJECT = -1;
 // Copies of regions larger than this release the GIL around the memcpy.
 constexpr size_t kGilReleaseBytes = 256u << 10;
 
+nb::object copied_array(std::span<const std::byte> src, int type, std::vector<npy_intp>& dims);
+
+// A region copied out: bytes (the pickle stream), else a bytearray, or for 1 MiB and more a uint8
+// array in a pooled host buffer (pickle.loads rebuilds arrays and tensors over either).
 nb::object region_copy(const Tensor& t, bool as_bytes) {
+  if (!as_bytes && t.nbytes() >= host_pool::kPooledMin) {
+    std::vector<npy_intp> dims{npy_intp(t.nbytes())};
+    return copied_array(t.data, NPY_UINT8, dims);
+  }
   const Py_ssize_t n = Py_ssize_t(t.nbytes());
   PyObject* o = as_bytes ? PyBytes_FromStringAndSize(nullptr, n) : PyByteArray_FromStringAndSize(nullptr, n);
   if (!o) throw nb::python_error();
@@ -237,6 +246,47 @@ bool array_payload(nb::handle obj, BufferViews& bv, Payload& p) {
   return true;
 }
 
+// A numpy array over `data`, its base a capsule holding `keep` (a slot lease or a pooled buffer).
+nb::object array_over(const std::byte* data, int type, std::vector<npy_intp>& dims, std::shared_ptr<const void> keep,
+                      bool writable) {
+  PyObject* arr = PyArray_New(&PyArray_Type, int(dims.size()), dims.data(), type, nullptr, const_cast<std::byte*>(data), 0,
+                              NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | (writable ? NPY_ARRAY_WRITEABLE : 0), nullptr);
+  if (!arr) throw nb::python_error();
+  auto* holder = new std::shared_ptr<const void>(std::move(keep));
+  PyObject* cap = PyCapsule_New(holder, nullptr, [](PyObject* c) {
+    delete static_cast<std::shared_ptr<const void>*>(PyCapsule_GetPointer(c, nullptr));
+  });
+  if (!cap) {
+    delete holder;
+    Py_DECREF(arr);
+    throw nb::python_error();
+  }
+  if (PyArray_SetBaseObject(reinterpret_cast<PyArrayObject*>(arr), cap) != 0) {  // steals cap
+    Py_DECREF(arr);
+    throw nb::python_error();
+  }
+  return nb::steal(arr);
+}
+
+// A writable copy of `src` as an array. 1 MiB and more: in a pooled host buffer (already faulted
+// in when one of that size was dropped before), released back to the pool with the array.
+nb::object copied_array(std::span<const std::byte> src, int type, std::vector<npy_intp>& dims) {
+  if (src.size() >= host_pool::kPooledMin) {
+    std::shared_ptr<std::byte> buf = host_pool::allocate(src.size());
+    if (!buf) raise(make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(src.size()) + " bytes"));
+    {
+      nb::gil_scoped_release nogil;
+      std::memcpy(buf.get(), src.data(), src.size());
+    }
+    const std::byte* data = buf.get();
+    return array_over(data, type, dims, std::move(buf), true);
+  }
+  PyObject* arr = PyArray_SimpleNew(int(dims.size()), dims.data(), type);
+  if (!arr) throw nb::python_error();
+  if (!src.empty()) std::memcpy(PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr)), src.data(), src.size());
+  return nb::steal(arr);
+}
+
 // A received tensor as a numpy array: a copy the array owns, or (zero_copy) a read-only view whose
 // base holds the slot until the array is dropped. bfloat16 comes back as its raw bytes (uint8).
 nb::object tensor_array(const Tensor& t, bool zero_copy) {
@@ -246,35 +296,8 @@ nb::object tensor_array(const Tensor& t, bool zero_copy) {
     type = NPY_UINT8;
     dims.assign(1, npy_intp(t.nbytes()));
   }
-  if (zero_copy && t.keepalive) {
-    PyObject* arr = PyArray_New(&PyArray_Type, int(dims.size()), dims.data(), type, nullptr,
-                                const_cast<std::byte*>(t.data.data()), 0, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED, nullptr);
-    if (!arr) throw nb::python_error();
-    auto* keep = new std::shared_ptr<const void>(t.keepalive);
-    PyObject* cap = PyCapsule_New(keep, nullptr, [](PyObject* c) {
-      delete static_cast<std::shared_ptr<const void>*>(PyCapsule_GetPointer(c, nullptr));
-    });
-    if (!cap) {
-      delete keep;
-      Py_DECREF(arr);
-      throw nb::python_error();
-    }
-    if (PyArray_SetBaseObject(reinterpret_cast<PyArrayObject*>(arr), cap) != 0) {  // steals cap
-      Py_DECREF(arr);
-      throw nb::python_error();
-    }
-    return nb::steal(arr);
-  }
-  PyObject* arr = PyArray_SimpleNew(int(dims.size()), dims.data(), type);
-  if (!arr) throw nb::python_error();
-  void* dst = PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr));
-  if (t.nbytes() > kGilReleaseBytes) {
-    nb::gil_scoped_release nogil;
-    std::memcpy(dst, t.data.data(), t.nbytes());
-  } else if (t.nbytes()) {
-    std::memcpy(dst, t.data.data(), t.nbytes());
-  }
-  return nb::steal(arr);
+  if (zero_copy && t.keepalive) return array_over(t.data.data(), type, dims, t.keepalive, false);
+  return copied_array(t.data, type, dims);
 }
 
 // A frame from a C++ producer, or a numpy array from Python: its tree with each tensor as an array.

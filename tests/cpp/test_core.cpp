@@ -3,6 +3,7 @@
 #include <cstring>
 #include <random>
 
+#include "core/host_pool.hpp"
 #include "stagelink/stagelink.hpp"
 
 using namespace stagelink;
@@ -271,4 +272,36 @@ TEST(Factory, UserRegisteredConnector) {
   auto c = create_connector("EchoConnector", Value());
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c.value()->put("0", "1", "k", Payload{})->size, 42u);
+}
+
+TEST(HostPool, DroppedLargeBuffersAreReusedAndBounded) {
+  host_pool::trim();
+  const auto before = host_pool::stats();
+  const std::byte* first = nullptr;
+  {
+    auto a = host_pool::allocate(3u << 20);
+    ASSERT_TRUE(a);
+    first = a.get();
+    std::memset(a.get(), 1, 3u << 20);  // faulted in now; the next user of this buffer is not
+  }
+  EXPECT_EQ(host_pool::stats().cached_buffers, 1u);
+  {
+    auto b = host_pool::allocate((3u << 20) - 100);  // same 2 MiB-rounded size: the same buffer
+    EXPECT_EQ(b.get(), first);
+    auto c = host_pool::allocate(64u << 20);  // nothing idle that large: a fresh mapping
+    EXPECT_NE(c.get(), first);
+    auto small = host_pool::allocate(100);  // below the pooled minimum: plain heap memory
+    ASSERT_TRUE(small);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(small.get()) % 64, 0u);
+  }
+  const auto after = host_pool::stats();
+  EXPECT_EQ(after.hits - before.hits, 1u);
+  EXPECT_EQ(after.misses - before.misses, 2u);
+  EXPECT_LE(after.cached_bytes, after.limit_bytes);
+  // The idle 64 MiB buffer does not serve 16 MiB (it would pin four times what is asked for).
+  auto d = host_pool::allocate(16u << 20);
+  EXPECT_EQ(host_pool::stats().misses - before.misses, 3u);
+  d.reset();
+  host_pool::trim();
+  EXPECT_EQ(host_pool::stats().cached_bytes, 0u);
 }

@@ -97,7 +97,8 @@ def test_numpy_arrays_travel_typed_without_pickling(ns, zero_copy):
     rng = np.random.default_rng(3)
     with shm(ns) as c:
         for i, dt in enumerate(ARRAY_DTYPES):
-            for shape in [(1,), (7,), (3, 5, 2), (40000,)]:  # the last one is past the inline threshold
+            # (40000,) is past the inline threshold; (1 << 18,) of 4+ byte items lands in a pooled buffer
+            for shape in [(1,), (7,), (3, 5, 2), (40000,), (1 << 18,)]:
                 a = (rng.integers(0, 100, shape) % 2 == 1) if dt is np.bool_ else rng.integers(0, 100, shape).astype(dt)
                 key = f"a{i}.{len(shape)}.{shape[0]}"
                 ok, size, meta = c.put(0, 1, key, a)
@@ -108,6 +109,8 @@ def test_numpy_arrays_travel_typed_without_pickling(ns, zero_copy):
                 assert np.array_equal(got, a)
                 if zero_copy:
                     assert not got.flags.writeable
+                else:  # the caller owns the copy
+                    got[...] = got[::-1].copy()
                 del got
         assert c.health()["outstanding"] == 0 or c.cleanup("a") >= 0
 
