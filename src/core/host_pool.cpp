@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <vector>
@@ -77,16 +78,27 @@ Pool& pool() {
 
 std::shared_ptr<std::byte> allocate(size_t n) {
   if (n < kPooledMin) {
-    // Small: malloc's own free lists already keep these warm.
-    return std::shared_ptr<std::byte>(static_cast<std::byte*>(std::aligned_alloc(64, (n + 63) / 64 * 64 + 64)),
-                                      [](std::byte* b) { std::free(b); });
+    // Small: malloc's own free lists keep these warm; one allocation for data and count.
+    try {
+      auto s = std::make_shared_for_overwrite<std::byte[]>(n);
+      return std::shared_ptr<std::byte>(s, s.get());
+    } catch (const std::bad_alloc&) {
+      return nullptr;
+    }
   }
   const size_t cap = (n + kHuge - 1) / kHuge * kHuge;
   size_t got = cap;
   void* p = pool().take(cap, got);
   if (!p) {
-    p = mmap(nullptr, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return nullptr;
+    // Over-map by one huge page and trim, so the buffer starts on a 2 MiB boundary: only aligned
+    // 2 MiB ranges can be backed by huge pages.
+    void* raw = mmap(nullptr, cap + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
+    if (aligned > start) munmap(raw, aligned - start);
+    if (start + kHuge > aligned) munmap(reinterpret_cast<void*>(aligned + cap), start + kHuge - aligned);
+    p = reinterpret_cast<void*>(aligned);
     madvise(p, cap, MADV_HUGEPAGE);  // advisory: ignored where THP is off
   }
   return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [got](std::byte* b) { pool().give_back(b, got); });

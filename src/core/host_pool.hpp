@@ -18,7 +18,8 @@ namespace stagelink::host_pool {
 
 inline constexpr size_t kPooledMin = 1u << 20;
 
-// n writable bytes (contents undefined), aligned to 64; nullptr when the system has no memory.
+// n writable bytes (contents undefined), aligned to 16 (pooled ones to 2 MiB); nullptr when the
+// system has no memory.
 std::shared_ptr<std::byte> allocate(size_t n);
 
 struct Stats {
