@@ -441,12 +441,13 @@ nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, con
   std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout);
   if (!got) return nb::none();
   GetResult& g = *got;
-  size_t idx = 0;
+  // A typed array (Python's or C++'s) or raw bytes (region 0) copy straight; a pickled object
+  // needs unpickling.
+  const size_t idx = 0;
   if (const Value* py = g.payload.tree.find("py")) {
     int64_t kind = 0;
     py->get_i64(kind);
-    if (kind == 2) idx = 1;        // ARRAY: region 0 is the (dtype, shape) header
-    else if (kind != 1)            // PICKLE: the object needs unpickling, not a raw copy
+    if (kind != 1)
       raise(make_error(Errc::invalid_argument, "get_into: '" + key + "' holds a pickled object; use get()"));
   }
   if (idx >= g.payload.tensors.size())
