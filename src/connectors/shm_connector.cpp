@@ -491,12 +491,13 @@ class ShmConnector final : public Connector {
 // ---- Loans ----
 struct Loan::Impl {
   std::shared_ptr<LoanGate> gate;
-  std::shared_ptr<Segment> mapping;  // keeps region() writable even after the connector closed
   FramePlan plan;
   std::byte* base = nullptr;
   size_t offset = 0, length = 0;
-  std::shared_ptr<Segment> dedicated;
-  std::shared_ptr<Directory> dir;  // a dedicated segment outliving its connector unregisters here
+  std::shared_ptr<Segment> dedicated;  // a segment of its own; else `arena` holds the mapping
+  std::shared_ptr<Segment> arena;      // keeps region() writable after the connector closed
+  // Only for a segment of its own: to remove it if the connector is gone when the loan drops.
+  std::shared_ptr<Directory> dir;
   std::string shm_dir;
   uint32_t arena_idx = 0, arena_gen = 0;
   bool published = false;
@@ -531,9 +532,12 @@ Result<Loan> ShmConnector::loan(const Value& tree, std::span<const TensorSpec> s
   SL_ASSIGN(Region reg, allocate_locked(lock, plan.total, mono_ns()));
   auto impl = std::make_unique<Loan::Impl>();
   impl->gate = gate_;
-  impl->mapping = reg.dedicated ? reg.dedicated : arena_;
-  impl->dir = dir_;
-  impl->shm_dir = opts_.shm_dir;
+  if (reg.dedicated) {
+    impl->dir = dir_;
+    impl->shm_dir = opts_.shm_dir;
+  } else {
+    impl->arena = arena_;
+  }
   impl->base = reg.base;
   impl->offset = reg.offset;
   impl->length = reg.length;

@@ -218,22 +218,28 @@ bool MpReader::read_i64(int64_t& v) {
   }
 }
 
+namespace {
+bool is_str_tag(uint8_t t) { return (t & 0xe0) == 0xa0 || (t >= 0xd9 && t <= 0xdb); }
+bool is_uint_tag(uint8_t t) { return t <= 0x7f || (t >= 0xcc && t <= 0xcf); }
+bool is_int_tag(uint8_t t) { return t >= 0xe0 || (t >= 0xd0 && t <= 0xd3); }
+}  // namespace
+
 bool MpReader::read_value(Value& out, int depth) {
   if (!need(1)) return false;
   const uint8_t t = *p_;
-  if (t <= 0x7f || (t >= 0xcc && t <= 0xcf)) {
+  if (is_uint_tag(t)) {
     uint64_t v;
     if (!read_u64(v)) return false;
     out = Value(v);
     return true;
   }
-  if (t >= 0xe0 || (t >= 0xd0 && t <= 0xd3)) {
+  if (is_int_tag(t)) {
     int64_t v;
     if (!read_i64(v)) return false;
     out = v >= 0 ? Value(uint64_t(v)) : Value(v);
     return true;
   }
-  if ((t & 0xe0) == 0xa0 || (t >= 0xd9 && t <= 0xdb)) {
+  if (is_str_tag(t)) {
     std::string_view s;
     if (!read_str(s)) return false;
     out = Value(std::string(s));
@@ -260,18 +266,14 @@ bool MpReader::read_value(Value& out, int depth) {
       auto& [k, v] = m.emplace_back();
       if (!need(1)) return false;
       const uint8_t kt = *p_;
-      if ((kt & 0xe0) == 0xa0 || (kt >= 0xd9 && kt <= 0xdb)) {
+      if (is_str_tag(kt)) {
         std::string_view s;
         if (!read_str(s)) return false;
         k.assign(s);
-      } else if (kt <= 0x7f || (kt >= 0xcc && kt <= 0xcf)) {
-        uint64_t x;
-        if (!read_u64(x)) return false;
-        k = std::to_string(x);
-      } else if (kt >= 0xe0 || (kt >= 0xd0 && kt <= 0xd3)) {
-        int64_t x;
-        if (!read_i64(x)) return false;
-        k = std::to_string(x);
+      } else if (is_uint_tag(kt) || is_int_tag(kt)) {  // an integer key, as its decimal string
+        Value x;
+        if (!read_value(x, depth + 1)) return false;
+        k = x.is<uint64_t>() ? std::to_string(x.as<uint64_t>()) : std::to_string(x.as<int64_t>());
       } else {
         return fail("msgpack map key is neither string nor integer");
       }

@@ -35,6 +35,14 @@ T unwrap(Result<T>&& r) {
   return std::move(r).value();
 }
 
+// A str's UTF-8 bytes (cached by CPython for ASCII strings: no encoding, no nanobind cast).
+std::string utf8(PyObject* o) {
+  Py_ssize_t n = 0;
+  const char* s = PyUnicode_AsUTF8AndSize(o, &n);
+  if (!s) throw nb::python_error();
+  return std::string(s, size_t(n));
+}
+
 // ---- Value <-> Python ----
 // Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
 // is cached, so building and reading the dict skips hashing and allocating them).
@@ -94,12 +102,7 @@ Value from_py(nb::handle h, int depth = 0) {
     return Value(int64_t(v));
   }
   if (PyFloat_Check(h.ptr())) return Value(PyFloat_AsDouble(h.ptr()));
-  if (PyUnicode_Check(h.ptr())) {
-    Py_ssize_t n = 0;
-    const char* s = PyUnicode_AsUTF8AndSize(h.ptr(), &n);
-    if (!s) throw nb::python_error();
-    return Value(std::string(s, size_t(n)));
-  }
+  if (PyUnicode_Check(h.ptr())) return Value(utf8(h.ptr()));
   if (PyBytes_Check(h.ptr())) {
     auto* p = reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(h.ptr()));
     return Value(Value::Bytes(p, p + PyBytes_GET_SIZE(h.ptr())));
@@ -110,10 +113,7 @@ Value from_py(nb::handle h, int depth = 0) {
     PyObject *k, *v;
     Py_ssize_t pos = 0;
     while (PyDict_Next(h.ptr(), &pos, &k, &v)) {
-      Py_ssize_t n = 0;
-      const char* s = PyUnicode_Check(k) ? PyUnicode_AsUTF8AndSize(k, &n) : nullptr;
-      if (s) m.emplace_back(std::string(s, size_t(n)), from_py(v, depth + 1));
-      else m.emplace_back(nb::cast<std::string>(nb::str(k)), from_py(v, depth + 1));
+      m.emplace_back(PyUnicode_Check(k) ? utf8(k) : nb::cast<std::string>(nb::str(k)), from_py(v, depth + 1));
     }
     return Value(std::move(m));
   }
@@ -134,12 +134,7 @@ struct BufferViews {
 };
 
 std::string stage_str(nb::handle h) {
-  if (PyUnicode_Check(h.ptr())) {
-    Py_ssize_t n = 0;
-    const char* s = PyUnicode_AsUTF8AndSize(h.ptr(), &n);
-    if (!s) throw nb::python_error();
-    return std::string(s, size_t(n));
-  }
+  if (PyUnicode_Check(h.ptr())) return utf8(h.ptr());
   if (PyLong_Check(h.ptr())) {
     int overflow = 0;
     const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
@@ -147,15 +142,6 @@ std::string stage_str(nb::handle h) {
     return nb::cast<std::string>(nb::str(h));
   }
   throw nb::type_error("stage ids must be int or str");
-}
-
-nb::object region_view(const Tensor& t) {
-  // Read-only numpy uint8 view; the capsule holds the lease (slot) until the array is dropped.
-  auto* keep = new std::shared_ptr<const void>(t.keepalive);
-  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<const void>*>(p); });
-  size_t shape[1] = {t.nbytes()};
-  return nb::cast(nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>>(
-      reinterpret_cast<const uint8_t*>(t.data.data()), 1, shape, owner));
 }
 
 // get_parts/dequeue_parts return (KIND_OBJECT, object): a frame without a Python pickle (a numpy
@@ -424,8 +410,12 @@ nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const st
   nb::list l;
   for (size_t i = 0; i < g.payload.tensors.size(); ++i) {
     const Tensor& tn = g.payload.tensors[i];
-    if (zero_copy && tn.keepalive) l.append(region_view(tn));
-    else l.append(region_copy(tn, i == 0));
+    if (zero_copy && tn.keepalive) {  // read-only uint8 view; its base holds the slot
+      std::vector<npy_intp> dims{npy_intp(tn.nbytes())};
+      l.append(array_over(tn.data.data(), NPY_UINT8, dims, tn.keepalive, false));
+    } else {
+      l.append(region_copy(tn, i == 0));
+    }
   }
   return nb::make_tuple(kind, l, g.size);
 }
