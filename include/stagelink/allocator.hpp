@@ -4,7 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
-#include <map>
+#include <vector>
 
 #include "stagelink/result.hpp"
 
@@ -28,7 +28,12 @@ class BufferAllocator {
 
  private:
   size_t capacity_, align_, free_bytes_;
-  std::map<size_t, size_t> free_;  // offset -> size, sorted, never adjacent
+  struct Block {
+    size_t offset, size;
+  };
+  // Free blocks sorted by offset, never adjacent. A flat vector: the common case (an arena used
+  // first-in first-out) keeps a handful of blocks, and no call allocates.
+  std::vector<Block> free_;
 };
 
 }  // namespace stagelink

@@ -118,6 +118,8 @@ std::string make_internal_key(const std::string& key, const std::string& from_st
                               const std::string& to_stage);
 // Keys and names that come from outside: 1..max_len chars, no '/', no "..", no NUL/control.
 Status validate_name(std::string_view what, std::string_view s, size_t max_len);
+// The check alone, without building an error (hot paths call validate_name only when it fails).
+bool name_is_valid(std::string_view s, size_t max_len) noexcept;
 
 // Factory: create a connector by class name. `extra` is the config's `extra` map (plus injected
 // fields such as role). Errors: not_found (unknown name), unsupported (known, not built yet).

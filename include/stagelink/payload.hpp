@@ -65,6 +65,8 @@ class Value {
   Value(List l) : v_(std::move(l)) {}
   Value(Map m) : v_(std::move(m)) {}
   Value(TensorRef r) : v_(r) {}
+  // A Bytes value holding a copy of `b` (one memcpy; a range constructor copies byte by byte).
+  static Value copy_bytes(std::span<const std::byte> b);
 
   const Storage& storage() const { return v_; }
   Storage& storage() { return v_; }

@@ -248,6 +248,8 @@ class ShmConnector final : public Connector {
   }
 
   static Status validate_edge(const std::string& from, const std::string& to, const std::string& key) {
+    if (name_is_valid(from, 64) && name_is_valid(to, 64) && name_is_valid(key, 160)) [[likely]]
+      return {};
     SL_TRY(validate_name("from_stage", from, 64));
     SL_TRY(validate_name("to_stage", to, 64));
     SL_TRY(validate_name("key", key, 160));
@@ -374,12 +376,11 @@ class ShmConnector final : public Connector {
     shm.emplace_back("entry", uint64_t(cl.idx));
     shm.emplace_back("gen", uint64_t(cl.gen));
     Value::Map md;
-    md.reserve(4);
+    md.reserve(3);
     md.emplace_back("shm", Value(std::move(shm)));
     md.emplace_back("size", uint64_t(total));
-    md.emplace_back("readers", uint64_t(readers));
     if (!inline_bytes.empty()) {
-      md.emplace_back("inline", Value(Value::Bytes(inline_bytes.begin(), inline_bytes.end())));
+      md.emplace_back("inline", Value::copy_bytes(inline_bytes));
       inline_puts_.fetch_add(1, std::memory_order_relaxed);
     }
     pr.metadata = Value(std::move(md));

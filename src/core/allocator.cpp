@@ -9,7 +9,7 @@ namespace stagelink {
 BufferAllocator::BufferAllocator(size_t capacity, size_t alignment)
     : capacity_(capacity / alignment * alignment), align_(alignment), free_bytes_(0) {
   if (capacity_ > 0) {
-    free_.emplace(0, capacity_);
+    free_.push_back(Block{0, capacity_});
     free_bytes_ = capacity_;
   }
 }
@@ -23,12 +23,17 @@ Result<size_t> BufferAllocator::allocate(size_t size) {
   if (size > capacity_)
     return make_error(Errc::exhausted, "block of " + std::to_string(size) +
                                            " bytes exceeds the pool of " + std::to_string(capacity_));
-  size_t need = rounded(size);
-  for (auto it = free_.begin(); it != free_.end(); ++it) {  // first fit
-    if (it->second < need) continue;
-    size_t off = it->first, rest = it->second - need;
-    free_.erase(it);
-    if (rest) free_.emplace(off + need, rest);
+  const size_t need = rounded(size);
+  for (size_t i = 0; i < free_.size(); ++i) {  // first fit
+    Block& b = free_[i];
+    if (b.size < need) continue;
+    const size_t off = b.offset;
+    if (b.size == need) {
+      free_.erase(free_.begin() + ptrdiff_t(i));
+    } else {
+      b.offset += need;  // stays between its neighbours: the order holds
+      b.size -= need;
+    }
     free_bytes_ -= need;
     return off;
   }
@@ -38,58 +43,54 @@ Result<size_t> BufferAllocator::allocate(size_t size) {
 }
 
 Status BufferAllocator::free(size_t offset, size_t size) {
-  size_t len = rounded(size);
+  const size_t len = rounded(size);
   if (offset % align_ != 0 || offset > capacity_ || len > capacity_ - offset)
     return make_error(Errc::corrupt, "free of [" + std::to_string(offset) + ", +" +
                                          std::to_string(len) + ") is outside the pool or misaligned");
-  size_t end = offset + len;
-  // The free block starting at or before offset, and the one after.
-  auto next = free_.lower_bound(offset);
-  if (next != free_.begin()) {
-    auto prev = std::prev(next);
-    size_t pend = prev->first + prev->second;
-    if (offset < pend) {
-      if (end <= pend) {
-        SL_LOG_WARN("double free of [%zu, +%zu) ignored", offset, len);
-        return {};
-      }
-      return make_error(Errc::corrupt, "free of [" + std::to_string(offset) + ", +" +
-                                           std::to_string(len) + ") partially overlaps free block [" +
-                                           std::to_string(prev->first) + ", +" +
-                                           std::to_string(prev->second) + ")");
-    }
-  }
-  if (next != free_.end() && next->first < end) {
-    if (next->first == offset && next->second >= len) {
+  const size_t end = offset + len;
+  auto overlap = [&](const Block& b) {
+    return make_error(Errc::corrupt, "free of [" + std::to_string(offset) + ", +" + std::to_string(len) +
+                                         ") partially overlaps free block [" + std::to_string(b.offset) + ", +" +
+                                         std::to_string(b.size) + ")");
+  };
+  // The first free block at or after offset, and the one before it.
+  auto next = std::lower_bound(free_.begin(), free_.end(), offset,
+                               [](const Block& b, size_t off) { return b.offset < off; });
+  Block* prev = next == free_.begin() ? nullptr : &*std::prev(next);
+  if (prev && offset < prev->offset + prev->size) {
+    if (end <= prev->offset + prev->size) {
       SL_LOG_WARN("double free of [%zu, +%zu) ignored", offset, len);
       return {};
     }
-    return make_error(Errc::corrupt, "free of [" + std::to_string(offset) + ", +" +
-                                         std::to_string(len) + ") partially overlaps free block [" +
-                                         std::to_string(next->first) + ", +" +
-                                         std::to_string(next->second) + ")");
+    return overlap(*prev);
   }
-  size_t start = offset, total = len;
-  if (next != free_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      start = prev->first;
-      total += prev->second;
-      free_.erase(prev);
+  if (next != free_.end() && next->offset < end) {
+    if (next->offset == offset && next->size >= len) {
+      SL_LOG_WARN("double free of [%zu, +%zu) ignored", offset, len);
+      return {};
     }
+    return overlap(*next);
   }
-  if (next != free_.end() && next->first == end) {
-    total += next->second;
+  const bool join_prev = prev && prev->offset + prev->size == offset;
+  const bool join_next = next != free_.end() && next->offset == end;
+  if (join_prev && join_next) {
+    prev->size += len + next->size;
     free_.erase(next);
+  } else if (join_prev) {
+    prev->size += len;
+  } else if (join_next) {
+    next->offset = offset;
+    next->size += len;
+  } else {
+    free_.insert(next, Block{offset, len});
   }
-  free_.emplace(start, total);
   free_bytes_ += len;
   return {};
 }
 
 size_t BufferAllocator::largest_free() const {
   size_t m = 0;
-  for (auto& [o, s] : free_) m = std::max(m, s);
+  for (const Block& b : free_) m = std::max(m, b.size);
   return m;
 }
 

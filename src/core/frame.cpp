@@ -18,12 +18,10 @@ Status plan_impl(FramePlan& plan, const Value& tree, size_t n, SpecAt spec) {
   if (n > kFrameMaxTensors)
     return make_error(Errc::invalid_argument, "payload has " + std::to_string(n) +
                                                   " tensors; the frame holds at most 65536");
-  plan.head.clear();
-  plan.head.reserve(kFrameHeaderBytes + 64 + 32 * n);
-  plan.head.resize(kFrameHeaderBytes);
+  plan.head.resize(kFrameHeaderBytes + 128 + 40 * n);  // room for a typical header; grows if not
   plan.offsets.resize(n);
   plan.lengths.resize(n);
-  detail::ByteSink sink{&plan.head};
+  detail::ByteSink sink(&plan.head, kFrameHeaderBytes);
   detail::Packer pk(sink);
   pk.pack_map(2);
   pk.pack_str(1);
@@ -48,7 +46,7 @@ Status plan_impl(FramePlan& plan, const Value& tree, size_t n, SpecAt spec) {
       }
     }
     pk.pack_fix_uint64(0);
-    plan.offsets[i] = plan.head.size() - 8;  // where to patch the real offset in, below
+    plan.offsets[i] = sink.len - 8;  // where to patch the real offset in, below
     pk.pack_uint64(nbytes);
     if (gpu) {
       pk.pack_str(uint32_t(device.size()));
@@ -56,6 +54,7 @@ Status plan_impl(FramePlan& plan, const Value& tree, size_t n, SpecAt spec) {
     }
     plan.lengths[i] = nbytes;
   }
+  sink.finish();
   const size_t mp_len = plan.head.size() - kFrameHeaderBytes;
   if (mp_len > kFrameMaxHeader)
     return make_error(Errc::invalid_argument, "frame header of " + std::to_string(mp_len) +

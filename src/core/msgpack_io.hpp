@@ -5,6 +5,7 @@
 #endif
 #include <msgpack.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -17,13 +18,21 @@ namespace stagelink::detail {
 // TensorRef travels as msgpack ext type 1 holding a big-endian u32.
 inline constexpr int8_t kExtTensorRef = 1;
 
+// Appends to *out from byte `len` on. The vector's size is the room in use and grows by
+// doubling; writes are a bounds check and a memcpy (msgpack-c writes 1-9 bytes per call).
+// finish() trims the vector to the bytes written.
 struct ByteSink {
   std::vector<std::byte>* out;
-  void write(const char* p, size_t n) {
-    const size_t at = out->size();
-    out->resize(at + n);  // amortised growth; a range insert costs ~10x more for 1-9 bytes
-    std::memcpy(out->data() + at, p, n);
+  size_t len;
+  ByteSink(std::vector<std::byte>* o, size_t at) : out(o), len(at) {
+    if (out->size() < len) out->resize(len);
   }
+  void write(const char* p, size_t n) {
+    if (n > out->size() - len) out->resize(std::max(out->size() * 2, len + n + 64));
+    std::memcpy(out->data() + len, p, n);
+    len += n;
+  }
+  void finish() { out->resize(len); }
 };
 using Packer = msgpack::packer<ByteSink>;
 

@@ -291,7 +291,7 @@ bool MpReader::read_value(Value& out, int depth) {
       uint32_t n;
       if (!len_prefix(t, 0xc4, n) || !need(n)) return false;
       auto* b = reinterpret_cast<const std::byte*>(p_);
-      out = Value(Value::Bytes(b, b + n));
+      out = Value::copy_bytes(std::span<const std::byte>(b, n));
       p_ += n;
       return true;
     }
@@ -336,12 +336,18 @@ bool MpReader::skip(int depth) {
 }
 }  // namespace detail
 
+Value Value::copy_bytes(std::span<const std::byte> b) {
+  Bytes out(b.size());
+  if (!b.empty()) std::memcpy(out.data(), b.data(), b.size());
+  return Value(std::move(out));
+}
+
 std::vector<std::byte> value_to_msgpack(const Value& v) {
-  std::vector<std::byte> out;
-  out.reserve(64);
-  detail::ByteSink sink{&out};
+  std::vector<std::byte> out(64);
+  detail::ByteSink sink(&out, 0);
   detail::Packer pk(sink);
   detail::pack_value(pk, v);
+  sink.finish();
   return out;
 }
 

@@ -105,7 +105,7 @@ Value from_py(nb::handle h, int depth = 0) {
   if (PyUnicode_Check(h.ptr())) return Value(utf8(h.ptr()));
   if (PyBytes_Check(h.ptr())) {
     auto* p = reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(h.ptr()));
-    return Value(Value::Bytes(p, p + PyBytes_GET_SIZE(h.ptr())));
+    return Value::copy_bytes(std::span<const std::byte>(p, size_t(PyBytes_GET_SIZE(h.ptr()))));
   }
   if (PyDict_Check(h.ptr())) {
     Value::Map m;

@@ -31,7 +31,8 @@ inline constexpr size_t kMaxAttach = 256;
 inline constexpr size_t kMaxArenas = 256;
 inline constexpr size_t kKeyMax = 232;
 inline constexpr uint32_t kMaxFanout = 8;
-inline constexpr uint32_t kProbe = 64;
+inline constexpr uint32_t kProbe = 64;  // one bit per slot in a uint64_t probe mask
+static_assert(kProbe <= 64);
 inline constexpr uint32_t kDying = 1u << 31;
 
 enum EntryState : uint8_t { kFree = 0, kWriting = 1, kReady = 2, kCancelled = 3, kDone = 4 };
@@ -104,6 +105,15 @@ struct Claim {
 };
 
 uint64_t key_hash(std::string_view key);
+
+// The probe window of `hash` as two bit masks (bit i: slot (start + i) & mask): slots whose hash
+// word equals `hash`, and empty slots. Hints only: callers check the entry itself. `simd`: use
+// AVX2 when the CPU has it (false: the portable loop; tests compare the two).
+struct ProbeMasks {
+  uint64_t match = 0, empty = 0;
+};
+ProbeMasks probe_window(const std::atomic<uint64_t>* hashes, uint32_t mask, uint32_t start, uint64_t hash,
+                        bool simd = true);
 bool rid_matches(std::string_view put_key, std::string_view request_id);
 
 class Directory {

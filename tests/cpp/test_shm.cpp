@@ -9,6 +9,9 @@
 #include <cstring>
 #include <thread>
 
+#include <random>
+
+#include "shm/directory.hpp"
 #include "util.hpp"
 #include "stagelink/stagelink.hpp"
 
@@ -144,6 +147,35 @@ TEST(Shm, FanOutToThreeReaders) {
   auto h = prod->health();
   EXPECT_EQ(h.find("outstanding")->as<uint64_t>(), 0u);
   EXPECT_EQ(h.find("arena_used")->as<uint64_t>(), 0u);
+}
+
+// The AVX2 probe and the portable loop must agree on every window: wrapping or not, with
+// matches, empty slots and other hashes mixed, at every start position.
+TEST(Shm, ProbeWindowSimdAgreesWithThePortableLoop) {
+  constexpr uint32_t n = 256;
+  std::vector<std::atomic<uint64_t>> words(n);
+  std::mt19937_64 rng(7);
+  const uint64_t want = 0x9e3779b97f4a7c15ull;
+  for (int round = 0; round < 50; ++round) {
+    for (auto& w : words) {
+      const uint64_t r = rng() % 4;
+      w.store(r == 0 ? 0 : r == 1 ? want : r == 2 ? (want ^ (1ull << (rng() % 64))) : rng());
+    }
+    uint64_t seen = 0;
+    for (uint32_t start = 0; start < 2 * n; ++start) {
+      const auto simd = shm::probe_window(words.data(), n - 1, start, want, true);
+      const auto loop = shm::probe_window(words.data(), n - 1, start, want, false);
+      ASSERT_EQ(simd.match, loop.match) << "start " << start;
+      ASSERT_EQ(simd.empty, loop.empty) << "start " << start;
+      for (uint32_t i = 0; i < shm::kProbe; ++i) {  // and the loop is right: bit i is slot start+i
+        const uint64_t w = words[(start + i) % n].load();
+        ASSERT_EQ((loop.match >> i) & 1, uint64_t(w == want));
+        ASSERT_EQ((loop.empty >> i) & 1, uint64_t(w == 0));
+      }
+      seen |= simd.match;
+    }
+    ASSERT_NE(seen, 0u);
+  }
 }
 
 TEST(Shm, KeyReuseBeforeReadIsAnError) {
