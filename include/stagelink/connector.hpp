@@ -35,6 +35,10 @@ struct GetOptions {
   // true: tensors are views into the transport's memory and keep the slot alive until dropped.
   // false: the payload owns a copy and the slot is released before get returns.
   bool zero_copy = false;
+  // With zero_copy: a payload that travelled inline in `metadata` may be returned as views of the
+  // metadata's bytes (no copy, no keepalive); the caller keeps the metadata alive and unchanged
+  // while it uses them. Bindings that copy the result out at once use it.
+  bool view_metadata = false;
 };
 
 struct GetResult {

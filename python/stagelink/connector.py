@@ -30,12 +30,16 @@ class Loan:
         return not self._loan.valid
 
 
-class Connector(NativeOwner):
+class Connector(_core._Connector, NativeOwner):
     """put/get/cleanup/health/close by key, as vLLM-Omni's OmniConnectorBase.
 
     ``put`` returns ``(success, size, metadata)``; ``get`` returns ``(data, size)`` or ``None``.
     Failures are logged and kept in ``last_error``; with ``extra={"strict": True}`` they raise
     :class:`stagelink.StagelinkError` subclasses instead.
+
+    ``put`` and ``get`` are implemented in the native base class: a numpy array or a C++
+    producer's frame never enters a Python frame here. The methods below finish what they hand
+    back: pickling, loans, unpickling and failures.
     """
 
     def __init__(self, name: str, extra: Optional[dict] = None):
@@ -44,11 +48,16 @@ class Connector(NativeOwner):
         self.extra = extra
         self.strict = bool(extra.pop("strict", False))
         self.default_get_timeout = extra.get("get_timeout_s")
-        native_extra = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}
-        self._c = _core.create_connector(name, native_extra)
         self.last_error: Optional[BaseException] = None
+        native_extra = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}
+        super().__init__(name, native_extra)
+        self._ready = True
 
-    # -- helpers
+    def __del__(self):
+        if self.__dict__.get("_ready"):  # __init__ may have failed before the native part existed
+            super().__del__()
+
+    # -- what the native put/get hand back
     def _fail(self, op: str, e: BaseException):
         if self.strict:
             self.last_error = e
@@ -57,55 +66,28 @@ class Connector(NativeOwner):
         self.last_error = e.with_traceback(None)
         log.warning("%s %s failed: %s", self.name, op, e)
 
-    # -- the contract
-    def put(self, from_stage, to_stage, put_key: str, data: Any, *, readers: Optional[int] = None):
-        """Publish ``data`` for ``get(from_stage, to_stage, put_key)``.
-
-        ``readers``: how many gets may read it (fan-out); the memory is freed after the last one.
-        """
+    def _put_slow(self, from_stage, to_stage, put_key, data, readers):
+        """put of anything but a plain numpy array: a Loan, or an object to pickle."""
         try:
-            # numpy arrays travel as one typed tensor, without pickling (None: needs pickling)
-            r = self._c.put_array(from_stage, to_stage, put_key, data, readers or 0) \
-                if type(data) is np.ndarray else None
-            if r is not None:
-                size, meta = r
-            elif isinstance(data, Loan):
-                size, meta = self._c.put_loan(from_stage, to_stage, put_key, data._loan, readers or 0)
+            if isinstance(data, Loan):
+                size, meta = self._put_loan(from_stage, to_stage, put_key, data._loan, readers or 0)
             else:
                 kind, regions = _serde.encode(data)
-                size, meta = self._c.put_parts(from_stage, to_stage, put_key, kind, regions, readers or 0)
+                size, meta = self._put_parts(from_stage, to_stage, put_key, kind, regions, readers or 0)
             return True, size, meta
         except (_core.StagelinkError, pickle.PicklingError, AttributeError, TypeError, ValueError, BufferError) as e:
             self._fail("put", e)
             return False, 0, None
 
-    def get(self, from_stage, to_stage, get_key: str, metadata: Optional[dict] = None,
-            timeout: Optional[float] = None, *, zero_copy: bool = False):
-        """Fetch what ``put`` published; ``None`` when absent, timed out or failed.
-
-        ``metadata``: what put returned (direct lookup); without it the key is looked up, waiting
-        up to ``timeout`` seconds (None: ``extra.get_timeout_s``, else a single attempt).
-        ``zero_copy``: arrays and buffers are read-only views into shared memory that keep the
-        slot alive until dropped; otherwise the data is copied out and the slot freed at once.
-        """
-        if timeout is None:
-            timeout = self.default_get_timeout
-        try:
-            r = self._c.get_parts(from_stage, to_stage, get_key, metadata, timeout, zero_copy)
-        except (_core.StagelinkError, TypeError, ValueError) as e:
-            self._fail("get", e)
-            return None
-        if r is None:
-            return None
-        kind, regions, size = r
-        if kind == _serde.KIND_OBJECT:  # built in C++: a numpy array, or a C++ producer's tree
-            return regions, size
+    def _decode(self, get_key, kind, regions, size, zero_copy):
+        """Unpickle what get read (a Python producer's pickle-5 stream and its buffers)."""
         try:
             return _serde.decode(kind, regions, zero_copy), size
         except Exception as e:  # a foreign or damaged pickle
             self._fail("get", _core.CorruptError(f"payload of '{get_key}' could not be unpickled: {e!r}"))
             return None
 
+    # -- the rest of the contract
     def get_into(self, from_stage, to_stage, get_key: str, out, metadata: Optional[dict] = None,
                  timeout: Optional[float] = None) -> Optional[int]:
         """Copy the array (or bytes) put under ``get_key`` into ``out`` and free the slot.
@@ -118,7 +100,7 @@ class Connector(NativeOwner):
         if timeout is None:
             timeout = self.default_get_timeout
         try:
-            return self._c.get_into_parts(from_stage, to_stage, get_key, metadata, timeout, out)
+            return self._get_into_parts(from_stage, to_stage, get_key, metadata, timeout, out)
         except (_core.StagelinkError, TypeError, ValueError, BufferError) as e:
             self._fail("get_into", e)
             return None
@@ -130,22 +112,22 @@ class Connector(NativeOwner):
         name = _serde._NP_TO_NAME.get(dtype)
         if name is None or not shape:
             raise TypeError(f"loan: dtype {dtype} and shape {shape}: a loan holds a numeric array of at least one dimension")
-        return Loan(self._c.loan_array(name, list(shape)), shape, dtype)
+        return Loan(self._loan_array(name, list(shape)), shape, dtype)
 
     def cleanup(self, request_id: str) -> int:
         """Release every put of ``request_id`` (keys equal to it or starting with it + a separator)."""
         try:
-            return self._c.cleanup(str(request_id))
+            return self._cleanup(str(request_id))
         except _core.StagelinkError as e:
             self._fail("cleanup", e)
             return 0
 
     def health(self) -> dict:
-        return self._c.health()
+        return self._health()
 
     @property
     def _native(self):
-        return self.__dict__.get("_c")
+        return self
 
 
 def create_connector(name: str, extra: Optional[dict] = None, **injected) -> Connector:

@@ -364,24 +364,24 @@ class ShmConnector final : public Connector {
                                reg.arena_gen, now, ikey.substr(0, rid_len)});
     PutResult pr;
     pr.size = total;
-    // Inline payloads need only the entry (reader accounting); the segment's name and offset are
-    // for payloads read from shared memory. Fewer fields: cheaper to build, ship and convert.
-    Value::Map shm;
-    shm.reserve(5);
-    if (inline_bytes.empty()) {
-      shm.emplace_back("name", reg.dedicated ? reg.dedicated->name() : arena_->name());
-      shm.emplace_back("size", uint64_t(total));
-      shm.emplace_back("offset", uint64_t(reg.offset));
-    }
-    shm.emplace_back("entry", uint64_t(cl.idx));
-    shm.emplace_back("gen", uint64_t(cl.gen));
+    // Every put names its entry (reader accounting). Inline payloads carry their frame; the
+    // others name the segment holding it, as the seed's {"shm": {"name", "size"}} did. Flat and
+    // few fields: cheaper to build, ship and convert (a Python dict each way).
     Value::Map md;
-    md.reserve(3);
-    md.emplace_back("shm", Value(std::move(shm)));
+    md.reserve(4);
     md.emplace_back("size", uint64_t(total));
+    md.emplace_back("entry", uint64_t(cl.idx));
+    md.emplace_back("gen", uint64_t(cl.gen));
     if (!inline_bytes.empty()) {
       md.emplace_back("inline", Value::copy_bytes(inline_bytes));
       inline_puts_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      Value::Map shm;
+      shm.reserve(3);
+      shm.emplace_back("name", reg.dedicated ? reg.dedicated->name() : arena_->name());
+      shm.emplace_back("size", uint64_t(total));
+      shm.emplace_back("offset", uint64_t(reg.offset));
+      md.emplace_back("shm", Value(std::move(shm)));
     }
     pr.metadata = Value(std::move(md));
     return pr;
@@ -428,18 +428,20 @@ class ShmConnector final : public Connector {
     Result<Claim> cl = make_error(Errc::not_found, "");
     if (metadata && !metadata->is_nil()) {
       if (!metadata->is<Value::Map>()) return make_error(Errc::corrupt, "metadata is not a map");
-      const Value* shmv = metadata->find("shm");
+      const Value* entry = metadata->find("entry");
+      const Value* genv = metadata->find("gen");
       uint64_t idx = 0, gen = 0;
-      if (!shmv || !shmv->find("entry") || !shmv->find("gen") || !shmv->find("entry")->get_u64(idx) ||
-          !shmv->find("gen")->get_u64(gen) || idx > UINT32_MAX || gen > UINT32_MAX)
-        return make_error(Errc::corrupt, "metadata lacks shm.entry/shm.gen (not from a stagelink SharedMemoryConnector?)");
+      if (!entry || !genv || !entry->get_u64(idx) || !genv->get_u64(gen) || idx > UINT32_MAX || gen > UINT32_MAX)
+        return make_error(Errc::corrupt, "metadata lacks entry/gen (not from a stagelink SharedMemoryConnector?)");
       cl = dir->claim(uint32_t(idx), uint32_t(gen), ikey);
       if (const Value* inl = metadata->find("inline"); inl && inl->is<Value::Bytes>()) {
         // Small payload: the bytes are in the metadata; only the reader accounting touches shm.
         auto& b = inl->as<Value::Bytes>();
-        SL_ASSIGN(Payload p, decode_frame_copy(std::span<const std::byte>(b.data(), b.size())));
+        const std::span<const std::byte> frame(b.data(), b.size());
+        auto p = go.zero_copy && go.view_metadata ? decode_frame(frame) : decode_frame_copy(frame);
         if (cl.ok()) dir->release(cl.value());
-        return GetResult{std::move(p), b.size()};
+        if (!p.ok()) return std::move(p).error();
+        return GetResult{std::move(p).value(), b.size()};
       }
       if (!cl.ok()) return std::move(cl).error();
     } else {

@@ -55,12 +55,46 @@ class MpReader {
 
   // Any value into a Value (non-negative integers as uint64, negative as int64, map keys that
   // are integers as their decimal string, ext type 1 as TensorRef).
+  // The one-byte forms (fixarray, fixmap, fixstr, positive fixint: what frame headers and
+  // metadata hold) are decoded inline; every other form, and every error, out of line.
   bool read_value(Value& out, int depth = 0);
-  bool read_array(uint32_t& n);
-  bool read_map(uint32_t& n);
-  bool read_u64(uint64_t& v);
-  bool read_i64(int64_t& v);
-  bool read_str(std::string_view& s);
+  bool read_array(uint32_t& n) {
+    if (p_ != end_ && (*p_ & 0xf0) == 0x90 && uint32_t(*p_ & 0x0f) < left()) {
+      n = *p_++ & 0x0f;
+      return true;
+    }
+    return read_array_slow(n);
+  }
+  bool read_map(uint32_t& n) {
+    if (p_ != end_ && (*p_ & 0xf0) == 0x80 && 2 * uint32_t(*p_ & 0x0f) < left()) {
+      n = *p_++ & 0x0f;
+      return true;
+    }
+    return read_map_slow(n);
+  }
+  bool read_u64(uint64_t& v) {
+    if (p_ != end_ && *p_ <= 0x7f) {
+      v = *p_++;
+      return true;
+    }
+    return read_u64_slow(v);
+  }
+  bool read_i64(int64_t& v) {
+    if (p_ != end_ && *p_ <= 0x7f) {
+      v = *p_++;
+      return true;
+    }
+    return read_i64_slow(v);
+  }
+  bool read_str(std::string_view& s) {
+    if (p_ != end_ && (*p_ & 0xe0) == 0xa0 && uint32_t(*p_ & 0x1f) < left()) {
+      const size_t n = *p_++ & 0x1f;
+      s = std::string_view(reinterpret_cast<const char*>(p_), n);
+      p_ += n;
+      return true;
+    }
+    return read_str_slow(s);
+  }
   bool skip(int depth = 0);
 
  private:
@@ -75,6 +109,11 @@ class MpReader {
     else if constexpr (sizeof(T) == 8) v = T(__builtin_bswap64(uint64_t(v)));
     return v;
   }
+  bool read_array_slow(uint32_t& n);
+  bool read_map_slow(uint32_t& n);
+  bool read_u64_slow(uint64_t& v);
+  bool read_i64_slow(int64_t& v);
+  bool read_str_slow(std::string_view& s);
   bool len_prefix(uint8_t tag, uint8_t t8, uint32_t& n);
   bool read_container(uint8_t fix, uint8_t t16, size_t min_bytes, uint32_t& n, const char* what);  // str8/bin8/...: 1, 2 or 4 byte length
   const uint8_t* p_;

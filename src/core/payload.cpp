@@ -159,10 +159,10 @@ bool MpReader::read_container(uint8_t fix, uint8_t t16, size_t min_bytes, uint32
   else { --p_; return fail(what); }
   return n <= left() / min_bytes ? true : fail("msgpack container longer than its buffer");
 }
-bool MpReader::read_array(uint32_t& n) { return read_container(0x90, 0xdc, 1, n, "expected a msgpack array"); }
-bool MpReader::read_map(uint32_t& n) { return read_container(0x80, 0xde, 2, n, "expected a msgpack map"); }
+bool MpReader::read_array_slow(uint32_t& n) { return read_container(0x90, 0xdc, 1, n, "expected a msgpack array"); }
+bool MpReader::read_map_slow(uint32_t& n) { return read_container(0x80, 0xde, 2, n, "expected a msgpack map"); }
 
-bool MpReader::read_str(std::string_view& s) {
+bool MpReader::read_str_slow(std::string_view& s) {
   if (!need(1)) return false;
   const uint8_t t = *p_++;
   uint32_t n;
@@ -175,7 +175,7 @@ bool MpReader::read_str(std::string_view& s) {
   return true;
 }
 
-bool MpReader::read_u64(uint64_t& v) {
+bool MpReader::read_u64_slow(uint64_t& v) {
   if (!need(1)) return false;
   const uint8_t t = *p_++;
   if (t <= 0x7f) { v = t; return true; }
@@ -196,7 +196,7 @@ bool MpReader::read_u64(uint64_t& v) {
   }
 }
 
-bool MpReader::read_i64(int64_t& v) {
+bool MpReader::read_i64_slow(int64_t& v) {
   if (!need(1)) return false;
   const uint8_t t = *p_++;
   if (t <= 0x7f) { v = t; return true; }

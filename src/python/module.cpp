@@ -23,6 +23,7 @@ using namespace stagelink;
 namespace {
 
 std::array<PyObject*, 16> g_exc{};
+PyObject* g_base_exc = nullptr;  // stagelink.StagelinkError
 
 [[noreturn]] void raise(const Error& e) {
   PyObject* t = g_exc[static_cast<size_t>(e.code)];
@@ -47,12 +48,14 @@ std::string utf8(PyObject* o) {
 // Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
 // is cached, so building and reading the dict skips hashing and allocating them).
 nb::object key_str(const std::string& k) {
-  static constexpr std::string_view kCommon[] = {"shm", "name", "size", "offset", "entry", "gen", "readers", "inline"};
+  static constexpr std::string_view kCommon[] = {"shm", "gen", "name", "size", "entry", "offset", "inline"};
   static PyObject* interned[std::size(kCommon)] = {};
-  for (size_t i = 0; i < std::size(kCommon); ++i) {
-    if (k.size() == kCommon[i].size() && std::memcmp(k.data(), kCommon[i].data(), k.size()) == 0) {
-      if (!interned[i]) interned[i] = PyUnicode_InternFromString(kCommon[i].data());  // immortal: kept
-      return nb::borrow(interned[i]);
+  if (k.size() >= 3 && k.size() <= 6) {
+    for (size_t i = 0; i < std::size(kCommon); ++i) {
+      if (k.size() == kCommon[i].size() && k[0] == kCommon[i][0] && std::string_view(k) == kCommon[i]) {
+        if (!interned[i]) interned[i] = PyUnicode_InternFromString(kCommon[i].data());  // immortal: kept
+        return nb::borrow(interned[i]);
+      }
     }
   }
   return nb::str(k.data(), k.size());
@@ -138,6 +141,12 @@ std::string stage_str(nb::handle h) {
   if (PyLong_Check(h.ptr())) {
     int overflow = 0;
     const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+    static const auto small = [] {  // stage ids are small integers: format them once
+      std::array<std::string, 64> a;
+      for (size_t i = 0; i < a.size(); ++i) a[i] = std::to_string(i);
+      return a;
+    }();
+    if (!overflow && v >= 0 && v < (long long)small.size()) return small[size_t(v)];
     if (!overflow) return std::to_string(v);
     return nb::cast<std::string>(nb::str(h));
   }
@@ -151,14 +160,25 @@ constexpr int64_t KIND_OBJECT = -1;
 // Copies of regions larger than this release the GIL around the memcpy.
 constexpr size_t kGilReleaseBytes = 256u << 10;
 
-nb::object copied_array(std::span<const std::byte> src, int type, std::vector<npy_intp>& dims);
+// An array's shape on the stack (a std::vector here cost a heap allocation per get).
+struct Dims {
+  npy_intp v[NPY_MAXDIMS];
+  int n = 0;
+  static Dims flat(size_t len) {
+    Dims d;
+    d.v[0] = npy_intp(len);
+    d.n = 1;
+    return d;
+  }
+};
+
+nb::object copied_array(std::span<const std::byte> src, int type, const Dims& dims);
 
 // A region copied out: bytes (the pickle stream), else a bytearray, or for 1 MiB and more a uint8
 // array in a pooled host buffer (pickle.loads rebuilds arrays and tensors over either).
 nb::object region_copy(const Tensor& t, bool as_bytes) {
   if (!as_bytes && t.nbytes() >= host_pool::kPooledMin) {
-    std::vector<npy_intp> dims{npy_intp(t.nbytes())};
-    return copied_array(t.data, NPY_UINT8, dims);
+    return copied_array(t.data, NPY_UINT8, Dims::flat(t.nbytes()));
   }
   const Py_ssize_t n = Py_ssize_t(t.nbytes());
   PyObject* o = as_bytes ? PyBytes_FromStringAndSize(nullptr, n) : PyByteArray_FromStringAndSize(nullptr, n);
@@ -211,31 +231,36 @@ int npy_type(DType d) {
 // A plain, C-contiguous, native-endian numpy array of at least one dimension becomes one typed
 // tensor viewing its memory (held by `bv` for the call); anything else returns false and takes
 // the pickle path (0-d arrays, subclasses, object/structured dtypes, strided views).
-bool array_payload(nb::handle obj, BufferViews& bv, Payload& p) {
+// `gil_held_if_small`: the caller keeps the GIL for payloads up to kGilReleaseBytes (put does,
+// a queue's enqueue, which may block, does not); only otherwise is the buffer pinned.
+bool array_payload(nb::handle obj, BufferViews& bv, Payload& p, bool gil_held_if_small) {
   if (!PyArray_CheckExact(obj.ptr())) return false;
   auto* a = reinterpret_cast<PyArrayObject*>(obj.ptr());
   if (PyArray_NDIM(a) < 1 || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISNOTSWAPPED(a)) return false;
   const auto dt = dtype_of(PyArray_DESCR(a));
   if (!dt) return false;
-  Py_buffer v;
-  if (PyObject_GetBuffer(obj.ptr(), &v, PyBUF_SIMPLE) != 0) {  // pins the memory (no resize meanwhile)
-    PyErr_Clear();
-    return false;
-  }
-  bv.views.push_back(v);
+  const size_t nbytes = size_t(PyArray_NBYTES(a));
+  if (!gil_held_if_small || nbytes > kGilReleaseBytes) {  // the GIL will be released: pin the memory
+    Py_buffer v;
+    if (PyObject_GetBuffer(obj.ptr(), &v, PyBUF_SIMPLE) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    bv.views.push_back(v);
+  }  // else the GIL is held for the whole call: no other thread can resize or free the array
   Tensor t;
   t.dtype = *dt;
   t.shape.assign(PyArray_DIMS(a), PyArray_DIMS(a) + PyArray_NDIM(a));
-  t.data = std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len));
+  t.data = std::span<const std::byte>(static_cast<const std::byte*>(PyArray_DATA(a)), nbytes);
   p.tree = Value(TensorRef{0});
   p.tensors.push_back(std::move(t));
   return true;
 }
 
 // A numpy array over `data`, its base a capsule holding `keep` (a slot lease or a pooled buffer).
-nb::object array_over(const std::byte* data, int type, std::vector<npy_intp>& dims, std::shared_ptr<const void> keep,
+nb::object array_over(const std::byte* data, int type, const Dims& dims, std::shared_ptr<const void> keep,
                       bool writable) {
-  PyObject* arr = PyArray_New(&PyArray_Type, int(dims.size()), dims.data(), type, nullptr, const_cast<std::byte*>(data), 0,
+  PyObject* arr = PyArray_New(&PyArray_Type, dims.n, const_cast<npy_intp*>(dims.v), type, nullptr, const_cast<std::byte*>(data), 0,
                               NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED | (writable ? NPY_ARRAY_WRITEABLE : 0), nullptr);
   if (!arr) throw nb::python_error();
   auto* holder = new std::shared_ptr<const void>(std::move(keep));
@@ -256,7 +281,7 @@ nb::object array_over(const std::byte* data, int type, std::vector<npy_intp>& di
 
 // A writable copy of `src` as an array. 1 MiB and more: in a pooled host buffer (already faulted
 // in when one of that size was dropped before), released back to the pool with the array.
-nb::object copied_array(std::span<const std::byte> src, int type, std::vector<npy_intp>& dims) {
+nb::object copied_array(std::span<const std::byte> src, int type, const Dims& dims) {
   if (src.size() >= host_pool::kPooledMin) {
     std::shared_ptr<std::byte> buf = host_pool::allocate(src.size());
     if (!buf) raise(make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(src.size()) + " bytes"));
@@ -267,7 +292,7 @@ nb::object copied_array(std::span<const std::byte> src, int type, std::vector<np
     const std::byte* data = buf.get();
     return array_over(data, type, dims, std::move(buf), true);
   }
-  PyObject* arr = PyArray_SimpleNew(int(dims.size()), dims.data(), type);
+  PyObject* arr = PyArray_SimpleNew(dims.n, const_cast<npy_intp*>(dims.v), type);
   if (!arr) throw nb::python_error();
   if (!src.empty()) std::memcpy(PyArray_DATA(reinterpret_cast<PyArrayObject*>(arr)), src.data(), src.size());
   return nb::steal(arr);
@@ -277,13 +302,23 @@ nb::object copied_array(std::span<const std::byte> src, int type, std::vector<np
 // base holds the slot until the array is dropped. bfloat16 comes back as its raw bytes (uint8).
 nb::object tensor_array(const Tensor& t, bool zero_copy) {
   int type = npy_type(t.dtype);
-  std::vector<npy_intp> dims(t.shape.begin(), t.shape.end());
+  Dims dims;
   if (type < 0) {
     type = NPY_UINT8;
-    dims.assign(1, npy_intp(t.nbytes()));
+    dims = Dims::flat(t.nbytes());
+  } else {
+    if (t.shape.size() > size_t(NPY_MAXDIMS))
+      raise(make_error(Errc::unsupported, "a tensor of " + std::to_string(t.shape.size()) + " dimensions; numpy holds at most " +
+                                              std::to_string(NPY_MAXDIMS)));
+    dims.n = int(t.shape.size());
+    for (int i = 0; i < dims.n; ++i) dims.v[i] = npy_intp(t.shape[size_t(i)]);
   }
   if (zero_copy && t.keepalive) return array_over(t.data.data(), type, dims, t.keepalive, false);
-  return copied_array(t.data, type, dims);
+  nb::object arr = copied_array(t.data, type, dims);
+  // An inline payload asked for zero-copy is a private copy: read-only all the same, so code
+  // that works for small payloads works for large ones.
+  if (zero_copy) PyArray_CLEARFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
+  return arr;
 }
 
 // A frame from a C++ producer, or a numpy array from Python: its tree with each tensor as an array.
@@ -338,7 +373,7 @@ size_t payload_from_parts(int kind, nb::list regions, BufferViews& bv, Payload& 
   return total;
 }
 
-nb::tuple put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, const Payload& p,
+PutResult put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, const Payload& p,
                       size_t total, uint32_t readers) {
   std::string f = stage_str(from), t = stage_str(to);
   Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
@@ -349,8 +384,41 @@ nb::tuple put_payload(PyConnector& self, nb::handle from, nb::handle to, const s
   } else {
     r = conn.put(f, t, key, p, PutOptions{readers});
   }
-  PutResult pr = unwrap(std::move(r));
-  return nb::make_tuple(pr.size, to_py(pr.metadata));
+  return unwrap(std::move(r));
+}
+
+// Python's `Connector.put`: a plain numpy array goes straight through C++ (no Python frame, no
+// pickle); anything else (a Loan, an object to pickle) through the subclass's `_put_slow`.
+// Failures follow the contract: logged by `_fail` and returned as (False, 0, None), or raised in
+// strict mode.
+nb::object connector_put(nb::handle self_h, nb::handle from, nb::handle to, nb::handle key, nb::handle data,
+                         nb::handle readers) {
+  if (!PyArray_CheckExact(data.ptr())) return self_h.attr("_put_slow")(from, to, key, data, readers);
+  try {
+    uint32_t rd = 0;
+    if (!readers.is_none()) {
+      const long v = PyLong_AsLong(readers.ptr());
+      if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+      if (v < 0 || v > long(UINT32_MAX)) raise(make_error(Errc::invalid_argument, "readers must be in [1, 8]"));
+      rd = uint32_t(v);
+    }
+    if (!PyUnicode_Check(key.ptr())) {
+      PyErr_SetString(PyExc_TypeError, "put_key must be a str");
+      throw nb::python_error();
+    }
+    Payload p;
+    BufferViews bv;
+    if (!array_payload(data, bv, p, true)) return self_h.attr("_put_slow")(from, to, key, data, readers);
+    const PutResult pr =
+        put_payload(*nb::inst_ptr<PyConnector>(self_h), from, to, utf8(key.ptr()), p, p.tensors[0].nbytes(), rd);
+    return nb::make_tuple(true, pr.size, to_py(pr.metadata));
+  } catch (nb::python_error& e) {
+    if (!e.matches(g_base_exc) && !e.matches(PyExc_TypeError) && !e.matches(PyExc_ValueError) &&
+        !e.matches(PyExc_BufferError))
+      throw;
+    self_h.attr("_fail")("put", e.value());  // raises in strict mode
+    return nb::make_tuple(false, 0, nb::none());
+  }
 }
 
 nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, int kind,
@@ -358,36 +426,33 @@ nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std
   Payload p;
   BufferViews bv;
   const size_t total = payload_from_parts(kind, regions, bv, p);
-  return put_payload(self, from, to, key, p, total, readers);
-}
-
-// A numpy array as one typed tensor, no pickling; None when the array needs the pickle path.
-nb::object put_array(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, nb::handle arr,
-                     uint32_t readers) {
-  Payload p;
-  BufferViews bv;
-  if (!array_payload(arr, bv, p)) return nb::none();
-  return put_payload(self, from, to, key, p, p.tensors[0].nbytes(), readers);
+  const PutResult pr = put_payload(self, from, to, key, p, total, readers);
+  return nb::make_tuple(pr.size, to_py(pr.metadata));
 }
 
 // Borrow key's slot zero-copy (the slot is released when the result is dropped). nullopt when absent
 // or timed out. A get that may block (keyless, with a timeout) releases the GIL; a lookup by
-// metadata takes microseconds and keeps it. Must be entered holding the GIL.
+// metadata takes microseconds and keeps it. Must be entered holding the GIL. `md` receives the
+// converted metadata: an inline payload's tensors view its bytes, so the caller keeps it alive
+// until it has copied them out.
 std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle to, const std::string& key,
-                                nb::handle metadata, nb::handle timeout) {
+                                nb::handle metadata, nb::handle timeout, Value& md) {
   std::string f = stage_str(from), t = stage_str(to);
-  Value md;
   const bool has_md = !metadata.is_none();
   if (has_md) md = from_py(metadata);
   Deadline dl = kNoWait;
-  if (!timeout.is_none()) dl = deadline_after(std::max(0.0, nb::cast<double>(timeout)));
+  if (!timeout.is_none()) {
+    const double secs = PyFloat_AsDouble(timeout.ptr());  // TypeError for a non-number
+    if (secs == -1.0 && PyErr_Occurred()) throw nb::python_error();
+    dl = deadline_after(std::max(0.0, secs));
+  }
   Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<GetResult> r = make_error(Errc::io, "");
   if (!has_md && dl != kNoWait) {
     nb::gil_scoped_release nogil;
     r = conn.get(f, t, key, nullptr, dl, GetOptions{true});
   } else {
-    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true});
+    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true, true});
   }
   if (!r.ok()) {
     if (r.error().code == Errc::not_found || r.error().code == Errc::timeout) return std::nullopt;
@@ -396,28 +461,59 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   return std::move(r).value();
 }
 
-nb::object get_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, nb::handle metadata,
-                     nb::handle timeout, bool zero_copy) {
+// What a get found: `kind` KIND_OBJECT with `obj` the finished object (a numpy array, a C++
+// producer's tree), else a pickle kind with `obj` the list of its regions.
+struct Found {
+  int64_t kind = KIND_OBJECT;
+  nb::object obj;
+  size_t size = 0;
+};
+
+std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to, const std::string& key,
+                               nb::handle metadata, nb::handle timeout, bool zero_copy) {
   // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
   // and the slot is released when `g` goes out of scope below.
-  std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout);
-  if (!got) return nb::none();
+  Value md;  // outlives `got`: inline tensors view it
+  std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout, md);
+  if (!got) return std::nullopt;
   GetResult& g = *got;
   const Value* py = g.payload.tree.find("py");
-  if (!py) return nb::make_tuple(KIND_OBJECT, native_object(g.payload, zero_copy), g.size);
+  if (!py) return Found{KIND_OBJECT, native_object(g.payload, zero_copy), g.size};
   int64_t kind = 0;
   py->get_i64(kind);
   nb::list l;
   for (size_t i = 0; i < g.payload.tensors.size(); ++i) {
     const Tensor& tn = g.payload.tensors[i];
     if (zero_copy && tn.keepalive) {  // read-only uint8 view; its base holds the slot
-      std::vector<npy_intp> dims{npy_intp(tn.nbytes())};
-      l.append(array_over(tn.data.data(), NPY_UINT8, dims, tn.keepalive, false));
-    } else {
-      l.append(region_copy(tn, i == 0));
+      l.append(array_over(tn.data.data(), NPY_UINT8, Dims::flat(tn.nbytes()), tn.keepalive, false));
+    } else {  // a copy; asked for zero-copy (an inline payload), read-only bytes as the views would be
+      l.append(region_copy(tn, i == 0 || zero_copy));
     }
   }
-  return nb::make_tuple(kind, l, g.size);
+  return Found{kind, std::move(l), g.size};
+}
+
+// Python's `Connector.get`: (data, size), or None when absent, timed out or failed (logged by
+// `_fail`; raised in strict mode). A pickled payload is finished by the subclass's `_decode`.
+nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::handle key, nb::handle metadata,
+                         nb::handle timeout, bool zero_copy) {
+  std::optional<Found> f;
+  try {
+    if (!PyUnicode_Check(key.ptr())) {
+      PyErr_SetString(PyExc_TypeError, "get_key must be a str");
+      throw nb::python_error();
+    }
+    static PyObject* const kDefaultTimeout = PyUnicode_InternFromString("default_get_timeout");  // immortal
+    nb::object tmo = timeout.is_none() ? self_h.attr(kDefaultTimeout) : nb::borrow(timeout);
+    f = get_found(*nb::inst_ptr<PyConnector>(self_h), from, to, utf8(key.ptr()), metadata, tmo, zero_copy);
+  } catch (nb::python_error& e) {
+    if (!e.matches(g_base_exc) && !e.matches(PyExc_TypeError) && !e.matches(PyExc_ValueError)) throw;
+    self_h.attr("_fail")("get", e.value());  // raises in strict mode
+    return nb::none();
+  }
+  if (!f) return nb::none();
+  if (f->kind == KIND_OBJECT) return nb::make_tuple(f->obj, f->size);
+  return self_h.attr("_decode")(key, f->kind, f->obj, f->size, zero_copy);
 }
 
 // get_into: copy the array (or bytes) of key straight into `out`, a writable contiguous buffer the
@@ -428,7 +524,8 @@ nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, con
   if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
   BufferViews hold;
   hold.views.push_back(view);
-  std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout);
+  Value md;  // outlives `got`: inline tensors view it
+  std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout, md);
   if (!got) return nb::none();
   GetResult& g = *got;
   // A typed array (Python's or C++'s) or raw bytes (region 0) copy straight; a pickled object
@@ -486,7 +583,7 @@ void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::handle timeout
 bool mq_enqueue_array(PyMq& self, nb::handle arr, nb::handle timeout) {
   Payload p;
   BufferViews bv;
-  if (!array_payload(arr, bv, p)) return false;
+  if (!array_payload(arr, bv, p, false)) return false;
   const double t = timeout_arg(timeout);
   auto q = self.get();
   Status st;
@@ -590,6 +687,7 @@ NB_MODULE(_core, m) {
   if (_import_array() < 0) throw nb::python_error();  // numpy's C API
   PyObject* base = PyErr_NewException("stagelink.StagelinkError", PyExc_RuntimeError, nullptr);
   m.attr("StagelinkError") = nb::handle(base);
+  g_base_exc = base;
   const char* names[] = {"", "TimeoutError", "NotFoundError", "ClosedError", "CancelledError",
                          "InvalidArgumentError", "CorruptError", "ExhaustedError", "PeerDeadError",
                          "IOError", "UnsupportedError", "KeyInUseError"};
@@ -611,16 +709,39 @@ NB_MODULE(_core, m) {
       .def_prop_ro("frame_size", [](PyLoan& l) { return l.loan.frame_size(); })
       .def_prop_ro("valid", [](PyLoan& l) { return l.loan.valid(); });
 
+  // The base of Python's `stagelink.Connector`: `put` and `get` run here without a Python frame
+  // (the subclass supplies `_put_slow`, `_decode`, `_fail` and `default_get_timeout`); the
+  // underscored methods are the subclass's building blocks.
   nb::class_<PyConnector>(m, "_Connector")
-      .def("put_parts", &put_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("kind"),
+      .def("__init__", [](PyConnector* self, const std::string& name, nb::handle extra) {
+             Value e = extra.is_none() ? Value(Value::Map{}) : from_py(extra);
+             auto c = unwrap(create_connector(name, e));
+             new (self) PyConnector{std::move(c)};
+           }, nb::arg("name"), nb::arg("extra").none())
+      .def("put", [](nb::handle self, nb::handle from, nb::handle to, nb::handle key, nb::handle data,
+                     nb::handle readers) { return connector_put(self, from, to, key, data, readers); },
+           nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("put_key"), nb::arg("data"), nb::kw_only(),
+           nb::arg("readers").none() = nb::none(),
+           "Publish ``data`` for ``get(from_stage, to_stage, put_key)``; returns ``(success, size, metadata)``.\n\n"
+           "``readers``: how many gets may read it (fan-out); the memory is freed after the last one.\n"
+           "Plain numpy arrays travel as one typed tensor; ``Loan`` objects are published in place;\n"
+           "anything else is pickled (protocol 5, buffers out of band).")
+      .def("get", [](nb::handle self, nb::handle from, nb::handle to, nb::handle key, nb::handle metadata,
+                     nb::handle timeout, bool zero_copy) {
+             return connector_get(self, from, to, key, metadata, timeout, zero_copy);
+           },
+           nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("get_key"), nb::arg("metadata").none() = nb::none(),
+           nb::arg("timeout").none() = nb::none(), nb::kw_only(), nb::arg("zero_copy") = false,
+           "Fetch what ``put`` published: ``(data, size)``, or ``None`` when absent, timed out or failed.\n\n"
+           "``metadata``: what put returned (direct lookup); without it the key is looked up, waiting\n"
+           "up to ``timeout`` seconds (None: ``extra.get_timeout_s``, else a single attempt).\n"
+           "``zero_copy``: arrays and buffers are read-only views into shared memory that keep the\n"
+           "slot alive until dropped; otherwise the data is copied out and the slot freed at once.")
+      .def("_put_parts", &put_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("kind"),
            nb::arg("regions"), nb::arg("readers") = 0)
-      .def("get_into_parts", &get_into_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),
+      .def("_get_into_parts", &get_into_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),
            nb::arg("metadata").none(), nb::arg("timeout").none(), nb::arg("out"))
-      .def("get_parts", &get_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),
-           nb::arg("metadata").none(), nb::arg("timeout").none(), nb::arg("zero_copy") = false)
-      .def("put_array", &put_array, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("array"),
-           nb::arg("readers") = 0)
-      .def("loan_array", [](PyConnector& self, const std::string& dtype, std::vector<int64_t> shape) {
+      .def("_loan_array", [](PyConnector& self, const std::string& dtype, std::vector<int64_t> shape) {
              // One typed region in the arena, read back as a numpy array (or a C++ tensor).
              TensorSpec spec;
              spec.dtype = unwrap(dtype_from_name(dtype));
@@ -633,12 +754,12 @@ NB_MODULE(_core, m) {
              spec.shape = std::move(shape);
              return PyLoan{unwrap(self.get().loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1)))};
            })
-      .def("put_loan", [](PyConnector& self, nb::handle from, nb::handle to, const std::string& key, PyLoan& loan, uint32_t readers) {
+      .def("_put_loan", [](PyConnector& self, nb::handle from, nb::handle to, const std::string& key, PyLoan& loan, uint32_t readers) {
              PutResult pr = unwrap(self.get().put_loan(stage_str(from), stage_str(to), key, std::move(loan.loan), PutOptions{readers}));
              return nb::make_tuple(pr.size, to_py(pr.metadata));
            })
-      .def("cleanup", [](PyConnector& self, const std::string& rid) { return self.get().cleanup(rid); })
-      .def("health", [](PyConnector& self) {
+      .def("_cleanup", [](PyConnector& self, const std::string& rid) { return self.get().cleanup(rid); })
+      .def("_health", [](PyConnector& self) {
              if (!self.c) return nb::object(nb::dict());
              return to_py(self.c->health());
            })
@@ -648,8 +769,7 @@ NB_MODULE(_core, m) {
                self.c->close();
              }
              self.c.reset();
-           })
-      .def_prop_ro("name", [](PyConnector& self) { return self.c ? self.c->name() : std::string(); })
+           }, "Release everything this connector owns. Safe to call twice.")
       .def_prop_ro("closed", [](PyConnector& self) { return !self.c; });
 
   nb::class_<PyMq>(m, "_MessageQueue")
@@ -712,10 +832,6 @@ NB_MODULE(_core, m) {
              }
            });
 
-  m.def("create_connector", [](const std::string& name, nb::handle extra) {
-    Value e = extra.is_none() ? Value(Value::Map{}) : from_py(extra);
-    return PyConnector{unwrap(create_connector(name, e))};
-  });
   m.def("registered_connectors", &registered_connectors);
   m.def("load_config_file", [](const std::string& path) { return config_dict(unwrap(load_transfer_config_file(path))); });
   m.def("load_config_string", [](const std::string& text, const std::string& source) {

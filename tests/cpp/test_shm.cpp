@@ -313,11 +313,9 @@ TEST(Shm, BadMetadataIsCorruptNotACrash) {
   std::vector<std::byte> d(200000);
   auto r = c->put("0", "1", "k", payload_of(d, 0));
   ASSERT_TRUE(r.ok());
-  Value::Map shm;
-  shm.emplace_back("entry", uint64_t(1) << 30);
-  shm.emplace_back("gen", uint64_t(1));
   Value::Map md;
-  md.emplace_back("shm", Value(shm));
+  md.emplace_back("entry", uint64_t(1) << 30);
+  md.emplace_back("gen", uint64_t(1));
   const Value out_of_range(md), not_a_map("nonsense");
   EXPECT_EQ(c->get("0", "1", "k", &out_of_range).error().code, Errc::corrupt);
   EXPECT_EQ(c->get("0", "1", "k", &not_a_map).error().code, Errc::corrupt);
@@ -329,6 +327,10 @@ TEST(Shm, BadMetadataIsCorruptNotACrash) {
   bad.emplace_back("inline", Value(Value::Bytes(10, std::byte{1})));
   const Value bad_inline(bad);
   EXPECT_EQ(c->get("0", "1", "other", &bad_inline).error().code, Errc::corrupt);
+  // Regression: the failed decode kept its reader slot, so "other" was never freed.
+  uint64_t outstanding = 0;
+  ASSERT_TRUE(c->health().find("outstanding")->get_u64(outstanding));
+  EXPECT_EQ(outstanding, 1u);  // only "k", never read
   EXPECT_EQ(c->put("0", "1", "../etc", Payload{}).error().code, Errc::invalid_argument);
   EXPECT_EQ(c->put("0/x", "1", "k2", Payload{}).error().code, Errc::invalid_argument);
 }

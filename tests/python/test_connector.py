@@ -170,6 +170,25 @@ def test_zero_copy_view_holds_slot_until_dropped(ns):
         assert r.get(0, 1, "b") is not None
 
 
+def test_zero_copy_results_are_read_only_at_every_size(ns):
+    """An inline payload asked for zero-copy comes back as a private copy, a large one as a view
+    into shared memory: read-only alike, so code that works for one size works for the other."""
+    with shm(ns) as c:
+        for n in (16, 1 << 20):
+            a = np.arange(n, dtype=np.uint8)
+            for name, data in (("arr", a), ("obj", {"x": a})):
+                key = f"{name}{n}"
+                ok, _, meta = c.put(0, 1, key, data)
+                assert ok and (("inline" in meta) == (n == 16)), key
+                got, _ = c.get(0, 1, key, meta, zero_copy=True)
+                arr = got if name == "arr" else got["x"]
+                assert np.array_equal(arr, a) and not arr.flags.writeable, key
+                with pytest.raises(ValueError):
+                    arr[0] = 1
+                del got, arr
+        assert c.health()["outstanding"] == 0
+
+
 def test_get_into_copies_into_the_callers_buffer_and_frees_the_slot(ns):
     with shm(ns, arena_bytes=4 << 20, put_timeout_s=0.2) as c, shm(ns) as r:
         out = np.zeros(3 << 20, np.uint8)
@@ -277,7 +296,7 @@ def test_bad_input_is_a_clear_error(ns):
         assert c.put(0, 1, "k", b"x")[0]
         ok, _, _ = c.put(0, 1, "k", b"y")
         assert not ok and isinstance(c.last_error, stagelink.KeyInUseError)
-        assert c.get(0, 1, "k", {"shm": {"entry": 10**9, "gen": 1}}) is None
+        assert c.get(0, 1, "k", {"entry": 10**9, "gen": 1}) is None
         assert isinstance(c.last_error, stagelink.CorruptError)
         assert c.get(0, 1, "k", {"nonsense": True}) is None
 
