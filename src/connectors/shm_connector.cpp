@@ -248,12 +248,16 @@ class ShmConnector final : public Connector {
   }
 
   static Status validate_edge(const std::string& from, const std::string& to, const std::string& key) {
-    if (name_is_valid(from, 64) && name_is_valid(to, 64) && name_is_valid(key, 160)) [[likely]]
+    const size_t ikey_len = key.size() + from.size() + to.size() + 2;  // "key@from_to"
+    if (name_is_valid(from, 64) && name_is_valid(to, 64) && name_is_valid(key, 160) && ikey_len <= shm::kKeyMax)
+        [[likely]]
       return {};
     SL_TRY(validate_name("from_stage", from, 64));
     SL_TRY(validate_name("to_stage", to, 64));
     SL_TRY(validate_name("key", key, 160));
-    return {};
+    return make_error(Errc::invalid_argument, "key '" + key + "' with stages '" + from + "' and '" + to + "' makes an " +
+                                                  std::to_string(ikey_len) + "-byte internal key; at most " +
+                                                  std::to_string(shm::kKeyMax) + " fit");
   }
 
   Status ensure_arena_locked() {

@@ -220,6 +220,9 @@ void Directory::detach() {
 }
 
 Result<Claim> Directory::reserve(std::string_view key, uint16_t rid_len, uint64_t hash) {
+  if (key.size() > kKeyMax)  // would overrun the entry's key field into the next entry
+    return make_error(Errc::invalid_argument, "key of " + std::to_string(key.size()) + " bytes; an entry holds " +
+                                                  std::to_string(kKeyMax));
   const uint32_t n = hdr_->n_entries, mask = n - 1;
   const ProcId me = self_proc();
   for (int attempt = 0; attempt < 16; ++attempt) {

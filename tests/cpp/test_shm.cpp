@@ -332,6 +332,14 @@ TEST(Shm, BadMetadataIsCorruptNotACrash) {
   ASSERT_TRUE(c->health().find("outstanding")->get_u64(outstanding));
   EXPECT_EQ(outstanding, 1u);  // only "k", never read
   EXPECT_EQ(c->put("0", "1", "../etc", Payload{}).error().code, Errc::invalid_argument);
+  // Regression: each part within its limit, together longer than an entry's key field (232
+  // bytes): the put wrote past it into the next entry of the shared directory.
+  const std::string stage(64, 's'), long_key(160, 'k');
+  auto too_long = c->put(stage, stage, long_key, Payload{});
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_EQ(too_long.error().code, Errc::invalid_argument);
+  EXPECT_NE(too_long.error().message.find("internal key"), std::string::npos) << too_long.error().message;
+  EXPECT_TRUE(c->put(stage, "1", std::string(160, 'k'), Payload{}).ok());  // 227 bytes: fits
   EXPECT_EQ(c->put("0/x", "1", "k2", Payload{}).error().code, Errc::invalid_argument);
 }
 
