@@ -123,7 +123,18 @@ std::string make_internal_key(const std::string& key, const std::string& from_st
 // Keys and names that come from outside: 1..max_len chars, no '/', no "..", no NUL/control.
 Status validate_name(std::string_view what, std::string_view s, size_t max_len);
 // The check alone, without building an error (hot paths call validate_name only when it fails).
-bool name_is_valid(std::string_view s, size_t max_len) noexcept;
+inline bool name_is_valid(std::string_view s, size_t max_len) noexcept {
+  if (s.empty() || s.size() > max_len) return false;
+  // One pass, no early exit: control characters, DEL, '/' and "..".
+  unsigned bad = 0;
+  char prev = 0;
+  for (char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    bad |= unsigned(c < 0x20) | unsigned(c == 0x7f) | unsigned(c == '/') | unsigned(c == '.' && prev == '.');
+    prev = ch;
+  }
+  return bad == 0;
+}
 
 // Factory: create a connector by class name. `extra` is the config's `extra` map (plus injected
 // fields such as role). Errors: not_found (unknown name), unsupported (known, not built yet).

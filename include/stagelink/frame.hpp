@@ -47,11 +47,22 @@ struct FramePlan {
   std::vector<size_t> offsets;       // region offsets from frame start
   std::vector<size_t> lengths;
   size_t total = 0;
+  // The layout this plan was made for when the payload is one tensor that is the whole tree (a
+  // numpy array, a single hidden state): plan_frame_into keeps the plan when the next payload
+  // has the same dtype, shape, size and device, as a stream of same-shaped tensors does.
+  struct Single {
+    bool valid = false;
+    DType dtype = DType::u8;
+    std::vector<int64_t> shape;
+    size_t nbytes = 0;
+    std::string device;
+  } single;
 };
 
 Result<FramePlan> plan_frame(const Value& tree, std::span<const TensorSpec> specs);
 Result<FramePlan> plan_frame(const Payload& p);
-// As plan_frame, into an existing plan whose vectors keep their capacity (hot paths keep one).
+// As plan_frame, into an existing plan whose vectors keep their capacity (hot paths keep one);
+// a plan of the same single-tensor layout is kept as it is.
 Status plan_frame_into(FramePlan& plan, const Payload& p);
 // Writes head and padding into dst (plan.total bytes); copies `tensors` (may be empty to leave
 // regions for the caller to fill, as a loan does).

@@ -32,19 +32,6 @@ Result<size_t> get_into(Connector& c, const std::string& from, const std::string
   return t.nbytes();
 }
 
-bool name_is_valid(std::string_view s, size_t max_len) noexcept {
-  if (s.empty() || s.size() > max_len) return false;
-  // One pass, no early exit: control characters, DEL, '/' and "..".
-  unsigned bad = 0;
-  char prev = 0;
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    bad |= unsigned(c < 0x20) | unsigned(c == 0x7f) | unsigned(c == '/') | unsigned(c == '.' && prev == '.');
-    prev = ch;
-  }
-  return bad == 0;
-}
-
 Status validate_name(std::string_view what, std::string_view s, size_t max_len) {
   if (name_is_valid(s, max_len)) return {};
   if (s.empty()) return make_error(Errc::invalid_argument, std::string(what) + " is empty");

@@ -63,7 +63,29 @@ struct Outstanding {
   std::shared_ptr<Segment> dedicated;  // null: lives in the arena
   uint32_t arena_idx, arena_gen;
   uint64_t created_ns;
-  std::string rid;
+};
+
+// "key@from_to", vLLM-Omni's internal key (make_internal_key), on the stack: validate_edge
+// bounds it by an entry's key field, and a key past 15 bytes costs no heap allocation.
+class InternalKey {
+ public:
+  InternalKey(const std::string& key, const std::string& from, const std::string& to) {
+    char* p = buf_;
+    std::memcpy(p, key.data(), key.size());
+    p += key.size();
+    *p++ = '@';
+    std::memcpy(p, from.data(), from.size());
+    p += from.size();
+    *p++ = '_';
+    std::memcpy(p, to.data(), to.size());
+    len_ = size_t(p + to.size() - buf_);
+  }
+  operator std::string_view() const { return {buf_, len_}; }
+  std::string str() const { return std::string(buf_, len_); }
+
+ private:
+  char buf_[shm::kKeyMax];
+  size_t len_;
 };
 }  // namespace
 
@@ -137,7 +159,7 @@ class ShmConnector final : public Connector {
     auto r = get_impl(from, to, key, metadata, deadline, go);
     if (r.ok()) {
       gets_.fetch_add(1, std::memory_order_relaxed);
-      bytes_.fetch_add(r->size, std::memory_order_relaxed);
+      get_bytes_.fetch_add(r->size, std::memory_order_relaxed);
     } else if (r.error().code == Errc::timeout) {
       timeouts_.fetch_add(1, std::memory_order_relaxed);
     } else if (r.error().code != Errc::not_found) {
@@ -149,11 +171,8 @@ class ShmConnector final : public Connector {
   size_t cleanup(const std::string& request_id) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return 0;
-    size_t n = 0;
-    for (auto& o : out_)
-      if (shm::rid_matches(o.rid, request_id) && dir_->cancel(o.idx, o.gen)) ++n;
-    // Receivers and other producers of this host: cancel their unread entries too (abort).
-    n += dir_->cancel_request(request_id);
+    // Every unread entry of the request on this host: ours, other producers' (abort).
+    const size_t n = dir_->cancel_request(request_id);
     reclaim_all_locked();
     cleanups_.fetch_add(1, std::memory_order_relaxed);
     return n;
@@ -167,7 +186,7 @@ class ShmConnector final : public Connector {
     m.emplace_back("connector", name_);
     m.emplace_back("puts", uint64_t(puts_.load()));
     m.emplace_back("gets", uint64_t(gets_.load()));
-    m.emplace_back("bytes_transferred", uint64_t(bytes_.load()));
+    m.emplace_back("bytes_transferred", uint64_t(put_bytes_.load() + get_bytes_.load()));
     m.emplace_back("errors", uint64_t(errors_.load()));
     m.emplace_back("timeouts", uint64_t(timeouts_.load()));
     m.emplace_back("inline_puts", uint64_t(inline_puts_.load()));
@@ -237,14 +256,14 @@ class ShmConnector final : public Connector {
     uint32_t arena_idx, arena_gen;
   };
 
+  // Successful puts are counted in publish_locked, under mu_; failures here.
   template <class R>
   void count_result(const R& r) {
-    if (r.ok()) {
-      puts_.fetch_add(1, std::memory_order_relaxed);
-      bytes_.fetch_add(r->size, std::memory_order_relaxed);
-    } else {
-      errors_.fetch_add(1, std::memory_order_relaxed);
-    }
+    if (!r.ok()) errors_.fetch_add(1, std::memory_order_relaxed);
+  }
+  // A counter only written under mu_: a plain increment (readers of health() load it atomically).
+  static void bump_locked(std::atomic<uint64_t>& c, uint64_t by = 1) {
+    c.store(c.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
   }
 
   static Status validate_edge(const std::string& from, const std::string& to, const std::string& key) {
@@ -284,7 +303,7 @@ class ShmConnector final : public Connector {
     for (auto it = out_.begin(); it != out_.end();) {
       if (ttl_ns && now - it->created_ns > ttl_ns) {
         if (dir_->cancel(it->idx, it->gen))
-          SL_LOG_WARN("put '%s' unread after %.0f s (ttl_s): cancelled", it->rid.c_str(), opts_.ttl_s);
+          SL_LOG_WARN("put '%s' unread after %.0f s (ttl_s): cancelled", dir_->key_of(it->idx).c_str(), opts_.ttl_s);
       }
       if (!dir_->is_done(it->idx, it->gen)) {
         if (!all) break;
@@ -306,12 +325,12 @@ class ShmConnector final : public Connector {
 
   // A directory entry for ikey. Entries of ours that every reader released are only returned
   // lazily: when the probe window is full, return them all and try once more.
-  Result<Claim> reserve_locked(const std::string& ikey, uint16_t rid_len) {
+  Result<Claim> reserve_locked(std::string_view ikey, uint16_t rid_len, uint64_t now) {
     const uint64_t h = shm::key_hash(ikey);
-    auto cl = dir_->reserve(ikey, rid_len, h);
+    auto cl = dir_->reserve(ikey, rid_len, h, now);
     if (cl.ok() || cl.error().code != Errc::exhausted) return cl;
     reclaim_all_locked();
-    return dir_->reserve(ikey, rid_len, h);
+    return dir_->reserve(ikey, rid_len, h, now);
   }
 
   Result<Region> allocate_locked(std::unique_lock<std::mutex>& lock, size_t size, uint64_t now) {
@@ -356,7 +375,7 @@ class ShmConnector final : public Connector {
     }
   }
 
-  Result<PutResult> publish_locked(const std::string& ikey, uint16_t rid_len, Claim& cl, const Region& reg,
+  Result<PutResult> publish_locked(Claim& cl, const Region& reg,
                                    size_t total, uint32_t readers, std::span<const std::byte> inline_bytes,
                                    uint64_t now) {
     cl.arena = reg.arena_idx;
@@ -365,7 +384,7 @@ class ShmConnector final : public Connector {
     cl.length = total;
     dir_->publish(cl, uint8_t(readers));
     out_.push_back(Outstanding{cl.idx, cl.gen, reg.offset, reg.length, reg.dedicated, reg.arena_idx,
-                               reg.arena_gen, now, ikey.substr(0, rid_len)});
+                               reg.arena_gen, now});
     PutResult pr;
     pr.size = total;
     // Every put names its entry (reader accounting). Inline payloads carry their frame; the
@@ -378,7 +397,7 @@ class ShmConnector final : public Connector {
     md.emplace_back("gen", uint64_t(cl.gen));
     if (!inline_bytes.empty()) {
       md.emplace_back("inline", Value::copy_bytes(inline_bytes));
-      inline_puts_.fetch_add(1, std::memory_order_relaxed);
+      bump_locked(inline_puts_);
     } else {
       Value::Map shm;
       shm.reserve(3);
@@ -388,6 +407,8 @@ class ShmConnector final : public Connector {
       md.emplace_back("shm", Value(std::move(shm)));
     }
     pr.metadata = Value(std::move(md));
+    bump_locked(puts_);
+    bump_locked(put_bytes_, total);
     return pr;
   }
 
@@ -403,11 +424,11 @@ class ShmConnector final : public Connector {
       given_plan = &scratch;
     }
     const FramePlan& plan = *given_plan;
-    const std::string ikey = make_internal_key(key, from, to);
+    const InternalKey ikey(key, from, to);
     std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return make_error(Errc::closed, "put on a closed SharedMemoryConnector");
     const uint64_t now = mono_ns();
-    SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size())));
+    SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size()), now));
     auto reg = allocate_locked(lock, plan.total, now);
     if (!reg.ok() || closed_) {
       if (!closed_) dir_->abandon(cl);
@@ -416,7 +437,7 @@ class ShmConnector final : public Connector {
     write_frame(plan, payload.tensors, reg->base);
     std::span<const std::byte> inl;
     if (plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(reg->base, plan.total);
-    return publish_locked(ikey, uint16_t(key.size()), cl, reg.value(), plan.total, readers, inl, now);
+    return publish_locked(cl, reg.value(), plan.total, readers, inl, now);
   }
 
   Result<GetResult> get_impl(const std::string& from, const std::string& to, const std::string& key,
@@ -428,7 +449,7 @@ class ShmConnector final : public Connector {
       if (closed_) return make_error(Errc::closed, "get on a closed SharedMemoryConnector");
       dir = dir_;
     }
-    const std::string ikey = make_internal_key(key, from, to);
+    const InternalKey ikey(key, from, to);
     Result<Claim> cl = make_error(Errc::not_found, "");
     if (metadata && !metadata->is_nil()) {
       if (!metadata->is<Value::Map>()) return make_error(Errc::corrupt, "metadata is not a map");
@@ -465,7 +486,7 @@ class ShmConnector final : public Connector {
     }
     if (c.offset > seg.value()->size() || c.length > seg.value()->size() - c.offset) {
       dir->release(c);
-      return make_error(Errc::corrupt, "entry of '" + ikey + "' points outside its segment");
+      return make_error(Errc::corrupt, "entry of '" + ikey.str() + "' points outside its segment");
     }
     std::span<const std::byte> bytes(seg.value()->data() + c.offset, c.length);
     if (go.zero_copy) {
@@ -491,7 +512,8 @@ class ShmConnector final : public Connector {
   std::deque<Outstanding> out_;
   std::shared_ptr<LoanGate> gate_;
   uint64_t last_reap_ns_ = 0;
-  std::atomic<uint64_t> puts_{0}, gets_{0}, bytes_{0}, errors_{0}, timeouts_{0}, inline_puts_{0},
+  // puts_, put_bytes_, inline_puts_: written under mu_ only; the others by concurrent gets too.
+  std::atomic<uint64_t> puts_{0}, put_bytes_{0}, inline_puts_{0}, gets_{0}, get_bytes_{0}, errors_{0}, timeouts_{0},
       dedicated_puts_{0}, cleanups_{0};
 };
 
@@ -565,15 +587,16 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   const uint32_t readers = po.readers ? po.readers : opts_.readers;
   if (readers < 1 || readers > shm::kMaxFanout)
     return make_error(Errc::invalid_argument, "readers must be in [1, 8]");
-  const std::string ikey = make_internal_key(key, from, to);
+  const InternalKey ikey(key, from, to);
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return make_error(Errc::closed, "put_loan on a closed SharedMemoryConnector");
-  SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size())));
+  const uint64_t now = mono_ns();
+  SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size()), now));
   impl->published = true;
   Region reg{impl->base, impl->offset, impl->length, impl->dedicated, impl->arena_idx, impl->arena_gen};
   std::span<const std::byte> inl;
   if (impl->plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(impl->base, impl->plan.total);
-  auto r = publish_locked(ikey, uint16_t(key.size()), cl, reg, impl->plan.total, readers, inl, mono_ns());
+  auto r = publish_locked(cl, reg, impl->plan.total, readers, inl, now);
   lock.unlock();
   loan = Loan();
   count_result(r);

@@ -102,6 +102,14 @@ Result<FramePlan> plan_frame(const Payload& p) {
 }
 
 Status plan_frame_into(FramePlan& plan, const Payload& p) {
+  const bool single = p.tensors.size() == 1 && p.tree.is<TensorRef>() && p.tree.as<TensorRef>().index == 0;
+  if (single) {
+    const Tensor& t = p.tensors[0];
+    const FramePlan::Single& s = plan.single;
+    if (s.valid && s.dtype == t.dtype && s.nbytes == t.nbytes() && s.shape == t.shape && s.device == t.device)
+      return {};  // this layout was checked and planned last time
+  }
+  plan.single.valid = false;
   for (auto& t : p.tensors) {
     if (t.shape.empty()) continue;
     size_t n = dtype_size(t.dtype);
@@ -113,10 +121,20 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
       return make_error(Errc::invalid_argument, "tensor shape holds " + std::to_string(n) +
                                                     " bytes but data has " + std::to_string(t.nbytes()));
   }
-  return plan_impl(plan, p.tree, p.tensors.size(), [&](size_t i) {
+  SL_TRY(plan_impl(plan, p.tree, p.tensors.size(), [&](size_t i) {
     auto& t = p.tensors[i];
     return SpecView{t.dtype, t.shape, t.nbytes(), t.device};
-  });
+  }));
+  if (single) {
+    const Tensor& t = p.tensors[0];
+    FramePlan::Single& s = plan.single;
+    s.dtype = t.dtype;
+    s.shape.assign(t.shape.begin(), t.shape.end());
+    s.nbytes = t.nbytes();
+    s.device.assign(t.device);
+    s.valid = true;
+  }
+  return {};
 }
 
 void write_frame_head(const FramePlan& plan, std::byte* dst) {

@@ -219,7 +219,7 @@ void Directory::detach() {
   }
 }
 
-Result<Claim> Directory::reserve(std::string_view key, uint16_t rid_len, uint64_t hash) {
+Result<Claim> Directory::reserve(std::string_view key, uint16_t rid_len, uint64_t hash, uint64_t now) {
   if (key.size() > kKeyMax)  // would overrun the entry's key field into the next entry
     return make_error(Errc::invalid_argument, "key of " + std::to_string(key.size()) + " bytes; an entry holds " +
                                                   std::to_string(kKeyMax));
@@ -264,7 +264,7 @@ Result<Claim> Directory::reserve(std::string_view key, uint16_t rid_len, uint64_
     e.key_len = uint16_t(key.size());
     e.rid_len = rid_len;
     std::memcpy(e.key, key.data(), key.size());
-    e.created_ns = mono_ns();
+    e.created_ns = now;
     hashes_[free_at].store(hash, std::memory_order_release);
     Claim cl;
     cl.idx = uint32_t(free_at);
@@ -295,6 +295,11 @@ void Directory::abandon(const Claim& c) { free_entry(c.idx, c.gen); }
 bool Directory::is_done(uint32_t idx, uint32_t gen) {
   Ctl c = Ctl::unpack(entries_[idx].ctl.load(std::memory_order_acquire));
   return c.gen == gen && c.state == kDone;
+}
+
+std::string Directory::key_of(uint32_t idx) {
+  const Entry& e = entries_[idx];
+  return std::string(e.key, std::min<size_t>(e.key_len, kKeyMax));
 }
 
 void Directory::free_entry(uint32_t idx, uint32_t gen) {

@@ -137,10 +137,12 @@ class Directory {
   DirHeader& header() { return *hdr_; }
 
   // Producer side.
-  Result<Claim> reserve(std::string_view key, uint16_t rid_len, uint64_t hash);  // -> WRITING
+  // -> WRITING. `now`: mono_ns() of the caller, recorded as the entry's creation time.
+  Result<Claim> reserve(std::string_view key, uint16_t rid_len, uint64_t hash, uint64_t now);
   void publish(const Claim& c, uint8_t readers);                               // -> READY
   void abandon(const Claim& c);                                                // WRITING -> FREE
   bool is_done(uint32_t idx, uint32_t gen);
+  std::string key_of(uint32_t idx);  // the key entry idx holds (for messages)
   void free_entry(uint32_t idx, uint32_t gen);  // DONE/any of ours -> FREE
   bool cancel(uint32_t idx, uint32_t gen);      // READY -> CANCELLED (or DONE)
   Result<std::pair<uint32_t, uint32_t>> register_arena(const std::string& name, uint64_t size,

@@ -76,6 +76,55 @@ TEST(Frame, RoundTripAlignsRegions) {
   EXPECT_EQ(std::memcmp(d->tensors[1].data.data(), b.data(), b.size()), 0);
 }
 
+// One plan reused across payloads (as put's scratch plan is): a kept plan must be exactly the
+// fresh plan of the new payload, whatever changed between two puts.
+TEST(Frame, ReusedPlanMatchesAFreshPlanForEveryLayoutChange) {
+  std::vector<std::byte> data(4096);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = std::byte(i * 13);
+  auto single = [&](DType dt, std::vector<int64_t> shape, size_t nbytes, std::string device = "cpu") {
+    Payload p;
+    p.tree = Value(TensorRef{0});
+    Tensor t = Tensor::view_of(std::span<const std::byte>(data.data(), nbytes), dt, std::move(shape));
+    t.device = std::move(device);
+    p.tensors.push_back(std::move(t));
+    return p;
+  };
+  std::vector<Payload> seq;
+  seq.push_back(single(DType::f32, {16, 16}, 1024));
+  seq.push_back(single(DType::f32, {16, 16}, 1024));  // same layout: kept
+  seq.push_back(single(DType::f32, {256}, 1024));      // same bytes, other shape
+  seq.push_back(single(DType::i32, {256}, 1024));      // other dtype
+  seq.push_back(single(DType::i32, {256}, 1024, "cuda:0"));
+  seq.push_back(single(DType::i32, {512}, 2048));
+  seq.push_back(single(DType::u8, {}, 100));           // shape left to the size
+  seq.push_back(single(DType::u8, {}, 101));
+  std::vector<std::byte> two_a(800), two_b(3);
+  seq.push_back(sample_payload(two_a, two_b));  // two tensors: planned afresh
+  seq.push_back(single(DType::u8, {}, 101));
+  FramePlan kept;
+  for (size_t i = 0; i < seq.size(); ++i) {
+    ASSERT_TRUE(plan_frame_into(kept, seq[i]).ok()) << i;
+    auto fresh = plan_frame(seq[i]);
+    ASSERT_TRUE(fresh.ok()) << i;
+    EXPECT_EQ(kept.head, fresh->head) << i;
+    EXPECT_EQ(kept.offsets, fresh->offsets) << i;
+    EXPECT_EQ(kept.lengths, fresh->lengths) << i;
+    EXPECT_EQ(kept.total, fresh->total) << i;
+    std::vector<std::byte> frame(kept.total);
+    write_frame(kept, seq[i].tensors, frame.data());
+    auto d = decode_frame(frame);
+    ASSERT_TRUE(d.ok()) << i << ": " << d.error().message;
+    ASSERT_EQ(d->tensors.size(), seq[i].tensors.size());
+    EXPECT_EQ(d->tensors[0].dtype, seq[i].tensors[0].dtype) << i;
+    EXPECT_EQ(d->tensors[0].device, seq[i].tensors[0].device) << i;
+    EXPECT_EQ(d->tensors[0].nbytes(), seq[i].tensors[0].nbytes()) << i;
+  }
+  // A payload that fails to plan leaves nothing to keep.
+  Payload bad = single(DType::f32, {3}, 1024);
+  EXPECT_FALSE(plan_frame_into(kept, bad).ok());
+  EXPECT_FALSE(plan_frame_into(kept, bad).ok());
+}
+
 TEST(Frame, RejectsShapeMismatchOnEncode) {
   std::vector<std::byte> a(10);
   Payload p;
