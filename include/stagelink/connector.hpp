@@ -123,15 +123,27 @@ std::string make_internal_key(const std::string& key, const std::string& from_st
 // Keys and names that come from outside: 1..max_len chars, no '/', no "..", no NUL/control.
 Status validate_name(std::string_view what, std::string_view s, size_t max_len);
 // The check alone, without building an error (hot paths call validate_name only when it fails).
+namespace detail {
+// Per byte: 1 = never allowed in a name (control characters, DEL, '/'), 2 = '.'.
+inline constexpr auto kNameClass = [] {
+  struct Table {
+    unsigned char v[256] = {};
+  } t;
+  for (int c = 0; c < 0x20; ++c) t.v[c] = 1;
+  t.v[0x7f] = 1;
+  t.v[static_cast<unsigned char>('/')] = 1;
+  t.v[static_cast<unsigned char>('.')] = 2;
+  return t;
+}();
+}  // namespace detail
 inline bool name_is_valid(std::string_view s, size_t max_len) noexcept {
   if (s.empty() || s.size() > max_len) return false;
-  // One pass, no early exit: control characters, DEL, '/' and "..".
-  unsigned bad = 0;
-  char prev = 0;
+  // One pass, no early exit: a forbidden byte, or '.' right after '.'.
+  unsigned bad = 0, prev = 0;
   for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    bad |= unsigned(c < 0x20) | unsigned(c == 0x7f) | unsigned(c == '/') | unsigned(c == '.' && prev == '.');
-    prev = ch;
+    const unsigned k = detail::kNameClass.v[static_cast<unsigned char>(ch)];
+    bad |= (k & 1) | (k & prev);
+    prev = k & 2;
   }
   return bad == 0;
 }

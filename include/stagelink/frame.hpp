@@ -75,5 +75,9 @@ Result<Payload> decode_frame(std::span<const std::byte> buf,
                              std::shared_ptr<const void> keepalive = nullptr);
 // Decode and copy every region out of `buf` (the result owns its bytes).
 Result<Payload> decode_frame_copy(std::span<const std::byte> buf);
+// As decode_frame / decode_frame_copy, into `out` (replaced; on error its contents are
+// unspecified): no Payload moves on hot paths.
+Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const void> keepalive, Payload& out);
+Status decode_frame_copy_into(std::span<const std::byte> buf, Payload& out);
 
 }  // namespace stagelink

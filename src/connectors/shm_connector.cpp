@@ -461,12 +461,18 @@ class ShmConnector final : public Connector {
       cl = dir->claim(uint32_t(idx), uint32_t(gen), ikey);
       if (const Value* inl = metadata->find("inline"); inl && inl->is<Value::Bytes>()) {
         // Small payload: the bytes are in the metadata; only the reader accounting touches shm.
+        // An entry already gone (producer closed or died) does not stop it; metadata of another
+        // key does.
+        if (!cl.ok() && cl.error().code == Errc::corrupt) return std::move(cl).error();
         auto& b = inl->as<Value::Bytes>();
         const std::span<const std::byte> frame(b.data(), b.size());
-        auto p = go.zero_copy && go.view_metadata ? decode_frame(frame) : decode_frame_copy(frame);
+        GetResult g;
+        g.size = b.size();
+        Status st = go.zero_copy && go.view_metadata ? decode_frame_into(frame, nullptr, g.payload)
+                                                     : decode_frame_copy_into(frame, g.payload);
         if (cl.ok()) dir->release(cl.value());
-        if (!p.ok()) return std::move(p).error();
-        return GetResult{std::move(p).value(), b.size()};
+        if (!st.ok()) return std::move(st).error();
+        return g;
       }
       if (!cl.ok()) return std::move(cl).error();
     } else {
@@ -489,15 +495,16 @@ class ShmConnector final : public Connector {
       return make_error(Errc::corrupt, "entry of '" + ikey.str() + "' points outside its segment");
     }
     std::span<const std::byte> bytes(seg.value()->data() + c.offset, c.length);
+    GetResult g;
+    g.size = c.length;
     if (go.zero_copy) {
-      auto lease = std::make_shared<Lease>(dir, seg.value(), c);
-      SL_ASSIGN(Payload p, decode_frame(bytes, lease));
-      return GetResult{std::move(p), c.length};
+      SL_TRY(decode_frame_into(bytes, std::make_shared<Lease>(dir, seg.value(), c), g.payload));
+      return g;
     }
-    auto p = decode_frame_copy(bytes);
+    Status st = decode_frame_copy_into(bytes, g.payload);
     dir->release(c);
-    if (!p.ok()) return std::move(p).error();
-    return GetResult{std::move(p).value(), c.length};
+    if (!st.ok()) return std::move(st).error();
+    return g;
   }
 
   friend struct Loan::Impl;

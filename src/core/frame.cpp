@@ -178,6 +178,34 @@ Status check_refs(const Value& v, size_t n, int depth) {
 }  // namespace
 
 Result<Payload> decode_frame(std::span<const std::byte> buf, std::shared_ptr<const void> keepalive) {
+  Payload p;
+  SL_TRY(decode_frame_into(buf, std::move(keepalive), p));
+  return p;
+}
+
+Result<Payload> decode_frame_copy(std::span<const std::byte> buf) {
+  Payload p;
+  SL_TRY(decode_frame_copy_into(buf, p));
+  return p;
+}
+
+Status decode_frame_copy_into(std::span<const std::byte> buf, Payload& p) {
+  SL_TRY(decode_frame_into(buf, nullptr, p));
+  for (auto& t : p.tensors) {
+    // Not zero-filled (the copy overwrites it); large ones reuse already-faulted pages.
+    std::shared_ptr<std::byte> store = host_pool::allocate(t.data.size());
+    if (!store)
+      return make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(t.data.size()) + " bytes");
+    if (!t.data.empty()) std::memcpy(store.get(), t.data.data(), t.data.size());
+    t.data = std::span<const std::byte>(store.get(), t.data.size());
+    t.keepalive = std::move(store);
+  }
+  return {};
+}
+
+Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const void> keepalive, Payload& p) {
+  p.tree = Value();
+  p.tensors.clear();
   if (buf.size() < kFrameHeaderBytes)
     return make_error(Errc::corrupt, "frame of " + std::to_string(buf.size()) +
                                          " bytes is shorter than its 64-byte header");
@@ -199,7 +227,6 @@ Result<Payload> decode_frame(std::span<const std::byte> buf, std::shared_ptr<con
   auto bad_header = [&]() { return make_error(Errc::corrupt, "frame header: " + rd.error); };
   uint32_t nkeys;
   if (!rd.read_map(nkeys)) return bad_header();
-  Payload p;
   bool have_tree = false, have_table = false;
   const size_t data_start = kFrameHeaderBytes + fh.header_len;
   for (uint32_t k = 0; k < nkeys; ++k) {
@@ -261,21 +288,7 @@ Result<Payload> decode_frame(std::span<const std::byte> buf, std::shared_ptr<con
     return make_error(Errc::corrupt, "frame header: " + std::to_string(rd.left()) + " trailing bytes");
   if (!have_tree || !have_table) return make_error(Errc::corrupt, "frame header lacks tree or tensor table");
   SL_TRY(check_refs(p.tree, p.tensors.size(), 0));
-  return p;
-}
-
-Result<Payload> decode_frame_copy(std::span<const std::byte> buf) {
-  SL_ASSIGN(Payload p, decode_frame(buf, nullptr));
-  for (auto& t : p.tensors) {
-    // Not zero-filled (the copy overwrites it); large ones reuse already-faulted pages.
-    std::shared_ptr<std::byte> store = host_pool::allocate(t.data.size());
-    if (!store)
-      return make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(t.data.size()) + " bytes");
-    if (!t.data.empty()) std::memcpy(store.get(), t.data.data(), t.data.size());
-    t.data = std::span<const std::byte>(store.get(), t.data.size());
-    t.keepalive = std::move(store);
-  }
-  return p;
+  return {};
 }
 
 }  // namespace stagelink

@@ -290,6 +290,26 @@ TEST(Names, ValidatesOutsideInput) {
   EXPECT_FALSE(validate_name("key", std::string(161, 'x'), 160).ok());
   EXPECT_FALSE(validate_name("key", std::string("a\0b", 3), 160).ok());
   EXPECT_EQ(make_internal_key("k", "0", "1"), "k@0_1");
+  // The table-driven check against the rule written out, on every 1-, 2- and 3-byte pattern of
+  // interesting bytes.
+  auto reference = [](const std::string& n) {
+    if (n.find("..") != std::string::npos) return false;
+    for (unsigned char c : n)
+      if (c < 0x20 || c == 0x7f || c == '/') return false;
+    return true;
+  };
+  std::string bytes;
+  for (int c = 0; c < 256; ++c) bytes += char(c);
+  for (char a : bytes) {
+    for (char b : bytes) {
+      const std::string two{a, b};
+      ASSERT_EQ(name_is_valid(two, 160), reference(two)) << int((unsigned char)a) << "," << int((unsigned char)b);
+    }
+    for (const char* mid : {".", "x", "/"}) {
+      const std::string three = std::string(1, a) + mid + ".";
+      ASSERT_EQ(name_is_valid(three, 160), reference(three)) << three;
+    }
+  }
 }
 
 TEST(Factory, UnknownAndNotYetBuiltConnectors) {

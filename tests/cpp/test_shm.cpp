@@ -327,6 +327,16 @@ TEST(Shm, BadMetadataIsCorruptNotACrash) {
   bad.emplace_back("inline", Value(Value::Bytes(10, std::byte{1})));
   const Value bad_inline(bad);
   EXPECT_EQ(c->get("0", "1", "other", &bad_inline).error().code, Errc::corrupt);
+  // Regression: inline metadata of one key used to get another returned the first key's payload.
+  std::vector<std::byte> small(100, std::byte{5});
+  auto s1 = c->put("0", "1", "small1", payload_of(small, 0));
+  ASSERT_TRUE(s1.ok() && s1->metadata.find("inline"));
+  ASSERT_TRUE(c->put("0", "1", "small2", payload_of(small, 0)).ok());
+  auto wrong = c->get("0", "1", "small2", &s1->metadata);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_EQ(wrong.error().code, Errc::corrupt);
+  ASSERT_TRUE(c->get("0", "1", "small1", &s1->metadata).ok());
+  ASSERT_TRUE(c->get("0", "1", "small2", nullptr).ok());
   // Regression: the failed decode kept its reader slot, so "other" was never freed.
   uint64_t outstanding = 0;
   ASSERT_TRUE(c->health().find("outstanding")->get_u64(outstanding));
