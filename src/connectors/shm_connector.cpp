@@ -450,16 +450,20 @@ class ShmConnector final : public Connector {
       dir = dir_;
     }
     const InternalKey ikey(key, from, to);
-    Result<Claim> cl = make_error(Errc::not_found, "");
+    Result<Claim> cl = Claim{};  // set below on every path
     if (metadata && !metadata->is_nil()) {
       if (!metadata->is<Value::Map>()) return make_error(Errc::corrupt, "metadata is not a map");
-      const Value* entry = metadata->find("entry");
-      const Value* genv = metadata->find("gen");
+      const Value *entry = nullptr, *genv = nullptr, *inl = nullptr;
+      for (const auto& [k, v] : metadata->as<Value::Map>()) {  // one pass over the few fields
+        if (k == "entry") entry = &v;
+        else if (k == "gen") genv = &v;
+        else if (k == "inline") inl = &v;
+      }
       uint64_t idx = 0, gen = 0;
       if (!entry || !genv || !entry->get_u64(idx) || !genv->get_u64(gen) || idx > UINT32_MAX || gen > UINT32_MAX)
         return make_error(Errc::corrupt, "metadata lacks entry/gen (not from a stagelink SharedMemoryConnector?)");
       cl = dir->claim(uint32_t(idx), uint32_t(gen), ikey);
-      if (const Value* inl = metadata->find("inline"); inl && inl->is<Value::Bytes>()) {
+      if (inl && inl->is<Value::Bytes>()) {
         // Small payload: the bytes are in the metadata; only the reader accounting touches shm.
         // An entry already gone (producer closed or died) does not stop it; metadata of another
         // key does.
