@@ -153,7 +153,7 @@ std::string stage_str(nb::handle h) {
   throw nb::type_error("stage ids must be int or str");
 }
 
-// get_parts/dequeue_parts return (KIND_OBJECT, object): a frame without a Python pickle (a numpy
+// Connector.get and dequeue_parts hand back (KIND_OBJECT, object): a frame without a Python pickle (a numpy
 // array put from Python, or anything a C++ producer put), already turned into Python objects.
 constexpr int64_t KIND_OBJECT = -1;
 
