@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
