@@ -30,7 +30,7 @@ class Loan:
         return not self._loan.valid
 
 
-class Connector(_core._Connector, NativeOwner):
+class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, close on collection
     """put/get/cleanup/health/close by key, as vLLM-Omni's OmniConnectorBase.
 
     ``put`` returns ``(success, size, metadata)``; ``get`` returns ``(data, size)`` or ``None``.
@@ -124,10 +124,6 @@ class Connector(_core._Connector, NativeOwner):
 
     def health(self) -> dict:
         return self._health()
-
-    @property
-    def _native(self):
-        return self
 
 
 def create_connector(name: str, extra: Optional[dict] = None, **injected) -> Connector:

@@ -2,19 +2,15 @@
 #include <map>
 #include <mutex>
 
+#include "connectors/internal_key.hpp"
 #include "connectors/shm_connector.hpp"
 #include "stagelink/connector.hpp"
 
 namespace stagelink {
 
 std::string make_internal_key(const std::string& key, const std::string& from, const std::string& to) {
-  std::string k;
-  k.reserve(key.size() + from.size() + to.size() + 2);
-  k += key;
-  k += '@';
-  k += from;
-  k += '_';
-  k += to;
+  std::string k(internal_key_size(key, from, to), '\0');
+  write_internal_key(k.data(), key, from, to);
   return k;
 }
 

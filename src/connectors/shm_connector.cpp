@@ -7,6 +7,7 @@
 #include <deque>
 #include <mutex>
 
+#include "connectors/internal_key.hpp"
 #include "core/log.hpp"
 #include "stagelink/allocator.hpp"
 #include "core/proc.hpp"
@@ -65,20 +66,13 @@ struct Outstanding {
   uint64_t created_ns;
 };
 
-// "key@from_to", vLLM-Omni's internal key (make_internal_key), on the stack: validate_edge
-// bounds it by an entry's key field, and a key past 15 bytes costs no heap allocation.
+// The internal key on the stack: validate_edge bounds it by an entry's key field, and a key past
+// 15 bytes costs no heap allocation (make_internal_key's string would).
 class InternalKey {
  public:
-  InternalKey(const std::string& key, const std::string& from, const std::string& to) {
-    char* p = buf_;
-    std::memcpy(p, key.data(), key.size());
-    p += key.size();
-    *p++ = '@';
-    std::memcpy(p, from.data(), from.size());
-    p += from.size();
-    *p++ = '_';
-    std::memcpy(p, to.data(), to.size());
-    len_ = size_t(p + to.size() - buf_);
+  InternalKey(const std::string& key, const std::string& from, const std::string& to)
+      : len_(internal_key_size(key, from, to)) {
+    write_internal_key(buf_, key, from, to);
   }
   operator std::string_view() const { return {buf_, len_}; }
   std::string str() const { return std::string(buf_, len_); }
@@ -146,7 +140,7 @@ class ShmConnector final : public Connector {
   Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key,
                         const Payload& payload, const PutOptions& po) override {
     auto r = put_impl(from, to, key, payload, nullptr, po);
-    count_result(r);
+    count_error(r);
     return r;
   }
 
@@ -256,9 +250,9 @@ class ShmConnector final : public Connector {
     uint32_t arena_idx, arena_gen;
   };
 
-  // Successful puts are counted in publish_locked, under mu_; failures here.
+  // Successful puts are counted in publish_locked, under mu_; failed ones here.
   template <class R>
-  void count_result(const R& r) {
+  void count_error(const R& r) {
     if (!r.ok()) errors_.fetch_add(1, std::memory_order_relaxed);
   }
   // A counter only written under mu_: a plain increment (readers of health() load it atomically).
@@ -267,7 +261,7 @@ class ShmConnector final : public Connector {
   }
 
   static Status validate_edge(const std::string& from, const std::string& to, const std::string& key) {
-    const size_t ikey_len = key.size() + from.size() + to.size() + 2;  // "key@from_to"
+    const size_t ikey_len = internal_key_size(key, from, to);
     if (name_is_valid(from, 64) && name_is_valid(to, 64) && name_is_valid(key, 160) && ikey_len <= shm::kKeyMax)
         [[likely]]
       return {};
@@ -610,7 +604,7 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   auto r = publish_locked(cl, reg, impl->plan.total, readers, inl, now);
   lock.unlock();
   loan = Loan();
-  count_result(r);
+  count_error(r);
   return r;
 }
 

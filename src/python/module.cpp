@@ -387,6 +387,16 @@ PutResult put_payload(PyConnector& self, nb::handle from, nb::handle to, const s
   return unwrap(std::move(r));
 }
 
+// Failures the vLLM-Omni contract reports (through the subclass's `_fail`: logged and kept in
+// `last_error`, raised in strict mode) instead of raising: stagelink's errors and bad arguments.
+// Anything else propagates.
+void report_or_rethrow(nb::handle self, const char* op, nb::python_error& e) {
+  if (!e.matches(g_base_exc) && !e.matches(PyExc_TypeError) && !e.matches(PyExc_ValueError) &&
+      !e.matches(PyExc_BufferError))
+    throw;
+  self.attr("_fail")(op, e.value());
+}
+
 // Python's `Connector.put`: a plain numpy array goes straight through C++ (no Python frame, no
 // pickle); anything else (a Loan, an object to pickle) through the subclass's `_put_slow`.
 // Failures follow the contract: logged by `_fail` and returned as (False, 0, None), or raised in
@@ -413,10 +423,7 @@ nb::object connector_put(nb::handle self_h, nb::handle from, nb::handle to, nb::
         put_payload(*nb::inst_ptr<PyConnector>(self_h), from, to, utf8(key.ptr()), p, p.tensors[0].nbytes(), rd);
     return nb::make_tuple(true, pr.size, to_py(pr.metadata));
   } catch (nb::python_error& e) {
-    if (!e.matches(g_base_exc) && !e.matches(PyExc_TypeError) && !e.matches(PyExc_ValueError) &&
-        !e.matches(PyExc_BufferError))
-      throw;
-    self_h.attr("_fail")("put", e.value());  // raises in strict mode
+    report_or_rethrow(self_h, "put", e);
     return nb::make_tuple(false, 0, nb::none());
   }
 }
@@ -507,8 +514,7 @@ nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::
     nb::object tmo = timeout.is_none() ? self_h.attr(kDefaultTimeout) : nb::borrow(timeout);
     f = get_found(*nb::inst_ptr<PyConnector>(self_h), from, to, utf8(key.ptr()), metadata, tmo, zero_copy);
   } catch (nb::python_error& e) {
-    if (!e.matches(g_base_exc) && !e.matches(PyExc_TypeError) && !e.matches(PyExc_ValueError)) throw;
-    self_h.attr("_fail")("get", e.value());  // raises in strict mode
+    report_or_rethrow(self_h, "get", e);
     return nb::none();
   }
   if (!f) return nb::none();

@@ -45,6 +45,22 @@ TEST(Allocator, DoubleFreeIgnoredPartialOverlapIsCorruption) {
   EXPECT_EQ(a.allocate(1 << 20).error().code, Errc::exhausted);
 }
 
+// Corrupts copies of `base` `rounds` times (1..max_flips random bytes within its first `span`
+// bytes each) and returns how many copies `rejects` refused. Seeded: the same bytes every run.
+template <class Rejects>
+static int rejected_of_random_flips(const std::vector<std::byte>& base, size_t span, int max_flips, uint32_t seed,
+                                    Rejects rejects, int rounds = 20000) {
+  std::mt19937 rng(seed);
+  int rejected = 0;
+  for (int it = 0; it < rounds; ++it) {
+    auto c = base;
+    const int flips = 1 + int(rng() % uint32_t(max_flips));
+    for (int k = 0; k < flips; ++k) c[rng() % std::min(c.size(), span)] = std::byte(rng());
+    if (rejects(c)) ++rejected;
+  }
+  return rejected;
+}
+
 static Payload sample_payload(std::vector<std::byte>& a, std::vector<std::byte>& b) {
   Payload p;
   Value::Map m;
@@ -159,15 +175,7 @@ TEST(Frame, TruncatedAndCorruptFramesAreRejected) {
     EXPECT_FALSE(d.ok()) << "truncated to " << n;
     if (!d.ok()) EXPECT_EQ(d.error().code, Errc::corrupt);
   }
-  std::mt19937 rng(42);
-  int rejected = 0;
-  for (int it = 0; it < 20000; ++it) {
-    auto g = f;
-    int flips = 1 + rng() % 4;
-    for (int k = 0; k < flips; ++k) g[rng() % std::min<size_t>(g.size(), 400)] = std::byte(rng());
-    if (!expect_corrupt_or_in_bounds(g)) ++rejected;
-  }
-  EXPECT_GT(rejected, 0);
+  EXPECT_GT(rejected_of_random_flips(f, 400, 4, 42, [](auto& g) { return !expect_corrupt_or_in_bounds(g); }), 0);
 }
 
 TEST(Frame, HeaderLengthPastEndIsCorrupt) {
@@ -252,16 +260,9 @@ TEST(Msgpack, EveryTruncationAndRandomCorruptionIsAnErrorNotACrash) {
     EXPECT_EQ(d.error().code, Errc::corrupt);
   }
   // Random byte flips: any outcome but a crash or a read out of bounds (ASan/valgrind-clean).
-  std::mt19937 rng(7);
   std::vector<std::byte> small = value_to_msgpack(Value(Value::List{Value("ab"), Value(TensorRef{1}),
                                                                      Value(Value::Map{{"x", Value(1.0)}})}));
-  int errors = 0;
-  for (int i = 0; i < 20000; ++i) {
-    auto c = small;
-    for (int f = 0; f < 3; ++f) c[rng() % c.size()] = std::byte(rng());
-    if (!value_from_msgpack(c).ok()) ++errors;
-  }
-  EXPECT_GT(errors, 0);
+  EXPECT_GT(rejected_of_random_flips(small, small.size(), 3, 7, [](auto& c) { return !value_from_msgpack(c).ok(); }), 0);
 }
 
 TEST(Frame, CorruptTensorTablesAreRejectedByTheInPlaceReader) {
