@@ -24,6 +24,9 @@ inline constexpr Deadline kNoWait = Deadline::min();
 
 struct PutOptions {
   uint32_t readers = 0;  // fan-out: how many gets may read this put; 0 = connector default (1)
+  // The request this put belongs to: cleanup(request_id) frees it (chunk keys of one request are
+  // tied to it this way). Empty: the put belongs to the request named by its key alone.
+  std::string_view request_id;
 };
 
 struct PutResult {
@@ -83,7 +86,12 @@ class Connector {
 
   // Fetch key@from_to. With metadata from put(), locate it directly; without, find it by key,
   // waiting until `deadline` (kNoWait: one attempt). Blocks in the kernel, never polls.
-  // Errors: not_found (absent, after one attempt), timeout, corrupt (bad metadata/frame), closed.
+  // Metadata this connector cannot use (another connector's, empty, not a map) is ignored: the key
+  // is looked up as without it; metadata wrapped as {key: metadata} is unwrapped. Metadata that
+  // is this connector's but inconsistent (another key, a generation never issued, out of bounds)
+  // is `corrupt`, never another payload.
+  // Errors: not_found (absent, after one attempt), timeout, cancelled (abandon_get, close),
+  // corrupt (bad metadata/frame), closed.
   virtual Result<GetResult> get(const std::string& from_stage, const std::string& to_stage,
                                 const std::string& key, const Value* metadata,
                                 Deadline deadline = kNoWait, const GetOptions& opts = {}) = 0;
@@ -100,9 +108,16 @@ class Connector {
     return make_error(Errc::unsupported, name() + " does not lend buffers");
   }
 
-  // Free everything of this request (keys equal to request_id or starting with it followed by
-  // a non-alphanumeric character). Returns how many entries were released.
+  // Free every unread put of this request: the put whose key equals request_id and the puts tied
+  // to it with PutOptions::request_id. Nothing else ("X" never frees "X_1" unless tied to "X").
+  // Returns how many entries were released.
   virtual size_t cleanup(const std::string& request_id) = 0;
+  // Wake every get of `key` (any stages) blocked in this connector; they return `cancelled`.
+  // Returns how many were woken.
+  virtual size_t abandon_get(const std::string& key) { (void)key; return 0; }
+  // Return the memory of puts every reader has released (also done lazily by put). Returns how
+  // many puts were reclaimed.
+  virtual size_t reap_consumed() { return 0; }
   // Counters (puts, gets, bytes_transferred, errors, timeouts, ...) and transport state.
   virtual Value health() = 0;
   // Release everything this connector owns. Idempotent; also run by the destructor.

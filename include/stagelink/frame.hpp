@@ -1,6 +1,8 @@
 // The frame: the one wire format of a payload.
 //
-//   [FrameHeader: 64 bytes][msgpack header: {"t": tree, "x": tensor table}][pad][region 0][pad][region 1]...
+//   [FrameHeader: 64 bytes][msgpack header: {"t": tree, "x": tensor table[, "p": ext]}][pad][region 0]...
+//
+// "p" (optional) is Payload::ext: binding annotations that readers without a use for them skip.
 //
 // Every tensor region starts at an offset aligned to kFrameAlign from the frame start. The tensor
 // table lists, per tensor, [dtype, shape, offset, length, device]. Decoding checks every length and
@@ -56,6 +58,7 @@ struct FramePlan {
     std::vector<int64_t> shape;
     size_t nbytes = 0;
     std::string device;
+    Value ext;
   } single;
 };
 

@@ -90,6 +90,10 @@ class Value {
 struct Payload {
   Value tree;
   std::vector<Tensor> tensors;
+  // What a language binding needs to rebuild its own types, beside the tree (nil: nothing). The
+  // Python binding records tuples, torch tensors, bytes and pickled objects here; other readers
+  // ignore it and see the plain tree and tensors. Travels as the frame header's "p" entry.
+  Value ext;
   // Total bytes of the tensor regions.
   size_t tensor_bytes() const;
 };

@@ -1,12 +1,10 @@
-"""Python objects <-> frame regions.
+"""Python objects that have no native frame <-> pickle-5 regions.
 
-Kinds of payload (region 0 is always the small part, the rest travel out of band):
-  RAW     bytes-like data, one region, no pickling.
-  PICKLE  anything else: region 0 the pickle-5 stream, then one region per out-of-band buffer
-          (numpy arrays, torch tensors, bytearrays, objects with __dlpack__), written once,
-          straight into shared memory.
-A plain C-contiguous numpy array never comes here: the native layer puts it as one typed tensor
-(what a C++ producer sends too) and hands back a finished array (KIND_OBJECT).
+numpy arrays, torch tensors, bytes-likes and trees of dicts (str keys), lists, tuples, str, int,
+float, bool and None never come here: the native layer writes them as frames a C++ stage reads
+too, and rebuilds them on get (KIND_OBJECT). Anything else is pickled (protocol 5): region 0 is
+the stream, then one region per out-of-band buffer (numpy arrays, torch tensors, bytearrays,
+objects with __dlpack__ inside the object), written once, straight into shared memory.
 """
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ import warnings
 import numpy as np
 
 KIND_PICKLE = 0
-KIND_RAW = 1
-KIND_OBJECT = -1  # built by the native layer: a numpy array, or the tree of a C++ producer
+KIND_OBJECT = -1  # built by the native layer
 
 _NP_TO_NAME = {
     np.dtype(np.uint8): "uint8", np.dtype(np.int8): "int8", np.dtype(np.uint16): "uint16",
@@ -30,25 +27,35 @@ _NP_TO_NAME = {
 }
 
 
-def _rebuild_torch(buf, dtype_name: str, shape):
+def _rebuild_torch(buf, dtype_name: str, shape, requires_grad=False, parameter=False):
     import torch
 
     dtype = getattr(torch, dtype_name)
-    if len(buf) == 0 if hasattr(buf, "__len__") else memoryview(buf).nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only zero-copy views: torch warns, we document it
-        t = torch.from_numpy(arr)
-    return t.view(dtype).reshape(shape)
+    if memoryview(buf).nbytes == 0:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only zero-copy views: torch warns, we document it
+            t = torch.from_numpy(arr)
+        t = t.view(dtype).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 def _torch_reduce(t):
+    import torch
+
+    param = isinstance(t, torch.nn.Parameter)
+    rg = bool(t.requires_grad)
+    t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.detach().contiguous()
-    flat = t.reshape(-1).view(__import__("torch").uint8)
-    return _rebuild_torch, (pickle.PickleBuffer(flat.numpy()), str(t.dtype).replace("torch.", ""), tuple(t.shape))
+    t = t.resolve_conj().resolve_neg().contiguous()
+    flat = t.reshape(-1).view(torch.uint8)
+    return _rebuild_torch, (pickle.PickleBuffer(flat.numpy()), str(t.dtype).replace("torch.", ""), tuple(t.shape),
+                            rg, param)
 
 
 class _Pickler(pickle.Pickler):
@@ -67,9 +74,7 @@ class _Pickler(pickle.Pickler):
 
 
 def encode(data):
-    """Returns (kind, regions)."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return KIND_RAW, [data]
+    """Returns (KIND_PICKLE, regions): the pickle-5 stream, then its out-of-band buffers."""
     bufs: list = []
     if "torch" in sys.modules or _has_dlpack(data):
         f = io.BytesIO()
@@ -93,9 +98,6 @@ def _has_dlpack(obj) -> bool:
 def decode(kind: int, regions, zero_copy: bool):
     if kind == KIND_OBJECT:
         return regions
-    if kind == KIND_RAW:
-        r = regions[0]
-        return memoryview(r) if zero_copy else r
     if kind == KIND_PICKLE:
         return pickle.loads(regions[0], buffers=regions[1:])
     raise ValueError(f"unknown payload kind {kind}")

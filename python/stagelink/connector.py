@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from typing import Optional
 
 import numpy as np
@@ -37,10 +38,21 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
     Failures are logged and kept in ``last_error``; with ``extra={"strict": True}`` they raise
     :class:`stagelink.StagelinkError` subclasses instead.
 
-    ``put`` and ``get`` are implemented in the native base class: a numpy array or a C++
-    producer's frame never enters a Python frame here. The methods below finish what they hand
-    back: pickling, loans, unpickling and failures.
+    ``put`` and ``get`` are implemented in the native base class: numpy arrays, torch tensors,
+    bytes-likes, trees of them and C++ producers' frames never enter a Python frame here. The
+    methods below finish what they hand back: pickling, loans, unpickling and failures.
+
+    ``extra["allow_pickle"]`` (default true for the shared-memory connector, which only the same
+    user can reach; false for connectors that cross hosts): with it off, a payload that would need
+    pickle is refused at ``put`` and a received frame holding a pickle is refused at ``get``
+    (``CorruptError``) instead of being unpickled.
     """
+
+    #: vLLM-Omni: connectors that move raw registered buffers (RDMA) set this; shared memory does not.
+    supports_raw_data: bool = False
+    #: Connector names whose data may come from another host: pickle is off unless asked for.
+    _NETWORK = frozenset({"MooncakeStoreConnector", "MooncakeTransferEngineConnector", "StoreConnector",
+                          "TransferEngineConnector", "YuanrongConnector"})
 
     def __init__(self, name: str, extra: Optional[dict] = None):
         extra = dict(extra or {})
@@ -49,8 +61,9 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         self.strict = bool(extra.pop("strict", False))
         self.default_get_timeout = extra.get("get_timeout_s")
         self.last_error: Optional[BaseException] = None
+        allow_pickle = bool(extra.get("allow_pickle", name not in self._NETWORK))
         native_extra = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}
-        super().__init__(name, native_extra)
+        super().__init__(name, native_extra, allow_pickle)
         self._ready = True
 
     def __del__(self):
@@ -66,14 +79,20 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         self.last_error = e.with_traceback(None)
         log.warning("%s %s failed: %s", self.name, op, e)
 
-    def _put_slow(self, from_stage, to_stage, put_key, data, readers):
-        """put of anything but a plain numpy array: a Loan, or an object to pickle."""
+    def _put_slow(self, from_stage, to_stage, put_key, data, readers, request_id=None, why=""):
+        """put of what has no native frame: a Loan, or an object to pickle (``why`` names the part
+        that needs pickle)."""
         try:
             if isinstance(data, Loan):
-                size, meta = self._put_loan(from_stage, to_stage, put_key, data._loan, readers or 0)
+                size, meta = self._put_loan(from_stage, to_stage, put_key, data._loan, readers or 0, request_id)
+            elif not self.allow_pickle:
+                raise _core.InvalidArgumentError(
+                    f"put of '{put_key}': a {why or type(data).__name__} has no native frame and allow_pickle "
+                    "is off; send numpy arrays, torch tensors, bytes and dicts/lists of them, or set "
+                    "extra.allow_pickle: true")
             else:
                 kind, regions = _serde.encode(data)
-                size, meta = self._put_parts(from_stage, to_stage, put_key, kind, regions, readers or 0)
+                size, meta = self._put_parts(from_stage, to_stage, put_key, kind, regions, readers or 0, request_id)
             return True, size, meta
         except (_core.StagelinkError, pickle.PicklingError, AttributeError, TypeError, ValueError, BufferError) as e:
             self._fail("put", e)
@@ -88,6 +107,37 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
             return None
 
     # -- the rest of the contract
+    def get_with_deadline(self, from_stage, to_stage, get_key: str, metadata: Optional[dict] = None,
+                          deadline: Optional[float] = None):
+        """``get`` bounded by ``deadline``, an absolute ``time.monotonic()`` value (vLLM-Omni's
+        contract; also accepted as a keyword). Returns ``(data, size)``, or ``None`` when the key
+        is absent, failed, or the deadline passes first; an expired deadline returns ``None``
+        without reading anything."""
+        if deadline is None:
+            raise TypeError("get_with_deadline() needs deadline= (an absolute time.monotonic() value)")
+        remaining = float(deadline) - time.monotonic()
+        if remaining <= 0:
+            return None
+        return self.get(from_stage, to_stage, get_key, metadata, timeout=remaining)
+
+    def abandon_get(self, get_key: str) -> int:
+        """Give up waiting for ``get_key``: every ``get`` of it blocked in this connector (another
+        thread's) returns ``None`` at once. Returns how many were woken (0: none was waiting)."""
+        try:
+            return self._abandon_get(str(get_key))
+        except _core.StagelinkError as e:
+            self._fail("abandon_get", e)
+            return 0
+
+    def reap_consumed(self) -> int:
+        """Return the shared memory of puts that every reader has read (put also does this
+        lazily). Returns how many puts were reclaimed."""
+        try:
+            return self._reap_consumed()
+        except _core.StagelinkError as e:
+            self._fail("reap_consumed", e)
+            return 0
+
     def get_into(self, from_stage, to_stage, get_key: str, out, metadata: Optional[dict] = None,
                  timeout: Optional[float] = None) -> Optional[int]:
         """Copy the array (or bytes) put under ``get_key`` into ``out`` and free the slot.
@@ -115,7 +165,9 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         return Loan(self._loan_array(name, list(shape)), shape, dtype)
 
     def cleanup(self, request_id: str) -> int:
-        """Release every put of ``request_id`` (keys equal to it or starting with it + a separator)."""
+        """Release every unread put of ``request_id``: the put whose key is ``request_id`` and the
+        puts tied to it with ``put(..., request_id=request_id)``. Nothing else: ``cleanup("X")``
+        never frees ``"X_1"`` unless it was tied to ``"X"``. Returns how many were released."""
         try:
             return self._cleanup(str(request_id))
         except _core.StagelinkError as e:
@@ -128,7 +180,8 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
 
 def create_connector(name: str, extra: Optional[dict] = None, **injected) -> Connector:
     """Create a connector by class name (``SharedMemoryConnector``, ...). ``injected`` fields
-    (``role``, ``stage_id``, ...) are merged into ``extra`` as vLLM-Omni's orchestrator does."""
+    (``role``, ``stage_id``, ...) are merged into ``extra`` as vLLM-Omni's orchestrator does.
+    An unknown name raises :class:`stagelink.NotFoundError`, which is also a ``ValueError``."""
     merged = dict(extra or {})
     merged.update(injected)
     return Connector(name, merged)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Sequence
 
-import numpy as np
 
 from . import _core, _serde
 from ._lifetime import NativeOwner
@@ -90,8 +89,8 @@ class MessageQueue(NativeOwner):
         """Send ``obj`` (any picklable object; arrays and buffers travel out of band) to every
         reader. Blocks while the ring is full; ``timeout`` None waits forever (warning every
         ``warn_interval_s``)."""
-        if type(obj) is np.ndarray and self._q.enqueue_array(obj, timeout):
-            return  # one typed tensor, no pickling
+        if self._q.enqueue_obj(obj, timeout):
+            return  # a native frame: arrays, tensors, bytes and trees of them, no pickling
         kind, regions = _serde.encode(obj)
         self._q.enqueue_parts(kind, regions, timeout)
 

@@ -2,10 +2,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <vector>
 
 #include "connectors/internal_key.hpp"
 #include "core/log.hpp"
@@ -110,6 +112,11 @@ Result<ShmConnectorOptions> ShmConnectorOptions::from_extra(const Value& extra) 
     if (!v->is<std::string>()) return make_error(Errc::invalid_argument, "extra.namespace must be a string");
     o.ns = v->as<std::string>();
   }
+  if (const Value* v = extra.find("on_existing_key")) {
+    if (!v->is<std::string>() || (v->as<std::string>() != "replace" && v->as<std::string>() != "error"))
+      return make_error(Errc::invalid_argument, "extra.on_existing_key must be 'replace' or 'error'");
+    o.replace_existing = v->as<std::string>() == "replace";
+  }
   if (const Value* v = extra.find("shm_dir")) {
     if (!v->is<std::string>() || v->as<std::string>().empty() || v->as<std::string>()[0] != '/')
       return make_error(Errc::invalid_argument, "extra.shm_dir must be an absolute path");
@@ -172,6 +179,28 @@ class ShmConnector final : public Connector {
     return n;
   }
 
+  size_t abandon_get(const std::string& key) override {
+    size_t n = 0;
+    {
+      std::lock_guard<std::mutex> lock(wait_mu_);
+      for (Waiter* w : waiters_)
+        if (w->put_key == key) {
+          w->stop.store(1, std::memory_order_release);
+          ++n;
+        }
+    }
+    if (n) wake_waiters();
+    return n;
+  }
+
+  size_t reap_consumed() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return 0;
+    const size_t before = out_.size();
+    reclaim_all_locked();
+    return before - out_.size();
+  }
+
   Value health() override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!closed_ && dir_) reclaim_all_locked();
@@ -186,6 +215,7 @@ class ShmConnector final : public Connector {
     m.emplace_back("inline_puts", uint64_t(inline_puts_.load()));
     m.emplace_back("dedicated_segments", uint64_t(dedicated_puts_.load()));
     m.emplace_back("cleanups", uint64_t(cleanups_.load()));
+    m.emplace_back("replaced", uint64_t(replaced_.load()));
     m.emplace_back("outstanding", uint64_t(out_.size()));
     m.emplace_back("arena_bytes", uint64_t(arena_alloc_ ? arena_alloc_->capacity() : 0));
     m.emplace_back("arena_used", uint64_t(arena_alloc_ ? arena_alloc_->used() : 0));
@@ -206,10 +236,16 @@ class ShmConnector final : public Connector {
       std::lock_guard<std::mutex> g(gate_->mu);
       gate_->owner = nullptr;
     }
+    {
+      // Blocked keyless gets end now (cancelled) instead of at their deadline.
+      std::lock_guard<std::mutex> lock(wait_mu_);
+      for (Waiter* w : waiters_) w->stop.store(1, std::memory_order_release);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
     closed_ = true;
     if (!dir_) return;
+    dir_->wake_getters();
     // Everything we own goes: entries (readers holding views keep their own mapping), dedicated
     // segments and the arena.
     for (auto& o : out_) {
@@ -260,16 +296,21 @@ class ShmConnector final : public Connector {
     c.store(c.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
   }
 
-  static Status validate_edge(const std::string& from, const std::string& to, const std::string& key) {
+  // `rid`: the request a put is tied to ("" for none, and for gets); it is stored beside the key.
+  static Status validate_edge(const std::string& from, const std::string& to, const std::string& key,
+                              std::string_view rid = {}) {
     const size_t ikey_len = internal_key_size(key, from, to);
-    if (name_is_valid(from, 64) && name_is_valid(to, 64) && name_is_valid(key, 160) && ikey_len <= shm::kKeyMax)
-        [[likely]]
+    if (name_is_valid(from, 64) && name_is_valid(to, 64) && name_is_valid(key, 160) &&
+        (rid.empty() || name_is_valid(rid, 160)) && ikey_len + rid.size() <= shm::kKeyMax) [[likely]]
       return {};
     SL_TRY(validate_name("from_stage", from, 64));
     SL_TRY(validate_name("to_stage", to, 64));
     SL_TRY(validate_name("key", key, 160));
-    return make_error(Errc::invalid_argument, "key '" + key + "' with stages '" + from + "' and '" + to + "' makes an " +
-                                                  std::to_string(ikey_len) + "-byte internal key; at most " +
+    if (!rid.empty()) SL_TRY(validate_name("request_id", rid, 160));
+    return make_error(Errc::invalid_argument, "key '" + key + "' with stages '" + from + "' and '" + to + "'" +
+                                                  (rid.empty() ? "" : " and request id '" + std::string(rid) + "'") +
+                                                  " take " + std::to_string(ikey_len + rid.size()) +
+                                                  " bytes of a directory entry; at most " +
                                                   std::to_string(shm::kKeyMax) + " fit");
   }
 
@@ -319,12 +360,15 @@ class ShmConnector final : public Connector {
 
   // A directory entry for ikey. Entries of ours that every reader released are only returned
   // lazily: when the probe window is full, return them all and try once more.
-  Result<Claim> reserve_locked(std::string_view ikey, uint16_t rid_len, uint64_t now) {
+  Result<Claim> reserve_locked(std::string_view ikey, uint16_t put_len, std::string_view rid, uint64_t now) {
     const uint64_t h = shm::key_hash(ikey);
-    auto cl = dir_->reserve(ikey, rid_len, h, now);
-    if (cl.ok() || cl.error().code != Errc::exhausted) return cl;
-    reclaim_all_locked();
-    return dir_->reserve(ikey, rid_len, h, now);
+    auto cl = dir_->reserve(ikey, put_len, rid, h, now, opts_.replace_existing);
+    if (!cl.ok() && cl.error().code == Errc::exhausted) {
+      reclaim_all_locked();
+      cl = dir_->reserve(ikey, put_len, rid, h, now, opts_.replace_existing);
+    }
+    if (cl.ok() && cl->replaced) bump_locked(replaced_, cl->replaced);
+    return cl;
   }
 
   Result<Region> allocate_locked(std::unique_lock<std::mutex>& lock, size_t size, uint64_t now) {
@@ -408,7 +452,7 @@ class ShmConnector final : public Connector {
 
   Result<PutResult> put_impl(const std::string& from, const std::string& to, const std::string& key,
                              const Payload& payload, const FramePlan* given_plan, const PutOptions& po) {
-    SL_TRY(validate_edge(from, to, key));
+    SL_TRY(validate_edge(from, to, key, po.request_id));
     const uint32_t readers = po.readers ? po.readers : opts_.readers;
     if (readers > shm::kMaxFanout)
       return make_error(Errc::invalid_argument, "readers must be in [1, 8], got " + std::to_string(readers));
@@ -422,7 +466,7 @@ class ShmConnector final : public Connector {
     std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return make_error(Errc::closed, "put on a closed SharedMemoryConnector");
     const uint64_t now = mono_ns();
-    SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size()), now));
+    SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size()), po.request_id, now));
     auto reg = allocate_locked(lock, plan.total, now);
     if (!reg.ok() || closed_) {
       if (!closed_) dir_->abandon(cl);
@@ -445,14 +489,9 @@ class ShmConnector final : public Connector {
     }
     const InternalKey ikey(key, from, to);
     Result<Claim> cl = Claim{};  // set below on every path
-    if (metadata && !metadata->is_nil()) {
-      if (!metadata->is<Value::Map>()) return make_error(Errc::corrupt, "metadata is not a map");
-      const Value *entry = nullptr, *genv = nullptr, *inl = nullptr;
-      for (const auto& [k, v] : metadata->as<Value::Map>()) {  // one pass over the few fields
-        if (k == "entry") entry = &v;
-        else if (k == "gen") genv = &v;
-        else if (k == "inline") inl = &v;
-      }
+    const Value *entry = nullptr, *genv = nullptr, *inl = nullptr;
+    if (metadata) find_own_fields(*metadata, key, entry, genv, inl);
+    if (entry || genv) {  // ours: every inconsistency below is an error
       uint64_t idx = 0, gen = 0;
       if (!entry || !genv || !entry->get_u64(idx) || !genv->get_u64(gen) || idx > UINT32_MAX || gen > UINT32_MAX)
         return make_error(Errc::corrupt, "metadata lacks entry/gen (not from a stagelink SharedMemoryConnector?)");
@@ -479,7 +518,18 @@ class ShmConnector final : public Connector {
         auto rem = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now()).count();
         dl = mono_ns() + uint64_t(std::max<int64_t>(rem, 1));
       }
-      cl = dir->wait_claim_key(ikey, shm::key_hash(ikey), dl);
+      if (dl == 0) {
+        cl = dir->wait_claim_key(ikey, shm::key_hash(ikey), 0);
+      } else {  // a blocking wait: abandon_get() and close() can end it
+        Waiter w{key};
+        {
+          std::lock_guard<std::mutex> lock(wait_mu_);
+          waiters_.push_back(&w);
+        }
+        cl = dir->wait_claim_key(ikey, shm::key_hash(ikey), dl, &w.stop);
+        std::lock_guard<std::mutex> lock(wait_mu_);
+        waiters_.erase(std::find(waiters_.begin(), waiters_.end(), &w));
+      }
       if (!cl.ok()) return std::move(cl).error();
     }
     const Claim c = cl.value();
@@ -505,6 +555,37 @@ class ShmConnector final : public Connector {
     return g;
   }
 
+  // The fields of metadata this connector wrote (entry, gen, inline), found in one pass; all null
+  // for metadata it cannot use (another connector's, empty, not a map), which then falls back to
+  // the by-key lookup. {key: metadata}, as some callers wrap it, is unwrapped first.
+  static void find_own_fields(const Value& md, const std::string& key, const Value*& entry, const Value*& genv,
+                              const Value*& inl) {
+    if (!md.is<Value::Map>()) return;
+    const Value::Map& m = md.as<Value::Map>();
+    if (m.size() == 1 && m[0].first == key && m[0].second.is<Value::Map>())
+      return find_own_fields(m[0].second, key, entry, genv, inl);
+    for (const auto& [k, v] : m) {
+      if (k == "entry") entry = &v;
+      else if (k == "gen") genv = &v;
+      else if (k == "inline") inl = &v;
+    }
+  }
+
+  void wake_waiters() {
+    std::shared_ptr<Directory> dir;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dir = dir_;
+    }
+    if (dir) dir->wake_getters();
+  }
+
+  // A keyless get blocked in the directory; abandon_get/close set `stop` and wake it.
+  struct Waiter {
+    std::string_view put_key;
+    std::atomic<uint32_t> stop{0};
+  };
+
   friend struct Loan::Impl;
   ShmConnectorOptions opts_;
   std::string name_ = "SharedMemoryConnector";
@@ -517,9 +598,11 @@ class ShmConnector final : public Connector {
   std::deque<Outstanding> out_;
   std::shared_ptr<LoanGate> gate_;
   uint64_t last_reap_ns_ = 0;
+  std::mutex wait_mu_;
+  std::vector<Waiter*> waiters_;
   // puts_, put_bytes_, inline_puts_: written under mu_ only; the others by concurrent gets too.
   std::atomic<uint64_t> puts_{0}, put_bytes_{0}, inline_puts_{0}, gets_{0}, get_bytes_{0}, errors_{0}, timeouts_{0},
-      dedicated_puts_{0}, cleanups_{0};
+      dedicated_puts_{0}, cleanups_{0}, replaced_{0};
 };
 
 // ---- Loans ----
@@ -588,7 +671,7 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   auto* impl = loan.impl();
   if (!impl || impl->gate != gate_)
     return make_error(Errc::invalid_argument, "loan is empty or belongs to another connector");
-  SL_TRY(validate_edge(from, to, key));
+  SL_TRY(validate_edge(from, to, key, po.request_id));
   const uint32_t readers = po.readers ? po.readers : opts_.readers;
   if (readers < 1 || readers > shm::kMaxFanout)
     return make_error(Errc::invalid_argument, "readers must be in [1, 8]");
@@ -596,7 +679,7 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) return make_error(Errc::closed, "put_loan on a closed SharedMemoryConnector");
   const uint64_t now = mono_ns();
-  SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size()), now));
+  SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size()), po.request_id, now));
   impl->published = true;
   Region reg{impl->base, impl->offset, impl->length, impl->dedicated, impl->arena_idx, impl->arena_gen};
   std::span<const std::byte> inl;

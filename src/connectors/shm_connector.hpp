@@ -15,6 +15,7 @@ struct ShmConnectorOptions {
   uint32_t readers = 1;                // default fan-out
   double put_timeout_s = 5.0;          // wait for arena room before failing with exhausted
   double ttl_s = 300.0;                // unread puts older than this are cancelled
+  bool replace_existing = true;        // on_existing_key: replace (vLLM-Omni) | error
   static Result<ShmConnectorOptions> from_extra(const Value& extra);
 };
 

@@ -14,7 +14,7 @@ constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 // fixed-width uint64 placeholder and patched once the header's length is known.
 // Fills `plan`, reusing its vectors' capacity (a caller that keeps one plan allocates nothing).
 template <class SpecAt>
-Status plan_impl(FramePlan& plan, const Value& tree, size_t n, SpecAt spec) {
+Status plan_impl(FramePlan& plan, const Value& tree, const Value& ext, size_t n, SpecAt spec) {
   if (n > kFrameMaxTensors)
     return make_error(Errc::invalid_argument, "payload has " + std::to_string(n) +
                                                   " tensors; the frame holds at most 65536");
@@ -23,10 +23,15 @@ Status plan_impl(FramePlan& plan, const Value& tree, size_t n, SpecAt spec) {
   plan.lengths.resize(n);
   detail::ByteSink sink(&plan.head, kFrameHeaderBytes);
   detail::Packer pk(sink);
-  pk.pack_map(2);
+  pk.pack_map(ext.is_nil() ? 2 : 3);
   pk.pack_str(1);
   pk.pack_str_body("t", 1);
   detail::pack_value(pk, tree);
+  if (!ext.is_nil()) {
+    pk.pack_str(1);
+    pk.pack_str_body("p", 1);
+    detail::pack_value(pk, ext);
+  }
   pk.pack_str(1);
   pk.pack_str_body("x", 1);
   pk.pack_array(uint32_t(n));
@@ -88,7 +93,7 @@ struct SpecView {
 
 Result<FramePlan> plan_frame(const Value& tree, std::span<const TensorSpec> specs) {
   FramePlan plan;
-  SL_TRY(plan_impl(plan, tree, specs.size(), [&](size_t i) {
+  SL_TRY(plan_impl(plan, tree, Value(), specs.size(), [&](size_t i) {
     auto& s = specs[i];
     return SpecView{s.dtype, s.shape, s.nbytes, s.device};
   }));
@@ -106,7 +111,8 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
   if (single) {
     const Tensor& t = p.tensors[0];
     const FramePlan::Single& s = plan.single;
-    if (s.valid && s.dtype == t.dtype && s.nbytes == t.nbytes() && s.shape == t.shape && s.device == t.device)
+    if (s.valid && s.dtype == t.dtype && s.nbytes == t.nbytes() && s.shape == t.shape && s.device == t.device &&
+        s.ext == p.ext)
       return {};  // this layout was checked and planned last time
   }
   plan.single.valid = false;
@@ -121,7 +127,7 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
       return make_error(Errc::invalid_argument, "tensor shape holds " + std::to_string(n) +
                                                     " bytes but data has " + std::to_string(t.nbytes()));
   }
-  SL_TRY(plan_impl(plan, p.tree, p.tensors.size(), [&](size_t i) {
+  SL_TRY(plan_impl(plan, p.tree, p.ext, p.tensors.size(), [&](size_t i) {
     auto& t = p.tensors[i];
     return SpecView{t.dtype, t.shape, t.nbytes(), t.device};
   }));
@@ -132,6 +138,7 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
     s.shape.assign(t.shape.begin(), t.shape.end());
     s.nbytes = t.nbytes();
     s.device.assign(t.device);
+    s.ext = p.ext;
     s.valid = true;
   }
   return {};
@@ -205,6 +212,7 @@ Status decode_frame_copy_into(std::span<const std::byte> buf, Payload& p) {
 
 Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const void> keepalive, Payload& p) {
   p.tree = Value();
+  p.ext = Value();
   p.tensors.clear();
   if (buf.size() < kFrameHeaderBytes)
     return make_error(Errc::corrupt, "frame of " + std::to_string(buf.size()) +
@@ -235,6 +243,10 @@ Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const v
     if (key == "t") {
       if (!rd.read_value(p.tree)) return bad_header();
       have_tree = true;
+      continue;
+    }
+    if (key == "p") {
+      if (!rd.read_value(p.ext)) return bad_header();
       continue;
     }
     if (key != "x") {

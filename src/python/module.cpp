@@ -128,9 +128,11 @@ Value from_py(nb::handle h, int depth = 0) {
   throw nb::type_error("metadata and extra may hold only None, bool, int, float, str, bytes, dict and list");
 }
 
-// Holds Py_buffer views of the Python objects for the duration of a put.
+// Holds Py_buffer views of the Python objects (and temporaries: contiguous copies, resolved
+// torch tensors) for the duration of a put.
 struct BufferViews {
   std::vector<Py_buffer> views;
+  std::vector<nb::object> keep;
   ~BufferViews() {
     for (auto& v : views) PyBuffer_Release(&v);
   }
@@ -174,16 +176,12 @@ struct Dims {
 
 nb::object copied_array(std::span<const std::byte> src, int type, const Dims& dims);
 
-// A region copied out: bytes (the pickle stream), else a bytearray, or for 1 MiB and more a uint8
-// array in a pooled host buffer (pickle.loads rebuilds arrays and tensors over either).
-nb::object region_copy(const Tensor& t, bool as_bytes) {
-  if (!as_bytes && t.nbytes() >= host_pool::kPooledMin) {
-    return copied_array(t.data, NPY_UINT8, Dims::flat(t.nbytes()));
-  }
+// A region copied into a new bytes (0) or bytearray (1); large copies run without the GIL.
+nb::object region_copy_as(const Tensor& t, int as) {
   const Py_ssize_t n = Py_ssize_t(t.nbytes());
-  PyObject* o = as_bytes ? PyBytes_FromStringAndSize(nullptr, n) : PyByteArray_FromStringAndSize(nullptr, n);
+  PyObject* o = as == 0 ? PyBytes_FromStringAndSize(nullptr, n) : PyByteArray_FromStringAndSize(nullptr, n);
   if (!o) throw nb::python_error();
-  char* dst = as_bytes ? PyBytes_AS_STRING(o) : PyByteArray_AS_STRING(o);
+  char* dst = as == 0 ? PyBytes_AS_STRING(o) : PyByteArray_AS_STRING(o);
   if (t.nbytes() > kGilReleaseBytes) {
     nb::gil_scoped_release nogil;
     std::memcpy(dst, t.data.data(), t.nbytes());
@@ -191,6 +189,13 @@ nb::object region_copy(const Tensor& t, bool as_bytes) {
     std::memcpy(dst, t.data.data(), t.nbytes());
   }
   return nb::steal(o);
+}
+
+// A region copied out: bytes (the pickle stream), else a bytearray, or for 1 MiB and more a uint8
+// array in a pooled host buffer (pickle.loads rebuilds arrays and tensors over either).
+nb::object region_copy(const Tensor& t, bool as_bytes) {
+  if (!as_bytes && t.nbytes() >= host_pool::kPooledMin) return copied_array(t.data, NPY_UINT8, Dims::flat(t.nbytes()));
+  return region_copy_as(t, as_bytes ? 0 : 1);
 }
 
 // ---- numpy arrays as typed tensors (numpy's C API: building an array costs ~0.1 us, the
@@ -236,7 +241,8 @@ int npy_type(DType d) {
 bool array_payload(nb::handle obj, BufferViews& bv, Payload& p, bool gil_held_if_small) {
   if (!PyArray_CheckExact(obj.ptr())) return false;
   auto* a = reinterpret_cast<PyArrayObject*>(obj.ptr());
-  if (PyArray_NDIM(a) < 1 || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISNOTSWAPPED(a)) return false;
+  if (PyArray_NDIM(a) < 1 || !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISNOTSWAPPED(a) || !PyArray_ISWRITEABLE(a))
+    return false;  // PyEncoder takes these (a read-only array comes back read-only)
   const auto dt = dtype_of(PyArray_DESCR(a));
   if (!dt) return false;
   const size_t nbytes = size_t(PyArray_NBYTES(a));
@@ -321,14 +327,364 @@ nb::object tensor_array(const Tensor& t, bool zero_copy) {
   return arr;
 }
 
-// A frame from a C++ producer, or a numpy array from Python: its tree with each tensor as an array.
-nb::object native_object(const Payload& p, bool zero_copy) {
-  if (p.tree.is<TensorRef>() && p.tensors.size() == 1) return tensor_array(p.tensors[0], zero_copy);
-  std::vector<nb::object> arrays;
-  arrays.reserve(p.tensors.size());
-  for (auto& t : p.tensors) arrays.push_back(tensor_array(t, zero_copy));
-  return to_py(p.tree, &arrays);
+// ---- Python objects as native frames (no pickle) ----
+// A payload's tree is the object's tree of dicts (str keys), lists, tuples, str, int, float, bool
+// and None; its leaves numpy arrays, torch tensors and bytes-likes are tensors. What C++ cannot
+// tell apart is kept in Payload::ext, which C++ readers ignore:
+//   "tk": per tensor, its Python kind and flags (omitted when every tensor is a plain numpy array)
+//   "tu": pre-order indices of the lists that were tuples
+//   "pickle": 0 when the frame is a pickle-5 stream (regions: the stream, then its buffers)
+enum : int64_t {
+  kKindNumpy = 0, kKindTorch = 1, kKindBytes = 2, kKindByteArray = 3, kKindMemoryView = 4, kKindMask = 7,
+  kFlagReadOnly = 8, kFlagRequiresGrad = 16, kFlagParameter = 32, kFlagScalar = 64, kFlagNumpyScalar = 128,
+};
+
+// torch, bound once it has been imported by someone (stagelink never imports it to put).
+struct TorchApi {
+  PyObject* tensor_type = nullptr;
+  PyObject* param_type = nullptr;
+  PyObject* from_numpy = nullptr;
+  PyObject* bfloat16 = nullptr;
+  std::vector<std::pair<PyObject*, DType>> dtypes;  // torch dtype objects (singletons)
+  // nullptr when torch is not loaded (import: load it, for a get that holds torch tensors).
+  static TorchApi* get(bool import) {
+    static TorchApi* api = nullptr;
+    if (api) return api;
+    PyObject* mod = PyImport_GetModule(nb::str("torch").ptr());  // new reference or NULL
+    if (!mod) {
+      PyErr_Clear();
+      if (!import) return nullptr;
+      mod = PyImport_ImportModule("torch");
+      if (!mod) throw nb::python_error();
+    }
+    nb::object torch = nb::steal(mod);
+    if (!nb::hasattr(torch, "Tensor") || !nb::hasattr(torch, "from_numpy")) return nullptr;  // half-imported
+    auto* a = new TorchApi();  // lives as long as the interpreter; torch is never unloaded
+    a->tensor_type = nb::object(torch.attr("Tensor")).release().ptr();
+    a->param_type = nb::object(torch.attr("nn").attr("Parameter")).release().ptr();
+    a->from_numpy = nb::object(torch.attr("from_numpy")).release().ptr();
+    a->bfloat16 = nb::object(torch.attr("bfloat16")).release().ptr();
+    const std::pair<const char*, DType> names[] = {
+        {"uint8", DType::u8}, {"int8", DType::i8}, {"int16", DType::i16}, {"int32", DType::i32},
+        {"int64", DType::i64}, {"float16", DType::f16}, {"bfloat16", DType::bf16}, {"float32", DType::f32},
+        {"float64", DType::f64}, {"bool", DType::boolean}, {"complex64", DType::c64}, {"complex128", DType::c128},
+        {"uint16", DType::u16}, {"uint32", DType::u32}, {"uint64", DType::u64}};
+    for (auto& [n, d] : names)
+      if (nb::hasattr(torch, n)) a->dtypes.emplace_back(nb::object(torch.attr(n)).release().ptr(), d);
+    api = a;
+    return api;
+  }
+  PyObject* dtype_object(DType d) const {
+    for (auto& [o, x] : dtypes)
+      if (x == d) return o;
+    return nullptr;
+  }
+};
+
+bool truthy(const nb::object& o) {
+  const int r = PyObject_IsTrue(o.ptr());
+  if (r < 0) throw nb::python_error();
+  return r == 1;
 }
+
+// Python object -> Payload. encode() returns false (with `why`) when the object needs pickle.
+struct PyEncoder {
+  Payload& p;
+  BufferViews& bv;
+  std::vector<int64_t> kinds;
+  bool any_kind = false;
+  Value::List tuples;
+  uint32_t lists = 0;
+  size_t total = 0;
+  std::string why;
+
+  bool fail(nb::handle h, const char* what = "") {
+    if (why.empty()) why = std::string(Py_TYPE(h.ptr())->tp_name) + what;
+    return false;
+  }
+  Value add(Tensor t, int64_t kind) {
+    total += t.nbytes();
+    kinds.push_back(kind);
+    any_kind |= kind != kKindNumpy;
+    p.tensors.push_back(std::move(t));
+    return Value(TensorRef{uint32_t(p.tensors.size() - 1)});
+  }
+  bool pin(nb::handle h, Py_buffer& v) {
+    if (PyObject_GetBuffer(h.ptr(), &v, PyBUF_SIMPLE) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    bv.views.push_back(v);
+    return true;
+  }
+
+  bool numpy(nb::handle h, Value& out) {
+    auto* a = reinterpret_cast<PyArrayObject*>(h.ptr());
+    const auto dt = dtype_of(PyArray_DESCR(a));
+    if (!dt || !PyArray_ISNOTSWAPPED(a)) return fail(h, " of a dtype without a native frame");
+    int64_t kind = kKindNumpy;
+    if (!PyArray_ISWRITEABLE(a)) kind |= kFlagReadOnly;
+    if (PyArray_NDIM(a) == 0) kind |= kFlagScalar;
+    nb::handle src = h;
+    if (!PyArray_IS_C_CONTIGUOUS(a)) {  // strided view: one contiguous copy
+      bv.keep.push_back(nb::steal(PyArray_NewCopy(a, NPY_CORDER)));
+      if (!bv.keep.back().is_valid()) throw nb::python_error();
+      src = bv.keep.back();
+      a = reinterpret_cast<PyArrayObject*>(src.ptr());
+    }
+    Py_buffer v;
+    if (!pin(src, v)) return fail(h);
+    Tensor t;
+    t.dtype = *dt;
+    t.shape.assign(PyArray_DIMS(a), PyArray_DIMS(a) + PyArray_NDIM(a));
+    t.data = std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len));
+    out = add(std::move(t), kind);
+    return true;
+  }
+
+  bool torch(nb::handle h, const TorchApi& T, Value& out) {
+    int64_t kind = kKindTorch;
+    if (Py_TYPE(h.ptr()) == reinterpret_cast<PyTypeObject*>(T.param_type)) kind |= kFlagParameter;
+    nb::object t = nb::borrow(h);
+    if (truthy(t.attr("requires_grad"))) kind |= kFlagRequiresGrad;
+    if (!truthy(t.attr("is_cpu"))) t = t.attr("cpu")();  // device tensors: host copy (CUDA IPC: later)
+    if (truthy(t.attr("is_conj")())) t = t.attr("resolve_conj")();  // lazy views are resolved, not refused
+    if (truthy(t.attr("is_neg")())) t = t.attr("resolve_neg")();
+    if (!truthy(t.attr("is_contiguous")())) t = t.attr("contiguous")();
+    nb::object dto = t.attr("dtype");
+    std::optional<DType> dt;
+    for (auto& [o, d] : T.dtypes)
+      if (o == dto.ptr()) dt = d;
+    if (!dt) return fail(h, " of a dtype without a native frame");
+    Tensor x;
+    x.dtype = *dt;
+    nb::object shape = t.attr("shape");
+    const Py_ssize_t nd = PyTuple_Size(shape.ptr());
+    if (nd < 0) throw nb::python_error();
+    if (nd == 0) kind |= kFlagScalar;
+    x.shape.resize(size_t(nd));
+    for (Py_ssize_t i = 0; i < nd; ++i) x.shape[size_t(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+    const size_t nbytes = nb::cast<size_t>(t.attr("nbytes"));
+    void* ptr = PyLong_AsVoidPtr(t.attr("data_ptr")().ptr());
+    if (!ptr && nbytes) throw nb::python_error();
+    x.data = std::span<const std::byte>(static_cast<const std::byte*>(ptr), nbytes);
+    bv.keep.push_back(std::move(t));
+    out = add(std::move(x), kind);
+    return true;
+  }
+
+  bool encode(nb::handle h, Value& out, int depth) {
+    if (depth > 64) return fail(h, " nested deeper than 64");
+    PyObject* o = h.ptr();
+    if (o == Py_None) { out = Value(); return true; }
+    if (PyBool_Check(o)) { out = Value(o == Py_True); return true; }
+    if (PyLong_CheckExact(o)) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+      if (!overflow) { out = Value(int64_t(v)); return true; }
+      if (overflow > 0) {
+        const unsigned long long u = PyLong_AsUnsignedLongLong(o);
+        if (!PyErr_Occurred()) { out = Value(uint64_t(u)); return true; }
+        PyErr_Clear();
+      }
+      return fail(h, " beyond 64 bits");
+    }
+    if (PyFloat_CheckExact(o)) { out = Value(PyFloat_AS_DOUBLE(o)); return true; }
+    if (PyUnicode_CheckExact(o)) {
+      Py_ssize_t n = 0;
+      const char* c = PyUnicode_AsUTF8AndSize(o, &n);
+      if (!c) { PyErr_Clear(); return fail(h, " that is not valid UTF-8"); }
+      out = Value(std::string(c, size_t(n)));
+      return true;
+    }
+    if (PyDict_CheckExact(o)) {
+      Value::Map m;
+      m.reserve(size_t(PyDict_GET_SIZE(o)));
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(o, &pos, &k, &v)) {
+        if (!PyUnicode_CheckExact(k)) return fail(k, " as a dict key");
+        Py_ssize_t n = 0;
+        const char* c = PyUnicode_AsUTF8AndSize(k, &n);
+        if (!c) { PyErr_Clear(); return fail(k, " that is not valid UTF-8"); }
+        Value e;
+        if (!encode(v, e, depth + 1)) return false;
+        m.emplace_back(std::string(c, size_t(n)), std::move(e));
+      }
+      out = Value(std::move(m));
+      return true;
+    }
+    if (PyList_CheckExact(o) || PyTuple_CheckExact(o)) {
+      if (PyTuple_CheckExact(o)) tuples.emplace_back(uint64_t(lists));
+      ++lists;
+      nb::object seq = nb::borrow(h);  // a list may change under us only if we call out; we don't
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+      Value::List l;
+      l.reserve(size_t(n));
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        Value e;
+        if (!encode(PySequence_Fast_GET_ITEM(o, i), e, depth + 1)) return false;
+        l.push_back(std::move(e));
+      }
+      out = Value(std::move(l));
+      return true;
+    }
+    if (PyArray_CheckExact(o)) return numpy(h, out);
+    if (PyArray_IsScalar(o, Generic)) {  // np.float32(1.5) and kin: a 0-d array, back as a scalar
+      nb::object arr = nb::steal(PyArray_FromScalar(o, nullptr));
+      if (!arr.is_valid()) throw nb::python_error();
+      bv.keep.push_back(arr);
+      if (!numpy(arr, out)) return fail(h, " of a dtype without a native frame");
+      kinds.back() |= kFlagNumpyScalar;
+      any_kind = true;
+      return true;
+    }
+    if (PyBytes_CheckExact(o)) {
+      bv.keep.push_back(nb::borrow(h));  // immutable: no pin needed
+      auto* b = reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(o));
+      out = add(Tensor::view_of(std::span<const std::byte>(b, size_t(PyBytes_GET_SIZE(o)))), kKindBytes);
+      return true;
+    }
+    if (PyByteArray_CheckExact(o) || PyMemoryView_Check(o)) {
+      Py_buffer v;
+      if (!pin(h, v)) return fail(h, " that is not contiguous");
+      out = add(Tensor::view_of(std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len))),
+                PyByteArray_CheckExact(o) ? kKindByteArray : kKindMemoryView);
+      return true;
+    }
+    if (const TorchApi* T = TorchApi::get(false)) {
+      PyTypeObject* tp = Py_TYPE(o);
+      if (tp == reinterpret_cast<PyTypeObject*>(T->tensor_type) || tp == reinterpret_cast<PyTypeObject*>(T->param_type))
+        return torch(h, *T, out);
+    }
+    return fail(h);
+  }
+
+  // The whole object; false (nothing kept in p) when it needs pickle.
+  bool run(nb::handle obj) {
+    if (!encode(obj, p.tree, 0)) {
+      p.tree = Value();
+      p.tensors.clear();
+      return false;
+    }
+    Value::Map ext;
+    if (any_kind) {
+      Value::List tk;
+      tk.reserve(kinds.size());
+      for (int64_t k : kinds) tk.emplace_back(k);
+      ext.emplace_back("tk", Value(std::move(tk)));
+    }
+    if (!tuples.empty()) ext.emplace_back("tu", Value(std::move(tuples)));
+    if (!ext.empty()) p.ext = Value(std::move(ext));
+    return true;
+  }
+};
+
+// Frame -> Python object: the tree with its tensors as numpy arrays, torch tensors or bytes-likes.
+struct PyDecoder {
+  const Payload& p;
+  bool zero_copy;
+  const Value::List* kinds = nullptr;
+  const Value::List* tuples = nullptr;
+  size_t next_tuple = 0;
+  uint32_t lists = 0;
+
+  int64_t kind_of(size_t i) const {
+    int64_t k = 0;
+    if (kinds && i < kinds->size()) (*kinds)[i].get_i64(k);
+    return k;
+  }
+  nb::object bytes_like(const Tensor& t, int64_t base) {
+    if (zero_copy && t.keepalive) {  // read-only view of shared memory, whatever it was
+      nb::object arr = array_over(t.data.data(), NPY_UINT8, Dims::flat(t.nbytes()), t.keepalive, false);
+      return nb::steal(PyMemoryView_FromObject(arr.ptr()));
+    }
+    nb::object copy = region_copy_as(t, base == kKindByteArray ? 1 : 0);
+    if (base == kKindMemoryView || zero_copy) return nb::steal(PyMemoryView_FromObject(copy.ptr()));
+    return copy;
+  }
+  nb::object torch_tensor(const Tensor& t, int64_t k) {
+    const TorchApi* T = TorchApi::get(true);
+    if (!T) raise(make_error(Errc::unsupported, "payload holds torch tensors but torch cannot be imported"));
+    Dims dims;
+    dims.n = (k & kFlagScalar) ? 0 : int(t.shape.size());
+    if (dims.n > NPY_MAXDIMS) raise(make_error(Errc::unsupported, "tensor of more than 32 dimensions"));
+    for (int i = 0; i < dims.n; ++i) dims.v[i] = npy_intp(t.shape[size_t(i)]);
+    const bool bf16 = t.dtype == DType::bf16;
+    const int type = bf16 ? NPY_INT16 : npy_type(t.dtype);
+    nb::object arr = zero_copy && t.keepalive ? array_over(t.data.data(), type, dims, t.keepalive, false)
+                                              : copied_array(t.data, type, dims);
+    // torch has no read-only tensors and warns for each read-only array; a zero-copy view is
+    // documented as not to be written.
+    PyArray_ENABLEFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
+    nb::object out = nb::steal(PyObject_CallOneArg(T->from_numpy, arr.ptr()));
+    if (!out.is_valid()) throw nb::python_error();
+    if (bf16) out = out.attr("view")(nb::handle(T->bfloat16));
+    const bool rg = k & kFlagRequiresGrad;
+    if (k & kFlagParameter) return nb::handle(T->param_type)(out, nb::arg("requires_grad") = rg);
+    if (rg) out.attr("requires_grad_")(true);
+    return out;
+  }
+  nb::object tensor(size_t i) {
+    const Tensor& t = p.tensors[i];
+    const int64_t k = kind_of(i), base = k & kKindMask;
+    if (base == kKindTorch) return torch_tensor(t, k);
+    if (base != kKindNumpy) return bytes_like(t, base);
+    if (!(k & kFlagScalar)) {
+      nb::object arr = tensor_array(t, zero_copy);
+      if (k & kFlagReadOnly) PyArray_CLEARFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
+      return arr;
+    }
+    Dims d;  // 0-d
+    nb::object arr = copied_array(t.data, npy_type(t.dtype) < 0 ? NPY_UINT8 : npy_type(t.dtype), d);
+    if (k & kFlagNumpyScalar) return nb::steal(PyArray_Return(reinterpret_cast<PyArrayObject*>(arr.release().ptr())));
+    if (k & kFlagReadOnly) PyArray_CLEARFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
+    return arr;
+  }
+  nb::object tree(const Value& v, int depth) {
+    if (depth > 64) raise(make_error(Errc::corrupt, "payload tree deeper than 64"));
+    if (v.is<TensorRef>()) return tensor(v.as<TensorRef>().index);  // bounds checked by the decoder
+    if (v.is<Value::List>()) {
+      const bool tup = tuples && next_tuple < tuples->size() && [&] {
+        uint64_t idx = 0;
+        return (*tuples)[next_tuple].get_u64(idx) && idx == lists;
+      }();
+      ++lists;
+      if (tup) ++next_tuple;
+      const auto& l = v.as<Value::List>();
+      nb::object out = nb::steal(tup ? PyTuple_New(Py_ssize_t(l.size())) : PyList_New(Py_ssize_t(l.size())));
+      if (!out.is_valid()) throw nb::python_error();
+      for (size_t i = 0; i < l.size(); ++i) {
+        PyObject* e = tree(l[i], depth + 1).release().ptr();
+        if (tup) PyTuple_SET_ITEM(out.ptr(), Py_ssize_t(i), e);
+        else PyList_SET_ITEM(out.ptr(), Py_ssize_t(i), e);
+      }
+      return out;
+    }
+    if (v.is<Value::Map>()) {
+      nb::dict d;
+      for (auto& [k, e] : v.as<Value::Map>()) {
+        nb::object x = tree(e, depth + 1);
+        if (PyDict_SetItem(d.ptr(), key_str(k).ptr(), x.ptr()) != 0) throw nb::python_error();
+      }
+      return d;
+    }
+    return to_py(v);
+  }
+};
+
+// A frame without a pickle (anything put from Python without pickling, or by a C++ producer): the
+// Python object it holds.
+nb::object native_object(const Payload& p, bool zero_copy) {
+  if (p.ext.is_nil() && p.tree.is<TensorRef>() && p.tensors.size() == 1) return tensor_array(p.tensors[0], zero_copy);
+  PyDecoder d{p, zero_copy};
+  if (const Value* tk = p.ext.find("tk"); tk && tk->is<Value::List>()) d.kinds = &tk->as<Value::List>();
+  if (const Value* tu = p.ext.find("tu"); tu && tu->is<Value::List>()) d.tuples = &tu->as<Value::List>();
+  return d.tree(p.tree, 0);
+}
+
+// Whether a frame holds a pickle-5 stream (a Python object without a native frame).
+bool is_pickle(const Payload& p) { return p.ext.find("pickle") != nullptr; }
 
 struct PyLoan {
   Loan loan;
@@ -343,14 +699,16 @@ struct PyLoan {
 
 struct PyConnector {
   std::unique_ptr<Connector> c;
+  bool allow_pickle = true;  // extra.allow_pickle: refuse frames holding a pickle when false
   Connector& get() {
     if (!c) raise(make_error(Errc::closed, "connector is closed"));
     return *c;
   }
 };
 
-// A Python message as a payload: tree {"py": kind, "r": [refs]}, one tensor per region (views of
-// the Python buffers, held by `bv`). Returns the regions' total bytes.
+// A pickled Python object as a payload: tree [refs], ext {"pickle": kind}, one tensor per region
+// (the pickle-5 stream, then its out-of-band buffers; views of the Python buffers, held by `bv`).
+// Returns the regions' total bytes.
 size_t payload_from_parts(int kind, nb::list regions, BufferViews& bv, Payload& p) {
   Value::List refs;
   size_t n = nb::len(regions);
@@ -366,23 +724,31 @@ size_t payload_from_parts(int kind, nb::list regions, BufferViews& bv, Payload& 
     p.tensors.push_back(std::move(tn));
     refs.emplace_back(TensorRef{uint32_t(i)});
   }
-  Value::Map tree;
-  tree.emplace_back("py", int64_t(kind));
-  tree.emplace_back("r", Value(std::move(refs)));
-  p.tree = Value(std::move(tree));
+  p.tree = Value(std::move(refs));
+  Value::Map ext;
+  ext.emplace_back("pickle", int64_t(kind));
+  p.ext = Value(std::move(ext));
   return total;
 }
 
+// `request_id`: None, or the request the put is tied to (cleanup(request_id) frees it).
+std::string rid_str(nb::handle rid) {
+  if (rid.is_none()) return {};
+  if (PyUnicode_Check(rid.ptr())) return utf8(rid.ptr());
+  return nb::cast<std::string>(nb::str(rid));
+}
+
 PutResult put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, const Payload& p,
-                      size_t total, uint32_t readers) {
+                      size_t total, uint32_t readers, nb::handle request_id) {
   std::string f = stage_str(from), t = stage_str(to);
+  const std::string rid = rid_str(request_id);
   Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<PutResult> r = make_error(Errc::io, "");
   if (total > kGilReleaseBytes) {
     nb::gil_scoped_release nogil;
-    r = conn.put(f, t, key, p, PutOptions{readers});
+    r = conn.put(f, t, key, p, PutOptions{readers, rid});
   } else {
-    r = conn.put(f, t, key, p, PutOptions{readers});
+    r = conn.put(f, t, key, p, PutOptions{readers, rid});
   }
   return unwrap(std::move(r));
 }
@@ -397,13 +763,12 @@ void report_or_rethrow(nb::handle self, const char* op, nb::python_error& e) {
   self.attr("_fail")(op, e.value());
 }
 
-// Python's `Connector.put`: a plain numpy array goes straight through C++ (no Python frame, no
-// pickle); anything else (a Loan, an object to pickle) through the subclass's `_put_slow`.
-// Failures follow the contract: logged by `_fail` and returned as (False, 0, None), or raised in
-// strict mode.
+// Python's `Connector.put`: numpy arrays, torch tensors, bytes-likes and trees of them go straight
+// through C++ as native frames (no Python frame, no pickle); anything else (a Loan, an object to
+// pickle) through the subclass's `_put_slow`. Failures follow the contract: logged by `_fail` and
+// returned as (False, 0, None), or raised in strict mode.
 nb::object connector_put(nb::handle self_h, nb::handle from, nb::handle to, nb::handle key, nb::handle data,
-                         nb::handle readers) {
-  if (!PyArray_CheckExact(data.ptr())) return self_h.attr("_put_slow")(from, to, key, data, readers);
+                         nb::handle readers, nb::handle request_id) {
   try {
     uint32_t rd = 0;
     if (!readers.is_none()) {
@@ -418,9 +783,16 @@ nb::object connector_put(nb::handle self_h, nb::handle from, nb::handle to, nb::
     }
     Payload p;
     BufferViews bv;
-    if (!array_payload(data, bv, p, true)) return self_h.attr("_put_slow")(from, to, key, data, readers);
+    size_t total = 0;
+    if (array_payload(data, bv, p, true)) {
+      total = p.tensors[0].nbytes();
+    } else {
+      PyEncoder enc{p, bv};
+      if (!enc.run(data)) return self_h.attr("_put_slow")(from, to, key, data, readers, request_id, enc.why);
+      total = enc.total;
+    }
     const PutResult pr =
-        put_payload(*nb::inst_ptr<PyConnector>(self_h), from, to, utf8(key.ptr()), p, p.tensors[0].nbytes(), rd);
+        put_payload(*nb::inst_ptr<PyConnector>(self_h), from, to, utf8(key.ptr()), p, total, rd, request_id);
     return nb::make_tuple(true, pr.size, to_py(pr.metadata));
   } catch (nb::python_error& e) {
     report_or_rethrow(self_h, "put", e);
@@ -429,11 +801,11 @@ nb::object connector_put(nb::handle self_h, nb::handle from, nb::handle to, nb::
 }
 
 nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, int kind,
-                    nb::list regions, uint32_t readers) {
+                    nb::list regions, uint32_t readers, nb::handle request_id) {
   Payload p;
   BufferViews bv;
   const size_t total = payload_from_parts(kind, regions, bv, p);
-  const PutResult pr = put_payload(self, from, to, key, p, total, readers);
+  const PutResult pr = put_payload(self, from, to, key, p, total, readers, request_id);
   return nb::make_tuple(pr.size, to_py(pr.metadata));
 }
 
@@ -447,6 +819,9 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   std::string f = stage_str(from), t = stage_str(to);
   const bool has_md = !metadata.is_none();
   if (has_md) md = from_py(metadata);
+  // Our metadata is a direct lookup (microseconds: the GIL is kept); anything else (none, another
+  // connector's) may wait for the key.
+  const bool lookup = has_md && PyDict_Check(metadata.ptr()) && PyDict_GetItemString(metadata.ptr(), "entry");
   Deadline dl = kNoWait;
   if (!timeout.is_none()) {
     const double secs = PyFloat_AsDouble(timeout.ptr());  // TypeError for a non-number
@@ -455,14 +830,15 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   }
   Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<GetResult> r = make_error(Errc::io, "");
-  if (!has_md && dl != kNoWait) {
+  if (!lookup && dl != kNoWait) {
     nb::gil_scoped_release nogil;
-    r = conn.get(f, t, key, nullptr, dl, GetOptions{true});
+    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true});
   } else {
     r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true, true});
   }
   if (!r.ok()) {
-    if (r.error().code == Errc::not_found || r.error().code == Errc::timeout) return std::nullopt;
+    const Errc c = r.error().code;  // absent, timed out, abandoned: None, as vLLM-Omni's get
+    if (c == Errc::not_found || c == Errc::timeout || c == Errc::cancelled) return std::nullopt;
     raise(r.error());
   }
   return std::move(r).value();
@@ -484,10 +860,11 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
   std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout, md);
   if (!got) return std::nullopt;
   GetResult& g = *got;
-  const Value* py = g.payload.tree.find("py");
-  if (!py) return Found{KIND_OBJECT, native_object(g.payload, zero_copy), g.size};
+  if (!is_pickle(g.payload)) return Found{KIND_OBJECT, native_object(g.payload, zero_copy), g.size};
+  if (!self.allow_pickle)
+    raise(make_error(Errc::corrupt, "'" + key + "' holds a pickled object and allow_pickle is off: refused unread"));
   int64_t kind = 0;
-  py->get_i64(kind);
+  g.payload.ext.find("pickle")->get_i64(kind);
   nb::list l;
   for (size_t i = 0; i < g.payload.tensors.size(); ++i) {
     const Tensor& tn = g.payload.tensors[i];
@@ -537,12 +914,8 @@ nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, con
   // A typed array (Python's or C++'s) or raw bytes (region 0) copy straight; a pickled object
   // needs unpickling.
   const size_t idx = 0;
-  if (const Value* py = g.payload.tree.find("py")) {
-    int64_t kind = 0;
-    py->get_i64(kind);
-    if (kind != 1)
-      raise(make_error(Errc::invalid_argument, "get_into: '" + key + "' holds a pickled object; use get()"));
-  }
+  if (is_pickle(g.payload))
+    raise(make_error(Errc::invalid_argument, "get_into: '" + key + "' holds a pickled object; use get()"));
   if (idx >= g.payload.tensors.size())
     raise(make_error(Errc::invalid_argument, "get_into: '" + key + "' has no array to copy"));
   const Tensor& tn = g.payload.tensors[idx];
@@ -585,11 +958,15 @@ void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::handle timeout
   if (!st.ok()) raise(st.error());
 }
 
-// A numpy array as one typed tensor; False when it needs the pickle path.
-bool mq_enqueue_array(PyMq& self, nb::handle arr, nb::handle timeout) {
+// A numpy array, torch tensor, bytes-like or tree of them as a native frame; False when it needs
+// the pickle path.
+bool mq_enqueue_obj(PyMq& self, nb::handle obj, nb::handle timeout) {
   Payload p;
   BufferViews bv;
-  if (!array_payload(arr, bv, p, false)) return false;
+  if (!array_payload(obj, bv, p, false)) {
+    PyEncoder enc{p, bv};
+    if (!enc.run(obj)) return false;
+  }
   const double t = timeout_arg(timeout);
   auto q = self.get();
   Status st;
@@ -618,13 +995,16 @@ nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
         decode_err = p.error();
         return;
       }
-      const Value* py = p->tree.find("py");
-      if (!py) {  // a numpy array, or a frame from C++
-        out = nb::make_tuple(KIND_OBJECT, native_object(p.value(), false));
+      if (!is_pickle(p.value())) {  // a native frame (Python without pickle, or C++)
+        try {
+          out = nb::make_tuple(KIND_OBJECT, native_object(p.value(), false));
+        } catch (nb::python_error& e) {
+          decode_err = Error{Errc::corrupt, std::string("message could not be rebuilt: ") + e.what()};
+        }
         return;
       }
       int64_t kind = 0;
-      py->get_i64(kind);
+      p->ext.find("pickle")->get_i64(kind);
       nb::list l;
       for (size_t i = 0; i < p->tensors.size(); ++i) l.append(region_copy(p->tensors[i], i == 0));
       out = nb::make_tuple(kind, l);
@@ -703,7 +1083,8 @@ NB_MODULE(_core, m) {
     nb::object tup;
     if (i == 1) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_TimeoutError));
     else if (i == 5) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_ValueError));
-    else if (i == 2) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_KeyError));
+    // NotFoundError: also a ValueError, which vLLM-Omni's callers catch for an unknown connector name.
+    else if (i == 2) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_KeyError), nb::handle(PyExc_ValueError));
     PyObject* e = PyErr_NewException(full.c_str(), tup.is_valid() ? tup.ptr() : bases, nullptr);
     g_exc[i] = e;
     m.attr(names[i]) = nb::handle(e);
@@ -719,19 +1100,25 @@ NB_MODULE(_core, m) {
   // (the subclass supplies `_put_slow`, `_decode`, `_fail` and `default_get_timeout`); the
   // underscored methods are the subclass's building blocks.
   nb::class_<PyConnector>(m, "_Connector")
-      .def("__init__", [](PyConnector* self, const std::string& name, nb::handle extra) {
+      .def("__init__", [](PyConnector* self, const std::string& name, nb::handle extra, bool allow_pickle) {
              Value e = extra.is_none() ? Value(Value::Map{}) : from_py(extra);
              auto c = unwrap(create_connector(name, e));
-             new (self) PyConnector{std::move(c)};
-           }, nb::arg("name"), nb::arg("extra").none())
+             new (self) PyConnector{std::move(c), allow_pickle};
+           }, nb::arg("name"), nb::arg("extra").none(), nb::arg("allow_pickle") = true)
       .def("put", [](nb::handle self, nb::handle from, nb::handle to, nb::handle key, nb::handle data,
-                     nb::handle readers) { return connector_put(self, from, to, key, data, readers); },
+                     nb::handle readers, nb::handle request_id) {
+             return connector_put(self, from, to, key, data, readers, request_id);
+           },
            nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("put_key"), nb::arg("data"), nb::kw_only(),
-           nb::arg("readers").none() = nb::none(),
+           nb::arg("readers").none() = nb::none(), nb::arg("request_id").none() = nb::none(),
            "Publish ``data`` for ``get(from_stage, to_stage, put_key)``; returns ``(success, size, metadata)``.\n\n"
            "``readers``: how many gets may read it (fan-out); the memory is freed after the last one.\n"
-           "Plain numpy arrays travel as one typed tensor; ``Loan`` objects are published in place;\n"
-           "anything else is pickled (protocol 5, buffers out of band).")
+           "``request_id``: ties the put to a request, so that ``cleanup(request_id)`` frees it (chunk\n"
+           "keys of one request); without it only ``cleanup(put_key)`` does.\n"
+           "numpy arrays, torch tensors (any dtype), bytes-likes and trees of dicts, lists, tuples,\n"
+           "str, int, float, bool and None travel as native frames, readable from C++; ``Loan``\n"
+           "objects are published in place; anything else is pickled (protocol 5, buffers out of\n"
+           "band) where ``allow_pickle`` permits.")
       .def("get", [](nb::handle self, nb::handle from, nb::handle to, nb::handle key, nb::handle metadata,
                      nb::handle timeout, bool zero_copy) {
              return connector_get(self, from, to, key, metadata, timeout, zero_copy);
@@ -744,7 +1131,7 @@ NB_MODULE(_core, m) {
            "``zero_copy``: arrays and buffers are read-only views into shared memory that keep the\n"
            "slot alive until dropped; otherwise the data is copied out and the slot freed at once.")
       .def("_put_parts", &put_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("kind"),
-           nb::arg("regions"), nb::arg("readers") = 0)
+           nb::arg("regions"), nb::arg("readers") = 0, nb::arg("request_id").none() = nb::none())
       .def("_get_into_parts", &get_into_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),
            nb::arg("metadata").none(), nb::arg("timeout").none(), nb::arg("out"))
       .def("_loan_array", [](PyConnector& self, const std::string& dtype, std::vector<int64_t> shape) {
@@ -760,11 +1147,18 @@ NB_MODULE(_core, m) {
              spec.shape = std::move(shape);
              return PyLoan{unwrap(self.get().loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1)))};
            })
-      .def("_put_loan", [](PyConnector& self, nb::handle from, nb::handle to, const std::string& key, PyLoan& loan, uint32_t readers) {
-             PutResult pr = unwrap(self.get().put_loan(stage_str(from), stage_str(to), key, std::move(loan.loan), PutOptions{readers}));
+      .def("_put_loan", [](PyConnector& self, nb::handle from, nb::handle to, const std::string& key, PyLoan& loan,
+                           uint32_t readers, nb::handle request_id) {
+             const std::string rid = rid_str(request_id);
+             PutResult pr =
+                 unwrap(self.get().put_loan(stage_str(from), stage_str(to), key, std::move(loan.loan), PutOptions{readers, rid}));
              return nb::make_tuple(pr.size, to_py(pr.metadata));
-           })
+           }, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("loan"), nb::arg("readers") = 0,
+           nb::arg("request_id").none() = nb::none())
       .def("_cleanup", [](PyConnector& self, const std::string& rid) { return self.get().cleanup(rid); })
+      .def("_abandon_get", [](PyConnector& self, const std::string& key) { return self.get().abandon_get(key); })
+      .def("_reap_consumed", [](PyConnector& self) { return self.get().reap_consumed(); })
+      .def_prop_ro("allow_pickle", [](PyConnector& self) { return self.allow_pickle; })
       .def("_health", [](PyConnector& self) {
              if (!self.c) return nb::object(nb::dict());
              return to_py(self.c->health());
@@ -818,7 +1212,7 @@ NB_MODULE(_core, m) {
              if (!st.ok()) raise(st.error());
            }, nb::arg("timeout").none())
       .def("enqueue_parts", &mq_enqueue_parts, nb::arg("kind"), nb::arg("regions"), nb::arg("timeout").none())
-      .def("enqueue_array", &mq_enqueue_array, nb::arg("array"), nb::arg("timeout").none())
+      .def("enqueue_obj", &mq_enqueue_obj, nb::arg("obj"), nb::arg("timeout").none())
       .def("dequeue_parts", &mq_dequeue_parts, nb::arg("timeout").none())
       .def("drop_reader", [](PyMq& self, uint32_t rank) {
              auto st = self.get()->drop_reader(rank);
@@ -838,6 +1232,22 @@ NB_MODULE(_core, m) {
              }
            });
 
+  // A frame as C++ sees it (tree with tensor leaves as (dtype, shape, bytes), and the ext a C++ reader
+  // ignores): what tests use to check that Python payloads are native frames.
+  m.def("_frame_as_cpp_sees_it", [](nb::bytes frame) {
+    auto p = unwrap(decode_frame(std::span<const std::byte>(reinterpret_cast<const std::byte*>(frame.c_str()), frame.size())));
+    std::vector<nb::object> leaves;
+    for (auto& t : p.tensors) {
+      nb::list shape;
+      for (auto d : t.shape) shape.append(d);
+      leaves.push_back(nb::make_tuple(dtype_name(t.dtype), nb::tuple(shape),
+                                      nb::bytes(reinterpret_cast<const char*>(t.data.data()), t.nbytes())));
+    }
+    nb::dict d;
+    d["tree"] = to_py(p.tree, &leaves);
+    d["ext"] = to_py(p.ext);
+    return d;
+  });
   m.def("registered_connectors", &registered_connectors);
   m.def("load_config_file", [](const std::string& path) { return config_dict(unwrap(load_transfer_config_file(path))); });
   m.def("load_config_string", [](const std::string& text, const std::string& source) {

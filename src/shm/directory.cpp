@@ -86,11 +86,8 @@ uint64_t key_hash(std::string_view key) {
   return h ? h : 1;
 }
 
-bool rid_matches(std::string_view put_key, std::string_view rid) {
-  if (rid.empty() || put_key.size() < rid.size() || put_key.substr(0, rid.size()) != rid) return false;
-  if (put_key.size() == rid.size()) return true;
-  unsigned char next = put_key[rid.size()];
-  return !std::isalnum(next);
+bool rid_matches(std::string_view put_key, std::string_view tied_rid, std::string_view rid) {
+  return !rid.empty() && (put_key == rid || tied_rid == rid);
 }
 
 size_t directory_bytes(uint32_t n) { return entries_offset(n) + sizeof(Entry) * size_t(n); }
@@ -219,12 +216,15 @@ void Directory::detach() {
   }
 }
 
-Result<Claim> Directory::reserve(std::string_view key, uint16_t rid_len, uint64_t hash, uint64_t now) {
-  if (key.size() > kKeyMax)  // would overrun the entry's key field into the next entry
-    return make_error(Errc::invalid_argument, "key of " + std::to_string(key.size()) + " bytes; an entry holds " +
-                                                  std::to_string(kKeyMax));
+Result<Claim> Directory::reserve(std::string_view key, uint16_t put_len, std::string_view rid, uint64_t hash,
+                                 uint64_t now, bool replace) {
+  if (key.size() + rid.size() > kKeyMax || put_len > key.size())  // would overrun the entry's key field
+    return make_error(Errc::invalid_argument, "key of " + std::to_string(key.size()) + " bytes and request id of " +
+                                                  std::to_string(rid.size()) + "; an entry holds " +
+                                                  std::to_string(kKeyMax) + " in all");
   const uint32_t n = hdr_->n_entries, mask = n - 1;
   const ProcId me = self_proc();
+  uint32_t replaced = 0;
   for (int attempt = 0; attempt < 16; ++attempt) {
     // One branch-free pass over the window's hash words (one bit per slot), then only the
     // candidates are looked at: slots holding this hash (an unread duplicate?) and empty slots.
@@ -234,11 +234,21 @@ Result<Claim> Directory::reserve(std::string_view key, uint16_t rid_len, uint64_
       Entry& e = entries_[(start + uint32_t(std::countr_zero(match))) & mask];
       Ctl c = Ctl::unpack(e.ctl.load(std::memory_order_acquire));
       if ((c.state == kReady || c.state == kWriting) && e.key_len == key.size() &&
-          std::memcmp(e.key, key.data(), key.size()) == 0)
+          std::memcmp(e.key, key.data(), key.size()) == 0) {
+        // vLLM-Omni's semantics: a new put of an unread key replaces it. Readers that already
+        // claimed it keep their views; the old slot is freed when the last of them releases.
+        if (replace && c.state == kReady) {
+          const uint32_t idx = (start + uint32_t(std::countr_zero(match))) & mask;
+          if (cancel(idx, c.gen)) ++replaced;
+          continue;
+        }
         return make_error(Errc::exists,
                           "key '" + std::string(key) + "' is still in use (" +
                               std::to_string(std::popcount(c.released)) + " of " +
-                              std::to_string(c.readers) + " readers done); reuse it after they finish or cleanup()");
+                              std::to_string(c.readers) + " readers done)" +
+                              (c.state == kWriting ? "; another put of it is in progress"
+                                                   : "; reuse it after they finish or cleanup(), or set on_existing_key: replace"));
+      }
     }
     int64_t free_at = -1;
     for (; empty; empty &= empty - 1) {
@@ -262,13 +272,16 @@ Result<Claim> Directory::reserve(std::string_view key, uint16_t rid_len, uint64_
     e.owner_pid = me.pid;
     e.owner_start = me.start;
     e.key_len = uint16_t(key.size());
-    e.rid_len = rid_len;
+    e.put_len = put_len;
+    e.rid_len = uint16_t(rid.size());
     std::memcpy(e.key, key.data(), key.size());
+    if (!rid.empty()) std::memcpy(e.key + key.size(), rid.data(), rid.size());
     e.created_ns = now;
     hashes_[free_at].store(hash, std::memory_order_release);
     Claim cl;
     cl.idx = uint32_t(free_at);
     cl.gen = next.gen;
+    cl.replaced = replaced;
     return cl;
   }
   return make_error(Errc::exhausted, "directory " + name_ + ": contention reserving key '" + std::string(key) + "'");
@@ -380,6 +393,13 @@ Result<Claim> Directory::claim(uint32_t idx, uint32_t gen, std::string_view key)
   uint64_t w = e.ctl.load(std::memory_order_acquire);
   for (;;) {
     Ctl c = Ctl::unpack(w);
+    // Metadata naming a generation the entry is not at was never issued for what it holds now:
+    // corrupt (never someone else's payload). A freed entry of an older generation is just gone.
+    if (c.gen != gen && !(c.state == kFree && gen < c.gen))
+      return make_error(Errc::corrupt, "metadata of key '" + std::string(key) + "' names generation " +
+                                           std::to_string(gen) + " of entry " + std::to_string(idx) +
+                                           ", which is at generation " + std::to_string(c.gen) +
+                                           " (stale or forged metadata)");
     if (c.gen != gen || (c.state != kReady))
       return make_error(Errc::not_found, "entry of key '" + std::string(key) + "' is gone (consumed, cancelled or reclaimed)");
     if (e.key_len != key.size() || std::memcmp(e.key, key.data(), key.size()) != 0)
@@ -418,10 +438,18 @@ std::optional<Claim> Directory::try_claim_key(std::string_view key, uint64_t has
   return std::nullopt;
 }
 
-Result<Claim> Directory::wait_claim_key(std::string_view key, uint64_t hash, uint64_t deadline_ns) {
+void Directory::wake_getters() {
+  hdr_->publish_seq.fetch_add(1, std::memory_order_seq_cst);
+  if (hdr_->publish_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->publish_seq);
+}
+
+Result<Claim> Directory::wait_claim_key(std::string_view key, uint64_t hash, uint64_t deadline_ns,
+                                        const std::atomic<uint32_t>* stop) {
   for (int spin = 0;; ++spin) {
     uint32_t seq = hdr_->publish_seq.load(std::memory_order_acquire);
     if (auto c = try_claim_key(key, hash)) return *c;
+    if (stop && stop->load(std::memory_order_acquire))
+      return make_error(Errc::cancelled, "get of key '" + std::string(key) + "' was abandoned");
     if (deadline_ns == 0 || mono_ns() >= deadline_ns)
       return make_error(deadline_ns == 0 ? Errc::not_found : Errc::timeout,
                         "key '" + std::string(key) + "' was not published" +
@@ -487,7 +515,10 @@ size_t Directory::cancel_request(std::string_view rid) {
     Entry& e = entries_[j];
     Ctl c = Ctl::unpack(e.ctl.load(std::memory_order_acquire));
     if (c.state != kReady) continue;
-    if (!rid_matches(std::string_view(e.key, std::min<size_t>(e.rid_len, kKeyMax)), rid)) continue;
+    const size_t klen = std::min<size_t>(e.key_len, kKeyMax);
+    const std::string_view put_key(e.key, std::min<size_t>(e.put_len, klen));
+    const std::string_view tied(e.key + klen, std::min<size_t>(e.rid_len, kKeyMax - klen));
+    if (!rid_matches(put_key, tied, rid)) continue;
     if (cancel(j, c.gen)) ++n;
   }
   return n;

@@ -26,7 +26,7 @@
 namespace stagelink::shm {
 
 inline constexpr uint32_t kDirMagic = 0x52444c53;  // "SLDR"
-inline constexpr uint32_t kDirVersion = 1;
+inline constexpr uint32_t kDirVersion = 2;  // 2: entries carry an explicit request id
 inline constexpr size_t kMaxAttach = 256;
 inline constexpr size_t kMaxArenas = 256;
 inline constexpr size_t kKeyMax = 232;
@@ -72,7 +72,9 @@ struct alignas(64) Entry {
   uint32_t arena;
   uint64_t owner_start;
   uint32_t arena_gen;
-  uint16_t key_len, rid_len;
+  // key[0, key_len): the internal key "put_key@from_to", whose first put_len bytes are the put key;
+  // key[key_len, key_len + rid_len): the request the put was tied to (put(..., request_id)), if any.
+  uint16_t key_len, put_len, rid_len;
   uint64_t offset, length;
   uint64_t created_ns;  // monotonic
   struct Reader {
@@ -102,6 +104,7 @@ struct Claim {
   uint32_t idx = 0, gen = 0, slot = 0;
   uint32_t arena = 0, arena_gen = 0;
   uint64_t offset = 0, length = 0;
+  uint32_t replaced = 0;  // reserve: unread entries of the same key this put cancelled
 };
 
 uint64_t key_hash(std::string_view key);
@@ -114,7 +117,9 @@ struct ProbeMasks {
 };
 ProbeMasks probe_window(const std::atomic<uint64_t>* hashes, uint32_t mask, uint32_t start, uint64_t hash,
                         bool simd = true);
-bool rid_matches(std::string_view put_key, std::string_view request_id);
+// Whether an entry belongs to request `rid`: its put key is exactly `rid`, or it was tied to `rid`
+// at put time. Nothing else (no prefix matching: "X" never frees "X_1" unless tied).
+bool rid_matches(std::string_view put_key, std::string_view tied_rid, std::string_view rid);
 
 class Directory {
  public:
@@ -137,8 +142,12 @@ class Directory {
   DirHeader& header() { return *hdr_; }
 
   // Producer side.
-  // -> WRITING. `now`: mono_ns() of the caller, recorded as the entry's creation time.
-  Result<Claim> reserve(std::string_view key, uint16_t rid_len, uint64_t hash, uint64_t now);
+  // -> WRITING. `now`: mono_ns() of the caller, recorded as the entry's creation time. `put_len`:
+  // length of the put key at the start of `key`; `rid`: the request it is tied to ("" for none).
+  // An unread (READY) entry of the same key is cancelled and replaced when `replace`, else the put
+  // fails with `exists`; an entry still being written always fails with `exists`.
+  Result<Claim> reserve(std::string_view key, uint16_t put_len, std::string_view rid, uint64_t hash, uint64_t now,
+                        bool replace = true);
   void publish(const Claim& c, uint8_t readers);                               // -> READY
   void abandon(const Claim& c);                                                // WRITING -> FREE
   bool is_done(uint32_t idx, uint32_t gen);
@@ -154,12 +163,16 @@ class Directory {
   // Reader side.
   std::optional<Claim> try_claim_key(std::string_view key, uint64_t hash);
   Result<Claim> claim(uint32_t idx, uint32_t gen, std::string_view key);
-  Result<Claim> wait_claim_key(std::string_view key, uint64_t hash, uint64_t deadline_ns);
+  // `stop`: checked after every wake-up; when it returns true the wait ends with `cancelled`.
+  Result<Claim> wait_claim_key(std::string_view key, uint64_t hash, uint64_t deadline_ns,
+                               const std::atomic<uint32_t>* stop = nullptr);
+  // Wake every getter sleeping in wait_claim_key (they re-check and sleep again unless stopped).
+  void wake_getters();
   void release(const Claim& c);
   // Map an arena for reading (cached per process unless dedicated).
   Result<std::shared_ptr<Segment>> map_arena(uint32_t idx, uint32_t gen);
 
-  // Cancel every entry whose put key matches request_id. Returns the count.
+  // Cancel every entry of request_id (rid_matches). Returns the count.
   size_t cancel_request(std::string_view request_id);
   // Reclaim what dead processes hold in this directory. Returns what was removed.
   std::vector<std::string> reap();

@@ -178,8 +178,13 @@ TEST(Shm, ProbeWindowSimdAgreesWithThePortableLoop) {
   }
 }
 
-TEST(Shm, KeyReuseBeforeReadIsAnError) {
-  auto c = make(extra(unique_ns("reuse")));
+Value with(Value e, const char* k, Value v) {
+  e.as<Value::Map>().emplace_back(k, std::move(v));
+  return e;
+}
+
+TEST(Shm, KeyReuseBeforeReadIsAnErrorWhenAskedFor) {
+  auto c = make(with(extra(unique_ns("reuse")), "on_existing_key", "error"));
   ASSERT_TRUE(c->put("0", "1", "k", Payload{}).ok());
   auto again = c->put("0", "1", "k", Payload{});
   ASSERT_FALSE(again.ok());
@@ -257,10 +262,18 @@ TEST(Shm, CleanupAndCloseFreeEverything) {
   const std::string ns = unique_ns("clean");
   auto c = make(extra(ns));
   std::vector<std::byte> d(100000);
-  for (auto k : {"req1", "req1_c1", "req1-c2", "req10", "req2"}) ASSERT_TRUE(c->put("0", "1", k, payload_of(d, 0)).ok());
-  EXPECT_EQ(c->cleanup("req1"), 3u);  // req1, req1_c1, req1-c2; not req10
+  PutOptions tied;
+  tied.request_id = "req1";
+  for (auto k : {"req1_c1", "chunk-7"}) ASSERT_TRUE(c->put("0", "1", k, payload_of(d, 0), tied).ok());
+  for (auto k : {"req1", "req1_1_0_0", "req1_suffix_0_0", "req1-c2", "req10", "req2"})
+    ASSERT_TRUE(c->put("0", "1", k, payload_of(d, 0)).ok());
+  // Exact: the key equal to the id and the puts tied to it. Regression: every key starting with
+  // "req1" and a separator was freed, losing other requests' data.
+  EXPECT_EQ(c->cleanup("req1"), 3u);  // req1, req1_c1 and chunk-7 (tied)
   EXPECT_FALSE(c->get("0", "1", "req1_c1", nullptr).ok());
-  EXPECT_TRUE(c->get("0", "1", "req10", nullptr).ok());
+  EXPECT_FALSE(c->get("0", "1", "chunk-7", nullptr).ok());
+  for (auto k : {"req1_1_0_0", "req1_suffix_0_0", "req1-c2", "req10"}) EXPECT_TRUE(c->get("0", "1", k, nullptr).ok()) << k;
+  EXPECT_EQ(c->cleanup("req1_c1"), 0u);  // already gone
   EXPECT_EQ(c->health().find("outstanding")->as<uint64_t>(), 1u);  // req2
   EXPECT_GT(files_with(ns), 0u);
   c->close();
@@ -318,10 +331,22 @@ TEST(Shm, BadMetadataIsCorruptNotACrash) {
   md.emplace_back("gen", uint64_t(1));
   const Value out_of_range(md), not_a_map("nonsense");
   EXPECT_EQ(c->get("0", "1", "k", &out_of_range).error().code, Errc::corrupt);
-  EXPECT_EQ(c->get("0", "1", "k", &not_a_map).error().code, Errc::corrupt);
   // Metadata of key k used to get another key: the entry holds a different key.
   auto r2 = c->put("0", "1", "other", payload_of(d, 0));
   EXPECT_EQ(c->get("0", "1", "other", &r->metadata).error().code, Errc::corrupt);
+  // Our metadata naming a generation the entry never had: corrupt, not the payload it holds.
+  for (int64_t delta : {1, -1}) {
+    Value::Map g = r->metadata.as<Value::Map>();
+    for (auto& [key, v] : g)
+      if (key == "gen") v = Value(uint64_t(int64_t(v.as<uint64_t>()) + delta));
+    const Value wrong_gen(g);
+    EXPECT_EQ(c->get("0", "1", "k", &wrong_gen).error().code, Errc::corrupt) << delta;
+  }
+  Value::Map no_gen = r->metadata.as<Value::Map>();
+  std::erase_if(no_gen, [](auto& kv) { return kv.first == "gen"; });
+  const Value half(no_gen);
+  EXPECT_EQ(c->get("0", "1", "k", &half).error().code, Errc::corrupt);  // ours, incomplete
+  (void)not_a_map;
   // Corrupt inline bytes.
   Value::Map bad = r2->metadata.as<Value::Map>();
   bad.emplace_back("inline", Value(Value::Bytes(10, std::byte{1})));
@@ -348,7 +373,14 @@ TEST(Shm, BadMetadataIsCorruptNotACrash) {
   auto too_long = c->put(stage, stage, long_key, Payload{});
   ASSERT_FALSE(too_long.ok());
   EXPECT_EQ(too_long.error().code, Errc::invalid_argument);
-  EXPECT_NE(too_long.error().message.find("internal key"), std::string::npos) << too_long.error().message;
+  EXPECT_NE(too_long.error().message.find("directory entry"), std::string::npos) << too_long.error().message;
+  // The same bound counts the request id a put is tied to (stored beside the key).
+  PutOptions tied;
+  const std::string rid(100, 'r');
+  tied.request_id = rid;
+  EXPECT_EQ(c->put(stage, "1", std::string(130, 'k'), Payload{}, tied).error().code, Errc::invalid_argument);
+  tied.request_id = "../x";
+  EXPECT_EQ(c->put("0", "1", "k3", Payload{}, tied).error().code, Errc::invalid_argument);
   EXPECT_TRUE(c->put(stage, "1", std::string(160, 'k'), Payload{}).ok());  // 227 bytes: fits
   EXPECT_EQ(c->put("0/x", "1", "k2", Payload{}).error().code, Errc::invalid_argument);
 }
@@ -529,4 +561,92 @@ TEST(Shm, FullShmDirectoryIsExhaustedNotSigbus) {
   }
   umount(dir.c_str());
   rmdir(dir.c_str());
+}
+
+// vLLM-Omni: a put of a key whose payload is unread replaces it. A reader already holding a view
+// keeps the old payload; its slot is freed when the view goes.
+TEST(Shm, PutReplacesAnUnreadKeyAndHeldViewsKeepTheOldPayload) {
+  const std::string ns = unique_ns("repl");
+  auto c = make(extra(ns));
+  auto r = make(extra(ns));
+  const auto v1 = pattern(300000, 1), v2 = pattern(300000, 2), v3 = pattern(300000, 3);
+  PutOptions two;
+  two.readers = 2;
+  ASSERT_TRUE(c->put("0", "1", "k", payload_of(v1, 1), two).ok());
+  auto view = r->get("0", "1", "k", nullptr, kNoWait, GetOptions{true});  // 1 of 2 readers
+  ASSERT_TRUE(view.ok());
+  ASSERT_TRUE(c->put("0", "1", "k", payload_of(v2, 2)).ok());  // replaces the unread rest
+  ASSERT_TRUE(c->put("0", "1", "k", payload_of(v3, 3)).ok());  // and again
+  auto got = r->get("0", "1", "k", nullptr);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(checksum(got->payload.tensors[0].data), checksum(v3));
+  EXPECT_EQ(r->get("0", "1", "k", nullptr).error().code, Errc::not_found);  // one payload, read once
+  EXPECT_EQ(checksum(view->payload.tensors[0].data), checksum(v1));  // the view still reads v1
+  EXPECT_EQ(c->reap_consumed(), 2u);  // v2 (cancelled, unread) and v3 (read); v1 is held
+  EXPECT_EQ(c->health().find("outstanding")->as<uint64_t>(), 1u);
+  EXPECT_EQ(c->health().find("replaced")->as<uint64_t>(), 2u);
+  view = Result<GetResult>(make_error(Errc::cancelled, "dropped"));  // drop the view
+  EXPECT_EQ(c->reap_consumed(), 1u);
+  EXPECT_EQ(c->health().find("outstanding")->as<uint64_t>(), 0u);
+  auto bad = create_connector("SharedMemoryConnector", with(extra(ns), "on_existing_key", "sometimes"));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().code, Errc::invalid_argument);
+}
+
+// vLLM-Omni's callers pass whatever metadata their orchestrator holds: another connector's (a
+// transfer-engine dict), an empty dict, a wrapped {key: metadata}. None of it is ours to refuse.
+TEST(Shm, MetadataOfAnotherConnectorFallsBackToTheKey) {
+  auto c = make(extra(unique_ns("foreign")));
+  Value::Map te;
+  te.emplace_back("source_host", "10.0.0.2");
+  te.emplace_back("source_port", uint64_t(15500));
+  te.emplace_back("data_size", uint64_t(4096));
+  te.emplace_back("is_fast_path", true);
+  const Value foreign(te), empty(Value::Map{}), text("not a map"), nil;
+  int n = 0;
+  for (const Value* md : {&foreign, &empty, &text, &nil}) {
+    const auto d = pattern(1000 + 70000 * (n % 2), n);
+    auto put = c->put("0", "1", "k", payload_of(d, 0));
+    ASSERT_TRUE(put.ok());
+    auto got = c->get("0", "1", "k", md);
+    ASSERT_TRUE(got.ok()) << n << ": " << got.error().message;
+    EXPECT_EQ(checksum(got->payload.tensors[0].data), checksum(d));
+    ++n;
+  }
+  EXPECT_EQ(c->get("0", "1", "k", &foreign).error().code, Errc::not_found);  // one attempt, as without
+  auto t0 = Clock::now();
+  EXPECT_EQ(c->get("0", "1", "k", &foreign, deadline_after(0.1)).error().code, Errc::timeout);
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(90));
+  for (size_t size : {1000u, 200000u}) {  // inline and in the arena
+    const auto d = pattern(size, 9);
+    auto put = c->put("0", "1", "w", payload_of(d, 0));
+    ASSERT_TRUE(put.ok());
+    Value::Map wrapped;
+    wrapped.emplace_back("w", put->metadata);
+    const Value w(wrapped);
+    auto got = c->get("0", "1", "w", &w);
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_EQ(checksum(got->payload.tensors[0].data), checksum(d));
+  }
+}
+
+TEST(Shm, AbandonGetAndCloseEndABlockedGet) {
+  auto c = make(extra(unique_ns("abandon")));
+  for (int round = 0; round < 2; ++round) {
+    Result<GetResult> got = make_error(Errc::io, "not run");
+    const auto t0 = Clock::now();
+    std::thread t([&] { got = c->get("0", "1", "never", nullptr, deadline_after(20)); });
+    size_t woken = 0;
+    for (int i = 0; i < 200 && !woken; ++i) {  // until the get is blocked
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      if (round == 0) woken = c->abandon_get("never");
+      else if (i == 20) { c->close(); woken = 1; }
+    }
+    t.join();
+    EXPECT_EQ(woken, 1u);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.error().code, Errc::cancelled) << got.error().message;
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  }
+  EXPECT_EQ(c->abandon_get("nobody"), 0u);
 }

@@ -1,0 +1,250 @@
+"""vLLM-Omni parity: exact cleanup, foreign metadata, replacement, the rest of the base contract,
+native payloads (no pickle) and allow_pickle."""
+import multiprocessing as mp
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import stagelink
+from stagelink import _core
+
+
+
+def shm(ns, **kw):
+    extra = {"namespace": ns, "arena_bytes": 64 << 20}
+    extra.update(kw)
+    return stagelink.create_connector("SharedMemoryConnector", extra)
+
+
+# ---- contract and data safety ----
+
+def _tied_producer(ns, q):
+    with shm(ns) as c:
+        for k in ("X", "X_1_0_0", "X_suffix_0_0", "Xa"):
+            assert c.put(0, 1, k, np.full(1000, 7, np.uint8))[0]
+        for i in range(3):
+            assert c.put(0, 1, f"chunk{i}", b"c" * 200000, request_id="X")[0]
+        q.put("ready")
+        q.get(timeout=30)  # keep the producer (owner of the arena) alive while the test reads
+
+
+def test_cleanup_is_exact_across_processes(ns):
+    """Regression: cleanup("X") freed X_1_0_0 and X_suffix_0_0, which may be other requests'."""
+    ctx = mp.get_context("fork")
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_tied_producer, args=(ns, q))
+    p.start()
+    try:
+        assert q.get(timeout=30) == "ready"
+        with shm(ns) as c:
+            assert c.cleanup("X") == 4  # X and the three chunks tied to it
+            for k in ("X", "chunk0", "chunk1", "chunk2"):
+                assert c.get(0, 1, k) is None, k
+            for k in ("X_1_0_0", "X_suffix_0_0", "Xa"):
+                got = c.get(0, 1, k)
+                assert got is not None and got[0][0] == 7, k
+    finally:
+        q.put("done")
+        p.join(30)
+    assert p.exitcode == 0
+
+
+def test_foreign_empty_and_wrapped_metadata_fall_back_to_the_key(ns):
+    te_meta = {"source_host": "10.0.0.2", "source_port": 15500, "data_size": 4096, "is_fast_path": True}
+    with shm(ns) as c:
+        for i, md in enumerate([te_meta, {}, "not a dict", 42, None]):
+            arr = np.arange(100 + 30000 * (i % 2), dtype=np.int32)
+            assert c.put(0, 1, "k", arr)[0]
+            got = c.get(0, 1, "k", md)
+            assert got is not None, (md, c.last_error)
+            assert np.array_equal(got[0], arr)
+        assert c.get(0, 1, "k", te_meta) is None and c.last_error is None  # absent: None, no error
+        for size in (100, 200000):
+            ok, _, meta = c.put(0, 1, "w", np.ones(size, np.uint8))
+            got = c.get(0, 1, "w", {"w": meta})  # wrapped as {get_key: metadata}
+            assert got is not None and got[0].size == size
+
+
+def test_our_inconsistent_metadata_is_corrupt_never_another_payload(ns):
+    with shm(ns, strict=True) as c:
+        _, _, meta = c.put(0, 1, "k", np.ones(100000, np.uint8))
+        for bad in ({**meta, "gen": meta["gen"] + 1}, {**meta, "gen": meta["gen"] + 7},
+                    {**meta, "entry": 10 ** 9}, {"entry": meta["entry"]}):
+            with pytest.raises(stagelink.CorruptError):
+                c.get(0, 1, "k", bad)
+        c.put(0, 1, "other", np.zeros(100000, np.uint8))
+        with pytest.raises(stagelink.CorruptError, match="another key"):
+            c.get(0, 1, "other", meta)
+        assert c.get(0, 1, "k", meta)[0][0] == 1
+
+
+def test_put_replaces_an_unread_key_and_a_held_view_keeps_the_old_payload(ns):
+    with shm(ns) as c, shm(ns) as r:
+        assert c.put(0, 1, "k", np.full(100000, 1, np.uint8), readers=2)[0]
+        view, _ = r.get(0, 1, "k", zero_copy=True)  # one of two readers holds a view
+        assert c.put(0, 1, "k", np.full(100000, 2, np.uint8))[0]
+        assert c.put(0, 1, "k", np.full(100000, 3, np.uint8))[0]
+        got, _ = r.get(0, 1, "k")
+        assert got[0] == 3 and r.get(0, 1, "k") is None
+        assert view[0] == 1 and view[-1] == 1  # the old payload, intact
+        assert c.health()["replaced"] == 2
+        assert c.health()["outstanding"] == 1  # v1, held by the view
+        del view
+        assert c.reap_consumed() == 1
+        assert c.health()["outstanding"] == 0
+    with shm(ns, on_existing_key="error") as c:
+        assert c.put(0, 1, "k", b"x")[0]
+        ok, _, _ = c.put(0, 1, "k", b"y")
+        assert not ok and isinstance(c.last_error, stagelink.KeyInUseError)
+        assert c.get(0, 1, "k")[0] == b"x"
+
+
+def test_get_with_deadline_abandon_get_reap_consumed_and_class_attributes(ns):
+    assert stagelink.Connector.supports_raw_data is False
+    with shm(ns) as c:
+        assert c.put(0, 1, "k", b"abc")[0]
+        assert c.get_with_deadline(0, 1, "k", None, time.monotonic() - 1) is None  # expired: not read
+        assert c.get_with_deadline(0, 1, "k", deadline=time.monotonic() + 5) == (b"abc", c.health()["bytes_transferred"] // 2)
+        t0 = time.monotonic()
+        assert c.get_with_deadline(0, 1, "absent", deadline=time.monotonic() + 0.2) is None
+        assert 0.18 <= time.monotonic() - t0 < 3
+        with pytest.raises(TypeError):
+            c.get_with_deadline(0, 1, "k")
+        # abandon_get wakes a get blocked in another thread; it returns None at once.
+        out = []
+        th = threading.Thread(target=lambda: out.append(c.get(0, 1, "never", timeout=30)))
+        t0 = time.monotonic()
+        th.start()
+        woken = 0
+        while not woken and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+            woken = c.abandon_get("never")
+        th.join(10)
+        assert woken == 1 and out == [None] and time.monotonic() - t0 < 5
+        assert c.abandon_get("nobody") == 0
+        assert c.put(0, 1, "r", b"x" * 100000)[0]
+        assert c.get(0, 1, "r") is not None
+        assert c.reap_consumed() == 1 and c.reap_consumed() == 0
+
+
+def test_unknown_connector_name_is_not_found_and_value_error():
+    with pytest.raises(stagelink.NotFoundError) as e:
+        stagelink.create_connector("NoSuchConnector")
+    assert isinstance(e.value, ValueError) and isinstance(e.value, stagelink.StagelinkError)
+
+
+# ---- payloads: native frames, no pickle ----
+
+def roundtrip(c, data, zero_copy=False, key="k"):
+    ok, size, meta = c.put(0, 1, key, data)
+    assert ok, c.last_error
+    got = c.get(0, 1, key, meta, zero_copy=zero_copy)
+    assert got is not None, c.last_error
+    return got[0], meta
+
+
+def cpp_view(meta):
+    return _core._frame_as_cpp_sees_it(meta["inline"])
+
+
+def test_trees_bytes_and_numpy_travel_without_pickle(ns):
+    tree = {"hidden": np.arange(12, dtype=np.float32).reshape(3, 4), "ids": list(range(300)), "t": (1, "a", None),
+            "nested": [{"x": 1.5, "flag": True}, (b"raw", bytearray(b"ba"))], "big": 2 ** 63 + 5, "neg": -3,
+            "scalar": np.array(2.5), "npscalar": np.float32(1.5), "s": "h\u00e9llo"}
+    with shm(ns, allow_pickle=False) as c:  # nothing here may need pickle
+        got, meta = roundtrip(c, tree)
+        assert got.keys() == tree.keys()
+        assert np.array_equal(got["hidden"], tree["hidden"]) and got["hidden"].dtype == np.float32
+        assert got["ids"] == tree["ids"] and type(got["ids"]) is list
+        assert got["t"] == (1, "a", None) and type(got["t"]) is tuple
+        assert got["nested"][0] == {"x": 1.5, "flag": True}
+        assert type(got["nested"][1]) is tuple and got["nested"][1][0] == b"raw"
+        assert type(got["nested"][1][0]) is bytes and type(got["nested"][1][1]) is bytearray
+        assert got["big"] == 2 ** 63 + 5 and got["neg"] == -3 and got["s"] == "h\u00e9llo"
+        assert isinstance(got["scalar"], np.ndarray) and got["scalar"].shape == () and got["scalar"] == 2.5
+        assert type(got["npscalar"]) is np.float32 and got["npscalar"] == 1.5
+        # What a C++ stage reads: the same tree, tensors typed, no pickle anywhere.
+        view = cpp_view(meta)
+        assert "pickle" not in (view["ext"] or {})
+        assert view["tree"]["ids"] == list(range(300))
+        assert view["tree"]["hidden"][0] == "float32" and view["tree"]["hidden"][1] == (3, 4)
+        assert view["tree"]["nested"][1][0] == ("uint8", (3,), b"raw")
+        for data in (b"x" * 300000, bytearray(b"y" * 10), memoryview(b"z" * 5)):
+            got, _ = roundtrip(c, data)
+            assert type(got) is type(data) and bytes(got) == bytes(data)
+        got, _ = roundtrip(c, b"q" * 300000, zero_copy=True)
+        assert isinstance(got, memoryview) and got.readonly and got.tobytes() == b"q" * 300000
+        ro = np.arange(10)
+        ro.flags.writeable = False
+        got, _ = roundtrip(c, ro)
+        assert not got.flags.writeable and np.array_equal(got, ro)
+        got, _ = roundtrip(c, np.arange(20).reshape(4, 5)[:, 1])  # strided: copied contiguous
+        assert np.array_equal(got, [1, 6, 11, 16])
+        assert roundtrip(c, np.arange(10))[0].flags.writeable
+
+
+def test_torch_tensors_keep_what_they_are(ns):
+    torch = pytest.importorskip("torch")
+    with shm(ns, allow_pickle=False) as c:
+        for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool,
+                   torch.complex64, torch.float64, torch.int8):
+            t = (torch.arange(24) % 2 if dt is torch.bool else torch.arange(24)).to(dt).reshape(2, 3, 4)
+            got, meta = roundtrip(c, t)
+            assert isinstance(got, torch.Tensor) and got.dtype == dt and got.shape == t.shape
+            assert torch.equal(got, t), dt
+        assert cpp_view(meta)["tree"][0] == "int8"  # a C++ stage sees a typed tensor
+        p = torch.nn.Parameter(torch.ones(3, 2))
+        got, _ = roundtrip(c, p)
+        assert type(got) is torch.nn.Parameter and got.requires_grad and torch.equal(got.detach(), p.detach())
+        g = torch.ones(4, requires_grad=True) * 2
+        got, _ = roundtrip(c, g)
+        assert got.requires_grad and type(got) is torch.Tensor and torch.equal(got.detach(), g.detach())
+        assert not roundtrip(c, torch.ones(2))[0].requires_grad
+        z = torch.tensor([1 + 2j, 3 - 1j])
+        got, _ = roundtrip(c, z.conj())  # a lazy conjugate view: resolved, not refused
+        assert torch.equal(got, torch.tensor([1 - 2j, 3 + 1j])) and not got.is_conj()
+        got, _ = roundtrip(c, torch.tensor([1 + 2j]).conj().imag)  # a negative view
+        assert torch.equal(got, torch.tensor([-2.0]))
+        got, _ = roundtrip(c, torch.arange(12).reshape(3, 4).t())  # non-contiguous
+        assert torch.equal(got, torch.arange(12).reshape(3, 4).t())
+        got, _ = roundtrip(c, torch.tensor(5.0))
+        assert got.shape == () and got.item() == 5.0
+        big = torch.randn(1 << 18).to(torch.bfloat16)
+        got, _ = roundtrip(c, {"hidden": big, "ids": list(range(300))}, zero_copy=True)
+        assert torch.equal(got["hidden"], big) and got["ids"] == list(range(300))
+
+
+def test_the_queue_keeps_types_too(mq_clean):
+    torch = pytest.importorskip("torch")
+    w = stagelink.MessageQueue(1, 1)
+    r = stagelink.MessageQueue.create_from_handle(w.export_handle(), 0)
+    try:
+        w.wait_until_ready(5)
+        ro = np.arange(5)
+        ro.flags.writeable = False
+        msg = {"p": torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16)), "t": (1, 2), "b": b"x", "ro": ro}
+        w.enqueue(msg)
+        got = r.dequeue(timeout=5)
+        assert type(got["p"]) is torch.nn.Parameter and got["p"].dtype == torch.bfloat16
+        assert got["t"] == (1, 2) and got["b"] == b"x" and not got["ro"].flags.writeable
+        w.enqueue({1, 2})  # no native frame: pickled
+        assert r.dequeue(timeout=5) == {1, 2}
+    finally:
+        r.close()
+        w.close()
+
+
+def test_allow_pickle_off_refuses_at_put_and_at_get(ns):
+    with shm(ns) as producer, shm(ns, allow_pickle=False) as strict_reader:
+        ok, _, meta = producer.put(0, 1, "obj", {"s": {1, 2}})  # a set needs pickle; allowed here
+        assert ok and cpp_view(meta)["ext"]["pickle"] == 0
+        assert strict_reader.get(0, 1, "obj", meta) is None
+        assert isinstance(strict_reader.last_error, stagelink.CorruptError)
+        assert "allow_pickle" in str(strict_reader.last_error)
+        ok, _, _ = strict_reader.put(0, 1, "obj2", {"s": {1, 2}})
+        assert not ok and isinstance(strict_reader.last_error, stagelink.InvalidArgumentError)
+        assert "set" in str(strict_reader.last_error) and "allow_pickle" in str(strict_reader.last_error)
+        ok, _, meta = producer.put(0, 1, "obj3", {"s": {1, 2}})
+        assert producer.get(0, 1, "obj3", meta)[0] == {"s": {1, 2}}  # default on: unpickled
