@@ -42,6 +42,9 @@ struct GetOptions {
   // metadata's bytes (no copy, no keepalive); the caller keeps the metadata alive and unchanged
   // while it uses them. Bindings that copy the result out at once use it.
   bool view_metadata = false;
+  // With zero_copy: leave the tree as msgpack bytes in Payload::packed_tree (valid while the
+  // tensors are) instead of building it; for bindings that build their own objects from it.
+  bool raw_tree = false;
 };
 
 struct GetResult {

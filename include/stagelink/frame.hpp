@@ -80,7 +80,10 @@ Result<Payload> decode_frame(std::span<const std::byte> buf,
 Result<Payload> decode_frame_copy(std::span<const std::byte> buf);
 // As decode_frame / decode_frame_copy, into `out` (replaced; on error its contents are
 // unspecified): no Payload moves on hot paths.
-Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const void> keepalive, Payload& out);
+// build_tree false: the tree is left nil and Payload::packed_tree views its msgpack bytes in `buf`
+// (tensor references are then unchecked: the caller bounds them by tensors.size()).
+Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const void> keepalive, Payload& out,
+                         bool build_tree = true);
 Status decode_frame_copy_into(std::span<const std::byte> buf, Payload& out);
 
 }  // namespace stagelink

@@ -94,6 +94,12 @@ struct Payload {
   // Python binding records tuples, torch tensors, bytes and pickled objects here; other readers
   // ignore it and see the plain tree and tensors. Travels as the frame header's "p" entry.
   Value ext;
+  // The tree as msgpack bytes, for bindings that build their own objects without a Value tree:
+  // on put, when not empty, it is written instead of `tree` (tensor references as ext type 1,
+  // big-endian u32; the caller keeps the bytes alive for the call); on a decode that was asked
+  // not to build the tree (decode_frame_into's build_tree, GetOptions::raw_tree) it views the
+  // frame's bytes and lives as long as they do. Nobody else needs it.
+  std::span<const std::byte> packed_tree;
   // Total bytes of the tensor regions.
   size_t tensor_bytes() const;
 };

@@ -149,6 +149,92 @@ def bench_python(sizes, iters, ns, arena_bytes, progress=None):
     return rows
 
 
+def _payload_cases():
+    """(name, object, the numpy peer's name) for the payload-kind table."""
+    cases = [("numpy float32[256] (1 KiB)", np.ones(256, np.float32)),
+             ("bytes 1 KiB", b"x" * 1024),
+             ("dict {hidden: numpy 1 KiB, ids: [300 ints]}", {"hidden": np.ones(256, np.float32), "ids": list(range(300))})]
+    try:
+        import torch
+    except ImportError:
+        return cases
+    cases[1:1] = [("torch float32[256] (1 KiB)", torch.ones(256)),
+                  ("torch bfloat16[512] (1 KiB)", torch.ones(512, dtype=torch.bfloat16))]
+    cases.append(("dict {hidden: torch 1 KiB, ids: [300 ints]}", {"hidden": torch.ones(256), "ids": list(range(300))}))
+    return cases
+
+
+def bench_payloads(ns, iters=3000, big=186 << 20, progress=None):
+    """Python put+get per payload kind, native frames against the pickle path (what stagelink did
+    before, and what vLLM-Omni's connector does) in the same run; then a get of ``big`` bytes."""
+    from . import _serde
+
+    c = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": max(64 << 20, 2 * big + (8 << 20))})
+    r = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
+    rows = []
+
+    def timed(put, n, zero_copy=False):
+        tp, tg = [], []
+        for i in range(-20, n):
+            t0 = time.perf_counter()
+            ok, _, meta = put(f"pk{i}")
+            t1 = time.perf_counter()
+            got = r.get(0, 1, f"pk{i}", meta, zero_copy=zero_copy)
+            t2 = time.perf_counter()
+            assert ok and got is not None
+            del got
+            if i >= 0:
+                tp.append((t1 - t0) * 1e6)
+                tg.append((t2 - t1) * 1e6)
+        return _stat(tp), _stat(tg)
+
+    def pickled(key, obj):
+        kind, regions = _serde.encode(obj)
+        size, meta = c._put_parts(0, 1, key, kind, regions, 0)
+        return True, size, meta
+
+    for name, obj in _payload_cases():
+        nat_p, nat_g = timed(lambda k: c.put(0, 1, k, obj), iters)
+        pk_p, pk_g = timed(lambda k: pickled(k, obj), iters)
+        rows.append({"payload": name, "native_put": nat_p, "native_get": nat_g, "pickle_put": pk_p, "pickle_get": pk_g})
+        if progress:
+            progress(f"payload {name} done")
+    arr = np.full(big, 7, np.uint8)
+    data = arr.tobytes()
+    n = 7
+    rows_big = {}
+    for label, obj, zc in (("numpy", arr, False), ("bytes", data, False), ("bytes zero_copy", data, True)):
+        rows_big[label] = timed(lambda k: c.put(0, 1, k, obj), n, zero_copy=zc)[1]
+    del data
+    rows.append({"payload": f"get of {big >> 20} MiB", "big_get": rows_big})
+    c.close()
+    r.close()
+    return rows
+
+
+def print_payloads(rows, out=sys.stdout):
+    m = lambda d: d["median_us"]  # noqa: E731
+    ref = None
+    print("\npayload kinds, Python put+get in one process (medians, us); pickle = the same object through "
+          "pickle-5 (stagelink's old path, vLLM-Omni's design)", file=out)
+    hdr = f"{'payload':<46} | {'put':>7} {'get':>7} {'p+g':>7} {'vs numpy':>8} | {'pickle p+g':>10} {'speed-up':>8}"
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+    for row in rows:
+        if "big_get" in row:
+            b = row["big_get"]
+            print(f"\n{row['payload']}: numpy {m(b['numpy']) / 1e3:.1f} ms, bytes {m(b['bytes']) / 1e3:.1f} ms "
+                  f"({m(b['bytes']) / m(b['numpy']):.2f}x), bytes zero_copy (memoryview) "
+                  f"{m(b['bytes zero_copy']) / 1e3:.3f} ms ({m(b['bytes zero_copy']) / m(b['numpy']):.3f}x)", file=out)
+            continue
+        pg = m(row["native_put"]) + m(row["native_get"])
+        if ref is None:
+            ref = pg
+        pk = m(row["pickle_put"]) + m(row["pickle_get"])
+        print(f"{row['payload']:<46} | {m(row['native_put']):7.2f} {m(row['native_get']):7.2f} {pg:7.2f} "
+              f"{pg / ref:7.2f}x | {pk:10.2f} {pk / pg:7.1f}x", file=out)
+
+
 def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
     sizes = sizes or DEFAULT_SIZES
     ns = f"bench{os.getpid()}"
@@ -158,6 +244,8 @@ def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
     cpp = _core.bench_shm_cpp(sizes, iters, ns, arena)
     print("measuring Python API, zero-copy path and the seed design ...", file=out, flush=True)
     py = bench_python(sizes, iters, ns, arena, progress=lambda m: print("  " + m, file=out, flush=True))
+    print("measuring payload kinds (numpy, torch, bytes, trees) ...", file=out, flush=True)
+    kinds = bench_payloads(ns + "k", iters=max(200, min(iters, 3000)), big=max(sizes))
     _core.shm_reap("/dev/shm")
     hdr = (f"{'size':>9} | {'memcpy':>9} | {'C++ put':>9} {'C++ get':>9} {'C++ into':>9} {'C++ view':>9} {'C++ rt':>9} | "
            f"{'Py put':>9} {'Py get':>9} {'Py into':>9} {'Py view':>9} {'Py rt':>9} | {'seed p+g':>10} | "
@@ -177,10 +265,12 @@ def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
               f"{m(p['seed_put_get']):10.1f} | {ratio:14.2f}",
               file=out)
         rows.append({"size": size, "cpp": c, "python": p})
+    print_payloads(kinds, out)
     if json_path:
         import json
         with open(json_path, "w") as f:
-            json.dump({"kind": "shm", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+            json.dump({"kind": "shm", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows,
+                       "payload_kinds": kinds}, f, indent=1)
         print(f"\nwrote {json_path}", file=out)
     return rows
 

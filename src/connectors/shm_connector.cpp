@@ -505,7 +505,7 @@ class ShmConnector final : public Connector {
         const std::span<const std::byte> frame(b.data(), b.size());
         GetResult g;
         g.size = b.size();
-        Status st = go.zero_copy && go.view_metadata ? decode_frame_into(frame, nullptr, g.payload)
+        Status st = go.zero_copy && go.view_metadata ? decode_frame_into(frame, nullptr, g.payload, !go.raw_tree)
                                                      : decode_frame_copy_into(frame, g.payload);
         if (cl.ok()) dir->release(cl.value());
         if (!st.ok()) return std::move(st).error();
@@ -546,7 +546,7 @@ class ShmConnector final : public Connector {
     GetResult g;
     g.size = c.length;
     if (go.zero_copy) {
-      SL_TRY(decode_frame_into(bytes, std::make_shared<Lease>(dir, seg.value(), c), g.payload));
+      SL_TRY(decode_frame_into(bytes, std::make_shared<Lease>(dir, seg.value(), c), g.payload, !go.raw_tree));
       return g;
     }
     Status st = decode_frame_copy_into(bytes, g.payload);

@@ -14,19 +14,19 @@ constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 // fixed-width uint64 placeholder and patched once the header's length is known.
 // Fills `plan`, reusing its vectors' capacity (a caller that keeps one plan allocates nothing).
 template <class SpecAt>
-Status plan_impl(FramePlan& plan, const Value& tree, const Value& ext, size_t n, SpecAt spec) {
+Status plan_impl(FramePlan& plan, const Value& tree, std::span<const std::byte> packed_tree, const Value& ext,
+                 size_t n, SpecAt spec) {
   if (n > kFrameMaxTensors)
     return make_error(Errc::invalid_argument, "payload has " + std::to_string(n) +
                                                   " tensors; the frame holds at most 65536");
-  plan.head.resize(kFrameHeaderBytes + 128 + 40 * n);  // room for a typical header; grows if not
+  plan.head.resize(kFrameHeaderBytes + 128 + 40 * n + packed_tree.size());  // room for a typical header; grows if not
   plan.offsets.resize(n);
   plan.lengths.resize(n);
   detail::ByteSink sink(&plan.head, kFrameHeaderBytes);
   detail::Packer pk(sink);
+  // The tree goes last: a reader that builds its own objects from the packed tree takes the rest
+  // of the header as it is, without a pass to find its end.
   pk.pack_map(ext.is_nil() ? 2 : 3);
-  pk.pack_str(1);
-  pk.pack_str_body("t", 1);
-  detail::pack_value(pk, tree);
   if (!ext.is_nil()) {
     pk.pack_str(1);
     pk.pack_str_body("p", 1);
@@ -59,6 +59,10 @@ Status plan_impl(FramePlan& plan, const Value& tree, const Value& ext, size_t n,
     }
     plan.lengths[i] = nbytes;
   }
+  pk.pack_str(1);
+  pk.pack_str_body("t", 1);
+  if (packed_tree.empty()) detail::pack_value(pk, tree);
+  else sink.write(reinterpret_cast<const char*>(packed_tree.data()), packed_tree.size());
   sink.finish();
   const size_t mp_len = plan.head.size() - kFrameHeaderBytes;
   if (mp_len > kFrameMaxHeader)
@@ -93,7 +97,7 @@ struct SpecView {
 
 Result<FramePlan> plan_frame(const Value& tree, std::span<const TensorSpec> specs) {
   FramePlan plan;
-  SL_TRY(plan_impl(plan, tree, Value(), specs.size(), [&](size_t i) {
+  SL_TRY(plan_impl(plan, tree, {}, Value(), specs.size(), [&](size_t i) {
     auto& s = specs[i];
     return SpecView{s.dtype, s.shape, s.nbytes, s.device};
   }));
@@ -107,7 +111,8 @@ Result<FramePlan> plan_frame(const Payload& p) {
 }
 
 Status plan_frame_into(FramePlan& plan, const Payload& p) {
-  const bool single = p.tensors.size() == 1 && p.tree.is<TensorRef>() && p.tree.as<TensorRef>().index == 0;
+  const bool single = p.tensors.size() == 1 && p.packed_tree.empty() && p.tree.is<TensorRef>() &&
+                      p.tree.as<TensorRef>().index == 0;
   if (single) {
     const Tensor& t = p.tensors[0];
     const FramePlan::Single& s = plan.single;
@@ -127,7 +132,7 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
       return make_error(Errc::invalid_argument, "tensor shape holds " + std::to_string(n) +
                                                     " bytes but data has " + std::to_string(t.nbytes()));
   }
-  SL_TRY(plan_impl(plan, p.tree, p.ext, p.tensors.size(), [&](size_t i) {
+  SL_TRY(plan_impl(plan, p.tree, p.packed_tree, p.ext, p.tensors.size(), [&](size_t i) {
     auto& t = p.tensors[i];
     return SpecView{t.dtype, t.shape, t.nbytes(), t.device};
   }));
@@ -210,9 +215,11 @@ Status decode_frame_copy_into(std::span<const std::byte> buf, Payload& p) {
   return {};
 }
 
-Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const void> keepalive, Payload& p) {
+Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const void> keepalive, Payload& p,
+                         bool build_tree) {
   p.tree = Value();
   p.ext = Value();
+  p.packed_tree = {};
   p.tensors.clear();
   if (buf.size() < kFrameHeaderBytes)
     return make_error(Errc::corrupt, "frame of " + std::to_string(buf.size()) +
@@ -241,7 +248,15 @@ Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const v
     std::string_view key;
     if (!rd.read_str(key)) return bad_header();
     if (key == "t") {
-      if (!rd.read_value(p.tree)) return bad_header();
+      const size_t at = rd.pos();
+      if (!build_tree && k + 1 == nkeys) {
+        // Last (as stagelink writes it): the rest of the header; the caller's reader checks it.
+        p.packed_tree = buf.subspan(kFrameHeaderBytes + at, rd.left());
+        rd.skip_rest();
+      } else {
+        if (!(build_tree ? rd.read_value(p.tree) : rd.skip())) return bad_header();
+        if (!build_tree) p.packed_tree = buf.subspan(kFrameHeaderBytes + at, rd.pos() - at);
+      }
       have_tree = true;
       continue;
     }
@@ -299,7 +314,7 @@ Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const v
   if (!rd.at_end())
     return make_error(Errc::corrupt, "frame header: " + std::to_string(rd.left()) + " trailing bytes");
   if (!have_tree || !have_table) return make_error(Errc::corrupt, "frame header lacks tree or tensor table");
-  SL_TRY(check_refs(p.tree, p.tensors.size(), 0));
+  if (build_tree) SL_TRY(check_refs(p.tree, p.tensors.size(), 0));
   return {};
 }
 

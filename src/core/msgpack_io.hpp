@@ -33,6 +33,27 @@ struct ByteSink {
     len += n;
   }
   void finish() { out->resize(len); }
+  // An integer in its shortest msgpack form, written in place (msgpack-c's packer takes a call
+  // and a memcpy per value: this is what lists of token ids are made of).
+  void write_int(int64_t v) {
+    if (9 > out->size() - len) out->resize(std::max(out->size() * 2, len + 64));
+    auto* d = reinterpret_cast<uint8_t*>(out->data() + len);
+    if (v >= 0 && v <= 0x7f) { d[0] = uint8_t(v); len += 1; return; }
+    if (v < 0 && v >= -32) { d[0] = uint8_t(int8_t(v)); len += 1; return; }
+    if (v >= 0 && v <= 0xff) { d[0] = 0xcc; d[1] = uint8_t(v); len += 2; return; }
+    if (v >= 0 && v <= 0xffff) { d[0] = 0xcd; d[1] = uint8_t(v >> 8); d[2] = uint8_t(v); len += 3; return; }
+    if (v >= 0 && v <= 0xffffffffll) {
+      d[0] = 0xce;
+      const uint32_t be = __builtin_bswap32(uint32_t(v));
+      std::memcpy(d + 1, &be, 4);
+      len += 5;
+      return;
+    }
+    d[0] = v >= 0 ? 0xcf : 0xd3;  // uint64 / int64
+    const uint64_t be = __builtin_bswap64(uint64_t(v));
+    std::memcpy(d + 1, &be, 8);
+    len += 9;
+  }
 };
 using Packer = msgpack::packer<ByteSink>;
 
@@ -58,6 +79,17 @@ class MpReader {
   // The one-byte forms (fixarray, fixmap, fixstr, positive fixint: what frame headers and
   // metadata hold) are decoded inline; every other form, and every error, out of line.
   bool read_value(Value& out, int depth = 0);
+  // Any value, handed to a builder: read_value's walk, for callers that build their own objects
+  // (the Python binding builds lists and dicts straight from the bytes). B provides, each
+  // returning false to stop (after setting its own error or calling fail()):
+  //   using Out = ...;
+  //   nil(Out&), boolean(Out&, bool), uint(Out&, uint64_t), sint(Out&, int64_t), real(Out&, double),
+  //   str(Out&, std::string_view), bin(Out&, std::span<const std::byte>), tensor(Out&, uint32_t),
+  //   array(Out&, uint32_t n, F elem)      with elem(Out&) reading the next element,
+  //   map(Out&, uint32_t n, K key, F elem) with key(std::string_view&) reading the next key
+  //                                        (valid until the next read) and elem as for arrays.
+  template <class B>
+  bool read_any(B& b, typename B::Out& out, int depth = 0);
   bool read_array(uint32_t& n) {
     if (p_ != end_ && (*p_ & 0xf0) == 0x90 && uint32_t(*p_ & 0x0f) < left()) {
       n = *p_++ & 0x0f;
@@ -75,6 +107,11 @@ class MpReader {
   bool read_u64(uint64_t& v) {
     if (p_ != end_ && *p_ <= 0x7f) {
       v = *p_++;
+      return true;
+    }
+    if (left() >= 3 && (*p_ == 0xcc || *p_ == 0xcd)) {  // uint8, uint16: token ids and the like
+      v = *p_ == 0xcc ? p_[1] : uint64_t(p_[1]) << 8 | p_[2];
+      p_ += *p_ == 0xcc ? 2 : 3;
       return true;
     }
     return read_u64_slow(v);
@@ -96,9 +133,19 @@ class MpReader {
     return read_str_slow(s);
   }
   bool skip(int depth = 0);
+  void skip_rest() { p_ = end_; }
+  // The next value when it is a non-negative integer in a short form (fixint, uint8, uint16);
+  // false, consuming nothing, otherwise. Lets builders take lists of ids without a call per item.
+  bool try_small_uint(uint64_t& v) {
+    if (p_ == end_) return false;
+    if (*p_ <= 0x7f) { v = *p_++; return true; }
+    if (*p_ == 0xcc && left() >= 2) { v = p_[1]; p_ += 2; return true; }
+    if (*p_ == 0xcd && left() >= 3) { v = uint64_t(p_[1]) << 8 | p_[2]; p_ += 3; return true; }
+    return false;
+  }
+  bool fail(const char* why);
 
  private:
-  bool fail(const char* why);
   bool need(size_t n) { return left() >= n ? true : fail("truncated msgpack value"); }
   template <class T> T be() {  // caller checked need(sizeof(T))
     T v;
@@ -116,9 +163,94 @@ class MpReader {
   bool read_str_slow(std::string_view& s);
   bool len_prefix(uint8_t tag, uint8_t t8, uint32_t& n);
   bool read_container(uint8_t fix, uint8_t t16, size_t min_bytes, uint32_t& n, const char* what);  // str8/bin8/...: 1, 2 or 4 byte length
+  bool read_key(std::string_view& k, std::string& scratch);
   const uint8_t* p_;
   const uint8_t* begin_;
   const uint8_t* end_;
 };
+
+namespace mp_tag {
+inline bool is_str(uint8_t t) { return (t & 0xe0) == 0xa0 || (t >= 0xd9 && t <= 0xdb); }
+inline bool is_uint(uint8_t t) { return t <= 0x7f || (t >= 0xcc && t <= 0xcf); }
+inline bool is_int(uint8_t t) { return t >= 0xe0 || (t >= 0xd0 && t <= 0xd3); }
+inline bool is_array(uint8_t t) { return (t & 0xf0) == 0x90 || t == 0xdc || t == 0xdd; }
+inline bool is_map(uint8_t t) { return (t & 0xf0) == 0x80 || t == 0xde || t == 0xdf; }
+}  // namespace mp_tag
+
+template <class B>
+bool MpReader::read_any(B& b, typename B::Out& out, int depth) {
+  using Out = typename B::Out;
+  if (!need(1)) return false;
+  const uint8_t t = *p_;
+  if (mp_tag::is_uint(t)) {
+    uint64_t v;
+    return read_u64(v) && b.uint(out, v);
+  }
+  if (mp_tag::is_int(t)) {
+    int64_t v;
+    if (!read_i64(v)) return false;
+    return v >= 0 ? b.uint(out, uint64_t(v)) : b.sint(out, v);
+  }
+  if (mp_tag::is_str(t)) {
+    std::string_view s;
+    return read_str(s) && b.str(out, s);
+  }
+  if (mp_tag::is_array(t)) {
+    if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
+    uint32_t n;
+    if (!read_array(n)) return false;
+    return b.array(out, n, [&](Out& e) { return read_any(b, e, depth + 1); });
+  }
+  if (mp_tag::is_map(t)) {
+    if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
+    uint32_t n;
+    if (!read_map(n)) return false;
+    std::string scratch;
+    return b.map(out, n, [&](std::string_view& k) { return read_key(k, scratch); },
+                 [&](Out& e) { return read_any(b, e, depth + 1); });
+  }
+  ++p_;
+  switch (t) {
+    case 0xc0: return b.nil(out);
+    case 0xc2: return b.boolean(out, false);
+    case 0xc3: return b.boolean(out, true);
+    case 0xc4: case 0xc5: case 0xc6: {
+      uint32_t n;
+      if (!len_prefix(t, 0xc4, n) || !need(n)) return false;
+      const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(p_), n);
+      p_ += n;
+      return b.bin(out, bytes);
+    }
+    case 0xca: {
+      if (!need(4)) return false;
+      const uint32_t bits = be<uint32_t>();
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return b.real(out, double(f));
+    }
+    case 0xcb: {
+      if (!need(8)) return false;
+      const uint64_t bits = be<uint64_t>();
+      double d;
+      std::memcpy(&d, &bits, 8);
+      return b.real(out, d);
+    }
+    case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8: case 0xc7: case 0xc8: case 0xc9: {
+      uint32_t n;
+      if (t >= 0xd4) n = 1u << (t - 0xd4);
+      else if (!len_prefix(t, 0xc7, n)) return false;
+      if (!need(size_t(n) + 1)) return false;
+      const int8_t type = int8_t(*p_++);
+      if (type != kExtTensorRef || n != 4) {
+        --p_;
+        return fail("unknown msgpack ext type");
+      }
+      return b.tensor(out, be<uint32_t>());
+    }
+    default:
+      --p_;
+      return fail("malformed msgpack");
+  }
+}
 
 }  // namespace stagelink::detail

@@ -218,121 +218,101 @@ bool MpReader::read_i64_slow(int64_t& v) {
   }
 }
 
-namespace {
-bool is_str_tag(uint8_t t) { return (t & 0xe0) == 0xa0 || (t >= 0xd9 && t <= 0xdb); }
-bool is_uint_tag(uint8_t t) { return t <= 0x7f || (t >= 0xcc && t <= 0xcf); }
-bool is_int_tag(uint8_t t) { return t >= 0xe0 || (t >= 0xd0 && t <= 0xd3); }
-}  // namespace
-
-bool MpReader::read_value(Value& out, int depth) {
+// Map keys: strings, or integers as their decimal string.
+bool MpReader::read_key(std::string_view& k, std::string& scratch) {
   if (!need(1)) return false;
-  const uint8_t t = *p_;
-  if (is_uint_tag(t)) {
+  const uint8_t kt = *p_;
+  if (mp_tag::is_str(kt)) return read_str(k);
+  if (mp_tag::is_uint(kt)) {
     uint64_t v;
     if (!read_u64(v)) return false;
-    out = Value(v);
-    return true;
-  }
-  if (is_int_tag(t)) {
+    scratch = std::to_string(v);
+  } else if (mp_tag::is_int(kt)) {
     int64_t v;
     if (!read_i64(v)) return false;
-    out = v >= 0 ? Value(uint64_t(v)) : Value(v);
-    return true;
+    scratch = std::to_string(v);
+  } else {
+    return fail("msgpack map key is neither string nor integer");
   }
-  if (is_str_tag(t)) {
-    std::string_view s;
-    if (!read_str(s)) return false;
-    out = Value(std::string(s));
-    return true;
-  }
-  if ((t & 0xf0) == 0x90 || t == 0xdc || t == 0xdd) {
-    if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
-    uint32_t n;
-    if (!read_array(n)) return false;
+  k = scratch;
+  return true;
+}
+
+namespace {
+// read_any's builder for Value trees.
+struct ValueBuilder {
+  using Out = Value;
+  bool nil(Value& o) { o = Value(); return true; }
+  bool boolean(Value& o, bool b) { o = Value(b); return true; }
+  bool uint(Value& o, uint64_t v) { o = Value(v); return true; }
+  bool sint(Value& o, int64_t v) { o = Value(v); return true; }
+  bool real(Value& o, double v) { o = Value(v); return true; }
+  bool str(Value& o, std::string_view s) { o = Value(std::string(s)); return true; }
+  bool bin(Value& o, std::span<const std::byte> b) { o = Value::copy_bytes(b); return true; }
+  bool tensor(Value& o, uint32_t i) { o = Value(TensorRef{i}); return true; }
+  template <class F>
+  bool array(Value& o, uint32_t n, F elem) {
     Value::List l;
     l.reserve(std::min<uint32_t>(n, 1024));  // grows with what is actually there
     for (uint32_t i = 0; i < n; ++i)
-      if (!read_value(l.emplace_back(), depth + 1)) return false;
-    out = Value(std::move(l));
+      if (!elem(l.emplace_back())) return false;
+    o = Value(std::move(l));
     return true;
   }
-  if ((t & 0xf0) == 0x80 || t == 0xde || t == 0xdf) {
-    if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
-    uint32_t n;
-    if (!read_map(n)) return false;
+  template <class K, class F>
+  bool map(Value& o, uint32_t n, K key, F elem) {
     Value::Map m;
     m.reserve(std::min<uint32_t>(n, 1024));
     for (uint32_t i = 0; i < n; ++i) {
       auto& [k, v] = m.emplace_back();
-      if (!need(1)) return false;
-      const uint8_t kt = *p_;
-      if (is_str_tag(kt)) {
-        std::string_view s;
-        if (!read_str(s)) return false;
-        k.assign(s);
-      } else if (is_uint_tag(kt) || is_int_tag(kt)) {  // an integer key, as its decimal string
-        Value x;
-        if (!read_value(x, depth + 1)) return false;
-        k = x.is<uint64_t>() ? std::to_string(x.as<uint64_t>()) : std::to_string(x.as<int64_t>());
-      } else {
-        return fail("msgpack map key is neither string nor integer");
-      }
-      if (!read_value(v, depth + 1)) return false;
+      std::string_view ks;
+      if (!key(ks)) return false;
+      k.assign(ks);
+      if (!elem(v)) return false;
     }
-    out = Value(std::move(m));
+    o = Value(std::move(m));
     return true;
   }
-  ++p_;
-  switch (t) {
-    case 0xc0: out = Value(); return true;
-    case 0xc2: out = Value(false); return true;
-    case 0xc3: out = Value(true); return true;
-    case 0xc4: case 0xc5: case 0xc6: {
-      uint32_t n;
-      if (!len_prefix(t, 0xc4, n) || !need(n)) return false;
-      auto* b = reinterpret_cast<const std::byte*>(p_);
-      out = Value::copy_bytes(std::span<const std::byte>(b, n));
-      p_ += n;
-      return true;
-    }
-    case 0xca: {
-      if (!need(4)) return false;
-      const uint32_t bits = be<uint32_t>();
-      float f;
-      std::memcpy(&f, &bits, 4);
-      out = Value(double(f));
-      return true;
-    }
-    case 0xcb: {
-      if (!need(8)) return false;
-      const uint64_t bits = be<uint64_t>();
-      double d;
-      std::memcpy(&d, &bits, 8);
-      out = Value(d);
-      return true;
-    }
-    case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8: case 0xc7: case 0xc8: case 0xc9: {
-      uint32_t n;
-      if (t >= 0xd4) n = 1u << (t - 0xd4);
-      else if (!len_prefix(t, 0xc7, n)) return false;
-      if (!need(size_t(n) + 1)) return false;
-      const int8_t type = int8_t(*p_++);
-      if (type != kExtTensorRef || n != 4) {
-        --p_;
-        return fail("unknown msgpack ext type");
-      }
-      out = Value(TensorRef{be<uint32_t>()});
-      return true;
-    }
-    default:
-      --p_;
-      return fail("malformed msgpack");
-  }
+};
+}  // namespace
+
+bool MpReader::read_value(Value& out, int depth) {
+  ValueBuilder b;
+  return read_any(b, out, depth);
 }
 
+namespace {
+// read_any's builder that builds nothing: skip() checks a value's bounds and moves past it.
+struct SkipBuilder {
+  using Out = char;
+  bool nil(char&) { return true; }
+  bool boolean(char&, bool) { return true; }
+  bool uint(char&, uint64_t) { return true; }
+  bool sint(char&, int64_t) { return true; }
+  bool real(char&, double) { return true; }
+  bool str(char&, std::string_view) { return true; }
+  bool bin(char&, std::span<const std::byte>) { return true; }
+  bool tensor(char&, uint32_t) { return true; }
+  template <class F>
+  bool array(char& o, uint32_t n, F elem) {
+    for (uint32_t i = 0; i < n; ++i)
+      if (!elem(o)) return false;
+    return true;
+  }
+  template <class K, class F>
+  bool map(char& o, uint32_t n, K key, F elem) {
+    std::string_view k;
+    for (uint32_t i = 0; i < n; ++i)
+      if (!key(k) || !elem(o)) return false;
+    return true;
+  }
+};
+}  // namespace
+
 bool MpReader::skip(int depth) {
-  Value ignored;
-  return read_value(ignored, depth);
+  SkipBuilder b;
+  char ignored = 0;
+  return read_any(b, ignored, depth);
 }
 }  // namespace detail
 
