@@ -45,6 +45,7 @@ class TransferConfig {
   std::map<std::string, ConnectorSpec> connectors;  // by reference name
   std::vector<std::string> stages;
   std::string source;  // file name or "<dict>"
+  std::vector<std::string> notes;  // what loading decided that a reader should know (overrides)
 
   const EdgeSpec* edge(const std::string& from, const std::string& to) const;
   // The edge's connector, or SharedMemoryConnector defaults when the edge is unknown.
@@ -54,6 +55,11 @@ class TransferConfig {
   std::vector<StageConnector> stage_connectors(const std::string& stage_id) const;
 };
 
+// Both loaders, as vLLM-Omni: `base_config: other.yaml` merges the file over `other.yaml` (a path
+// relative to the file's directory, or to the working directory for a string; chains allowed,
+// cycles refused; maps merge key by key, stage lists by stage id, other values are replaced), and
+// `${VAR}` / `${VAR:-default}` in string values are expanded from the environment (an unset
+// variable without a default is an error naming the key).
 Result<TransferConfig> load_transfer_config_file(const std::string& path);
 Result<TransferConfig> load_transfer_config_string(const std::string& yaml,
                                                    const std::string& source = "<string>");

@@ -25,6 +25,8 @@ def _cmd_config_check(args):
     if cfg is None:
         return 1
     print(f"config {cfg.source}: {len(cfg.stages)} stages, {len(cfg.edges)} edges")
+    for n in cfg.notes:
+        print(f"note: {n}")
     print("\nconnectors:")
     for ref, spec in cfg.connectors.items():
         print(f"  {ref}: {spec.name} {json.dumps(spec.extra)}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -35,6 +36,10 @@ class TransferConfig:
         self.edges = [Edge(e["from"], e["to"], ConnectorSpec(**e["connector"]), e["defaulted"]) for e in raw["edges"]]
         self.connectors = {k: ConnectorSpec(**v) for k, v in raw["connectors"].items()}
         self.stages = list(raw["stages"])
+        #: what loading decided that you should know (a connector defined twice, which one won)
+        self.notes = list(raw.get("notes", []))
+        for n in self.notes:
+            logging.getLogger("stagelink").info("%s", n)
 
     def connector_for_edge(self, from_stage, to_stage) -> ConnectorSpec:
         f, t = _norm(from_stage), _norm(to_stage)
@@ -61,8 +66,13 @@ class TransferConfig:
 
 def load_transfer_config(path_or_dict: Union[str, os.PathLike, dict]) -> TransferConfig:
     """Read a vLLM-Omni config (``runtime.connectors`` + ``stage_args``, or top-level
-    ``connectors`` + ``stages``) and resolve every edge. Raises InvalidArgumentError quoting the
-    key and file for malformed input, NotFoundError for a missing file."""
+    ``connectors`` + ``stages`` + ``edges``) and resolve every edge.
+
+    As vLLM-Omni: ``base_config: other.yaml`` merges the file over ``other.yaml`` (relative to
+    the file; cycles refused); ``${VAR}`` and ``${VAR:-default}`` are expanded from the
+    environment; a ``role`` set in ``extra`` is kept; an edge declared by both of its stages
+    must be declared equally (``role`` aside). Raises InvalidArgumentError quoting the key and
+    file for malformed input, NotFoundError for a missing file."""
     if isinstance(path_or_dict, dict):
         return TransferConfig(_core.load_config_string(json.dumps(path_or_dict, default=str), "<dict>"))
     return TransferConfig(_core.load_config_file(os.fspath(path_or_dict)))

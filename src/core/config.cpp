@@ -3,7 +3,12 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
 #include <set>
+
+#include "core/log.hpp"
 
 namespace stagelink {
 
@@ -92,7 +97,8 @@ Result<ConnectorSpec> parse_spec(const Ctx& cx, const YAML::Node& n, const std::
 
 struct Side {
   ConnectorSpec spec;
-  std::string where;  // for messages
+  std::string where;  // for messages: the key that declared it
+  std::string who;    // "stage 1", "edges"
 };
 
 Result<ConnectorSpec> resolve_ref(const Ctx& cx, const YAML::Node& n, const std::string& key,
@@ -125,11 +131,44 @@ ConnectorSpec default_spec() {
   return s;
 }
 
+// A role the user set in `extra` is kept; only a missing one is injected.
 Value with_role(const Value& extra, Role r) {
   Value::Map m = extra.is<Value::Map>() ? extra.as<Value::Map>() : Value::Map{};
+  for (auto& [k, v] : m)
+    if (k == "role" && !v.is_nil()) return Value(std::move(m));
   m.erase(std::remove_if(m.begin(), m.end(), [](auto& kv) { return kv.first == "role"; }), m.end());
   m.emplace_back("role", role_name(r));
   return Value(std::move(m));
+}
+
+std::optional<Role> role_from(const Value& extra) {
+  const Value* r = extra.find("role");
+  if (!r || !r->is<std::string>()) return std::nullopt;
+  const std::string& s = r->as<std::string>();
+  if (s == "sender") return Role::sender;
+  if (s == "receiver") return Role::receiver;
+  if (s == "dual") return Role::dual;
+  return std::nullopt;
+}
+
+// The keys of two specs' extra (role aside) whose values differ; a key missing on one side and
+// null on the other differs too.
+std::vector<std::string> differing_keys(const Value& a, const Value& b) {
+  std::vector<std::string> out;
+  auto keys = [](const Value& v) {
+    std::set<std::string> k;
+    if (v.is<Value::Map>())
+      for (auto& [key, x] : v.as<Value::Map>()) k.insert(key);
+    return k;
+  };
+  std::set<std::string> all = keys(a);
+  for (auto& k : keys(b)) all.insert(k);
+  for (auto& k : all) {
+    if (k == "role") continue;
+    const Value *x = a.find(k), *y = b.find(k);
+    if (!x || !y || !(*x == *y)) out.push_back(k);
+  }
+  return out;
 }
 
 Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& source) {
@@ -143,22 +182,47 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
   const YAML::Node runtime = root["runtime"];
   const bool runtime_map = runtime.IsDefined() && runtime.IsMap();
   if (runtime.IsDefined() && !runtime.IsNull() && !runtime_map) return cx.err(runtime, "runtime", "must be a map");
-  for (auto [node, key] : {std::pair{runtime_map ? runtime["connectors"] : YAML::Node(), std::string("runtime.connectors")},
-                           std::pair{root["connectors"], std::string("connectors")}}) {
+  // Top-level `connectors` first, then `runtime.connectors`, which wins for names in both. An
+  // entry that does not parse (a partial one, e.g. left by an overlay) is an error only where an
+  // edge references it.
+  std::map<std::string, Error> broken;
+  std::map<std::string, std::string> defined_in;
+  for (auto [node, key] : {std::pair{root["connectors"], std::string("connectors")},
+                           std::pair{runtime_map ? runtime["connectors"] : YAML::Node(), std::string("runtime.connectors")}}) {
     if (!node.IsDefined() || node.IsNull()) continue;
     if (!node.IsMap()) return cx.err(node, key, "must be a map of connector name -> {name, extra}");
     for (auto it = node.begin(); it != node.end(); ++it) {
       std::string ref = it->first.as<std::string>();
-      SL_ASSIGN(ConnectorSpec s, parse_spec(cx, it->second, key + "." + ref));
-      s.ref = ref;
-      cfg.connectors[ref] = s;
+      if (auto d = defined_in.find(ref); d != defined_in.end()) {
+        std::string note = source + ": connector '" + ref + "' is defined in both " + d->second + " and " + key +
+                           "; " + key + "." + ref + " is used";
+        SL_LOG_INFO("%s", note.c_str());
+        cfg.notes.push_back(std::move(note));
+      }
+      defined_in[ref] = key;
+      auto s = parse_spec(cx, it->second, key + "." + ref);
+      if (!s.ok()) {
+        broken.insert_or_assign(ref, std::move(s).error());
+        cfg.connectors.erase(ref);
+        continue;
+      }
+      broken.erase(ref);
+      s->ref = ref;
+      cfg.connectors[ref] = std::move(s).value();
     }
   }
+  auto resolve = [&](const YAML::Node& n, const std::string& key) -> Result<ConnectorSpec> {
+    if (n.IsScalar())
+      if (auto b = broken.find(n.Scalar()); b != broken.end())
+        return make_error(Errc::invalid_argument, b->second.message + " (referenced by " + key + ")");
+    return resolve_ref(cx, n, key, cfg.connectors);
+  };
   // Stages.
   const bool legacy = root["stage_args"].IsDefined();
   const YAML::Node stages = legacy ? root["stage_args"] : root["stages"];
   const std::string stages_key = legacy ? "stage_args" : "stages";
-  std::map<std::pair<std::string, std::string>, Side> outs, ins;
+  // Every declaration of an edge's connector, in the order met: top-level `edges`, then stages.
+  std::map<std::pair<std::string, std::string>, std::vector<Side>> sides;
   std::vector<std::pair<std::string, std::string>> order;
   auto add_edge = [&](const std::string& a, const std::string& b) {
     auto e = std::make_pair(a, b);
@@ -194,25 +258,33 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
         for (auto it = m.begin(); it != m.end(); ++it) {
           std::string k = it->first.as<std::string>();
           SL_ASSIGN(std::string peer, peer_from_key(cx, it->second, k, prefix, fk));
-          SL_ASSIGN(ConnectorSpec spec, resolve_ref(cx, it->second, fk + "." + k, cfg.connectors));
+          SL_ASSIGN(ConnectorSpec spec, resolve(it->second, fk + "." + k));
           auto e = is_out ? std::make_pair(id, peer) : std::make_pair(peer, id);
-          (is_out ? outs : ins)[e] = Side{spec, fk + "." + k};
+          sides[e].push_back(Side{spec, fk + "." + k, "stage " + id});
           add_edge(e.first, e.second);
         }
       }
     }
   }
-  if (runtime_map) {
-    YAML::Node edges = runtime["edges"];
-    if (edges.IsDefined() && !edges.IsNull()) {
-      if (!edges.IsSequence()) return cx.err(edges, "runtime.edges", "must be a list of {from, to}");
-      for (size_t i = 0; i < edges.size(); ++i) {
-        std::string ek = "runtime.edges[" + std::to_string(i) + "]";
-        if (!edges[i].IsMap()) return cx.err(edges[i], ek, "must be a map with 'from' and 'to'");
-        SL_ASSIGN(std::string from, stage_id_of(cx, edges[i]["from"], ek + ".from"));
-        SL_ASSIGN(std::string to, stage_id_of(cx, edges[i]["to"], ek + ".to"));
-        add_edge(from, to);
+  // Edge lists: the newer schema's top-level `edges`, and `runtime.edges`. Each entry is
+  // {from, to} (or from_stage/to_stage), optionally with `connector` (a name or an inline spec).
+  for (auto [edges, key] : {std::pair{root["edges"], std::string("edges")},
+                            std::pair{runtime_map ? runtime["edges"] : YAML::Node(), std::string("runtime.edges")}}) {
+    if (!edges.IsDefined() || edges.IsNull()) continue;
+    if (!edges.IsSequence()) return cx.err(edges, key, "must be a list of {from, to[, connector]}");
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const YAML::Node ed = edges[i];
+      std::string ek = key + "[" + std::to_string(i) + "]";
+      if (!ed.IsMap()) return cx.err(ed, ek, "must be a map with 'from' and 'to'");
+      const char* fk = ed["from"].IsDefined() ? "from" : "from_stage";
+      const char* tk = ed["to"].IsDefined() ? "to" : "to_stage";
+      SL_ASSIGN(std::string from, stage_id_of(cx, ed[fk], ek + "." + fk));
+      SL_ASSIGN(std::string to, stage_id_of(cx, ed[tk], ek + "." + tk));
+      if (const YAML::Node cn = ed["connector"]; cn.IsDefined() && !cn.IsNull()) {
+        SL_ASSIGN(ConnectorSpec spec, resolve(cn, ek + ".connector"));
+        sides[{from, to}].insert(sides[{from, to}].begin(), Side{spec, ek + ".connector", key});
       }
+      add_edge(from, to);
     }
   }
   for (auto& [from, to] : order) {
@@ -221,18 +293,44 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
     EdgeSpec e;
     e.from = from;
     e.to = to;
-    auto o = outs.find({from, to});
-    auto n = ins.find({from, to});
-    if (o != outs.end() && n != ins.end() && o->second.spec.name != n->second.spec.name)
-      return make_error(Errc::invalid_argument,
-                        source + ": edge " + from + " -> " + to + ": '" + o->second.where + "' names " +
-                            o->second.spec.name + " but '" + n->second.where + "' names " + n->second.spec.name +
-                            "; both ends of an edge must use the same connector type");
-    if (o != outs.end()) e.connector = o->second.spec;
-    else if (n != ins.end()) e.connector = n->second.spec;
-    else {
+    auto sd = sides.find({from, to});
+    if (sd == sides.end() || sd->second.empty()) {
       e.connector = default_spec();
       e.defaulted = true;
+      cfg.edges.push_back(std::move(e));
+      continue;
+    }
+    // Declared more than once (both of its stages, an edge list): equal specs merge, any
+    // difference is an error naming both (no silent winner). Role is not compared: the first
+    // declaration in stage order that sets one keeps it.
+    std::vector<Side> decl = sd->second;
+    std::stable_sort(decl.begin(), decl.end(), [&](const Side& a, const Side& b) {
+      auto rank = [&](const Side& x) {
+        if (x.who.rfind("stage ", 0) != 0) return -1;
+        auto it = std::find(cfg.stages.begin(), cfg.stages.end(), x.who.substr(6));
+        return int(it - cfg.stages.begin());
+      };
+      return rank(a) < rank(b);
+    });
+    const Side& first = decl.front();
+    e.connector = first.spec;
+    for (size_t i = 1; i < decl.size(); ++i) {
+      const Side& other = decl[i];
+      std::vector<std::string> diff;
+      if (other.spec.name != first.spec.name) diff.push_back("name (" + first.spec.name + " vs " + other.spec.name + ")");
+      for (auto& k : differing_keys(first.spec.extra, other.spec.extra)) diff.push_back("extra." + k);
+      if (!diff.empty()) {
+        std::string keys;
+        for (auto& d : diff) keys += (keys.empty() ? "" : ", ") + d;
+        return make_error(Errc::invalid_argument,
+                          source + ": edge " + from + " -> " + to + " is declared by " + first.who + " ('" +
+                              first.where + "') and by " + other.who + " ('" + other.where +
+                              "') with different connectors: " + keys +
+                              "; declare it once, or make both declarations equal");
+      }
+      if (!e.connector.extra.find("role") || e.connector.extra.find("role")->is_nil())
+        if (const Value* r = other.spec.extra.find("role"); r && !r->is_nil() && e.connector.extra.is<Value::Map>())
+          e.connector.extra.as<Value::Map>().emplace_back("role", *r);
     }
     cfg.edges.push_back(std::move(e));
   }
@@ -271,6 +369,7 @@ std::vector<StageConnector> TransferConfig::stage_connectors(const std::string& 
       sc.role = (out_refs.count(id) && in_refs.count(id) && !e.connector.ref.empty())
                     ? Role::dual
                     : (input ? Role::receiver : Role::sender);
+      if (auto user = role_from(e.connector.extra)) sc.role = *user;  // the user's role is kept
       sc.connector = e.connector;
       sc.connector.extra = with_role(e.connector.extra, sc.role);
       out.push_back(std::move(sc));
@@ -278,6 +377,133 @@ std::vector<StageConnector> TransferConfig::stage_connectors(const std::string& 
   }
   return out;
 }
+
+namespace {
+namespace fs = std::filesystem;
+
+// A list whose every element is a map with a stage id: overlays merge such lists by that id.
+bool stage_list(const YAML::Node& n) {
+  if (!n.IsSequence() || n.size() == 0) return false;
+  for (auto it = n.begin(); it != n.end(); ++it)
+    if (!it->IsMap() || !((*it)["stage_id"].IsDefined() || (*it)["id"].IsDefined())) return false;
+  return true;
+}
+std::string stage_key(const YAML::Node& n) {
+  return n["stage_id"].IsDefined() ? n["stage_id"].as<std::string>() : n["id"].as<std::string>();
+}
+
+// `over` merged over `base` (neither is modified).
+YAML::Node merge_nodes(const YAML::Node& base, const YAML::Node& over) {
+  if (base.IsMap() && over.IsMap()) {
+    YAML::Node out = YAML::Clone(base);
+    for (auto it = over.begin(); it != over.end(); ++it) {
+      const std::string k = it->first.as<std::string>();
+      if (k == "base_config") continue;
+      const YAML::Node cur = out[k];
+      out[k] = cur.IsDefined() && !cur.IsNull() ? merge_nodes(cur, it->second) : YAML::Clone(it->second);
+    }
+    return out;
+  }
+  if (stage_list(base) && stage_list(over)) {
+    YAML::Node out = YAML::Clone(base);
+    for (auto it = over.begin(); it != over.end(); ++it) {
+      bool merged = false;
+      for (size_t i = 0; i < out.size() && !merged; ++i)
+        if (stage_key(out[i]) == stage_key(*it)) {
+          out[i] = merge_nodes(out[i], *it);
+          merged = true;
+        }
+      if (!merged) out.push_back(YAML::Clone(*it));
+    }
+    return out;
+  }
+  return YAML::Clone(over);
+}
+
+// `root` with its base_config chain merged under it. `dir`: where relative names are resolved.
+Result<YAML::Node> with_bases(YAML::Node root, const fs::path& dir, const std::string& source,
+                              std::vector<std::string>& chain) {
+  if (!root.IsMap()) return root;
+  const YAML::Node bn = root["base_config"];
+  if (!bn.IsDefined() || bn.IsNull()) return root;
+  if (!bn.IsScalar() || bn.Scalar().empty())
+    return make_error(Errc::invalid_argument, source + ": 'base_config' must be a file name");
+  fs::path base = fs::path(bn.Scalar());
+  if (base.is_relative()) base = dir / base;
+  std::error_code ec;
+  fs::path canon = fs::weakly_canonical(base, ec);
+  const std::string id = ec ? base.string() : canon.string();
+  if (std::find(chain.begin(), chain.end(), id) != chain.end()) {
+    std::string loop;
+    for (auto& c : chain) loop += c + " -> ";
+    return make_error(Errc::invalid_argument, source + ": base_config cycle: " + loop + id);
+  }
+  chain.push_back(id);
+  YAML::Node base_root;
+  try {
+    base_root = YAML::LoadFile(base.string());
+  } catch (const YAML::BadFile&) {
+    return make_error(Errc::not_found, source + ": base_config '" + bn.Scalar() + "': cannot read " + base.string());
+  } catch (const YAML::Exception& e) {
+    return make_error(Errc::invalid_argument,
+                      base.string() + ":" + std::to_string(e.mark.line + 1) + ": malformed YAML: " + e.msg);
+  }
+  SL_ASSIGN(YAML::Node full_base, with_bases(base_root, base.parent_path(), base.string(), chain));
+  return merge_nodes(full_base, root);
+}
+
+// ${VAR} and ${VAR:-default} in string scalars, from the environment.
+Status expand_env(YAML::Node n, const std::string& key, const std::string& source) {
+  if (n.IsMap()) {
+    for (auto it = n.begin(); it != n.end(); ++it)
+      SL_TRY(expand_env(it->second, key.empty() ? it->first.as<std::string>() : key + "." + it->first.as<std::string>(),
+                        source));
+    return {};
+  }
+  if (n.IsSequence()) {
+    for (size_t i = 0; i < n.size(); ++i) SL_TRY(expand_env(n[i], key + "[" + std::to_string(i) + "]", source));
+    return {};
+  }
+  if (!n.IsScalar()) return {};
+  const std::string& in = n.Scalar();
+  if (in.find("${") == std::string::npos) return {};
+  std::string out;
+  for (size_t i = 0; i < in.size();) {
+    if (in.compare(i, 2, "${") != 0) {
+      out += in[i++];
+      continue;
+    }
+    const size_t end = in.find('}', i + 2);
+    if (end == std::string::npos)
+      return make_error(Errc::invalid_argument, source + ": '" + key + "': unterminated ${ in '" + in + "'");
+    const std::string body = in.substr(i + 2, end - i - 2);
+    const size_t dflt = body.find(":-");
+    const std::string name = body.substr(0, dflt);
+    if (name.empty() || name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_") !=
+                            std::string::npos)
+      return make_error(Errc::invalid_argument, source + ": '" + key + "': '${" + body + "}' is not a variable name");
+    const char* v = std::getenv(name.c_str());
+    if (v && (*v || dflt == std::string::npos)) out += v;  // ${X:-d}: d also when X is empty, as the shell
+    else if (dflt != std::string::npos) out += body.substr(dflt + 2);
+    else
+      return make_error(Errc::invalid_argument, source + ": '" + key + "': environment variable " + name +
+                                                    " is not set (give a default: ${" + name + ":-value})");
+    i = end + 1;
+  }
+  const bool quoted = n.Tag() == "!";
+  n = out;
+  if (quoted) n.SetTag("!");  // a quoted string stays a string; an unquoted one may now be a number
+  else n.SetTag("?");
+  return {};
+}
+
+Result<TransferConfig> resolve_root(YAML::Node root, const fs::path& dir, const std::string& source) {
+  std::vector<std::string> chain{source};
+  SL_ASSIGN(YAML::Node full, with_bases(root, dir, source, chain));
+  SL_TRY(expand_env(full, "", source));
+  return parse(full, source);
+}
+}  // namespace
 
 Result<TransferConfig> load_transfer_config_file(const std::string& path) {
   YAML::Node root;
@@ -289,7 +515,7 @@ Result<TransferConfig> load_transfer_config_file(const std::string& path) {
     return make_error(Errc::invalid_argument, path + ":" + std::to_string(e.mark.line + 1) + ": malformed YAML: " + e.msg);
   }
   try {
-    return parse(root, path);
+    return resolve_root(root, fs::path(path).parent_path(), path);
   } catch (const YAML::Exception& e) {
     return make_error(Errc::invalid_argument, path + ":" + std::to_string(e.mark.line + 1) + ": " + e.msg);
   }
@@ -299,7 +525,7 @@ Result<TransferConfig> load_transfer_config_string(const std::string& text, cons
   YAML::Node root;
   try {
     root = YAML::Load(text);
-    return parse(root, source);
+    return resolve_root(root, fs::current_path(), source);
   } catch (const YAML::Exception& e) {
     return make_error(Errc::invalid_argument, source + ":" + std::to_string(e.mark.line + 1) + ": malformed YAML: " + e.msg);
   }

@@ -1159,6 +1159,9 @@ nb::dict config_dict(const TransferConfig& cfg) {
   out["stages"] = stages;
   out["stage_connectors"] = per_stage;
   out["source"] = cfg.source;
+  nb::list notes;
+  for (auto& n : cfg.notes) notes.append(n);
+  out["notes"] = notes;
   return out;
 }
 

@@ -2,6 +2,12 @@
 
 #include "stagelink/config.hpp"
 
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
 using namespace stagelink;
 
 static const char* kSeedShm = R"(
@@ -107,8 +113,8 @@ stage_args:
 )";
   auto c = load_transfer_config_string(y, "bad.yaml");
   ASSERT_FALSE(c.ok());
-  EXPECT_NE(c.error().message.find("same connector type"), std::string::npos);
-  EXPECT_NE(c.error().message.find("bad.yaml"), std::string::npos);
+  for (const char* want : {"bad.yaml", "edge 0 -> 1", "stage 0", "stage 1", "name (SharedMemoryConnector vs MooncakeStoreConnector)"})
+    EXPECT_NE(c.error().message.find(want), std::string::npos) << c.error().message;
 }
 
 TEST(Config, ErrorsQuoteKeyAndFile) {
@@ -122,7 +128,9 @@ TEST(Config, ErrorsQuoteKeyAndFile) {
       {"stage_args:\n  - stage_id: 0\n    output_connectors: {to_stage_1: nope}\n", "y.yaml",
        {"y.yaml:3", "stage_args[0].output_connectors.to_stage_1", "'nope'"}},
       {"stage_args:\n  - stage_id: 0\n    output_connectors: {stage1: {name: X}}\n", "z.yaml", {"z.yaml:3", "to_stage_"}},
-      {"runtime:\n  connectors:\n    c: {extra: {}}\n", "w.yaml", {"w.yaml", "runtime.connectors.c.name"}},
+      // A partial entry is an error only where it is referenced.
+      {"runtime:\n  connectors:\n    c: {extra: {}}\nstage_args:\n  - stage_id: 0\n    output_connectors: {to_stage_1: c}\n",
+       "w.yaml", {"w.yaml", "runtime.connectors.c.name", "referenced by stage_args[0].output_connectors.to_stage_1"}},
       {"runtime: 3\n", "v.yaml", {"v.yaml:1", "'runtime'", "must be a map"}},
   };
   for (const Case& c : cases) {
@@ -134,4 +142,167 @@ TEST(Config, ErrorsQuoteKeyAndFile) {
   auto missing = load_transfer_config_file("/nonexistent/stagelink.yaml");
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.error().code, Errc::not_found);
+}
+
+TEST(Config, PartialUnreferencedConnectorIsNotAnError) {
+  auto c = load_transfer_config_string("runtime:\n  connectors:\n    c: {extra: {}}\n", "p.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message;
+}
+
+TEST(Config, UserRoleIsKeptMissingRoleIsInjected) {
+  const char* y = R"(
+runtime:
+  connectors:
+    te: {name: MooncakeTransferEngineConnector, extra: {role: receiver, zmq_port: 50051}}
+    plain: {name: MooncakeTransferEngineConnector, extra: {zmq_port: 50052}}
+stage_args:
+  - stage_id: 0
+    output_connectors: {to_stage_1: te, to_stage_2: plain}
+)";
+  auto c = load_transfer_config_string(y, "r.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  for (auto& sc : c->stage_connectors("0")) {
+    const std::string role = sc.connector.extra.find("role")->as<std::string>();
+    if (sc.peer == "1") {
+      EXPECT_EQ(role, "receiver");  // regression: was overwritten with "sender"
+      EXPECT_EQ(sc.role, Role::receiver);
+    } else {
+      EXPECT_EQ(role, "sender");
+    }
+  }
+}
+
+TEST(Config, AnEdgeDeclaredTwiceMergesWhenEqualAndFailsNamingTheDifference) {
+  auto two = [](const char* out_extra, const char* in_extra) {
+    return std::string("stage_args:\n  - stage_id: 0\n    output_connectors:\n      to_stage_1: {name: SharedMemoryConnector, extra: ") +
+           out_extra + "}\n  - stage_id: 1\n    input_connectors:\n      from_stage_0: {name: SharedMemoryConnector, extra: " +
+           in_extra + "}\n";
+  };
+  auto ok = load_transfer_config_string(two("{shm_threshold_bytes: 1024, role: sender}", "{shm_threshold_bytes: 1024, role: receiver}"), "m.yaml");
+  ASSERT_TRUE(ok.ok()) << ok.error().message;
+  ASSERT_EQ(ok->edges.size(), 1u);
+  EXPECT_EQ(ok->edges[0].connector.extra.find("role")->as<std::string>(), "sender");  // first in stage order
+  auto role_from_second = load_transfer_config_string(two("{a: 1}", "{a: 1, role: receiver}"), "m2.yaml");
+  ASSERT_TRUE(role_from_second.ok());
+  EXPECT_EQ(role_from_second->edges[0].connector.extra.find("role")->as<std::string>(), "receiver");
+  struct Case { const char *out, *in, *key; };
+  for (const Case& k : {Case{"{shm_threshold_bytes: 1024}", "{shm_threshold_bytes: 2048}", "extra.shm_threshold_bytes"},
+                        Case{"{a: 1}", "{a: 1, b: null}", "extra.b"},  // missing vs None: different
+                        Case{"{a: 1, c: x}", "{a: 1}", "extra.c"}}) {
+    auto bad = load_transfer_config_string(two(k.out, k.in), "d.yaml");
+    ASSERT_FALSE(bad.ok()) << k.key;
+    for (const char* want : {"edge 0 -> 1", "stage 0", "stage 1", k.key})
+      EXPECT_NE(bad.error().message.find(want), std::string::npos) << bad.error().message;
+  }
+}
+
+TEST(Config, TopLevelEdgesAndRuntimeConnectorsWin) {
+  const char* y = R"(
+connectors:
+  shared: {name: SharedMemoryConnector, extra: {shm_threshold_bytes: 1}}
+  only_top: {name: SharedMemoryConnector, extra: {shm_threshold_bytes: 3}}
+runtime:
+  connectors:
+    shared: {name: SharedMemoryConnector, extra: {shm_threshold_bytes: 2}}
+stages:
+  - stage_id: 0
+  - stage_id: 1
+  - stage_id: 2
+edges:
+  - {from: 0, to: 1, connector: shared}
+  - {from_stage: 1, to_stage: 2, connector: only_top}
+  - {from: 2, to: 3}
+)";
+  auto c = load_transfer_config_string(y, "e.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  ASSERT_EQ(c->edges.size(), 3u);
+  int64_t v = 0;
+  ASSERT_TRUE(c->connector_for_edge("0", "1").extra.find("shm_threshold_bytes")->get_i64(v));
+  EXPECT_EQ(v, 2);  // runtime.connectors wins
+  ASSERT_TRUE(c->connector_for_edge("1", "2").extra.find("shm_threshold_bytes")->get_i64(v));
+  EXPECT_EQ(v, 3);
+  EXPECT_TRUE(c->edge("2", "3")->defaulted);
+  ASSERT_EQ(c->notes.size(), 1u);
+  EXPECT_NE(c->notes[0].find("'shared'"), std::string::npos) << c->notes[0];
+  EXPECT_NE(c->notes[0].find("runtime.connectors.shared is used"), std::string::npos) << c->notes[0];
+}
+
+TEST(Config, EnvironmentVariablesAreExpanded) {
+  setenv("SL_TEST_PORT", "50123", 1);
+  setenv("SL_TEST_HOST", "10.1.2.3", 1);
+  unsetenv("SL_TEST_UNSET");
+  const char* y = R"(
+runtime:
+  connectors:
+    te:
+      name: MooncakeTransferEngineConnector
+      extra:
+        zmq_port: ${SL_TEST_PORT}
+        host: "${SL_TEST_HOST}"
+        proto: ${SL_TEST_UNSET:-tcp}
+        note: "a-${SL_TEST_PORT}-b"
+stage_args:
+  - stage_id: 0
+    output_connectors: {to_stage_1: te}
+)";
+  auto c = load_transfer_config_string(y, "env.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  const Value& x = c->connector_for_edge("0", "1").extra;
+  int64_t port = 0;
+  ASSERT_TRUE(x.find("zmq_port")->get_i64(port));  // a number once expanded
+  EXPECT_EQ(port, 50123);
+  EXPECT_EQ(x.find("host")->as<std::string>(), "10.1.2.3");
+  EXPECT_EQ(x.find("proto")->as<std::string>(), "tcp");
+  EXPECT_EQ(x.find("note")->as<std::string>(), "a-50123-b");
+  auto bad = load_transfer_config_string("runtime:\n  connectors:\n    a:\n      name: X\n      extra:\n        port: ${SL_TEST_UNSET}\n", "u.yaml");
+  ASSERT_FALSE(bad.ok());
+  for (const char* want : {"u.yaml", "runtime.connectors.a.extra.port", "SL_TEST_UNSET"})
+    EXPECT_NE(bad.error().message.find(want), std::string::npos) << bad.error().message;
+}
+
+TEST(Config, BaseConfigOverlaysMergeRelativeToTheFileAndRefuseCycles) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("slcfg" + std::to_string(getpid()));
+  fs::create_directories(dir / "deploy");
+  auto write = [&](const fs::path& p, const char* text) { std::ofstream(p) << text; };
+  write(dir / "base.yaml", R"(
+runtime:
+  connectors:
+    te: {name: MooncakeTransferEngineConnector, extra: {zmq_port: 50051, protocol: rdma}}
+stage_args:
+  - stage_id: 0
+    output_connectors: {to_stage_1: te}
+  - stage_id: 1
+    input_connectors: {from_stage_0: te}
+)");
+  write(dir / "deploy" / "tcp.yaml", R"(
+base_config: ../base.yaml
+runtime:
+  connectors:
+    te: {extra: {protocol: tcp}}
+    unused: {extra: {x: 1}}
+stage_args:
+  - stage_id: 1
+    output_connectors: {to_stage_2: te}
+)");
+  auto c = load_transfer_config_file((dir / "deploy" / "tcp.yaml").string());
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  const Value& x = c->connector_for_edge("0", "1").extra;
+  EXPECT_EQ(c->connector_for_edge("0", "1").name, "MooncakeTransferEngineConnector");
+  EXPECT_EQ(x.find("protocol")->as<std::string>(), "tcp");  // the overlay wins
+  int64_t port = 0;
+  ASSERT_TRUE(x.find("zmq_port")->get_i64(port));
+  EXPECT_EQ(port, 50051);  // the base's, kept
+  EXPECT_EQ(c->edges.size(), 2u);  // stage 1 merged by id: its input kept, an output added
+  EXPECT_EQ(c->connector_for_edge("1", "2").name, "MooncakeTransferEngineConnector");
+  write(dir / "a.yaml", "base_config: b.yaml\n");
+  write(dir / "b.yaml", "base_config: a.yaml\n");
+  auto cyc = load_transfer_config_file((dir / "a.yaml").string());
+  ASSERT_FALSE(cyc.ok());
+  EXPECT_NE(cyc.error().message.find("cycle"), std::string::npos) << cyc.error().message;
+  write(dir / "c.yaml", "base_config: missing.yaml\n");
+  auto missing = load_transfer_config_file((dir / "c.yaml").string());
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.error().message.find("missing.yaml"), std::string::npos);
+  fs::remove_all(dir);
 }

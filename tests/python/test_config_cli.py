@@ -57,6 +57,32 @@ def test_dict_input_and_errors(tmp_path):
     assert stagelink.transfer_engine_port(50051, "kv_transfer", 0, dp_index=1, tp_size=2, tp_rank=1) == 50154
 
 
+def test_vllm_omni_parity_role_merge_env_and_overlays(tmp_path, monkeypatch, caplog):
+    import logging
+    monkeypatch.setenv("SL_PY_PORT", "50999")
+    (tmp_path / "base.yaml").write_text(
+        "runtime:\n  connectors:\n    te:\n      name: MooncakeTransferEngineConnector\n"
+        "      extra:\n        zmq_port: ${SL_PY_PORT}\n        role: receiver\n"
+        "stage_args:\n  - stage_id: 0\n    output_connectors: {to_stage_1: te}\n")
+    (tmp_path / "deploy.yaml").write_text(
+        "base_config: base.yaml\nconnectors:\n  te: {name: SharedMemoryConnector}\n"
+        "runtime:\n  connectors:\n    te: {extra: {protocol: tcp}}\n")
+    with caplog.at_level(logging.INFO, logger="stagelink"):
+        cfg = stagelink.load_transfer_config(tmp_path / "deploy.yaml")
+    spec = cfg.connector_for_edge(0, 1)
+    assert spec.name == "MooncakeTransferEngineConnector"  # runtime.connectors wins over connectors
+    assert spec.extra["zmq_port"] == 50999 and spec.extra["protocol"] == "tcp"
+    assert cfg.stage_connectors(0)[0]["connector"].extra["role"] == "receiver"  # the user's role, kept
+    assert any("'te'" in n for n in cfg.notes) and any("runtime.connectors.te" in r.message for r in caplog.records)
+    two = {"stages": [{"stage_id": 0, "output_connectors": {"to_stage_1": {"name": "SharedMemoryConnector", "extra": {"a": 1}}}},
+                      {"stage_id": 1, "input_connectors": {"from_stage_0": {"name": "SharedMemoryConnector", "extra": {"a": 2}}}}]}
+    with pytest.raises(stagelink.InvalidArgumentError, match=r"edge 0 -> 1.*stage 0.*stage 1.*extra\.a"):
+        stagelink.load_transfer_config(two)
+    monkeypatch.delenv("SL_PY_PORT")
+    with pytest.raises(stagelink.InvalidArgumentError, match="SL_PY_PORT"):
+        stagelink.load_transfer_config(tmp_path / "deploy.yaml")
+
+
 def test_cli_config_check_and_help(tmp_path):
     f = tmp_path / "te.yaml"
     f.write_text("""
