@@ -20,11 +20,17 @@ namespace stagelink {
 struct MessageQueueOptions {
   uint32_t n_reader = 1;                 // all readers, local and remote
   uint32_t n_local_reader = 1;           // readers on this host (ring)
-  std::vector<uint32_t> local_reader_ranks;  // ranks of the local readers (default 0..n_local-1)
+  // Ranks of the local readers (default 0..n_local_reader-1): any distinct numbers, e.g. the
+  // group ranks of a process group ([1, 2, 3] beside a writer of rank 0). The other
+  // n_reader - n_local_reader readers are remote, whatever their ranks.
+  std::vector<uint32_t> local_reader_ranks;
   size_t max_chunk_bytes = 10u << 20;    // ring chunk size (vLLM's default)
   uint32_t max_chunks = 10;              // ring length (vLLM's default)
   size_t overflow_bytes = 64u << 20;     // shared-memory area for messages larger than a chunk
-  std::string connect_ip = "127.0.0.1";  // address remote readers connect to (bound by the writer)
+  // Address remote readers connect to. Empty: this host's address (net::host_address(): an
+  // up, non-loopback interface, or STAGELINK_HOST_IP / VLLM_HOST_IP), the socket bound on every
+  // interface, as vLLM does; set: bound on that address only.
+  std::string connect_ip;
   int remote_port = 0;                   // 0: an ephemeral port
   int remote_hwm = 1000;                 // writer-side queue per remote reader; a reader that stops
                                          // taking data makes enqueue block, then time out
@@ -41,6 +47,8 @@ struct MessageQueueHandle {
   uint32_t n_reader = 0;
   std::string remote_addr;  // empty: no remote readers
   uint64_t spin_us = 50;
+  uint64_t chunk_bytes = 0;   // ring chunk size (0: unknown, an older handle)
+  uint32_t max_chunks = 0;
   std::vector<std::byte> to_msgpack() const;
   static Result<MessageQueueHandle> from_msgpack(std::span<const std::byte> bytes);
 };
@@ -55,12 +63,15 @@ struct Message {
 class MessageQueue {
  public:
   static Result<std::unique_ptr<MessageQueue>> create(const MessageQueueOptions& o);
-  static Result<std::unique_ptr<MessageQueue>> create_from_handle(const MessageQueueHandle& h, uint32_t rank);
+  // `rank` in h.local_reader_ranks: a local reader; any other (-1 included): a remote one.
+  static Result<std::unique_ptr<MessageQueue>> create_from_handle(const MessageQueueHandle& h, int64_t rank);
   virtual ~MessageQueue() = default;
 
   virtual MessageQueueHandle export_handle() const = 0;
   virtual bool is_writer() const = 0;
-  virtual uint32_t rank() const = 0;  // readers: their rank
+  virtual int64_t rank() const = 0;  // readers: their rank (the writer: 0)
+  // Whether shutdown() was called here or (readers) by the writer.
+  virtual bool shutting_down() const = 0;
   // Writer: until every local reader attached and every remote reader subscribed (then the ring's
   // name is unlinked: nothing is left in /dev/shm even if a process crashes). Readers: until the
   // subscription is up (remote) / immediately (local). Errors: timeout naming who is missing.

@@ -9,12 +9,14 @@
 #include <atomic>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <set>
 #include <zmq.hpp>
 
 #include "core/log.hpp"
 #include "core/msgpack_io.hpp"
+#include "core/net.hpp"
 #include "core/proc.hpp"
 #include "shm/ring.hpp"
 #include "stagelink/allocator.hpp"
@@ -38,7 +40,12 @@ uint64_t deadline_from(double timeout_s) {
 }
 // The subscription topic a remote reader adds so the writer knows its rank. Messages start with
 // 'M' or 'S', so this topic never matches one.
-std::string rank_topic(uint32_t rank) { return "\xffR" + std::to_string(rank); }
+// A remote reader's subscription topic: its rank and a nonce (two readers may share a rank, -1).
+std::string rank_topic(int64_t rank) {
+  static std::atomic<uint32_t> n{0};
+  return "\xffR" + std::to_string(rank) + "/" + std::to_string(getpid()) + "." + std::to_string(n.fetch_add(1));
+}
+constexpr const char* kShutDown = "cancelled: message queue was shut down";
 
 std::string ranks_str(const std::vector<uint32_t>& r) {
   std::string s;
@@ -61,6 +68,8 @@ std::vector<std::byte> MessageQueueHandle::to_msgpack() const {
   m.emplace_back("n", uint64_t(n_reader));
   m.emplace_back("remote", remote_addr);
   m.emplace_back("spin", uint64_t(spin_us));
+  m.emplace_back("cb", chunk_bytes);
+  m.emplace_back("mc", uint64_t(max_chunks));
   return value_to_msgpack(Value(std::move(m)));
 }
 
@@ -83,11 +92,15 @@ Result<MessageQueueHandle> MessageQueueHandle::from_msgpack(std::span<const std:
   if (!(f = v.find("spin")) || !f->get_u64(spin) || spin > 10'000'000) return bad("spin");
   h.n_reader = uint32_t(n);
   h.spin_us = spin;
+  uint64_t cb = 0, mc = 0;
+  if ((f = v.find("cb"))) f->get_u64(cb);
+  if ((f = v.find("mc")) && f->get_u64(mc) && mc <= shm::kRingMaxChunks) h.max_chunks = uint32_t(mc);
+  h.chunk_bytes = cb;
   f = v.find("ranks");
   if (!f || !f->is<Value::List>()) return bad("ranks");
   for (auto& r : f->as<Value::List>()) {
     uint64_t x;
-    if (!r.get_u64(x) || x >= n) return bad("rank out of range");
+    if (!r.get_u64(x) || x > UINT32_MAX) return bad("rank out of range");
     h.local_reader_ranks.push_back(uint32_t(x));
   }
   if (h.shm_dir.empty() || h.shm_dir[0] != '/') return bad("shm_dir");
@@ -125,10 +138,8 @@ class MqWriter final : public MessageQueue {
       return make_error(Errc::invalid_argument, "local_reader_ranks must list n_local_reader ranks");
     std::set<uint32_t> seen;
     for (auto r : o_.local_reader_ranks)
-      if (r >= o_.n_reader || !seen.insert(r).second)
-        return make_error(Errc::invalid_argument, "local_reader_ranks must be distinct ranks below n_reader");
-    for (uint32_t r = 0; r < o_.n_reader; ++r)
-      if (!seen.count(r)) remote_ranks_.push_back(r);
+      if (!seen.insert(r).second) return make_error(Errc::invalid_argument, "local_reader_ranks must be distinct");
+    n_remote_ = o_.n_reader - o_.n_local_reader;
     const std::string base = shm::user_prefix() + "mq.";
     const uint32_t id = g_mq_counter.fetch_add(1);
     tag_ = std::to_string(getpid()) + "." + std::to_string(id);
@@ -152,18 +163,26 @@ class MqWriter final : public MessageQueue {
         ovf_alloc_ = std::make_unique<BufferAllocator>(o_.overflow_bytes, 64);
       }
     }
-    if (!remote_ranks_.empty()) {
+    if (n_remote_) {
       try {
         pub_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::xpub);
         pub_->set(zmq::sockopt::xpub_verbose, 1);
         pub_->set(zmq::sockopt::xpub_nodrop, 1);
         pub_->set(zmq::sockopt::sndhwm, o_.remote_hwm);
         pub_->set(zmq::sockopt::linger, 5000);  // bounded: close() waits at most 5 s to flush
-        pub_->bind("tcp://" + o_.connect_ip + ":" + (o_.remote_port ? std::to_string(o_.remote_port) : std::string("*")));
-        remote_addr_ = pub_->get(zmq::sockopt::last_endpoint);
+        const std::string port = o_.remote_port ? std::to_string(o_.remote_port) : std::string("*");
+        if (o_.connect_ip.empty()) {  // every interface, advertised as this host's address
+          pub_->bind("tcp://*:" + port);
+          const std::string ep = pub_->get(zmq::sockopt::last_endpoint);
+          remote_addr_ = "tcp://" + net::host_address() + ep.substr(ep.rfind(':'));
+        } else {
+          pub_->bind("tcp://" + o_.connect_ip + ":" + port);
+          remote_addr_ = pub_->get(zmq::sockopt::last_endpoint);
+        }
       } catch (const zmq::error_t& e) {
         close();
-        return make_error(Errc::io, std::string("binding the remote-reader socket on ") + o_.connect_ip + ": " + e.what());
+        return make_error(Errc::io, std::string("binding the remote-reader socket on ") +
+                                        (o_.connect_ip.empty() ? "*" : o_.connect_ip) + ": " + e.what());
       }
     }
     return {};
@@ -178,10 +197,13 @@ class MqWriter final : public MessageQueue {
     h.n_reader = o_.n_reader;
     h.remote_addr = remote_addr_;
     h.spin_us = o_.spin_us;
+    h.chunk_bytes = o_.max_chunk_bytes;
+    h.max_chunks = o_.max_chunks;
     return h;
   }
   bool is_writer() const override { return true; }
-  uint32_t rank() const override { return 0; }
+  int64_t rank() const override { return 0; }
+  bool shutting_down() const override { return shutdown_flag_.load() || (ring_ && ring_->is_shutdown()); }
 
   Status wait_until_ready(double timeout_s) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -190,17 +212,19 @@ class MqWriter final : public MessageQueue {
     for (;;) {
       if (pub_) drain_subscriptions(0);
       const bool local_ok = !ring_ || ring_->attached_count() == o_.n_local_reader;
-      const bool remote_ok = remote_seen_.size() == remote_ranks_.size();
+      const bool remote_ok = remote_seen_.size() >= n_remote_;
       if (local_ok && remote_ok) break;
-      if (ring_ && ring_->is_shutdown()) return make_error(Errc::cancelled, "message queue was shut down");
+      if (ring_ && ring_->is_shutdown()) return make_error(Errc::cancelled, kShutDown);
       if (dl && mono_ns() >= dl) {
         std::vector<uint32_t> missing;
         for (size_t i = 0; i < o_.local_reader_ranks.size(); ++i)
           if (ring_->header().readers[i].state.load() == shm::kReaderAbsent) missing.push_back(o_.local_reader_ranks[i]);
-        for (auto r : remote_ranks_)
-          if (!remote_seen_.count(r)) missing.push_back(r);
-        return make_error(Errc::timeout, "message queue not ready after " + std::to_string(timeout_s) +
-                                             " s: readers not connected: ranks " + ranks_str(missing));
+        std::string what;
+        if (!missing.empty()) what = "readers not connected: local ranks " + ranks_str(missing);
+        if (remote_seen_.size() < n_remote_)
+          what += (what.empty() ? "" : "; ") + std::to_string(n_remote_ - remote_seen_.size()) + " of " +
+                  std::to_string(n_remote_) + " remote readers not subscribed to " + remote_addr_;
+        return make_error(Errc::timeout, "message queue not ready after " + std::to_string(timeout_s) + " s: " + what);
       }
       if (!local_ok) {
         const uint32_t seen = ring_->header().attach_seq.load();
@@ -265,6 +289,7 @@ class MqWriter final : public MessageQueue {
   }
 
   void shutdown() override {
+    shutdown_flag_.store(true);
     if (ring_) ring_->shutdown();
     std::lock_guard<std::mutex> lock(mu_);
     if (pub_ && !shutdown_sent_) {
@@ -331,7 +356,7 @@ class MqWriter final : public MessageQueue {
           return a.ok();
         }, dl);
         if (got) break;
-        if (ring_->is_shutdown()) return make_error(Errc::cancelled, "message queue was shut down");
+        if (ring_->is_shutdown()) return make_error(Errc::cancelled, kShutDown);
         SL_TRY(ring_->handle_dead(ring_->oldest_laggards(), o_.drop_dead_readers));  // a dead reader holds the area
         if (dl && mono_ns() >= dl)
           return make_error(Errc::timeout, "message queue " + ring_->name() + ": no overflow room for a " +
@@ -378,7 +403,7 @@ class MqWriter final : public MessageQueue {
       pub_->set(zmq::sockopt::sndtimeo, timeout_ms);
       if (!pub_->send(zmq::const_buffer(head, sizeof head), zmq::send_flags::sndmore) ||
           !pub_->send(zmq::const_buffer(frame.data(), frame.size()), zmq::send_flags::none))
-        return make_error(Errc::timeout, "message queue: remote readers (ranks " + ranks_str(remote_ranks_) +
+        return make_error(Errc::timeout, "message queue: remote readers (" + remote_ranks_str() +
                                              ") did not take message " + std::to_string(seq) + " before the timeout (" +
                                              std::to_string(o_.remote_hwm) + " messages queued)" +
                                              (local_got_it ? "; the local readers got it, the remote ones will report the gap" : ""));
@@ -397,12 +422,10 @@ class MqWriter final : public MessageQueue {
       if (!pub_->recv(m, zmq::recv_flags::dontwait)) return;
       std::string s(static_cast<const char*>(m.data()), m.size());
       if (s.size() < 3 || s[1] != '\xff' || s[2] != 'R') continue;
-      uint32_t r = uint32_t(std::strtoul(s.c_str() + 3, nullptr, 10));
-      if (s[0] == 1) remote_seen_.insert(r);
-      else {
-        remote_seen_.erase(r);
-        SL_LOG_WARN("message queue: remote reader rank %u disconnected", r);
-      }
+      const int64_t r = std::strtoll(s.c_str() + 3, nullptr, 10);
+      if (s[0] == 1) remote_seen_[s.substr(1)] = r;
+      else if (remote_seen_.erase(s.substr(1)))
+        SL_LOG_WARN("message queue: remote reader rank %lld disconnected", static_cast<long long>(r));
     }
   }
 
@@ -435,8 +458,14 @@ class MqWriter final : public MessageQueue {
   std::shared_ptr<Segment> ovf_;
   std::unique_ptr<BufferAllocator> ovf_alloc_;
   std::deque<OutOfLine> ool_;
-  std::vector<uint32_t> remote_ranks_;
-  std::set<uint32_t> remote_seen_;
+  uint32_t n_remote_ = 0;
+  std::map<std::string, int64_t> remote_seen_;  // subscription topic -> the reader's rank
+  std::atomic<bool> shutdown_flag_{false};
+  std::string remote_ranks_str() const {
+    std::string s;
+    for (auto& [t, r] : remote_seen_) s += (s.empty() ? "" : ", ") + std::to_string(r);
+    return std::to_string(n_remote_) + " expected" + (s.empty() ? "" : "; subscribed ranks " + s);
+  }
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> pub_;
   std::vector<std::byte> scratch_;
@@ -448,10 +477,10 @@ class MqWriter final : public MessageQueue {
 // What both kinds of reader share: no writing, and dequeue as a copy through dequeue_with.
 class MqReader : public MessageQueue {
  public:
-  MqReader(MessageQueueHandle h, uint32_t rank) : h_(std::move(h)), rank_(rank) {}
+  MqReader(MessageQueueHandle h, int64_t rank) : h_(std::move(h)), rank_(rank) {}
   MessageQueueHandle export_handle() const override { return h_; }
   bool is_writer() const override { return false; }
-  uint32_t rank() const override { return rank_; }
+  int64_t rank() const override { return rank_; }
   Status wait_until_ready(double) override { return {}; }
   Status enqueue(const Payload&, double) override {
     return make_error(Errc::invalid_argument, "enqueue on a reader of a message queue");
@@ -473,7 +502,7 @@ class MqReader : public MessageQueue {
   Value stats() override {
     Value::Map m;
     m.emplace_back("role", kind());
-    m.emplace_back("rank", uint64_t(rank_));
+    m.emplace_back("rank", rank_);
     m.emplace_back("messages", delivered());
     return Value(std::move(m));
   }
@@ -482,7 +511,7 @@ class MqReader : public MessageQueue {
   virtual uint64_t delivered() const = 0;  // messages handed out so far
   virtual const char* kind() const = 0;
   MessageQueueHandle h_;
-  uint32_t rank_;
+  int64_t rank_;
 };
 
 class MqLocalReader final : public MqReader {
@@ -522,6 +551,7 @@ class MqLocalReader final : public MqReader {
   }
 
   void shutdown() override { ring_->cancel_local(); }
+  bool shutting_down() const override { return ring_->stopping(); }
 
  protected:
   uint64_t delivered() const override { return ring_->read_seq(); }
@@ -590,7 +620,7 @@ class MqRemoteReader final : public MqReader {
     const uint64_t dl = deadline_from(timeout_s);
     zmq::pollitem_t items[2] = {{sub_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, efd_, ZMQ_POLLIN, 0}};
     for (;;) {
-      if (cancelled_.load()) return make_error(Errc::cancelled, "message queue was shut down");
+      if (cancelled_.load()) return make_error(Errc::cancelled, kShutDown);
       zmq::message_t head;
       if (sub_->recv(head, zmq::recv_flags::dontwait)) {
         std::vector<zmq::message_t> rest;
@@ -601,7 +631,7 @@ class MqRemoteReader final : public MqReader {
         const char* d = static_cast<const char*>(head.data());
         if (head.size() >= 1 && d[0] == kShutdownTag) {
           cancelled_.store(true);
-          return make_error(Errc::cancelled, "message queue was shut down by the writer");
+          return make_error(Errc::cancelled, "cancelled: message queue was shut down by the writer");
         }
         if (head.size() != 9 || d[0] != kMsgTag || rest.size() != 1)
           return make_error(Errc::corrupt, "malformed message from the writer");
@@ -627,6 +657,7 @@ class MqRemoteReader final : public MqReader {
     }
   }
 
+  bool shutting_down() const override { return cancelled_.load(); }
   void shutdown() override {
     cancelled_.store(true);
     uint64_t one = 1;
@@ -652,12 +683,9 @@ Result<std::unique_ptr<MessageQueue>> MessageQueue::create(const MessageQueueOpt
   return std::unique_ptr<MessageQueue>(std::move(w));
 }
 
-Result<std::unique_ptr<MessageQueue>> MessageQueue::create_from_handle(const MessageQueueHandle& h, uint32_t rank) {
-  if (rank >= h.n_reader)
-    return make_error(Errc::invalid_argument, "rank " + std::to_string(rank) + " out of range: the queue has " +
-                                                  std::to_string(h.n_reader) + " readers");
+Result<std::unique_ptr<MessageQueue>> MessageQueue::create_from_handle(const MessageQueueHandle& h, int64_t rank) {
   for (size_t i = 0; i < h.local_reader_ranks.size(); ++i) {
-    if (h.local_reader_ranks[i] != rank) continue;
+    if (int64_t(h.local_reader_ranks[i]) != rank) continue;
     auto r = std::make_unique<MqLocalReader>(h, rank);
     SL_TRY(r->init(uint32_t(i)));
     return std::unique_ptr<MessageQueue>(std::move(r));

@@ -16,6 +16,7 @@
 #include "bench/mq_bench.hpp"
 #include "core/host_pool.hpp"
 #include "core/msgpack_io.hpp"
+#include "core/net.hpp"
 #include "bench/shm_bench.hpp"
 #include "stagelink/stagelink.hpp"
 
@@ -1298,7 +1299,7 @@ NB_MODULE(_core, m) {
              o.shm_dir = shm_dir;
              return PyMq{unwrap(MessageQueue::create(o))};
            })
-      .def_static("create_from_handle", [](nb::bytes handle, uint32_t rank) {
+      .def_static("create_from_handle", [](nb::bytes handle, int64_t rank) {
              auto h = unwrap(MessageQueueHandle::from_msgpack(
                  std::span<const std::byte>(reinterpret_cast<const std::byte*>(handle.c_str()), handle.size())));
              return PyMq{unwrap(MessageQueue::create_from_handle(h, rank))};
@@ -1328,6 +1329,7 @@ NB_MODULE(_core, m) {
       .def("stats", [](PyMq& self) { return self.q ? to_py(self.q->stats()) : nb::object(nb::dict()); })
       .def_prop_ro("is_writer", [](PyMq& self) { return self.get()->is_writer(); })
       .def_prop_ro("rank", [](PyMq& self) { return self.get()->rank(); })
+      .def_prop_ro("shutting_down", [](PyMq& self) { return !self.q || self.q->shutting_down(); })
       .def_prop_ro("closed", [](PyMq& self) { return !self.q; })
       .def("close", [](PyMq& self) {
              std::shared_ptr<MessageQueue> q = std::move(self.q);
@@ -1354,6 +1356,23 @@ NB_MODULE(_core, m) {
     d["ext"] = to_py(p.ext);
     return d;
   });
+  m.def("mq_handle_info", [](nb::bytes handle) {
+    auto h = unwrap(MessageQueueHandle::from_msgpack(
+        std::span<const std::byte>(reinterpret_cast<const std::byte*>(handle.c_str()), handle.size())));
+    nb::dict d;
+    nb::list ranks;
+    for (auto r : h.local_reader_ranks) ranks.append(r);
+    d["local_reader_ranks"] = ranks;
+    d["n_reader"] = h.n_reader;
+    d["ring_name"] = h.ring_name;
+    d["overflow_name"] = h.overflow_name;
+    d["shm_dir"] = h.shm_dir;
+    d["remote_addr"] = h.remote_addr;
+    d["chunk_bytes"] = h.chunk_bytes;
+    d["max_chunks"] = h.max_chunks;
+    return d;
+  });
+  m.def("host_address", &net::host_address);
   m.def("registered_connectors", &registered_connectors);
   m.def("load_config_file", [](const std::string& path) { return config_dict(unwrap(load_transfer_config_file(path))); });
   m.def("load_config_string", [](const std::string& text, const std::string& source) {

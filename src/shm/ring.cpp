@@ -214,7 +214,7 @@ Result<RingChunk*> Ring::acquire_write(uint64_t deadline_ns, bool drop_dead, uin
                                        const std::function<void(const std::vector<Laggard>&, double)>& on_blocked) {
   RingChunk* c = chunk(wseq_);
   if (spin_until([&] { return chunk_free(c) || is_shutdown(); }, opts_.spin_ns, yield_)) {
-    if (is_shutdown()) return make_error(Errc::cancelled, "message queue was shut down");
+    if (is_shutdown()) return make_error(Errc::cancelled, "cancelled: message queue was shut down");
     return c;
   }
   const uint64_t t0 = mono_ns();
@@ -224,7 +224,7 @@ Result<RingChunk*> Ring::acquire_write(uint64_t deadline_ns, bool drop_dead, uin
     if (next_warn && next_warn < until) until = next_warn;
     sleep_on(hdr_->free_seq, hdr_->free_waiters, [&] { return chunk_free(c) || stopping(); }, until);
     const uint64_t now = mono_ns();
-    if (stopping()) return make_error(Errc::cancelled, "message queue was shut down");
+    if (stopping()) return make_error(Errc::cancelled, "cancelled: message queue was shut down");
     if (chunk_free(c)) return c;
     // Still blocked: who is behind, and are they alive?
     auto lag = laggards_for(c);
@@ -319,7 +319,7 @@ Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
              slice_until(deadline_ns));
     if (ready()) return c;  // pending messages are delivered even after a shutdown
     if (dropped()) return make_error(Errc::closed, "reader rank " + std::to_string(rank_name(rank_)) + " was dropped by the writer");
-    if (stopping()) return make_error(Errc::cancelled, "message queue was shut down");
+    if (stopping()) return make_error(Errc::cancelled, "cancelled: message queue was shut down");
     const uint64_t now = mono_ns();
     if (!writer_alive())
       return make_error(Errc::peer_dead, "message queue " + name() + ": the writer (pid " +

@@ -157,6 +157,8 @@ class Ring {
   // ---- both ----
   void shutdown();  // everyone: blocked waits fail with cancelled
   bool is_shutdown() const { return hdr_->shutdown.load(std::memory_order_acquire) != 0; }
+  // Shut down for everyone, or cancelled in this process (cancel_local).
+  bool stopping() const { return is_shutdown() || local_cancel_.load(std::memory_order_seq_cst); }
   bool writer_alive() const;
 
  private:
@@ -168,7 +170,6 @@ class Ring {
   bool chunk_free(RingChunk* c) const;
   void map_layout();                                  // chunks_ and data_ from the header
   uint64_t slice_until(uint64_t deadline_ns) const;   // min(deadline, now + liveness slice)
-  bool stopping() const { return is_shutdown() || local_cancel_.load(std::memory_order_seq_cst); }
   void wake_all_words();
 
   std::shared_ptr<Segment> seg_;

@@ -470,3 +470,39 @@ TEST(Mq, BadHandlesAndArgumentsAreClearErrors) {
   EXPECT_FALSE((*r)->enqueue_bytes({}, 0).ok());
   EXPECT_FALSE((*w)->dequeue(0).ok());
 }
+
+// vLLM's process groups name local readers by group rank ([1, 2, 3] beside a writer of rank 0):
+// the ranks need not be 0..n-1, and a remote reader may be of any rank (-1: remote only).
+TEST(Mq, LocalReaderRanksAreAnyDistinctNumbersAndRemoteReadersAnyRank) {
+  MessageQueueOptions o;
+  o.n_reader = 3;
+  o.n_local_reader = 2;
+  o.local_reader_ranks = {1, 3};
+  o.connect_ip = "127.0.0.1";
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok()) << w.error().message;  // regression: refused, 3 >= n_reader
+  const MessageQueueHandle h = (*w)->export_handle();
+  EXPECT_EQ(h.chunk_bytes, o.max_chunk_bytes);
+  auto a = MessageQueue::create_from_handle(h, 1);
+  auto b = MessageQueue::create_from_handle(h, 3);
+  auto remote = MessageQueue::create_from_handle(h, -1);
+  ASSERT_TRUE(a.ok() && b.ok() && remote.ok());
+  EXPECT_EQ((*remote)->rank(), -1);
+  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  ASSERT_TRUE((*w)->enqueue_bytes(std::as_bytes(std::span("hello", 5)), 5).ok());
+  for (auto* r : {&a, &b, &remote}) {
+    auto m = (**r)->dequeue(5);
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    EXPECT_EQ(m->payload.tensors[0].nbytes(), 5u);
+  }
+  MessageQueueOptions dup = o;
+  dup.local_reader_ranks = {3, 3};
+  EXPECT_EQ(MessageQueue::create(dup).error().code, Errc::invalid_argument);
+  (*w)->shutdown();
+  EXPECT_TRUE((*w)->shutting_down());
+  auto after = (*a)->dequeue(5);
+  ASSERT_FALSE(after.ok());
+  EXPECT_EQ(after.error().code, Errc::cancelled);
+  EXPECT_NE(after.error().message.find("cancelled"), std::string::npos) << after.error().message;
+  EXPECT_TRUE((*a)->shutting_down());
+}

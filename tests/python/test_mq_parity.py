@@ -1,0 +1,115 @@
+"""MessageQueue parity with vLLM's shm_broadcast: names, arbitrary reader ranks, remote-only readers,
+the host address, acquire_write/acquire_read, shutdown, process groups."""
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import stagelink
+from stagelink import _core
+
+
+def test_ranks_handle_fields_acquire_and_shutdown(mq_clean):
+    # Local readers of group ranks 1 and 3 (not 0..n-1), one remote-only reader (rank -1).
+    w = stagelink.MessageQueue(3, 2, [1, 3], max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1",
+                               enable_shm_tensor_arena=False)
+    h = w.export_handle()
+    assert h.local_reader_ranks == [1, 3]
+    assert h.buffer_handle[:3] == (2, 1 << 16, 4)
+    assert h.local_subscribe_addr is None and h.remote_addr_ipv6 is False
+    assert h.remote_subscribe_addr.startswith("tcp://127.0.0.1:")
+    h2 = pickle.loads(pickle.dumps(h))
+    assert h2.local_reader_ranks == [1, 3]
+    readers = [stagelink.MessageQueue.create_from_handle(h2, r) for r in (1, 3, -1)]
+    try:
+        w.wait_until_ready(10)
+        w.enqueue({"x": 1})
+        with w.acquire_write(timeout=5) as buf:
+            assert len(buf) == 1 << 16 and not buf.readonly
+            buf[:5] = b"hello"
+        for r in readers:
+            assert r.dequeue(timeout=5) == {"x": 1}
+            with r.acquire_read(timeout=5) as view:
+                assert view.readonly and len(view) == 1 << 16 and bytes(view[:5]) == b"hello"
+        t0 = time.monotonic()
+        threading.Timer(0.3, lambda: w.enqueue("late")).start()
+        assert readers[0].dequeue(timeout=0.01, indefinite=True) == "late"  # indefinite: the timeout is ignored
+        assert time.monotonic() - t0 >= 0.25
+        with pytest.raises(stagelink.TimeoutError):
+            readers[0].dequeue(timeout=0.05)
+        assert not w.shutting_down and not readers[0].shutting_down
+        w.shutdown()
+        assert w.shutting_down
+        with pytest.raises(stagelink.CancelledError, match="cancelled"):
+            readers[0].dequeue(timeout=5)
+        assert readers[0].shutting_down
+    finally:
+        for r in readers:
+            r.close()
+        w.close()
+
+
+def test_remote_readers_are_served_on_the_host_address(mq_clean):
+    w = stagelink.MessageQueue(1, 0)  # no connect_ip: the host's address, as vLLM
+    try:
+        addr = w.export_handle().remote_subscribe_addr
+        assert addr.startswith(f"tcp://{_core.host_address()}:")
+        r = stagelink.MessageQueue.create_from_handle(w.export_handle(), 0)
+        try:
+            w.wait_until_ready(10)
+            w.enqueue(np.arange(4))
+            assert np.array_equal(r.dequeue(timeout=5), np.arange(4))
+        finally:
+            r.close()
+    finally:
+        w.close()
+
+
+def _pg_worker(rank, world, port, q):
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mq = stagelink.MessageQueue.create_from_process_group(dist.group.WORLD, 1 << 16, 4, writer_rank=0)
+        if rank == 0:
+            mq.enqueue({"step": 1})
+            got = "sent"
+        else:
+            got = mq.dequeue(timeout=10)
+        single, handles = stagelink.MessageQueue.create_from_process_group_single_reader(
+            dist.group.WORLD, 1 << 16, 4, reader_rank=0)
+        if rank == 0:
+            got2 = sorted(r.dequeue(timeout=10) for r in single if r is not None)
+        else:
+            single.enqueue(rank * 10)
+            got2 = "sent"
+        dist.barrier()
+        q.put((rank, got, got2))
+        dist.destroy_process_group()
+    except Exception as e:  # reported, not lost in the child
+        q.put((rank, "error", repr(e)))
+
+
+def test_create_from_process_group(mq_clean):
+    pytest.importorskip("torch")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_pg_worker, args=(r, 3, port, q)) for r in range(3)]
+    for p in procs:
+        p.start()
+    results = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results == [(0, "sent", [10, 20]), (1, {"step": 1}, "sent"), (2, {"step": 1}, "sent")], results
+
+
+def test_process_group_without_torch_distributed_is_a_clear_error():
+    with pytest.raises(stagelink.StagelinkError, match="torch.distributed|initialized"):
+        stagelink.MessageQueue.create_from_process_group(object(), 1 << 16, 4)
