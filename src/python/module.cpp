@@ -361,7 +361,18 @@ struct TorchApi {
   std::vector<std::pair<PyObject*, DType>> dtypes;  // torch dtype objects (singletons)
   // Interned attribute names: attribute reads and method calls without building a str each time.
   PyObject *s_requires_grad, *s_is_cpu, *s_cpu, *s_is_conj, *s_resolve_conj, *s_is_neg, *s_resolve_neg,
-      *s_is_contiguous, *s_contiguous, *s_dtype, *s_shape, *s_data_ptr;
+      *s_is_contiguous, *s_contiguous, *s_dtype, *s_shape, *s_data_ptr, *s_device;
+  PyObject* cuda_available = nullptr;  // torch.cuda.is_available
+  // Whether a tensor can be moved to `dev` here ("cuda:N" needs CUDA; other kinds are tried).
+  bool device_usable(const std::string& dev) const {
+    if (dev.rfind("cuda", 0) != 0) return true;
+    nb::object r = nb::steal(PyObject_CallNoArgs(cuda_available));
+    if (!r.is_valid()) {
+      PyErr_Clear();
+      return false;
+    }
+    return r.ptr() == Py_True;
+  }
   // nullptr when torch is not loaded (import: load it, for a get that holds torch tensors).
   static TorchApi* get(bool import) {
     static TorchApi* api = nullptr;
@@ -380,11 +391,12 @@ struct TorchApi {
     a->param_type = nb::object(torch.attr("nn").attr("Parameter")).release().ptr();
     a->from_numpy = nb::object(torch.attr("from_numpy")).release().ptr();
     a->bfloat16 = nb::object(torch.attr("bfloat16")).release().ptr();
+    a->cuda_available = nb::object(torch.attr("cuda").attr("is_available")).release().ptr();
     for (auto [slot, name] : {std::pair{&a->s_requires_grad, "requires_grad"}, {&a->s_is_cpu, "is_cpu"}, {&a->s_cpu, "cpu"},
                               {&a->s_is_conj, "is_conj"}, {&a->s_resolve_conj, "resolve_conj"}, {&a->s_is_neg, "is_neg"},
                               {&a->s_resolve_neg, "resolve_neg"}, {&a->s_is_contiguous, "is_contiguous"},
                               {&a->s_contiguous, "contiguous"}, {&a->s_dtype, "dtype"}, {&a->s_shape, "shape"},
-                              {&a->s_data_ptr, "data_ptr"}})
+                              {&a->s_data_ptr, "data_ptr"}, {&a->s_device, "device"}})
       *slot = PyUnicode_InternFromString(name);
     const std::pair<const char*, DType> names[] = {
         {"uint8", DType::u8}, {"int8", DType::i8}, {"int16", DType::i16}, {"int32", DType::i32},
@@ -417,6 +429,7 @@ struct PyEncoder {
   std::vector<int64_t> kinds;
   bool any_kind = false;
   Value::List tuples;
+  std::vector<std::string> devices;  // per tensor, where a torch tensor lived ("" for the host)
   uint32_t lists = 0;
   size_t total = 0;
   std::string why;
@@ -497,7 +510,11 @@ struct PyEncoder {
       return o;
     };
     if (truthy(ok(attr(T.s_requires_grad)))) kind |= kFlagRequiresGrad;
-    if (!truthy(ok(attr(T.s_is_cpu)))) t = ok(call(T.s_cpu));  // device tensors: host copy (CUDA IPC: later)
+    if (!truthy(ok(attr(T.s_is_cpu)))) {  // a device tensor: staged through the host (CUDA IPC: later)
+      devices.resize(kinds.size());
+      devices.emplace_back(nb::cast<std::string>(nb::str(ok(attr(T.s_device)))));
+      t = ok(call(T.s_cpu));
+    }
     nb::object dto = ok(attr(T.s_dtype));
     std::optional<DType> dt;
     for (auto& [o, d] : T.dtypes)
@@ -612,6 +629,12 @@ struct PyEncoder {
       ext.emplace_back("tk", Value(std::move(tk)));
     }
     if (!tuples.empty()) ext.emplace_back("tu", Value(std::move(tuples)));
+    if (!devices.empty()) {
+      Value::List td;
+      devices.resize(kinds.size());
+      for (auto& d : devices) td.emplace_back(std::move(d));
+      ext.emplace_back("td", Value(std::move(td)));
+    }
     if (!ext.empty()) p.ext = Value(std::move(ext));
     return true;
   }
@@ -624,6 +647,7 @@ struct PyDecoder {
   detail::MpReader* rd = nullptr;  // set while building from the packed tree
   const Value::List* kinds = nullptr;
   const Value::List* tuples = nullptr;
+  const Value::List* devices = nullptr;  // where torch tensors lived at put ("" or absent: the host)
   size_t next_tuple = 0;
   uint32_t lists = 0;
 
@@ -641,7 +665,7 @@ struct PyDecoder {
     if (base == kKindMemoryView || zero_copy) return nb::steal(PyMemoryView_FromObject(copy.ptr()));
     return copy;
   }
-  nb::object torch_tensor(const Tensor& t, int64_t k) {
+  nb::object torch_tensor(const Tensor& t, int64_t k, size_t i) {
     const TorchApi* T = TorchApi::get(true);
     if (!T) raise(make_error(Errc::unsupported, "payload holds torch tensors but torch cannot be imported"));
     Dims dims;
@@ -658,6 +682,11 @@ struct PyDecoder {
     nb::object out = nb::steal(PyObject_CallOneArg(T->from_numpy, arr.ptr()));
     if (!out.is_valid()) throw nb::python_error();
     if (bf16) out = out.attr("view")(nb::handle(T->bfloat16));
+    if (devices && i < devices->size() && (*devices)[i].is<std::string>() && !(*devices)[i].as<std::string>().empty()) {
+      // Put from a device: back to a device of that name where this process has one, else on the host.
+      const std::string& dev = (*devices)[i].as<std::string>();
+      if (T->device_usable(dev)) out = out.attr("to")(dev);
+    }
     const bool rg = k & kFlagRequiresGrad;
     if (k & kFlagParameter) return nb::handle(T->param_type)(out, nb::arg("requires_grad") = rg);
     if (rg) out.attr("requires_grad_")(true);
@@ -669,7 +698,7 @@ struct PyDecoder {
                                           std::to_string(p.tensors.size())));
     const Tensor& t = p.tensors[i];
     const int64_t k = kind_of(i), base = k & kKindMask;
-    if (base == kKindTorch) return torch_tensor(t, k);
+    if (base == kKindTorch) return torch_tensor(t, k, i);
     if (base != kKindNumpy) return bytes_like(t, base);
     if (!(k & kFlagScalar)) {
       nb::object arr = tensor_array(t, zero_copy);
@@ -777,6 +806,7 @@ nb::object native_object(const Payload& p, bool zero_copy) {
   PyDecoder d{p, zero_copy};
   if (const Value* tk = p.ext.find("tk"); tk && tk->is<Value::List>()) d.kinds = &tk->as<Value::List>();
   if (const Value* tu = p.ext.find("tu"); tu && tu->is<Value::List>()) d.tuples = &tu->as<Value::List>();
+  if (const Value* td = p.ext.find("td"); td && td->is<Value::List>()) d.devices = &td->as<Value::List>();
   if (p.packed_tree.empty()) return d.tree(p.tree, 0);
   detail::MpReader rd(p.packed_tree.data(), p.packed_tree.size());
   d.rd = &rd;

@@ -101,6 +101,36 @@ def test_put_replaces_an_unread_key_and_a_held_view_keeps_the_old_payload(ns):
         assert c.get(0, 1, "k")[0] == b"x"
 
 
+def _view_holder(ns, q, back):
+    """Another process: holds a zero-copy view of v1 while the producer replaces the key."""
+    with shm(ns) as r:
+        view, _ = r.get(0, 1, "k", timeout=10, zero_copy=True)
+        q.put(int(view[0]))
+        back.get(timeout=30)  # the producer replaced k meanwhile
+        q.put((int(view[0]), int(view[-1]), int(view.sum() == view.size)))
+        del view
+
+
+def test_replacement_across_processes_keeps_the_readers_view(ns):
+    ctx = mp.get_context("fork")
+    q, back = ctx.Queue(), ctx.Queue()
+    with shm(ns) as c:
+        assert c.put(0, 1, "k", np.full(300000, 1, np.uint8), readers=2)[0]
+        p = ctx.Process(target=_view_holder, args=(ns, q, back))
+        p.start()
+        try:
+            assert q.get(timeout=30) == 1
+            assert c.put(0, 1, "k", np.full(300000, 2, np.uint8))[0]  # replaces the unread half
+            got = c.get(0, 1, "k")
+            assert got is not None and got[0][0] == 2
+            back.put("go")
+            assert q.get(timeout=30) == (1, 1, 1)  # the other process's view still reads v1
+        finally:
+            p.join(30)
+        assert p.exitcode == 0
+        assert c.reap_consumed() >= 1 and c.health()["outstanding"] == 0  # v1 freed once the view went
+
+
 def test_get_with_deadline_abandon_get_reap_consumed_and_class_attributes(ns):
     assert stagelink.Connector.supports_raw_data is False
     with shm(ns) as c:
@@ -248,3 +278,14 @@ def test_allow_pickle_off_refuses_at_put_and_at_get(ns):
         assert "set" in str(strict_reader.last_error) and "allow_pickle" in str(strict_reader.last_error)
         ok, _, meta = producer.put(0, 1, "obj3", {"s": {1, 2}})
         assert producer.get(0, 1, "obj3", meta)[0] == {"s": {1, 2}}  # default on: unpickled
+
+
+def test_a_cuda_tensor_comes_back_on_its_device(ns):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here (runs on the GPU machine)")
+    with shm(ns) as c:
+        t = torch.arange(1 << 16, dtype=torch.bfloat16, device="cuda").reshape(256, 256)
+        got, meta = roundtrip(c, {"h": t, "p": torch.nn.Parameter(torch.ones(3, device="cuda"))})
+        assert got["h"].device == t.device and got["h"].dtype == torch.bfloat16 and torch.equal(got["h"], t)
+        assert type(got["p"]) is torch.nn.Parameter and got["p"].is_cuda
