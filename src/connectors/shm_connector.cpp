@@ -560,14 +560,16 @@ class ShmConnector final : public Connector {
   // the by-key lookup. {key: metadata}, as some callers wrap it, is unwrapped first.
   static void find_own_fields(const Value& md, const std::string& key, const Value*& entry, const Value*& genv,
                               const Value*& inl) {
+    using namespace std::string_view_literals;
     if (!md.is<Value::Map>()) return;
     const Value::Map& m = md.as<Value::Map>();
     if (m.size() == 1 && m[0].first == key && m[0].second.is<Value::Map>())
       return find_own_fields(m[0].second, key, entry, genv, inl);
-    for (const auto& [k, v] : m) {
-      if (k == "entry") entry = &v;
-      else if (k == "gen") genv = &v;
-      else if (k == "inline") inl = &v;
+    for (const auto& [k, v] : m) {  // string_view compares: a length check and an inlined memcmp
+      const std::string_view ks(k);
+      if (ks == "entry"sv) entry = &v;
+      else if (ks == "gen"sv) genv = &v;
+      else if (ks == "inline"sv) inl = &v;
     }
   }
 

@@ -117,7 +117,7 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
     const Tensor& t = p.tensors[0];
     const FramePlan::Single& s = plan.single;
     if (s.valid && s.dtype == t.dtype && s.nbytes == t.nbytes() && s.shape == t.shape && s.device == t.device &&
-        s.ext == p.ext)
+        (s.ext.is_nil() ? p.ext.is_nil() : s.ext == p.ext))
       return {};  // this layout was checked and planned last time
   }
   plan.single.valid = false;
@@ -143,7 +143,7 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
     s.shape.assign(t.shape.begin(), t.shape.end());
     s.nbytes = t.nbytes();
     s.device.assign(t.device);
-    s.ext = p.ext;
+    if (!(s.ext.is_nil() && p.ext.is_nil())) s.ext = p.ext;
     s.valid = true;
   }
   return {};
@@ -218,7 +218,7 @@ Status decode_frame_copy_into(std::span<const std::byte> buf, Payload& p) {
 Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const void> keepalive, Payload& p,
                          bool build_tree) {
   p.tree = Value();
-  p.ext = Value();
+  if (!p.ext.is_nil()) p.ext = Value();
   p.packed_tree = {};
   p.tensors.clear();
   if (buf.size() < kFrameHeaderBytes)
