@@ -957,7 +957,8 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   if (has_md) md = from_py(metadata);
   // Our metadata is a direct lookup (microseconds: the GIL is kept); anything else (none, another
   // connector's) may wait for the key.
-  const bool lookup = has_md && PyDict_Check(metadata.ptr()) && PyDict_GetItemString(metadata.ptr(), "entry");
+  static PyObject* const kEntry = PyUnicode_InternFromString("entry");  // immortal: kept
+  const bool lookup = has_md && PyDict_Check(metadata.ptr()) && PyDict_GetItem(metadata.ptr(), kEntry);
   Deadline dl = kNoWait;
   if (!timeout.is_none()) {
     const double secs = PyFloat_AsDouble(timeout.ptr());  // TypeError for a non-number
