@@ -564,13 +564,17 @@ struct PyEncoder {
     if (PyFloat_CheckExact(o)) { pk.pack_double(PyFloat_AS_DOUBLE(o)); return true; }
     if (PyUnicode_CheckExact(o)) return str(o);
     if (PyDict_CheckExact(o)) {
-      pk.pack_map(uint32_t(PyDict_GET_SIZE(o)));
+      const Py_ssize_t n = PyDict_GET_SIZE(o);
+      pk.pack_map(uint32_t(n));
       PyObject *k, *v;
-      Py_ssize_t pos = 0;
+      Py_ssize_t pos = 0, done = 0;
       while (PyDict_Next(o, &pos, &k, &v)) {
         if (!PyUnicode_CheckExact(k)) return fail(k, " as a dict key");
         if (!str(k) || !encode(v, depth + 1)) return false;
+        ++done;
       }
+      // A torch leaf runs Python code: a dict changed meanwhile would not match its packed count.
+      if (done != n || PyDict_GET_SIZE(o) != n) return fail(h, " that changed while it was being put");
       return true;
     }
     if (PyList_CheckExact(o) || PyTuple_CheckExact(o)) {
@@ -579,8 +583,12 @@ struct PyEncoder {
       const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
       pk.pack_array(uint32_t(n));
       PyObject** items = PySequence_Fast_ITEMS(o);
-      for (Py_ssize_t i = 0; i < n; ++i)
-        if (!encode(items[i], depth + 1)) return false;  // nothing here runs Python code: `o` stays as it is
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!encode(items[i], depth + 1)) return false;
+        // A torch leaf runs Python code: a list it changed (resized: items moved) is not read on.
+        if (PyList_CheckExact(o) && (PyList_GET_SIZE(o) != n || PySequence_Fast_ITEMS(o) != items))
+          return fail(h, " that changed while it was being put");
+      }
       return true;
     }
     if (PyArray_CheckExact(o)) return numpy(h);
@@ -675,8 +683,11 @@ struct PyDecoder {
     dims.n = (k & kFlagScalar) ? 0 : int(t.shape.size());
     if (dims.n > NPY_MAXDIMS) raise(make_error(Errc::unsupported, "tensor of more than 32 dimensions"));
     for (int i = 0; i < dims.n; ++i) dims.v[i] = npy_intp(t.shape[size_t(i)]);
+    if ((k & kFlagScalar) && t.nbytes() != dtype_size(t.dtype))
+      raise(make_error(Errc::corrupt, "a 0-d tensor of " + std::to_string(t.nbytes()) + " bytes"));
     const bool bf16 = t.dtype == DType::bf16;
     const int type = bf16 ? NPY_INT16 : npy_type(t.dtype);
+    if (type < 0) raise(make_error(Errc::corrupt, "torch tensor of an unknown dtype"));
     nb::object arr = zero_copy && t.keepalive ? array_over(t.data.data(), type, dims, t.keepalive, false)
                                               : copied_array(t.data, type, dims);
     // torch has no read-only tensors and warns for each read-only array; a zero-copy view is
@@ -708,8 +719,10 @@ struct PyDecoder {
       if (k & kFlagReadOnly) PyArray_CLEARFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
       return arr;
     }
-    Dims d;  // 0-d
-    nb::object arr = copied_array(t.data, npy_type(t.dtype) < 0 ? NPY_UINT8 : npy_type(t.dtype), d);
+    Dims d;  // 0-d: exactly one element (a frame saying otherwise would overrun the array)
+    if (t.nbytes() != dtype_size(t.dtype) || npy_type(t.dtype) < 0)
+      raise(make_error(Errc::corrupt, "a 0-d array of " + std::to_string(t.nbytes()) + " bytes of " + dtype_name(t.dtype)));
+    nb::object arr = copied_array(t.data, npy_type(t.dtype), d);
     if (k & kFlagNumpyScalar) return nb::steal(PyArray_Return(reinterpret_cast<PyArrayObject*>(arr.release().ptr())));
     if (k & kFlagReadOnly) PyArray_CLEARFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
     return arr;

@@ -393,12 +393,15 @@ Result<Claim> Directory::claim(uint32_t idx, uint32_t gen, std::string_view key)
   uint64_t w = e.ctl.load(std::memory_order_acquire);
   for (;;) {
     Ctl c = Ctl::unpack(w);
-    // Metadata naming a generation the entry is not at was never issued for what it holds now:
-    // corrupt (never someone else's payload). A freed entry of an older generation is just gone.
-    if (c.gen != gen && !(c.state == kFree && gen < c.gen))
+    // Metadata naming a generation other than the one the entry holds this key at was not issued
+    // for what it holds now: corrupt, never that payload. A free entry, or one reused for another
+    // key, means the payload is gone (its producer closed or died, or it was read): not_found, and
+    // an inline payload is still delivered from the metadata.
+    if (c.gen != gen && c.state != kFree && e.key_len == key.size() &&
+        std::memcmp(e.key, key.data(), key.size()) == 0)
       return make_error(Errc::corrupt, "metadata of key '" + std::string(key) + "' names generation " +
                                            std::to_string(gen) + " of entry " + std::to_string(idx) +
-                                           ", which is at generation " + std::to_string(c.gen) +
+                                           ", which holds it at generation " + std::to_string(c.gen) +
                                            " (stale or forged metadata)");
     if (c.gen != gen || (c.state != kReady))
       return make_error(Errc::not_found, "entry of key '" + std::string(key) + "' is gone (consumed, cancelled or reclaimed)");

@@ -289,3 +289,65 @@ def test_a_cuda_tensor_comes_back_on_its_device(ns):
         got, meta = roundtrip(c, {"h": t, "p": torch.nn.Parameter(torch.ones(3, device="cuda"))})
         assert got["h"].device == t.device and got["h"].dtype == torch.bfloat16 and torch.equal(got["h"], t)
         assert type(got["p"]) is torch.nn.Parameter and got["p"].is_cuda
+
+
+def test_a_frame_whose_flags_lie_is_corrupt_not_an_overrun(ns):
+    """Regression: a frame flagging a 4 KiB tensor as 0-d made get copy it into a one-element array."""
+    with shm(ns, strict=True) as c:
+        ro = np.arange(512, dtype=np.float64)
+        ro.flags.writeable = False
+        ok, _, meta = c.put(0, 1, "k", ro)
+        assert ok and b"\xa2tk\x91\x08" in meta["inline"]  # ext {"tk": [read-only]}
+        forged = dict(meta, inline=meta["inline"].replace(b"\xa2tk\x91\x08", b"\xa2tk\x91\x48"))  # + 0-d
+        with pytest.raises(stagelink.CorruptError, match="0-d"):
+            c.get(0, 1, "k", forged)
+        for kind in (0x41, 0x49):  # torch 0-d, read-only torch 0-d
+            forged = dict(meta, inline=meta["inline"].replace(b"\xa2tk\x91\x08", b"\xa2tk\x91" + bytes([kind])))
+            if pytest.importorskip("torch"):
+                with pytest.raises(stagelink.CorruptError, match="0-d"):
+                    c.get(0, 1, "k", forged)
+
+
+def test_a_tree_changed_by_its_own_leaves_is_not_misread(ns):
+    """A torch leaf runs Python code (here a TorchFunctionMode) that grows the list being put: the
+    native walk notices (its items moved) and the object is pickled as it then is, never misread."""
+    torch = pytest.importorskip("torch")
+    from torch.overrides import TorchFunctionMode
+
+    box = [torch.ones(2)]
+
+    class Grow(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if len(box) < 200:
+                box.extend([0] * 100)  # reallocates the list's item array
+            return func(*args, **(kwargs or {}))
+
+    with shm(ns) as c, Grow():
+        ok, _, meta = c.put(0, 1, "k", box)
+    assert ok, c.last_error
+    with shm(ns) as r:
+        got = r.get(0, 1, "k", meta)
+    assert got is not None and len(got[0]) == len(box) and torch.equal(got[0][0], torch.ones(2))
+
+
+def _inline_producer(ns, q):
+    with shm(ns) as c:
+        q.put(c.put(0, 1, "small", {"ids": [1, 2, 3]})[2])
+
+
+def test_inline_metadata_outlives_its_producer_but_a_forged_generation_does_not(ns):
+    """Regression (found in this issue's work): metadata of a producer that closed, whose
+    directory was recreated, was refused as a forged generation; it is gone, and its inline frame
+    is still delivered."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_inline_producer, args=(ns, q))
+    p.start()
+    meta = q.get(timeout=30)
+    p.join(30)
+    with shm(ns, strict=True) as c:
+        assert c.get(0, 1, "small", meta)[0] == {"ids": [1, 2, 3]}
+        _, _, live = c.put(0, 1, "small", {"ids": [4]})
+        with pytest.raises(stagelink.CorruptError, match="generation"):
+            c.get(0, 1, "small", dict(live, gen=live["gen"] + 1))
+        assert c.get(0, 1, "small", live)[0] == {"ids": [4]}
