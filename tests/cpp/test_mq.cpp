@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "core/net.hpp"
 #include "shm/ring.hpp"
 #include "util.hpp"
 #include "stagelink/mq.hpp"
@@ -143,6 +144,7 @@ TEST_P(MqFanOut, EveryReaderGetsEveryMessageOnceInOrderIntact) {
   MessageQueueOptions o;
   o.n_reader = n_local + 1;
   o.n_local_reader = n_local;
+  o.connect_ip = "127.0.0.1";  // tests stay on loopback
   o.max_chunk_bytes = 4096;
   o.max_chunks = 8;
   o.overflow_bytes = 64 << 10;
@@ -398,6 +400,7 @@ TEST(Mq, RemoteReaderReportsAMessageItMissedThatLocalReadersGot) {
   MessageQueueOptions o;
   o.n_reader = 2;
   o.n_local_reader = 1;
+  o.connect_ip = "127.0.0.1";  // tests stay on loopback
   o.max_chunk_bytes = 4u << 20;
   o.max_chunks = 4;
   o.overflow_bytes = 0;
@@ -505,4 +508,26 @@ TEST(Mq, LocalReaderRanksAreAnyDistinctNumbersAndRemoteReadersAnyRank) {
   EXPECT_EQ(after.error().code, Errc::cancelled);
   EXPECT_NE(after.error().message.find("cancelled"), std::string::npos) << after.error().message;
   EXPECT_TRUE((*a)->shutting_down());
+}
+
+// vLLM serves remote readers on the host's address when no connect_ip is given; so does stagelink
+// (bound on every interface, the handle naming the host's address).
+TEST(Mq, WithoutConnectIpRemoteReadersAreServedOnTheHostAddress) {
+  setenv("STAGELINK_HOST_IP", "127.0.0.1", 1);  // this test's own choice: loopback, nothing else
+  MessageQueueOptions o;
+  o.n_reader = 1;
+  o.n_local_reader = 0;
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  const std::string addr = (*w)->export_handle().remote_addr;
+  EXPECT_EQ(addr.rfind("tcp://127.0.0.1:", 0), 0u) << addr;
+  EXPECT_EQ(addr.find('*'), std::string::npos) << addr;  // an address a peer can connect to
+  auto r = MessageQueue::create_from_handle((*w)->export_handle(), -1);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  ASSERT_TRUE((*w)->enqueue_bytes(std::as_bytes(std::span("hi", 2)), 5).ok());
+  auto m = (*r)->dequeue(5);
+  ASSERT_TRUE(m.ok()) << m.error().message;
+  unsetenv("STAGELINK_HOST_IP");
+  EXPECT_EQ(stagelink::net::host_address().empty(), false);
 }

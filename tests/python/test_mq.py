@@ -57,7 +57,8 @@ def _reader(handle, rank, n, q):
 @pytest.mark.parametrize("n_local", [1, 4])
 def test_every_reader_gets_every_message_once_in_order_intact(n_local, mq_clean):
     ctx = mp.get_context("spawn")
-    w = stagelink.MessageQueue(n_local + 1, n_local, max_chunk_bytes=CHUNK, max_chunks=8, overflow_bytes=64 << 10)
+    w = stagelink.MessageQueue(n_local + 1, n_local, max_chunk_bytes=CHUNK, max_chunks=8, connect_ip="127.0.0.1",
+                               overflow_bytes=64 << 10)
     handle = pickle.loads(pickle.dumps(w.export_handle()))
     q = ctx.Queue()
     procs = [ctx.Process(target=_reader, args=(handle, r, N_MSGS, q)) for r in range(n_local + 1)]

@@ -53,12 +53,21 @@ def test_ranks_handle_fields_acquire_and_shutdown(mq_clean):
         w.close()
 
 
-def test_remote_readers_are_served_on_the_host_address(mq_clean):
+def test_remote_readers_are_served_on_the_host_address(mq_clean, monkeypatch):
+    import ipaddress
+    # Found from the interfaces without sending anything; advertised in the handle (not connected
+    # to here: tests stay on loopback).
+    ipaddress.IPv4Address(_core.host_address())
     w = stagelink.MessageQueue(1, 0)  # no connect_ip: the host's address, as vLLM
     try:
-        addr = w.export_handle().remote_subscribe_addr
-        assert addr.startswith(f"tcp://{_core.host_address()}:")
-        r = stagelink.MessageQueue.create_from_handle(w.export_handle(), 0)
+        assert w.export_handle().remote_subscribe_addr.startswith(f"tcp://{_core.host_address()}:")
+    finally:
+        w.close()
+    monkeypatch.setenv("STAGELINK_HOST_IP", "127.0.0.1")  # VLLM_HOST_IP is read too
+    w = stagelink.MessageQueue(1, 0)
+    try:
+        assert w.export_handle().remote_subscribe_addr.startswith("tcp://127.0.0.1:")
+        r = stagelink.MessageQueue.create_from_handle(w.export_handle(), -1)
         try:
             w.wait_until_ready(10)
             w.enqueue(np.arange(4))
