@@ -785,32 +785,6 @@ struct PyDecoder {
     }
     return true;
   }
-
-  nb::object tree(const Value& v, int depth) {  // a payload decoded with its Value tree
-    if (depth > 64) raise(make_error(Errc::corrupt, "payload tree deeper than 64"));
-    if (v.is<TensorRef>()) return tensor(v.as<TensorRef>().index);
-    if (v.is<Value::List>()) {
-      const bool tup = next_is_tuple();
-      const auto& l = v.as<Value::List>();
-      nb::object out = nb::steal(tup ? PyTuple_New(Py_ssize_t(l.size())) : PyList_New(Py_ssize_t(l.size())));
-      if (!out.is_valid()) throw nb::python_error();
-      for (size_t i = 0; i < l.size(); ++i) {
-        PyObject* e = tree(l[i], depth + 1).release().ptr();
-        if (tup) PyTuple_SET_ITEM(out.ptr(), Py_ssize_t(i), e);
-        else PyList_SET_ITEM(out.ptr(), Py_ssize_t(i), e);
-      }
-      return out;
-    }
-    if (v.is<Value::Map>()) {
-      nb::dict d;
-      for (auto& [k, e] : v.as<Value::Map>()) {
-        nb::object x = tree(e, depth + 1);
-        if (PyDict_SetItem(d.ptr(), key_str(k).ptr(), x.ptr()) != 0) throw nb::python_error();
-      }
-      return d;
-    }
-    return to_py(v);
-  }
 };
 
 // A frame without a pickle (anything put from Python without pickling, or by a C++ producer): the
@@ -823,8 +797,15 @@ nb::object native_object(const Payload& p, bool zero_copy) {
   if (const Value* tk = p.ext.find("tk"); tk && tk->is<Value::List>()) d.kinds = &tk->as<Value::List>();
   if (const Value* tu = p.ext.find("tu"); tu && tu->is<Value::List>()) d.tuples = &tu->as<Value::List>();
   if (const Value* td = p.ext.find("td"); td && td->is<Value::List>()) d.devices = &td->as<Value::List>();
-  if (p.packed_tree.empty()) return d.tree(p.tree, 0);
-  detail::MpReader rd(p.packed_tree.data(), p.packed_tree.size());
+  // Gets and dequeues leave the tree packed; a tree decoded as a Value (a frame from elsewhere) is
+  // packed once and read the same way.
+  std::vector<std::byte> packed;
+  std::span<const std::byte> tree = p.packed_tree;
+  if (tree.empty()) {
+    packed = value_to_msgpack(p.tree);
+    tree = packed;
+  }
+  detail::MpReader rd(tree.data(), tree.size());
   d.rd = &rd;
   nb::object out;
   if (!rd.read_any(d, out) || !rd.at_end())
@@ -980,11 +961,13 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   }
   Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
   Result<GetResult> r = make_error(Errc::io, "");
+  // Zero-copy, inline payloads viewing `md`, the tree left packed: the caller builds its objects.
+  const GetOptions go{true, true, true};
   if (!lookup && dl != kNoWait) {
     nb::gil_scoped_release nogil;
-    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true, false, true});
+    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
   } else {
-    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, GetOptions{true, true, true});
+    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
   }
   if (!r.ok()) {
     const Errc c = r.error().code;  // absent, timed out, abandoned: None, as vLLM-Omni's get
