@@ -12,6 +12,7 @@ from ._core import (  # noqa: F401  exception classes
 )
 from .config import ConnectorSpec, Edge, TransferConfig, load_transfer_config  # noqa: F401
 from .connector import Connector, Loan, create_connector  # noqa: F401
+from .control import ControlMessage  # noqa: F401
 from .mq import MessageQueue  # noqa: F401
 
 __version__ = "0.1.0"

@@ -30,7 +30,12 @@ PyObject* g_base_exc = nullptr;  // stagelink.StagelinkError
 
 [[noreturn]] void raise(const Error& e) {
   PyObject* t = g_exc[static_cast<size_t>(e.code)];
-  PyErr_SetString(t ? t : PyExc_RuntimeError, e.message.c_str());
+  // Messages quote untrusted bytes (keys, names off the wire): invalid UTF-8 is replaced, so the
+  // caller gets this error and not a UnicodeDecodeError in its place.
+  PyObject* msg = PyUnicode_DecodeUTF8(e.message.data(), Py_ssize_t(e.message.size()), "replace");
+  if (!msg) throw nb::python_error();
+  PyErr_SetObject(t ? t : PyExc_RuntimeError, msg);
+  Py_DECREF(msg);
   throw nb::python_error();
 }
 template <class T>
@@ -50,6 +55,14 @@ std::string utf8(PyObject* o) {
 // ---- Value <-> Python ----
 // Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
 // is cached, so building and reading the dict skips hashing and allocating them).
+// A str from UTF-8 bytes. Strict: bytes that are not UTF-8 (a damaged or foreign frame) raise
+// UnicodeDecodeError, a ValueError the connector contract reports, not nanobind's conversion error.
+nb::object py_str(std::string_view s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), Py_ssize_t(s.size()), nullptr);
+  if (!o) throw nb::python_error();
+  return nb::steal(o);
+}
+
 nb::object key_str(std::string_view k) {
   static constexpr std::string_view kCommon[] = {"shm", "gen", "name", "size", "entry", "offset", "inline"};
   static PyObject* interned[std::size(kCommon)] = {};
@@ -61,7 +74,7 @@ nb::object key_str(std::string_view k) {
       }
     }
   }
-  return nb::str(k.data(), k.size());
+  return py_str(k);
 }
 
 nb::object to_py(const Value& v, const std::vector<nb::object>* tensors = nullptr);
@@ -75,7 +88,7 @@ nb::object to_py(const Value& v, const std::vector<nb::object>* tensors) {
         else if constexpr (std::is_same_v<T, int64_t>) return nb::int_(x);
         else if constexpr (std::is_same_v<T, uint64_t>) return nb::steal(PyLong_FromUnsignedLongLong(x));
         else if constexpr (std::is_same_v<T, double>) return nb::float_(x);
-        else if constexpr (std::is_same_v<T, std::string>) return nb::str(x.data(), x.size());
+        else if constexpr (std::is_same_v<T, std::string>) return py_str(x);
         else if constexpr (std::is_same_v<T, Value::Bytes>) return nb::bytes(reinterpret_cast<const char*>(x.data()), x.size());
         else if constexpr (std::is_same_v<T, Value::List>) {
           nb::list l;
@@ -747,7 +760,7 @@ struct PyDecoder {
   bool uint(Out& o, uint64_t v) { return set(o, PyLong_FromUnsignedLongLong(v)); }
   bool sint(Out& o, int64_t v) { return set(o, PyLong_FromLongLong(v)); }
   bool real(Out& o, double v) { return set(o, PyFloat_FromDouble(v)); }
-  bool str(Out& o, std::string_view s) { return set(o, PyUnicode_DecodeUTF8(s.data(), Py_ssize_t(s.size()), nullptr)); }
+  bool str(Out& o, std::string_view s) { o = py_str(s); return true; }
   bool bin(Out& o, std::span<const std::byte> b) {
     return set(o, PyBytes_FromStringAndSize(reinterpret_cast<const char*>(b.data()), Py_ssize_t(b.size())));
   }
@@ -1403,6 +1416,58 @@ NB_MODULE(_core, m) {
     return d;
   });
   m.def("host_address", &net::host_address);
+  m.def("control_encode", [](const std::string& type, const std::string& rid, const std::string& from,
+                             const std::string& to, nb::handle metadata, nb::handle chunk_id, bool is_done,
+                             const std::string& error, nb::handle body) {
+    ControlMessage c;
+    c.type = unwrap(control_type_from_name(type));
+    c.request_id = rid;
+    c.from_stage = from;
+    c.to_stage = to;
+    if (!metadata.is_none()) c.metadata = from_py(metadata);
+    if (!chunk_id.is_none()) {
+      const long long v = PyLong_AsLongLong(chunk_id.ptr());
+      if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+      if (v < 0) raise(make_error(Errc::invalid_argument, "chunk_id must not be negative"));
+      c.chunk_id = uint64_t(v);
+    }
+    c.is_done = is_done;
+    c.error = error;
+    if (!body.is_none()) {
+      Py_buffer v;
+      if (PyObject_GetBuffer(body.ptr(), &v, PyBUF_SIMPLE) != 0) throw nb::python_error();
+      const auto* b = static_cast<const std::byte*>(v.buf);
+      c.body.assign(b, b + v.len);
+      PyBuffer_Release(&v);
+    }
+    auto out = unwrap(encode_control(c));
+    return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+  }, nb::arg("type"), nb::arg("request_id"), nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("metadata").none(),
+     nb::arg("chunk_id").none(), nb::arg("is_done"), nb::arg("error"), nb::arg("body").none());
+  m.def("control_decode", [](nb::handle data) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(data.ptr(), &v, PyBUF_SIMPLE) != 0) throw nb::python_error();
+    auto r = decode_control(std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len)));
+    PyBuffer_Release(&v);
+    const ControlMessage c = unwrap(std::move(r));
+    nb::dict d;
+    d["type"] = control_type_name(c.type);
+    d["request_id"] = c.request_id;
+    d["from_stage"] = c.from_stage.empty() ? nb::none() : nb::object(nb::str(c.from_stage.c_str(), c.from_stage.size()));
+    d["to_stage"] = c.to_stage.empty() ? nb::none() : nb::object(nb::str(c.to_stage.c_str(), c.to_stage.size()));
+    try {
+      d["metadata"] = to_py(c.metadata);
+    } catch (const std::exception& e) {  // e.g. a string that is not UTF-8
+      PyErr_Clear();
+      raise(make_error(Errc::corrupt, std::string("control message: 'md' cannot be read: ") + e.what()));
+    }
+    d["chunk_id"] = c.chunk_id ? nb::object(nb::int_(*c.chunk_id)) : nb::none();
+    d["is_done"] = c.is_done;
+    d["error"] = c.error.empty() ? nb::none() : nb::object(nb::str(c.error.c_str(), c.error.size()));
+    d["body"] = c.body.empty() ? nb::none()
+                               : nb::object(nb::bytes(reinterpret_cast<const char*>(c.body.data()), c.body.size()));
+    return d;
+  });
   m.def("registered_connectors", &registered_connectors);
   m.def("load_config_file", [](const std::string& path) { return config_dict(unwrap(load_transfer_config_file(path))); });
   m.def("load_config_string", [](const std::string& text, const std::string& source) {

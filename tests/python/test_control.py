@@ -1,0 +1,61 @@
+"""Control-plane messages from Python: round trips and malformed input."""
+import random
+
+import pytest
+
+import stagelink
+from stagelink.control import TYPES, ControlMessage
+
+
+def test_every_type_round_trips():
+    for t in TYPES:
+        m = ControlMessage(t, "" if t == "shutdown" else "req-1", from_stage="thinker", to_stage="talker",
+                           metadata={"entry": 3, "gen": 1, "inline": b"\x00\x01"}, chunk_id=5 if t == "stream" else None,
+                           is_done=t == "stream", error="boom" if t == "complete" else None,
+                           body=b"frame" if t == "submit" else None)
+        assert ControlMessage.from_bytes(m.to_bytes()) == m
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(stagelink.InvalidArgumentError, match="unknown control message type"):
+        ControlMessage("resubmit", "r").to_bytes()
+    with pytest.raises(stagelink.InvalidArgumentError, match="request_id"):
+        ControlMessage("data_ready").to_bytes()
+    good = ControlMessage("stream", "r", chunk_id=2, metadata={"a": [1, 2]}).to_bytes()
+    for n in range(len(good)):
+        with pytest.raises(stagelink.CorruptError):
+            ControlMessage.from_bytes(good[:n])
+    rng = random.Random(3)
+    for _ in range(3000):  # bit flips: a message or CorruptError, never anything else
+        b = bytearray(good)
+        b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        try:
+            ControlMessage.from_bytes(bytes(b))
+        except stagelink.CorruptError:
+            pass
+
+
+def test_error_messages_quoting_bytes_that_are_not_utf8_stay_the_right_error():
+    """Regression: a message quoting a wire string that is not UTF-8 raised UnicodeDecodeError (or
+    nanobind's RuntimeError) instead of CorruptError."""
+    good = ControlMessage("stream", "r", chunk_id=2).to_bytes()
+    bad_type = good.replace(b"\xa6stream", b"\xa6s\xf4ream")
+    with pytest.raises(stagelink.CorruptError, match="unknown control message type"):
+        ControlMessage.from_bytes(bad_type)
+    with pytest.raises(stagelink.CorruptError, match="UTF-8"):
+        ControlMessage.from_bytes(good.replace(b"\xa3rid\xa1r", b"\xa3rid\xa1\xff"))
+    md = ControlMessage("stream", "r", metadata={"k": "abc"}).to_bytes()
+    with pytest.raises(stagelink.CorruptError, match="'md'"):
+        ControlMessage.from_bytes(md.replace(b"\xa3abc", b"\xa3\xff\xfe\xfd"))
+
+
+def test_a_payload_string_that_is_not_utf8_is_reported_not_raised(tmp_path):
+    import uuid
+    ns = "pyctl" + uuid.uuid4().hex[:8]
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        for tree in ({"s": "abc"}, {"abc": 1}):  # a value, then a dict key (was nanobind's RuntimeError)
+            ok, _, meta = c.put(0, 1, "k", tree)
+            forged = dict(meta, inline=meta["inline"].replace(b"\xa3abc", b"\xa3\xff\xfe\xfd"))
+            assert c.get(0, 1, "k", forged) is None
+            assert isinstance(c.last_error, ValueError), c.last_error  # UnicodeDecodeError, reported
+            c.cleanup("k")
