@@ -4,6 +4,7 @@
 // crash or a half-filled message).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -50,5 +51,50 @@ inline constexpr size_t kControlMaxBody = 64u << 20;  // inline body
 Result<std::vector<std::byte>> encode_control(const ControlMessage& m);
 // Errors: corrupt, naming the field and what was wrong with it.
 Result<ControlMessage> decode_control(std::span<const std::byte> bytes);
+
+}  // namespace stagelink
+
+namespace stagelink {
+
+// ---- Transport: ZeroMQ PUSH/PULL ----
+// Each stage and the coordinator own one inbox (PULL, bound); senders hold an outbox (PUSH,
+// connected) per destination. On one host endpoints are `ipc://` sockets in a private directory
+// of the pipeline (0700, removed by close()), so two pipelines never collide; across hosts
+// `tcp://host:port`. Every wait has a deadline; an idle inbox sleeps in the kernel.
+
+// A new private directory for a pipeline's sockets: 0700, under $XDG_RUNTIME_DIR when set, else
+// /tmp. Errors: io.
+Result<std::string> make_private_socket_dir(const std::string& tag = "stagelink");
+// Remove a directory made by make_private_socket_dir and the sockets in it (best effort).
+void remove_private_socket_dir(const std::string& dir);
+
+class ControlInbox {
+ public:
+  // Bind `endpoint` ("ipc:///path" or "tcp://host:port"; port 0: any free port).
+  // Errors: invalid_argument (bad endpoint), io (taken: the message names it).
+  static Result<std::unique_ptr<ControlInbox>> bind(const std::string& endpoint);
+  virtual ~ControlInbox() = default;
+  // The endpoint peers connect to (a tcp port chosen by the kernel filled in).
+  virtual const std::string& endpoint() const = 0;
+  // The next message. timeout_s < 0: wait forever; 0: one attempt. Errors: timeout, closed,
+  // corrupt (a malformed message: it is dropped and the inbox stays usable).
+  virtual Result<ControlMessage> recv(double timeout_s) = 0;
+  // Wake a blocked recv (it returns `closed`) and release the socket. Idempotent.
+  virtual void close() = 0;
+};
+
+class ControlOutbox {
+ public:
+  static Result<std::unique_ptr<ControlOutbox>> connect(const std::string& endpoint);
+  virtual ~ControlOutbox() = default;
+  // Queue `m` for the inbox. Blocks while the peer's queue is full, up to timeout_s (< 0: forever).
+  // Errors: invalid_argument (a field over its limit), timeout (the peer takes nothing), closed.
+  virtual Status send(const ControlMessage& m, double timeout_s) = 0;
+  // Raw bytes, for tests of a peer that sends garbage.
+  virtual Status send_bytes(std::span<const std::byte> bytes, double timeout_s) = 0;
+  // Delivers what is queued (waiting at most 1 s for a peer that takes nothing), then releases
+  // the socket. Idempotent; also run by the destructor.
+  virtual void close() = 0;
+};
 
 }  // namespace stagelink

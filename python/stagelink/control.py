@@ -43,3 +43,65 @@ class ControlMessage:
 
 def _s(stage) -> str:
     return "" if stage is None else str(stage)
+
+
+class Inbox:
+    """Where a stage (or the coordinator) receives control messages: a ZeroMQ PULL socket bound on
+    ``endpoint`` (``ipc:///path`` in a private directory on one host, ``tcp://host:port`` across
+    hosts; port 0 picks a free one, see :attr:`endpoint`)."""
+
+    def __init__(self, endpoint: str):
+        self._in = _core._ControlInbox.bind(endpoint)
+
+    @property
+    def endpoint(self) -> str:
+        return self._in.endpoint
+
+    def recv(self, timeout: Optional[float] = None) -> ControlMessage:
+        """The next message. ``timeout`` None waits forever (the thread sleeps in the kernel).
+        Raises TimeoutError, CorruptError (a malformed message, dropped; the inbox goes on), or
+        ClosedError after :meth:`close` (which also wakes a blocked recv)."""
+        return ControlMessage(**self._in.recv(timeout))
+
+    def close(self) -> None:
+        self._in.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class Outbox:
+    """Sends control messages to one :class:`Inbox` (a ZeroMQ PUSH socket)."""
+
+    def __init__(self, endpoint: str):
+        self._out = _core._ControlOutbox.connect(endpoint)
+
+    def send(self, msg: ControlMessage, timeout: Optional[float] = None) -> None:
+        """Queue ``msg``; blocks while the peer's queue is full, up to ``timeout`` (None: forever)."""
+        self._out.send(msg.type, msg.request_id or "", _s(msg.from_stage), _s(msg.to_stage), msg.metadata,
+                       msg.chunk_id, bool(msg.is_done), msg.error or "", msg.body, timeout)
+
+    def close(self) -> None:
+        """Delivers what is queued (at most 1 s for a peer that takes nothing), then releases the socket."""
+        self._out.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def private_socket_dir(tag: str = "stagelink") -> str:
+    """A new 0700 directory for a pipeline's ipc sockets (under $XDG_RUNTIME_DIR, else /tmp);
+    remove it with :func:`remove_socket_dir`."""
+    return _core.make_private_socket_dir(tag)
+
+
+def remove_socket_dir(path: str) -> None:
+    _core.remove_private_socket_dir(path)

@@ -1162,6 +1162,70 @@ nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
   return nb::borrow<nb::tuple>(out);
 }
 
+// ---- control plane ----
+ControlMessage control_from_args(const std::string& type, const std::string& rid, const std::string& from,
+                                 const std::string& to, nb::handle metadata, nb::handle chunk_id, bool is_done,
+                                 const std::string& error, nb::handle body) {
+  ControlMessage c;
+  c.type = unwrap(control_type_from_name(type));
+  c.request_id = rid;
+  c.from_stage = from;
+  c.to_stage = to;
+  if (!metadata.is_none()) c.metadata = from_py(metadata);
+  if (!chunk_id.is_none()) {
+    const long long v = PyLong_AsLongLong(chunk_id.ptr());
+    if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+    if (v < 0) raise(make_error(Errc::invalid_argument, "chunk_id must not be negative"));
+    c.chunk_id = uint64_t(v);
+  }
+  c.is_done = is_done;
+  c.error = error;
+  if (!body.is_none()) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(body.ptr(), &v, PyBUF_SIMPLE) != 0) throw nb::python_error();
+    const auto* b = static_cast<const std::byte*>(v.buf);
+    c.body.assign(b, b + v.len);
+    PyBuffer_Release(&v);
+  }
+  return c;
+}
+
+nb::dict control_dict(const ControlMessage& c) {
+  auto opt_str = [](const std::string& s) { return s.empty() ? nb::none() : py_str(s); };
+  nb::dict d;
+  d["type"] = control_type_name(c.type);
+  d["request_id"] = py_str(c.request_id);
+  d["from_stage"] = opt_str(c.from_stage);
+  d["to_stage"] = opt_str(c.to_stage);
+  try {
+    d["metadata"] = to_py(c.metadata);
+  } catch (const std::exception& e) {  // e.g. a string that is not UTF-8
+    PyErr_Clear();
+    raise(make_error(Errc::corrupt, std::string("control message: 'md' cannot be read: ") + e.what()));
+  }
+  d["chunk_id"] = c.chunk_id ? nb::object(nb::int_(*c.chunk_id)) : nb::none();
+  d["is_done"] = c.is_done;
+  d["error"] = opt_str(c.error);
+  d["body"] = c.body.empty() ? nb::none()
+                             : nb::object(nb::bytes(reinterpret_cast<const char*>(c.body.data()), c.body.size()));
+  return d;
+}
+
+struct PyInbox {
+  std::shared_ptr<ControlInbox> in;
+  std::shared_ptr<ControlInbox> get() {
+    if (!in) raise(make_error(Errc::closed, "control inbox is closed"));
+    return in;
+  }
+};
+struct PyOutbox {
+  std::shared_ptr<ControlOutbox> out;
+  std::shared_ptr<ControlOutbox> get() {
+    if (!out) raise(make_error(Errc::closed, "control outbox is closed"));
+    return out;
+  }
+};
+
 nb::dict spec_dict(const ConnectorSpec& s) {
   nb::dict d;
   d["name"] = s.name;
@@ -1419,28 +1483,7 @@ NB_MODULE(_core, m) {
   m.def("control_encode", [](const std::string& type, const std::string& rid, const std::string& from,
                              const std::string& to, nb::handle metadata, nb::handle chunk_id, bool is_done,
                              const std::string& error, nb::handle body) {
-    ControlMessage c;
-    c.type = unwrap(control_type_from_name(type));
-    c.request_id = rid;
-    c.from_stage = from;
-    c.to_stage = to;
-    if (!metadata.is_none()) c.metadata = from_py(metadata);
-    if (!chunk_id.is_none()) {
-      const long long v = PyLong_AsLongLong(chunk_id.ptr());
-      if (v == -1 && PyErr_Occurred()) throw nb::python_error();
-      if (v < 0) raise(make_error(Errc::invalid_argument, "chunk_id must not be negative"));
-      c.chunk_id = uint64_t(v);
-    }
-    c.is_done = is_done;
-    c.error = error;
-    if (!body.is_none()) {
-      Py_buffer v;
-      if (PyObject_GetBuffer(body.ptr(), &v, PyBUF_SIMPLE) != 0) throw nb::python_error();
-      const auto* b = static_cast<const std::byte*>(v.buf);
-      c.body.assign(b, b + v.len);
-      PyBuffer_Release(&v);
-    }
-    auto out = unwrap(encode_control(c));
+    auto out = unwrap(encode_control(control_from_args(type, rid, from, to, metadata, chunk_id, is_done, error, body)));
     return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size());
   }, nb::arg("type"), nb::arg("request_id"), nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("metadata").none(),
      nb::arg("chunk_id").none(), nb::arg("is_done"), nb::arg("error"), nb::arg("body").none());
@@ -1449,25 +1492,59 @@ NB_MODULE(_core, m) {
     if (PyObject_GetBuffer(data.ptr(), &v, PyBUF_SIMPLE) != 0) throw nb::python_error();
     auto r = decode_control(std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len)));
     PyBuffer_Release(&v);
-    const ControlMessage c = unwrap(std::move(r));
-    nb::dict d;
-    d["type"] = control_type_name(c.type);
-    d["request_id"] = c.request_id;
-    d["from_stage"] = c.from_stage.empty() ? nb::none() : nb::object(nb::str(c.from_stage.c_str(), c.from_stage.size()));
-    d["to_stage"] = c.to_stage.empty() ? nb::none() : nb::object(nb::str(c.to_stage.c_str(), c.to_stage.size()));
-    try {
-      d["metadata"] = to_py(c.metadata);
-    } catch (const std::exception& e) {  // e.g. a string that is not UTF-8
-      PyErr_Clear();
-      raise(make_error(Errc::corrupt, std::string("control message: 'md' cannot be read: ") + e.what()));
-    }
-    d["chunk_id"] = c.chunk_id ? nb::object(nb::int_(*c.chunk_id)) : nb::none();
-    d["is_done"] = c.is_done;
-    d["error"] = c.error.empty() ? nb::none() : nb::object(nb::str(c.error.c_str(), c.error.size()));
-    d["body"] = c.body.empty() ? nb::none()
-                               : nb::object(nb::bytes(reinterpret_cast<const char*>(c.body.data()), c.body.size()));
-    return d;
+    return control_dict(unwrap(std::move(r)));
   });
+  nb::class_<PyInbox>(m, "_ControlInbox")
+      .def_static("bind", [](const std::string& ep) { return PyInbox{std::shared_ptr<ControlInbox>(unwrap(ControlInbox::bind(ep)))}; })
+      .def_prop_ro("endpoint", [](PyInbox& self) { return self.get()->endpoint(); })
+      .def("recv", [](PyInbox& self, nb::handle timeout) {
+             const double t = timeout_arg(timeout);
+             auto in = self.get();
+             Result<ControlMessage> r = make_error(Errc::io, "");
+             {
+               nb::gil_scoped_release nogil;
+               r = in->recv(t);
+             }
+             return control_dict(unwrap(std::move(r)));
+           }, nb::arg("timeout").none())
+      .def("close", [](PyInbox& self) {
+             if (auto in = std::move(self.in)) {
+               nb::gil_scoped_release nogil;
+               in->close();
+             }
+           })
+      .def_prop_ro("closed", [](PyInbox& self) { return !self.in; });
+  nb::class_<PyOutbox>(m, "_ControlOutbox")
+      .def_static("connect", [](const std::string& ep) { return PyOutbox{std::shared_ptr<ControlOutbox>(unwrap(ControlOutbox::connect(ep)))}; })
+      .def("send", [](PyOutbox& self, const std::string& type, const std::string& rid, const std::string& from,
+                      const std::string& to, nb::handle metadata, nb::handle chunk_id, bool is_done,
+                      const std::string& error, nb::handle body, nb::handle timeout) {
+             const ControlMessage c = control_from_args(type, rid, from, to, metadata, chunk_id, is_done, error, body);
+             const double t = timeout_arg(timeout);
+             auto out = self.get();
+             Status st;
+             {
+               nb::gil_scoped_release nogil;
+               st = out->send(c, t);
+             }
+             if (!st.ok()) raise(st.error());
+           }, nb::arg("type"), nb::arg("request_id"), nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("metadata").none(),
+           nb::arg("chunk_id").none(), nb::arg("is_done"), nb::arg("error"), nb::arg("body").none(), nb::arg("timeout").none())
+      .def("send_bytes", [](PyOutbox& self, nb::bytes b, nb::handle timeout) {
+             auto st = self.get()->send_bytes(std::span<const std::byte>(reinterpret_cast<const std::byte*>(b.c_str()), b.size()),
+                                              timeout_arg(timeout));
+             if (!st.ok()) raise(st.error());
+           }, nb::arg("data"), nb::arg("timeout").none())
+      .def("close", [](PyOutbox& self) {
+             if (auto out = std::move(self.out)) {
+               nb::gil_scoped_release nogil;  // flushes for up to 1 s
+               out->close();
+             }
+           })
+      .def_prop_ro("closed", [](PyOutbox& self) { return !self.out; });
+  m.def("make_private_socket_dir", [](const std::string& tag) { return unwrap(make_private_socket_dir(tag)); },
+        nb::arg("tag") = "stagelink");
+  m.def("remove_private_socket_dir", &remove_private_socket_dir);
   m.def("registered_connectors", &registered_connectors);
   m.def("load_config_file", [](const std::string& path) { return config_dict(unwrap(load_transfer_config_file(path))); });
   m.def("load_config_string", [](const std::string& text, const std::string& source) {

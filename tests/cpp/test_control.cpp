@@ -100,3 +100,101 @@ TEST(Control, MalformedBytesAreCorruptNeverACrash) {
   }
   EXPECT_FALSE(decode_control(value_to_msgpack(Value("a string"))).ok());
 }
+
+// ---- transport ----
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "util.hpp"
+
+TEST(ControlTransport, MessagesCrossProcessesInOrderOverIpcInAPrivateDirectory) {
+  auto dir = make_private_socket_dir("sltest");
+  ASSERT_TRUE(dir.ok()) << dir.error().message;
+  struct stat st{};
+  ASSERT_EQ(::stat(dir->c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  const std::string ep = "ipc://" + *dir + "/coordinator";
+  auto in = ControlInbox::bind(ep);
+  ASSERT_TRUE(in.ok()) << in.error().message;
+  const int n = 1000;
+  const pid_t child = fork();
+  if (child == 0) {
+    auto out = ControlOutbox::connect(ep);
+    if (!out.ok()) _exit(2);
+    for (int i = 0; i < n; ++i) {
+      ControlMessage m = sample(ControlType::stream);
+      m.chunk_id = uint64_t(i);
+      m.is_done = i == n - 1;
+      if (!(*out)->send(m, 10).ok()) _exit(3);
+    }
+    (*out)->close();  // flushes (bounded linger)
+    _exit(0);
+  }
+  for (int i = 0; i < n; ++i) {
+    auto m = (*in)->recv(10);
+    ASSERT_TRUE(m.ok()) << i << ": " << m.error().message;
+    ASSERT_EQ(m->chunk_id.value_or(~0ull), uint64_t(i));
+    EXPECT_EQ(m->is_done, i == n - 1);
+  }
+  EXPECT_EQ(testing_util::wait_child(child), 0);
+  (*in)->close();
+  remove_private_socket_dir(*dir);
+  EXPECT_FALSE(std::filesystem::exists(*dir));
+}
+
+TEST(ControlTransport, DeadlinesCloseMalformedInputAndTwoPipelinesSideBySide) {
+  auto d1 = make_private_socket_dir("sltest"), d2 = make_private_socket_dir("sltest");
+  ASSERT_TRUE(d1.ok() && d2.ok());
+  EXPECT_NE(*d1, *d2);  // two pipelines on one host never share a path
+  auto a = ControlInbox::bind("ipc://" + *d1 + "/stage-0");
+  auto b = ControlInbox::bind("ipc://" + *d2 + "/stage-0");
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto to_a = ControlOutbox::connect((*a)->endpoint());
+  ASSERT_TRUE(to_a.ok());
+  // A deadline, honoured.
+  auto t0 = std::chrono::steady_clock::now();
+  auto none = (*b)->recv(0.1);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.error().code, Errc::timeout);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(95));
+  // Garbage is a corrupt error; the inbox goes on.
+  const std::byte junk[5] = {std::byte{0xc1}, std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4}};
+  ASSERT_TRUE((*to_a)->send_bytes(junk, 5).ok());
+  ASSERT_TRUE((*to_a)->send(sample(ControlType::abort), 5).ok());
+  auto bad = (*a)->recv(5);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().code, Errc::corrupt);
+  auto good = (*a)->recv(5);
+  ASSERT_TRUE(good.ok()) << good.error().message;
+  EXPECT_EQ(good->type, ControlType::abort);
+  EXPECT_FALSE((*b)->recv(0).ok());  // nothing leaked across pipelines
+  // close() wakes a receiver blocked without a deadline.
+  Result<ControlMessage> blocked = make_error(Errc::io, "not run");
+  std::thread t([&] { blocked = (*a)->recv(-1); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  (*a)->close();
+  t.join();
+  ASSERT_FALSE(blocked.ok());
+  EXPECT_EQ(blocked.error().code, Errc::closed);
+  (*b)->close();
+  remove_private_socket_dir(*d1);
+  remove_private_socket_dir(*d2);
+}
+
+TEST(ControlTransport, BadEndpointsAndTakenPortsAreClearErrors) {
+  EXPECT_EQ(ControlInbox::bind("udp://x").error().code, Errc::invalid_argument);
+  EXPECT_EQ(ControlInbox::bind("ipc://" + std::string(200, 'p')).error().code, Errc::invalid_argument);
+  auto first = ControlInbox::bind("tcp://127.0.0.1:0");
+  ASSERT_TRUE(first.ok()) << first.error().message;
+  const std::string ep = (*first)->endpoint();
+  EXPECT_EQ(ep.rfind("tcp://127.0.0.1:", 0), 0u) << ep;
+  auto second = ControlInbox::bind(ep);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.error().code, Errc::io);
+  EXPECT_NE(second.error().message.find(ep), std::string::npos) << second.error().message;
+  EXPECT_EQ(make_private_socket_dir("bad/tag").error().code, Errc::invalid_argument);
+}

@@ -59,3 +59,54 @@ def test_a_payload_string_that_is_not_utf8_is_reported_not_raised(tmp_path):
             assert c.get(0, 1, "k", forged) is None
             assert isinstance(c.last_error, ValueError), c.last_error  # UnicodeDecodeError, reported
             c.cleanup("k")
+
+
+def _sender(endpoint, n):
+    from stagelink.control import Outbox
+    with Outbox(endpoint) as out:
+        for i in range(n):
+            out.send(ControlMessage("stream", "req", from_stage="a", to_stage="b", chunk_id=i, is_done=i == n - 1),
+                     timeout=10)
+
+
+def test_inbox_and_outbox_across_processes():
+    import multiprocessing as mp
+    import os
+    import threading
+    import time
+
+    from stagelink.control import Inbox, private_socket_dir, remove_socket_dir
+
+    d = private_socket_dir("sltest")
+    try:
+        assert oct(os.stat(d).st_mode & 0o777) == "0o700"
+        with Inbox(f"ipc://{d}/coordinator") as inbox:
+            p = mp.get_context("spawn").Process(target=_sender, args=(inbox.endpoint, 500))
+            p.start()
+            got = [inbox.recv(timeout=30) for _ in range(500)]
+            p.join(30)
+            assert [m.chunk_id for m in got] == list(range(500)) and got[-1].is_done and p.exitcode == 0
+            t0 = time.monotonic()
+            with pytest.raises(stagelink.TimeoutError):
+                inbox.recv(timeout=0.1)
+            assert time.monotonic() - t0 >= 0.09
+            out = []
+
+            def waiter():
+                try:
+                    inbox.recv()  # no deadline: only close() ends it
+                    out.append("returned")
+                except stagelink.ClosedError:
+                    out.append("closed")
+                except Exception as e:  # noqa: BLE001 - reported below
+                    out.append(repr(e))
+
+            th = threading.Thread(target=waiter)
+            th.start()
+            time.sleep(0.05)
+            inbox.close()  # wakes the blocked recv
+            th.join(5)
+            assert not th.is_alive() and out == ["closed"]
+    finally:
+        remove_socket_dir(d)
+    assert not os.path.exists(d)

@@ -1,0 +1,201 @@
+// ControlInbox / ControlOutbox over ZeroMQ PUSH/PULL.
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <zmq.hpp>
+
+#include "core/proc.hpp"
+#include "stagelink/control.hpp"
+
+namespace stagelink {
+
+namespace {
+// One ZeroMQ context per process for the control plane (one I/O thread). A context does not
+// survive fork (its I/O thread stays in the parent): a forked child gets a fresh one. Never
+// destroyed: sockets may outlive statics, and the parent's copy in a child must not be touched.
+zmq::context_t& context() {
+  static std::mutex mu;
+  static zmq::context_t* ctx = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!ctx || owner != ::getpid()) {
+    ctx = new zmq::context_t(1);
+    owner = ::getpid();
+  }
+  return *ctx;
+}
+
+int timeout_ms(double timeout_s) { return timeout_s < 0 ? -1 : int(std::min(timeout_s, 2.0e6) * 1000.0); }
+
+Status check_endpoint(const std::string& ep) {
+  if (ep.rfind("ipc://", 0) == 0 && ep.size() > 6) {
+    if (ep.size() - 6 >= 108)  // sockaddr_un's path
+      return make_error(Errc::invalid_argument, "ipc endpoint path '" + ep.substr(6) + "' is longer than 107 bytes");
+    return {};
+  }
+  if (ep.rfind("tcp://", 0) == 0 && ep.find(':', 6) != std::string::npos) return {};
+  return make_error(Errc::invalid_argument, "control endpoint '" + ep + "' is neither ipc:///path nor tcp://host:port");
+}
+
+class ZmqInbox final : public ControlInbox {
+ public:
+  ~ZmqInbox() override { close(); }
+
+  Status init(const std::string& endpoint) {
+    SL_TRY(check_endpoint(endpoint));
+    efd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (efd_ < 0) return make_error(Errc::io, std::string("eventfd: ") + std::strerror(errno));
+    try {
+      sock_ = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::pull);
+      sock_->set(zmq::sockopt::linger, 0);
+      sock_->bind(endpoint);
+      endpoint_ = sock_->get(zmq::sockopt::last_endpoint);
+    } catch (const zmq::error_t& e) {
+      return make_error(Errc::io, "binding control inbox " + endpoint + ": " + e.what());
+    }
+    return {};
+  }
+
+  const std::string& endpoint() const override { return endpoint_; }
+
+  Result<ControlMessage> recv(double timeout_s) override {
+    std::lock_guard<std::mutex> lock(mu_);  // one receiver at a time
+    if (closed_.load() || !sock_) return make_error(Errc::closed, "control inbox is closed");
+    const uint64_t deadline = timeout_s < 0 ? 0 : mono_ns() + uint64_t(timeout_s * 1e9);
+    zmq::pollitem_t items[2] = {{sock_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, efd_, ZMQ_POLLIN, 0}};
+    for (;;) {
+      zmq::message_t msg;
+      if (sock_->recv(msg, zmq::recv_flags::dontwait)) {
+        while (msg.more()) {  // a multipart message is not ours: drain and refuse it
+          zmq::message_t rest;
+          if (!sock_->recv(rest, zmq::recv_flags::none)) break;
+          if (!rest.more()) return make_error(Errc::corrupt, "control message of several parts (dropped)");
+        }
+        return decode_control(std::span<const std::byte>(static_cast<const std::byte*>(msg.data()), msg.size()));
+      }
+      if (closed_.load()) return make_error(Errc::closed, "control inbox was closed");
+      int wait = -1;
+      if (timeout_s >= 0) {
+        const uint64_t now = mono_ns();
+        if (now >= deadline)
+          return make_error(Errc::timeout, "no control message on " + endpoint_ + " within " +
+                                               std::to_string(timeout_s) + " s");
+        wait = int((deadline - now + 999'999) / 1'000'000);
+      }
+      zmq::poll(items, 2, std::chrono::milliseconds(wait));
+    }
+  }
+
+  void close() override {
+    if (closed_.exchange(true)) return;
+    if (efd_ >= 0) {
+      const uint64_t one = 1;
+      if (::write(efd_, &one, sizeof one) < 0) {
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);  // after a blocked recv saw the wake-up
+    sock_.reset();
+    if (efd_ >= 0) ::close(efd_);
+    efd_ = -1;
+  }
+
+ private:
+  std::mutex mu_;
+  std::atomic<bool> closed_{false};
+  std::unique_ptr<zmq::socket_t> sock_;
+  std::string endpoint_;
+  int efd_ = -1;
+};
+
+class ZmqOutbox final : public ControlOutbox {
+ public:
+  ~ZmqOutbox() override { close(); }
+  Status init(const std::string& endpoint) {
+    SL_TRY(check_endpoint(endpoint));
+    try {
+      // A context of its own: close() terminates it, which is ZeroMQ's one way to wait until the
+      // queued messages are out (bounded by the linger), so nothing sent is lost when the
+      // process exits right after.
+      ctx_ = std::make_unique<zmq::context_t>(1);
+      sock_ = std::make_unique<zmq::socket_t>(*ctx_, zmq::socket_type::push);
+      sock_->set(zmq::sockopt::linger, 1000);  // close() flushes for at most 1 s
+      sock_->set(zmq::sockopt::sndhwm, 10000);
+      sock_->connect(endpoint);
+      endpoint_ = endpoint;
+    } catch (const zmq::error_t& e) {
+      return make_error(Errc::io, "connecting control outbox to " + endpoint + ": " + e.what());
+    }
+    return {};
+  }
+  Status send(const ControlMessage& m, double timeout_s) override {
+    SL_ASSIGN(auto bytes, encode_control(m));
+    return send_bytes(bytes, timeout_s);
+  }
+  Status send_bytes(std::span<const std::byte> bytes, double timeout_s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!sock_) return make_error(Errc::closed, "control outbox is closed");
+    try {
+      sock_->set(zmq::sockopt::sndtimeo, timeout_ms(timeout_s));
+      if (!sock_->send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::none))
+        return make_error(Errc::timeout, "control message to " + endpoint_ + " not taken within " +
+                                             std::to_string(timeout_s) + " s (is the stage alive?)");
+    } catch (const zmq::error_t& e) {
+      return make_error(Errc::io, "sending a control message to " + endpoint_ + ": " + e.what());
+    }
+    return {};
+  }
+  // Sends what is queued (for at most the 1 s linger), then releases everything. Idempotent.
+  void close() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    sock_.reset();
+    if (ctx_) ctx_->close();  // blocks until the queue is flushed or the linger passed
+    ctx_.reset();
+  }
+
+ private:
+  std::mutex mu_;
+  std::unique_ptr<zmq::context_t> ctx_;
+  std::unique_ptr<zmq::socket_t> sock_;
+  std::string endpoint_;
+};
+}  // namespace
+
+Result<std::string> make_private_socket_dir(const std::string& tag) {
+  for (char c : tag)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_')
+      return make_error(Errc::invalid_argument, "socket directory tag '" + tag + "' may hold only letters, digits, '-' and '_'");
+  const char* base = std::getenv("XDG_RUNTIME_DIR");
+  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/" + tag + "-XXXXXX";
+  if (tmpl.size() > 60) tmpl = "/tmp/" + tag.substr(0, 16) + "-XXXXXX";  // room for socket names (108-byte limit)
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (!::mkdtemp(buf.data()))  // mode 0700
+    return make_error(Errc::io, "creating a private socket directory from " + tmpl + ": " + std::strerror(errno));
+  return std::string(buf.data());
+}
+
+void remove_private_socket_dir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+Result<std::unique_ptr<ControlInbox>> ControlInbox::bind(const std::string& endpoint) {
+  auto in = std::make_unique<ZmqInbox>();
+  SL_TRY(in->init(endpoint));
+  return std::unique_ptr<ControlInbox>(std::move(in));
+}
+
+Result<std::unique_ptr<ControlOutbox>> ControlOutbox::connect(const std::string& endpoint) {
+  auto out = std::make_unique<ZmqOutbox>();
+  SL_TRY(out->init(endpoint));
+  return std::unique_ptr<ControlOutbox>(std::move(out));
+}
+
+}  // namespace stagelink
