@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import _core
+from ._lifetime import NativeOwner
 
 TYPES = ("submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack")
 
@@ -45,56 +46,36 @@ def _s(stage) -> str:
     return "" if stage is None else str(stage)
 
 
-class Inbox:
+class Inbox(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on collection
     """Where a stage (or the coordinator) receives control messages: a ZeroMQ PULL socket bound on
     ``endpoint`` (``ipc:///path`` in a private directory on one host, ``tcp://host:port`` across
     hosts; port 0 picks a free one, see :attr:`endpoint`)."""
 
     def __init__(self, endpoint: str):
-        self._in = _core._ControlInbox.bind(endpoint)
+        self._native = _core._ControlInbox.bind(endpoint)
 
     @property
     def endpoint(self) -> str:
-        return self._in.endpoint
+        return self._native.endpoint
 
     def recv(self, timeout: Optional[float] = None) -> ControlMessage:
         """The next message. ``timeout`` None waits forever (the thread sleeps in the kernel).
         Raises TimeoutError, CorruptError (a malformed message, dropped; the inbox goes on), or
         ClosedError after :meth:`close` (which also wakes a blocked recv)."""
-        return ControlMessage(**self._in.recv(timeout))
-
-    def close(self) -> None:
-        self._in.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
+        return ControlMessage(**self._native.recv(timeout))
 
 
-class Outbox:
-    """Sends control messages to one :class:`Inbox` (a ZeroMQ PUSH socket)."""
+class Outbox(NativeOwner):
+    """Sends control messages to one :class:`Inbox` (a ZeroMQ PUSH socket). ``close()`` delivers
+    what is queued (at most 1 s for a peer that takes nothing), then releases the socket."""
 
     def __init__(self, endpoint: str):
-        self._out = _core._ControlOutbox.connect(endpoint)
+        self._native = _core._ControlOutbox.connect(endpoint)
 
     def send(self, msg: ControlMessage, timeout: Optional[float] = None) -> None:
         """Queue ``msg``; blocks while the peer's queue is full, up to ``timeout`` (None: forever)."""
-        self._out.send(msg.type, msg.request_id or "", _s(msg.from_stage), _s(msg.to_stage), msg.metadata,
-                       msg.chunk_id, bool(msg.is_done), msg.error or "", msg.body, timeout)
-
-    def close(self) -> None:
-        """Delivers what is queued (at most 1 s for a peer that takes nothing), then releases the socket."""
-        self._out.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
+        self._native.send(msg.type, msg.request_id or "", _s(msg.from_stage), _s(msg.to_stage), msg.metadata,
+                          msg.chunk_id, bool(msg.is_done), msg.error or "", msg.body, timeout)
 
 
 def private_socket_dir(tag: str = "stagelink") -> str:
