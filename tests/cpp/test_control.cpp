@@ -111,13 +111,28 @@ TEST(Control, MalformedBytesAreCorruptNeverACrash) {
 
 #include "util.hpp"
 
+namespace {
+// A private socket directory removed however the test ends (an assertion returns early).
+struct SocketDir {
+  std::string path;
+  SocketDir() {
+    auto d = make_private_socket_dir("sltest");
+    EXPECT_TRUE(d.ok()) << (d.ok() ? "" : d.error().message);
+    if (d.ok()) path = *d;
+  }
+  ~SocketDir() {
+    if (!path.empty()) remove_private_socket_dir(path);
+  }
+};
+}  // namespace
+
 TEST(ControlTransport, MessagesCrossProcessesInOrderOverIpcInAPrivateDirectory) {
-  auto dir = make_private_socket_dir("sltest");
-  ASSERT_TRUE(dir.ok()) << dir.error().message;
+  SocketDir dir;
+  ASSERT_FALSE(dir.path.empty());
   struct stat st{};
-  ASSERT_EQ(::stat(dir->c_str(), &st), 0);
+  ASSERT_EQ(::stat(dir.path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0700u);
-  const std::string ep = "ipc://" + *dir + "/coordinator";
+  const std::string ep = "ipc://" + dir.path + "/coordinator";
   auto in = ControlInbox::bind(ep);
   ASSERT_TRUE(in.ok()) << in.error().message;
   const int n = 1000;
@@ -142,16 +157,17 @@ TEST(ControlTransport, MessagesCrossProcessesInOrderOverIpcInAPrivateDirectory) 
   }
   EXPECT_EQ(testing_util::wait_child(child), 0);
   (*in)->close();
-  remove_private_socket_dir(*dir);
-  EXPECT_FALSE(std::filesystem::exists(*dir));
+  const std::string path = dir.path;
+  remove_private_socket_dir(path);
+  EXPECT_FALSE(std::filesystem::exists(path));
 }
 
 TEST(ControlTransport, DeadlinesCloseMalformedInputAndTwoPipelinesSideBySide) {
-  auto d1 = make_private_socket_dir("sltest"), d2 = make_private_socket_dir("sltest");
-  ASSERT_TRUE(d1.ok() && d2.ok());
-  EXPECT_NE(*d1, *d2);  // two pipelines on one host never share a path
-  auto a = ControlInbox::bind("ipc://" + *d1 + "/stage-0");
-  auto b = ControlInbox::bind("ipc://" + *d2 + "/stage-0");
+  SocketDir d1, d2;
+  ASSERT_FALSE(d1.path.empty() || d2.path.empty());
+  EXPECT_NE(d1.path, d2.path);  // two pipelines on one host never share a path
+  auto a = ControlInbox::bind("ipc://" + d1.path + "/stage-0");
+  auto b = ControlInbox::bind("ipc://" + d2.path + "/stage-0");
   ASSERT_TRUE(a.ok() && b.ok());
   auto to_a = ControlOutbox::connect((*a)->endpoint());
   ASSERT_TRUE(to_a.ok());
@@ -181,8 +197,6 @@ TEST(ControlTransport, DeadlinesCloseMalformedInputAndTwoPipelinesSideBySide) {
   ASSERT_FALSE(blocked.ok());
   EXPECT_EQ(blocked.error().code, Errc::closed);
   (*b)->close();
-  remove_private_socket_dir(*d1);
-  remove_private_socket_dir(*d2);
 }
 
 TEST(ControlTransport, BadEndpointsAndTakenPortsAreClearErrors) {
