@@ -106,6 +106,29 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
             self._fail("get", _core.CorruptError(f"payload of '{get_key}' could not be unpickled: {e!r}"))
             return None
 
+    # -- vLLM-Omni's base-class helpers
+    @staticmethod
+    def _make_key(key, from_stage, to_stage, separator: str = "@") -> str:
+        """The internal key of ``key`` on an edge: ``f"{key}{separator}{from_stage}_{to_stage}"``."""
+        return f"{key}{separator}{from_stage}_{to_stage}"
+
+    @staticmethod
+    def serialize_obj(obj) -> bytes:
+        """``obj`` as one stagelink frame (native for arrays, tensors, bytes and trees of them, the
+        format C++ reads; a pickle-5 frame otherwise). Returns bytes."""
+        data = _core.encode_object(obj)
+        if data is None:
+            kind, regions = _serde.encode(obj)
+            data = _core.encode_parts(kind, regions)
+        return data
+
+    @staticmethod
+    def deserialize_obj(data) -> object:
+        """What :meth:`serialize_obj` made (or any frame) back as an object. Raises CorruptError for
+        bytes that are not a frame."""
+        kind, obj = _core.decode_frame_parts(bytes(data))
+        return _serde.decode(kind, obj, False)
+
     # -- the rest of the contract
     def get_with_deadline(self, from_stage, to_stage, get_key: str, metadata: Optional[dict] = None,
                           deadline: Optional[float] = None):

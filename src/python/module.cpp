@@ -1126,6 +1126,27 @@ bool mq_enqueue_obj(PyMq& self, nb::handle obj, nb::handle timeout) {
 
 // Returns (kind, [regions]) (or (KIND_OBJECT, object) for a numpy array or a C++ frame); each region copied once, straight from shared memory into a Python
 // object, while the chunk is held.
+// A frame as (KIND_OBJECT, object) or, for a pickle, (its kind, [regions copied out: the stream
+// as bytes, the buffers]). Errors: corrupt.
+nb::tuple frame_parts(std::span<const std::byte> frame) {
+  Payload p;
+  if (Status st = decode_frame_into(frame, nullptr, p, false); !st.ok()) raise(st.error());
+  if (!is_pickle(p)) return nb::make_tuple(KIND_OBJECT, native_object(p, false));
+  int64_t kind = 0;
+  p.ext.find("pickle")->get_i64(kind);
+  nb::list l;
+  for (size_t i = 0; i < p.tensors.size(); ++i) l.append(region_copy(p.tensors[i], i == 0));
+  return nb::make_tuple(kind, l);
+}
+
+// A payload as one frame in a bytes object.
+nb::bytes frame_bytes(const Payload& p) {
+  auto bytes = unwrap(encode_frame(p));
+  return nb::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+// Returns (kind, [regions]) (or (KIND_OBJECT, object) for a native frame); each region copied once,
+// straight from shared memory into a Python object, while the chunk is held.
 nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
   const double t = timeout_arg(timeout);
   auto q = self.get();
@@ -1135,26 +1156,12 @@ nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
   {
     nb::gil_scoped_release nogil;
     st = q->dequeue_with(t, [&](std::span<const std::byte> frame) {
-      Result<Payload> p = Payload{};
-      if (Status st = decode_frame_into(frame, nullptr, p.value(), false); !st.ok()) p = std::move(st).error();
       nb::gil_scoped_acquire gil;
-      if (!p.ok()) {
-        decode_err = p.error();
-        return;
+      try {  // nothing may be thrown through the queue's code
+        out = frame_parts(frame);
+      } catch (nb::python_error& e) {
+        decode_err = Error{Errc::corrupt, std::string("message could not be read: ") + e.what()};
       }
-      if (!is_pickle(p.value())) {  // a native frame (Python without pickle, or C++)
-        try {
-          out = nb::make_tuple(KIND_OBJECT, native_object(p.value(), false));
-        } catch (nb::python_error& e) {
-          decode_err = Error{Errc::corrupt, std::string("message could not be rebuilt: ") + e.what()};
-        }
-        return;
-      }
-      int64_t kind = 0;
-      p->ext.find("pickle")->get_i64(kind);
-      nb::list l;
-      for (size_t i = 0; i < p->tensors.size(); ++i) l.append(region_copy(p->tensors[i], i == 0));
-      out = nb::make_tuple(kind, l);
     });
   }
   if (!st.ok()) raise(st.error());
@@ -1480,6 +1487,23 @@ NB_MODULE(_core, m) {
     return d;
   });
   m.def("host_address", &net::host_address);
+  // vLLM-Omni's serialize_obj/deserialize_obj: one frame in a bytes object.
+  m.def("encode_object", [](nb::handle obj) -> nb::object {
+    Payload p;
+    BufferViews bv;
+    PyEncoder enc{p, bv};
+    if (!enc.run(obj)) return nb::none();  // needs pickle: the caller sends parts
+    return frame_bytes(p);
+  });
+  m.def("encode_parts", [](int kind, nb::list regions) {
+    Payload p;
+    BufferViews bv;
+    payload_from_parts(kind, regions, bv, p);
+    return frame_bytes(p);
+  });
+  m.def("decode_frame_parts", [](nb::bytes data) {
+    return frame_parts(std::span<const std::byte>(reinterpret_cast<const std::byte*>(data.c_str()), data.size()));
+  });
   m.def("control_encode", [](const std::string& type, const std::string& rid, const std::string& from,
                              const std::string& to, nb::handle metadata, nb::handle chunk_id, bool is_done,
                              const std::string& error, nb::handle body) {

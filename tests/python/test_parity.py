@@ -351,3 +351,21 @@ def test_inline_metadata_outlives_its_producer_but_a_forged_generation_does_not(
         with pytest.raises(stagelink.CorruptError, match="generation"):
             c.get(0, 1, "small", dict(live, gen=live["gen"] + 1))
         assert c.get(0, 1, "small", live)[0] == {"ids": [4]}
+
+
+def test_base_class_helpers_serialize_obj_and_make_key():
+    torch = pytest.importorskip("torch")
+    C = stagelink.Connector
+    assert C._make_key("req-1", 0, 1) == "req-1@0_1" and C._make_key("k", "a", "b", separator="#") == "k#a_b"
+    for obj in ({"h": torch.ones(3, dtype=torch.bfloat16), "ids": (1, 2)}, b"raw", {1, 2}, np.arange(4)):
+        data = C.serialize_obj(obj)
+        assert isinstance(data, bytes) and data[:4] == b"SLFR"
+        back = C.deserialize_obj(data)
+        if isinstance(obj, dict):
+            assert torch.equal(back["h"], obj["h"]) and back["ids"] == (1, 2)
+        elif isinstance(obj, np.ndarray):
+            assert np.array_equal(back, obj)
+        else:
+            assert back == obj
+    with pytest.raises(stagelink.CorruptError):
+        C.deserialize_obj(b"not a frame")
