@@ -52,10 +52,6 @@ Result<std::vector<std::byte>> encode_control(const ControlMessage& m);
 // Errors: corrupt, naming the field and what was wrong with it.
 Result<ControlMessage> decode_control(std::span<const std::byte> bytes);
 
-}  // namespace stagelink
-
-namespace stagelink {
-
 // ---- Transport: ZeroMQ PUSH/PULL ----
 // Each stage and the coordinator own one inbox (PULL, bound); senders hold an outbox (PUSH,
 // connected) per destination. On one host endpoints are `ipc://` sockets in a private directory

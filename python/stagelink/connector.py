@@ -98,6 +98,15 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
             self._fail("put", e)
             return False, 0, None
 
+    def _reported(self, op: str, fn, *args) -> int:
+        """A count-returning call under the contract: 0 and ``last_error`` (raised in strict mode)
+        when it fails."""
+        try:
+            return fn(*args)
+        except _core.StagelinkError as e:
+            self._fail(op, e)
+            return 0
+
     def _decode(self, get_key, kind, regions, size, zero_copy):
         """Unpickle what get read (a Python producer's pickle-5 stream and its buffers)."""
         try:
@@ -146,20 +155,12 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
     def abandon_get(self, get_key: str) -> int:
         """Give up waiting for ``get_key``: every ``get`` of it blocked in this connector (another
         thread's) returns ``None`` at once. Returns how many were woken (0: none was waiting)."""
-        try:
-            return self._abandon_get(str(get_key))
-        except _core.StagelinkError as e:
-            self._fail("abandon_get", e)
-            return 0
+        return self._reported("abandon_get", self._abandon_get, str(get_key))
 
     def reap_consumed(self) -> int:
         """Return the shared memory of puts that every reader has read (put also does this
         lazily). Returns how many puts were reclaimed."""
-        try:
-            return self._reap_consumed()
-        except _core.StagelinkError as e:
-            self._fail("reap_consumed", e)
-            return 0
+        return self._reported("reap_consumed", self._reap_consumed)
 
     def get_into(self, from_stage, to_stage, get_key: str, out, metadata: Optional[dict] = None,
                  timeout: Optional[float] = None) -> Optional[int]:
@@ -191,11 +192,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         """Release every unread put of ``request_id``: the put whose key is ``request_id`` and the
         puts tied to it with ``put(..., request_id=request_id)``. Nothing else: ``cleanup("X")``
         never frees ``"X_1"`` unless it was tied to ``"X"``. Returns how many were released."""
-        try:
-            return self._cleanup(str(request_id))
-        except _core.StagelinkError as e:
-            self._fail("cleanup", e)
-            return 0
+        return self._reported("cleanup", self._cleanup, str(request_id))
 
     def health(self) -> dict:
         return self._health()

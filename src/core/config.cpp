@@ -98,7 +98,9 @@ Result<ConnectorSpec> parse_spec(const Ctx& cx, const YAML::Node& n, const std::
 struct Side {
   ConnectorSpec spec;
   std::string where;  // for messages: the key that declared it
-  std::string who;    // "stage 1", "edges"
+  std::string stage;  // the stage that declared it; empty for an edge list (`list` names it)
+  std::string list;
+  std::string who() const { return stage.empty() ? list : "stage " + stage; }
 };
 
 Result<ConnectorSpec> resolve_ref(const Ctx& cx, const YAML::Node& n, const std::string& key,
@@ -260,7 +262,7 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
           SL_ASSIGN(std::string peer, peer_from_key(cx, it->second, k, prefix, fk));
           SL_ASSIGN(ConnectorSpec spec, resolve(it->second, fk + "." + k));
           auto e = is_out ? std::make_pair(id, peer) : std::make_pair(peer, id);
-          sides[e].push_back(Side{spec, fk + "." + k, "stage " + id});
+          sides[e].push_back(Side{spec, fk + "." + k, id, {}});
           add_edge(e.first, e.second);
         }
       }
@@ -282,7 +284,7 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
       SL_ASSIGN(std::string to, stage_id_of(cx, ed[tk], ek + "." + tk));
       if (const YAML::Node cn = ed["connector"]; cn.IsDefined() && !cn.IsNull()) {
         SL_ASSIGN(ConnectorSpec spec, resolve(cn, ek + ".connector"));
-        sides[{from, to}].insert(sides[{from, to}].begin(), Side{spec, ek + ".connector", key});
+        sides[{from, to}].push_back(Side{spec, ek + ".connector", {}, key});
       }
       add_edge(from, to);
     }
@@ -302,16 +304,12 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
     }
     // Declared more than once (both of its stages, an edge list): equal specs merge, any
     // difference is an error naming both (no silent winner). Role is not compared: the first
-    // declaration in stage order that sets one keeps it.
+    // declaration (edge lists, then stages in stage order) that sets one keeps it.
     std::vector<Side> decl = sd->second;
-    std::stable_sort(decl.begin(), decl.end(), [&](const Side& a, const Side& b) {
-      auto rank = [&](const Side& x) {
-        if (x.who.rfind("stage ", 0) != 0) return -1;
-        auto it = std::find(cfg.stages.begin(), cfg.stages.end(), x.who.substr(6));
-        return int(it - cfg.stages.begin());
-      };
-      return rank(a) < rank(b);
-    });
+    auto rank = [&](const Side& x) {
+      return x.stage.empty() ? -1 : int(std::find(cfg.stages.begin(), cfg.stages.end(), x.stage) - cfg.stages.begin());
+    };
+    std::stable_sort(decl.begin(), decl.end(), [&](const Side& a, const Side& b) { return rank(a) < rank(b); });
     const Side& first = decl.front();
     e.connector = first.spec;
     for (size_t i = 1; i < decl.size(); ++i) {
@@ -323,8 +321,8 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
         std::string keys;
         for (auto& d : diff) keys += (keys.empty() ? "" : ", ") + d;
         return make_error(Errc::invalid_argument,
-                          source + ": edge " + from + " -> " + to + " is declared by " + first.who + " ('" +
-                              first.where + "') and by " + other.who + " ('" + other.where +
+                          source + ": edge " + from + " -> " + to + " is declared by " + first.who() + " ('" +
+                              first.where + "') and by " + other.who() + " ('" + other.where +
                               "') with different connectors: " + keys +
                               "; declare it once, or make both declarations equal");
       }

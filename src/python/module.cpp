@@ -55,6 +55,17 @@ std::string utf8(PyObject* o) {
 // ---- Value <-> Python ----
 // Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
 // is cached, so building and reading the dict skips hashing and allocating them).
+// Run `f` (returning a Status) without the GIL, then raise its error with the GIL held again.
+template <class F>
+void check_nogil(F&& f) {
+  Status st;
+  {
+    nb::gil_scoped_release nogil;
+    st = f();
+  }
+  if (!st.ok()) raise(st.error());
+}
+
 // A str from UTF-8 bytes. Strict: bytes that are not UTF-8 (a damaged or foreign frame) raise
 // UnicodeDecodeError, a ValueError the connector contract reports, not nanobind's conversion error.
 nb::object py_str(std::string_view s) {
@@ -420,11 +431,6 @@ struct TorchApi {
       if (nb::hasattr(torch, n)) a->dtypes.emplace_back(nb::object(torch.attr(n)).release().ptr(), d);
     api = a;
     return api;
-  }
-  PyObject* dtype_object(DType d) const {
-    for (auto& [o, x] : dtypes)
-      if (x == d) return o;
-    return nullptr;
   }
 };
 
@@ -1096,12 +1102,7 @@ void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::handle timeout
   payload_from_parts(kind, regions, bv, p);
   const double t = timeout_arg(timeout);
   auto q = self.get();
-  Status st;
-  {
-    nb::gil_scoped_release nogil;  // a full ring blocks until readers catch up
-    st = q->enqueue(p, t);
-  }
-  if (!st.ok()) raise(st.error());
+  check_nogil([&] { return q->enqueue(p, t); });  // a full ring blocks until readers catch up
 }
 
 // A numpy array, torch tensor, bytes-like or tree of them as a native frame; False when it needs
@@ -1115,12 +1116,7 @@ bool mq_enqueue_obj(PyMq& self, nb::handle obj, nb::handle timeout) {
   }
   const double t = timeout_arg(timeout);
   auto q = self.get();
-  Status st;
-  {
-    nb::gil_scoped_release nogil;
-    st = q->enqueue(p, t);
-  }
-  if (!st.ok()) raise(st.error());
+  check_nogil([&] { return q->enqueue(p, t); });
   return true;
 }
 
@@ -1425,12 +1421,7 @@ NB_MODULE(_core, m) {
       .def("wait_until_ready", [](PyMq& self, nb::handle timeout) {
              const double t = timeout_arg(timeout);
              auto q = self.get();
-             Status st;
-             {
-               nb::gil_scoped_release nogil;
-               st = q->wait_until_ready(t);
-             }
-             if (!st.ok()) raise(st.error());
+             check_nogil([&] { return q->wait_until_ready(t); });
            }, nb::arg("timeout").none())
       .def("enqueue_parts", &mq_enqueue_parts, nb::arg("kind"), nb::arg("regions"), nb::arg("timeout").none())
       .def("enqueue_obj", &mq_enqueue_obj, nb::arg("obj"), nb::arg("timeout").none())
@@ -1546,12 +1537,7 @@ NB_MODULE(_core, m) {
              const ControlMessage c = control_from_args(type, rid, from, to, metadata, chunk_id, is_done, error, body);
              const double t = timeout_arg(timeout);
              auto out = self.get();
-             Status st;
-             {
-               nb::gil_scoped_release nogil;
-               st = out->send(c, t);
-             }
-             if (!st.ok()) raise(st.error());
+             check_nogil([&] { return out->send(c, t); });
            }, nb::arg("type"), nb::arg("request_id"), nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("metadata").none(),
            nb::arg("chunk_id").none(), nb::arg("is_done"), nb::arg("error"), nb::arg("body").none(), nb::arg("timeout").none())
       .def("send_bytes", [](PyOutbox& self, nb::bytes b, nb::handle timeout) {

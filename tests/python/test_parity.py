@@ -134,9 +134,10 @@ def test_replacement_across_processes_keeps_the_readers_view(ns):
 def test_get_with_deadline_abandon_get_reap_consumed_and_class_attributes(ns):
     assert stagelink.Connector.supports_raw_data is False
     with shm(ns) as c:
-        assert c.put(0, 1, "k", b"abc")[0]
+        ok, size, _ = c.put(0, 1, "k", b"abc")
+        assert ok
         assert c.get_with_deadline(0, 1, "k", None, time.monotonic() - 1) is None  # expired: not read
-        assert c.get_with_deadline(0, 1, "k", deadline=time.monotonic() + 5) == (b"abc", c.health()["bytes_transferred"] // 2)
+        assert c.get_with_deadline(0, 1, "k", deadline=time.monotonic() + 5) == (b"abc", size)
         t0 = time.monotonic()
         assert c.get_with_deadline(0, 1, "absent", deadline=time.monotonic() + 0.2) is None
         assert 0.18 <= time.monotonic() - t0 < 3
