@@ -121,6 +121,17 @@ class Connector {
   // Return the memory of puts every reader has released (also done lazily by put). Returns how
   // many puts were reclaimed.
   virtual size_t reap_consumed() { return 0; }
+  // Relay support (credits): whether every reader of the put `put_metadata` describes released
+  // it (or it was cancelled, expired or reclaimed). Errors: unsupported (this connector cannot
+  // tell), corrupt (metadata that is not this connector's put metadata).
+  virtual Result<bool> put_released(const Value& put_metadata) {
+    (void)put_metadata;
+    return make_error(Errc::unsupported, name() + " does not report releases");
+  }
+  // A counter that moves whenever some put may have been released, and a wait (in the kernel)
+  // until it moves past `seen` or `deadline` passes. Returns false on the deadline.
+  virtual uint64_t release_epoch() { return 0; }
+  virtual bool wait_release_epoch(uint64_t seen, Deadline deadline) { (void)seen; (void)deadline; return false; }
   // Counters (puts, gets, bytes_transferred, errors, timeouts, ...) and transport state.
   virtual Value health() = 0;
   // Release everything this connector owns. Idempotent; also run by the destructor.

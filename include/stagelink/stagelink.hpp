@@ -7,4 +7,5 @@
 #include "stagelink/payload.hpp"
 #include "stagelink/result.hpp"
 #include "stagelink/mq.hpp"
+#include "stagelink/relay.hpp"
 #include "stagelink/shm.hpp"

@@ -201,6 +201,39 @@ class ShmConnector final : public Connector {
     return before - out_.size();
   }
 
+  Result<bool> put_released(const Value& md) override {
+    const Value *entry = nullptr, *genv = nullptr, *inl = nullptr;
+    find_own_fields(md, std::string(), entry, genv, inl);
+    uint64_t idx = 0, gen = 0;
+    if (!entry || !genv || !entry->get_u64(idx) || !genv->get_u64(gen) || gen > UINT32_MAX)
+      return make_error(Errc::corrupt, "put_released: metadata lacks entry/gen (not a SharedMemoryConnector put?)");
+    std::shared_ptr<Directory> dir;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return true;  // close() freed every put
+      dir = dir_;
+    }
+    if (idx >= dir->n_entries()) return make_error(Errc::corrupt, "put_released: entry out of range");
+    return dir->is_released(uint32_t(idx), uint32_t(gen));
+  }
+
+  uint64_t release_epoch() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return dir_ ? dir_->release_seq() : 0;
+  }
+
+  bool wait_release_epoch(uint64_t seen, Deadline deadline) override {
+    std::shared_ptr<Directory> dir;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return true;
+      dir = dir_;
+    }
+    auto rem = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now()).count();
+    if (rem <= 0) return dir->release_seq() != uint32_t(seen);
+    return dir->wait_release(uint32_t(seen), mono_ns() + uint64_t(rem)) || dir->release_seq() != uint32_t(seen);
+  }
+
   Value health() override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!closed_ && dir_) reclaim_all_locked();

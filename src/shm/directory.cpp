@@ -310,6 +310,12 @@ bool Directory::is_done(uint32_t idx, uint32_t gen) {
   return c.gen == gen && c.state == kDone;
 }
 
+bool Directory::is_released(uint32_t idx, uint32_t gen) {
+  if (idx >= hdr_->n_entries) return true;
+  Ctl c = Ctl::unpack(entries_[idx].ctl.load(std::memory_order_acquire));
+  return c.gen != gen || c.state == kDone || c.state == kFree;
+}
+
 std::string Directory::key_of(uint32_t idx) {
   const Entry& e = entries_[idx];
   return std::string(e.key, std::min<size_t>(e.key_len, kKeyMax));

@@ -151,6 +151,9 @@ class Directory {
   void publish(const Claim& c, uint8_t readers);                               // -> READY
   void abandon(const Claim& c);                                                // WRITING -> FREE
   bool is_done(uint32_t idx, uint32_t gen);
+  // Every reader released entry (idx, gen), or it is gone (freed, reused): the producer's memory
+  // and credit may return.
+  bool is_released(uint32_t idx, uint32_t gen);
   std::string key_of(uint32_t idx);  // the key entry idx holds (for messages)
   void free_entry(uint32_t idx, uint32_t gen);  // DONE/any of ours -> FREE
   bool cancel(uint32_t idx, uint32_t gen);      // READY -> CANCELLED (or DONE)

@@ -1,0 +1,109 @@
+// The relay: SGLang-Omni's asynchronous buffer API (seed 001) over stagelink's transports.
+//
+//   auto relay = Relay::create(cfg).value();
+//   RelayOp put = relay->put_async(payload, {.request_id = "req-1", .edge = "talker"}).value();
+//   send_control(put.metadata());        // the control message first ...
+//   put.wait(5.0);                       // ... then, if needed, wait until the reader released it
+//   // receiver:
+//   RelayOp get = relay->get_async(metadata, {.request_id = "req-1"}).value();
+//   get.wait(5.0); Payload& p = get.payload();
+//
+// Credits bound what one relay has in flight per edge (destination): a put takes one credit
+// (however many tensors it holds) and gives it back when every reader has released the data,
+// when the request is cleaned up, or when the relay closes; an operation dropped without a wait
+// gives nothing back early and loses nothing (the data stays readable). Every credit wait has a
+// deadline. Backends: `shm` (the shared-memory connector's arena, no segment per put), `local`
+// (same process, payload by reference), or any connector by name (`connector`).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "stagelink/connector.hpp"
+
+namespace stagelink {
+
+struct RelayConfig {
+  std::string backend = "shm";   // shm | local | connector (then `connector` names it)
+  std::string connector;         // a connector class name, for backend "connector"
+  Value extra;                   // the connector's `extra` (shm: ns, shm_dir, ttl_s, ...)
+  double slot_size_mb = 16;      // the seed's slot: arena = slot_size_mb * credits (shm)
+  uint32_t credits = 8;          // per edge: puts in flight to one destination
+  int rank = 0, world_size = 1;  // the seed's topology fields (kept for dst_rank checks)
+  std::string device = "cpu";
+  double timeout_s = 30;         // credit waits and gets without their own timeout
+  // Keys of the seed's RelayConfig (slot_size_mb, credits, rank, world_size, device) plus
+  // backend, connector, extra, timeout_s. Errors: invalid_argument naming the key.
+  static Result<RelayConfig> from_value(const Value& v);
+};
+
+struct RelayPutOptions {
+  std::string_view request_id;     // cleanup(request_id) releases the put and its credit
+  std::optional<int> dst_rank;     // the seed's destination rank (an edge of its own)
+  std::string_view edge;           // destination name (credits are per edge); empty: by dst_rank
+  uint32_t readers = 1;            // fan-out: gets that may read it before it is released
+};
+
+struct RelayGetOptions {
+  std::string_view request_id;
+  std::span<std::byte> dest;       // copy the payload's single tensor here (one memcpy); empty: none
+  bool zero_copy = false;          // tensors are views holding the slot until dropped
+  double timeout_s = -1;           // < 0: the relay's timeout_s
+};
+
+class RelayCore;
+
+// A put or get in flight. Move-only; dropping it loses nothing (see above).
+class RelayOp {
+ public:
+  struct State;
+  RelayOp();
+  explicit RelayOp(std::shared_ptr<State> s);
+  RelayOp(RelayOp&&) noexcept;
+  RelayOp& operator=(RelayOp&&) noexcept;
+  ~RelayOp();
+  // What the receiver's get_async needs (put), or what it was given (get).
+  const Value& metadata() const;
+  // Put: until every reader released the data (the credit is back). Get: the data is here.
+  // timeout_s < 0: forever. Errors: timeout, cancelled (cleanup/close before it was read).
+  Status wait(double timeout_s);
+  bool done();
+  // Get: the payload (empty for a put), its frame size, and bytes copied into dest.
+  Payload& payload();
+  size_t size() const;
+
+ private:
+  std::shared_ptr<State> s_;
+};
+
+class Relay {
+ public:
+  // Errors: invalid_argument (config), those of the backend's connector.
+  static Result<std::unique_ptr<Relay>> create(const RelayConfig& cfg);
+  ~Relay();
+  const RelayConfig& config() const;
+
+  // Publish `payload` for one destination. Waits for a credit of the edge up to timeout_s.
+  // Errors: exhausted (no credit in time, naming the edge and what holds its credits),
+  // invalid_argument, closed, the connector's.
+  Result<RelayOp> put_async(const Payload& payload, const RelayPutOptions& opts = {});
+  // Read what put_async published, given its metadata (from the control message). Errors:
+  // invalid_argument (dest too small, several tensors for one dest), corrupt (metadata),
+  // timeout, cancelled, closed.
+  Result<RelayOp> get_async(const Value& metadata, const RelayGetOptions& opts = {});
+  // Release every unread put of `request_id` by any producer on this host and the credits of
+  // this relay's; returns how many.
+  size_t cleanup(const std::string& request_id);
+  // Counters and per-edge credits in use.
+  Value health();
+  // Releases everything; pending credit waits end with `closed`. Idempotent.
+  void close();
+
+ private:
+  explicit Relay(std::shared_ptr<RelayCore> core);
+  std::shared_ptr<RelayCore> core_;
+};
+
+}  // namespace stagelink

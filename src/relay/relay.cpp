@@ -1,0 +1,468 @@
+// The relay over stagelink's connectors: credits per edge, completion by release, cleanup, close.
+// See include/stagelink/relay.hpp.
+#include "stagelink/relay.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <unordered_map>
+
+#include "core/proc.hpp"
+
+namespace stagelink {
+namespace {
+
+std::atomic<uint64_t> g_relay_ids{0};
+
+// One put in flight: it holds a credit of `edge` until released.
+struct PutRec {
+  std::string edge, rid;
+  Value md;
+  std::atomic<bool> released{false};
+  std::atomic<bool> cancelled{false};
+};
+
+// The same-process backend: payloads by reference, in one table per process (colocated stages
+// each have their own relay and read each other's puts).
+struct LocalItem {
+  Payload payload;
+  size_t size = 0;
+  uint32_t readers_left = 1;
+  uint64_t relay = 0;
+  std::shared_ptr<PutRec> rec;
+};
+struct LocalTable {
+  std::mutex mu;
+  std::condition_variable cv;  // a release happened, or a relay closed
+  uint64_t epoch = 0;
+  uint64_t next_id = 1;
+  std::unordered_map<uint64_t, LocalItem> items;
+};
+LocalTable& local_table() {
+  static LocalTable* t = new LocalTable;  // never destroyed: relays may close during exit
+  return *t;
+}
+
+Result<double> num_field(const Value& v, const char* key, double dflt, double lo, double hi) {
+  const Value* f = v.find(key);
+  if (!f || f->is_nil()) return dflt;
+  double d = 0;
+  if (f->is<double>()) d = f->as<double>();
+  else if (int64_t i; f->get_i64(i)) d = double(i);
+  else return make_error(Errc::invalid_argument, std::string("relay config: '") + key + "' must be a number");
+  if (!(d >= lo && d <= hi))
+    return make_error(Errc::invalid_argument, std::string("relay config: '") + key + "' = " + std::to_string(d) +
+                                                  " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return d;
+}
+
+Result<std::string> str_field(const Value& v, const char* key, std::string dflt) {
+  const Value* f = v.find(key);
+  if (!f || f->is_nil()) return dflt;
+  if (!f->is<std::string>()) return make_error(Errc::invalid_argument, std::string("relay config: '") + key + "' must be a string");
+  return f->as<std::string>();
+}
+
+}  // namespace
+
+Result<RelayConfig> RelayConfig::from_value(const Value& v) {
+  RelayConfig c;
+  if (v.is_nil()) return c;
+  if (!v.is<Value::Map>()) return make_error(Errc::invalid_argument, "relay config must be a map");
+  static const char* kKnown[] = {"backend", "connector", "extra", "slot_size_mb", "credits", "rank",
+                                 "world_size", "device", "timeout_s"};
+  for (const auto& [k, _] : v.as<Value::Map>()) {
+    if (std::none_of(std::begin(kKnown), std::end(kKnown), [&](const char* n) { return k == n; }))
+      return make_error(Errc::invalid_argument, "relay config: unknown key '" + k +
+                                                    "' (known: backend, connector, extra, slot_size_mb, credits, "
+                                                    "rank, world_size, device, timeout_s)");
+  }
+  SL_ASSIGN(c.backend, str_field(v, "backend", c.backend));
+  SL_ASSIGN(c.connector, str_field(v, "connector", ""));
+  SL_ASSIGN(c.device, str_field(v, "device", c.device));
+  SL_ASSIGN(c.slot_size_mb, num_field(v, "slot_size_mb", c.slot_size_mb, 0.001, 1 << 20));
+  SL_ASSIGN(double credits, num_field(v, "credits", c.credits, 1, 65536));
+  SL_ASSIGN(double rank, num_field(v, "rank", c.rank, 0, 1 << 20));
+  SL_ASSIGN(double ws, num_field(v, "world_size", c.world_size, 1, 1 << 20));
+  SL_ASSIGN(c.timeout_s, num_field(v, "timeout_s", c.timeout_s, 0, 1e9));
+  c.credits = uint32_t(credits);
+  c.rank = int(rank);
+  c.world_size = int(ws);
+  if (const Value* e = v.find("extra"); e && !e->is_nil()) {
+    if (!e->is<Value::Map>()) return make_error(Errc::invalid_argument, "relay config: 'extra' must be a map");
+    c.extra = *e;
+  }
+  if (c.backend != "shm" && c.backend != "local" && c.backend != "connector")
+    return make_error(Errc::invalid_argument, "relay config: backend '" + c.backend +
+                                                  "' is not one of shm, local, connector (the ucx backend comes with "
+                                                  "the transfer engine)");
+  if (c.backend == "connector" && c.connector.empty())
+    return make_error(Errc::invalid_argument, "relay config: backend 'connector' needs 'connector' (a class name)");
+  if (c.device != "cpu")
+    return make_error(Errc::unsupported, "relay config: device '" + c.device + "': only cpu relay buffers are built");
+  return c;
+}
+
+struct RelayOp::State {
+  bool is_put = false;
+  std::shared_ptr<RelayCore> core;
+  std::shared_ptr<PutRec> rec;
+  Value metadata;
+  Payload payload;
+  size_t size = 0;
+};
+
+class RelayCore : public std::enable_shared_from_this<RelayCore> {
+ public:
+  explicit RelayCore(RelayConfig c) : cfg(std::move(c)), id(g_relay_ids.fetch_add(1) + 1) {
+    prefix = std::to_string(getpid()) + "." + std::to_string(id) + ".";
+  }
+
+  Status init() {
+    if (cfg.backend == "local") return {};
+    Value::Map extra;
+    if (cfg.extra.is<Value::Map>()) extra = cfg.extra.as<Value::Map>();
+    std::string name = cfg.backend == "shm" ? "SharedMemoryConnector" : cfg.connector;
+    if (cfg.backend == "shm") {
+      auto has = [&](const char* k) {
+        return std::any_of(extra.begin(), extra.end(), [&](auto& kv) { return kv.first == k; });
+      };
+      // The pool: one slot per credit, reused; larger payloads get a segment of their own.
+      if (!has("arena_bytes"))
+        extra.emplace_back("arena_bytes", uint64_t(std::max(1.0, cfg.slot_size_mb * cfg.credits) * (1 << 20)));
+      if (!has("put_timeout_s")) extra.emplace_back("put_timeout_s", cfg.timeout_s);
+    }
+    SL_ASSIGN(conn, create_connector(name, Value(std::move(extra))));
+    return {};
+  }
+
+  bool is_local() const { return cfg.backend == "local"; }
+
+  // Forget released puts of `edge` (their credits return). Under mu.
+  void reap_locked(std::deque<std::shared_ptr<PutRec>>& q) {
+    for (auto it = q.begin(); it != q.end();) {
+      if (released(**it)) it = q.erase(it);
+      else ++it;
+    }
+  }
+
+  bool released(PutRec& r) {
+    if (r.released.load(std::memory_order_acquire)) return true;
+    if (is_local() || !conn) return false;
+    auto rr = conn->put_released(r.md);
+    if (rr.ok() && !rr.value()) return false;
+    r.released.store(true, std::memory_order_release);
+    return true;
+  }
+
+  uint64_t epoch() {
+    if (is_local()) {
+      std::lock_guard<std::mutex> l(local_table().mu);
+      return local_table().epoch;
+    }
+    return conn ? conn->release_epoch() : 0;
+  }
+
+  // Sleep until a release may have happened, `deadline`, or close(). The shared-memory wait is cut
+  // into 200 ms slices only to notice close() of this relay (releases wake it at once).
+  void wait_epoch(uint64_t seen, Deadline deadline) {
+    if (is_local()) {
+      auto& t = local_table();
+      std::unique_lock<std::mutex> l(t.mu);
+      t.cv.wait_until(l, deadline, [&] { return t.epoch != seen || closed.load(); });
+      return;
+    }
+    const Deadline slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(200));
+    if (conn) conn->wait_release_epoch(seen, slice);
+  }
+
+  Result<std::shared_ptr<PutRec>> take_credit(const std::string& edge, std::string_view rid, Deadline deadline) {
+    auto rec = std::make_shared<PutRec>();
+    rec->edge = edge;
+    rec->rid = std::string(rid);
+    bool waited = false;
+    for (;;) {
+      const uint64_t seen = epoch();  // before the check: a release after it ends the wait
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (closed) return make_error(Errc::closed, "relay closed");
+        auto& q = inflight[edge];
+        reap_locked(q);
+        if (q.size() < cfg.credits) {
+          q.push_back(rec);
+          if (waited) credit_waits.fetch_add(1, std::memory_order_relaxed);
+          return rec;
+        }
+        if (Clock::now() >= deadline) {
+          credit_timeouts.fetch_add(1, std::memory_order_relaxed);
+          std::string holders;
+          for (size_t i = 0; i < q.size() && i < 4; ++i) holders += (i ? ", " : "") + q[i]->rid;
+          return make_error(Errc::exhausted, "relay: no credit for edge '" + edge + "' after " +
+                                                 std::to_string(cfg.timeout_s) + " s: all " +
+                                                 std::to_string(cfg.credits) +
+                                                 " are held by unread puts (requests: " + holders +
+                                                 (q.size() > 4 ? ", ..." : "") + "); is the receiver reading?");
+        }
+      }
+      waited = true;
+      wait_epoch(seen, deadline);
+    }
+  }
+
+  void drop_credit(const std::shared_ptr<PutRec>& rec) {
+    std::lock_guard<std::mutex> l(mu);
+    auto& q = inflight[rec->edge];
+    q.erase(std::remove(q.begin(), q.end(), rec), q.end());
+  }
+
+  Result<RelayOp> put(const Payload& p, const RelayPutOptions& o) {
+    if (o.readers == 0) return make_error(Errc::invalid_argument, "relay put: readers must be at least 1");
+    if (o.dst_rank && (*o.dst_rank < 0 || *o.dst_rank >= cfg.world_size))
+      return make_error(Errc::invalid_argument, "relay put: dst_rank " + std::to_string(*o.dst_rank) +
+                                                    " outside world_size " + std::to_string(cfg.world_size));
+    std::string edge = !o.edge.empty() ? std::string(o.edge)
+                       : o.dst_rank    ? "rank" + std::to_string(*o.dst_rank)
+                                       : std::string("any");
+    SL_ASSIGN(auto rec, take_credit(edge, o.request_id, deadline_after(cfg.timeout_s)));
+    auto st = std::make_shared<RelayOp::State>();
+    if (is_local()) {
+      auto& t = local_table();
+      std::lock_guard<std::mutex> l(t.mu);
+      const uint64_t key = t.next_id++;
+      LocalItem it;
+      it.payload.tree = p.tree;
+      it.payload.tensors = p.tensors;
+      it.payload.ext = p.ext;
+      it.size = p.tensor_bytes();
+      it.readers_left = o.readers;
+      it.relay = id;
+      it.rec = rec;
+      t.items.emplace(key, std::move(it));
+      Value::Map md;
+      md.emplace_back("local", key);
+      md.emplace_back("pid", uint64_t(getpid()));
+      md.emplace_back("size", uint64_t(p.tensor_bytes()));
+      rec->md = Value(std::move(md));
+    } else {
+      const std::string key = prefix + std::to_string(seq.fetch_add(1, std::memory_order_relaxed));
+      auto r = conn->put("relay", "r", key, p, PutOptions{o.readers, o.request_id});
+      if (!r.ok()) {
+        drop_credit(rec);
+        return std::move(r).error();
+      }
+      Value::Map md = r->metadata.is<Value::Map>() ? std::move(r->metadata.as<Value::Map>()) : Value::Map{};
+      md.emplace_back("relay_key", key);
+      rec->md = Value(std::move(md));
+      bytes_out.fetch_add(r->size, std::memory_order_relaxed);
+    }
+    puts.fetch_add(1, std::memory_order_relaxed);
+    st->core = shared_from_this();
+    st->rec = rec;
+    st->metadata = rec->md;
+    st->is_put = true;
+    return RelayOp(std::move(st));
+  }
+
+  Result<RelayOp> get(const Value& md, const RelayGetOptions& o) {
+    if (closed) return make_error(Errc::closed, "relay closed");
+    auto st = std::make_shared<RelayOp::State>();
+    st->metadata = md;
+    const Value* lk = md.find("local");
+    if (lk) {
+      uint64_t key = 0, pid = 0;
+      const Value* pv = md.find("pid");
+      if (!lk->get_u64(key) || !pv || !pv->get_u64(pid))
+        return make_error(Errc::corrupt, "relay metadata: 'local'/'pid' must be integers");
+      if (pid != uint64_t(getpid()))
+        return make_error(Errc::invalid_argument, "relay metadata of the local backend comes from process " +
+                                                      std::to_string(pid) + "; it is same-process only");
+      auto& t = local_table();
+      std::lock_guard<std::mutex> l(t.mu);
+      auto it = t.items.find(key);
+      if (it == t.items.end()) return make_error(Errc::not_found, "local relay item " + std::to_string(key) +
+                                                                       " is gone (read by every reader, or cleaned up)");
+      st->payload = it->second.payload;
+      st->size = it->second.size;
+      if (--it->second.readers_left == 0) {
+        it->second.rec->released.store(true, std::memory_order_release);
+        t.items.erase(it);
+        ++t.epoch;
+        t.cv.notify_all();
+      }
+    } else {
+      const Value* kv = md.find("relay_key");
+      if (!kv || !kv->is<std::string>())
+        return make_error(Errc::corrupt, "relay metadata lacks 'relay_key' (not from a stagelink relay put?)");
+      if (!conn) return make_error(Errc::invalid_argument, "relay metadata of a shared-memory put given to a local relay");
+      const double tmo = o.timeout_s >= 0 ? o.timeout_s : cfg.timeout_s;
+      GetOptions go;
+      go.zero_copy = o.zero_copy || !o.dest.empty();
+      SL_ASSIGN(GetResult g, conn->get("relay", "r", kv->as<std::string>(), &md, deadline_after(tmo), go));
+      st->payload = std::move(g.payload);
+      st->size = g.size;
+      bytes_in.fetch_add(g.size, std::memory_order_relaxed);
+    }
+    if (!o.dest.empty()) {
+      if (st->payload.tensors.size() != 1)
+        return make_error(Errc::invalid_argument, "relay get: a destination buffer takes a payload of one tensor; this one has " +
+                                                      std::to_string(st->payload.tensors.size()));
+      const auto src = st->payload.tensors[0].data;
+      if (src.size() > o.dest.size())
+        return make_error(Errc::invalid_argument, "relay get: the payload's " + std::to_string(src.size()) +
+                                                      " bytes do not fit the destination's " + std::to_string(o.dest.size()));
+      std::memcpy(o.dest.data(), src.data(), src.size());
+      st->payload = Payload{};  // the slot goes back now
+      st->size = src.size();
+    }
+    gets.fetch_add(1, std::memory_order_relaxed);
+    return RelayOp(std::move(st));
+  }
+
+  size_t cleanup(const std::string& rid) {
+    size_t n = 0;
+    if (is_local()) {
+      auto& t = local_table();
+      std::lock_guard<std::mutex> l(t.mu);
+      for (auto it = t.items.begin(); it != t.items.end();) {
+        if (it->second.rec->rid == rid) {
+          it->second.rec->cancelled.store(true);
+          it->second.rec->released.store(true, std::memory_order_release);
+          it = t.items.erase(it);
+          ++n;
+        } else {
+          ++it;
+        }
+      }
+      ++t.epoch;
+      t.cv.notify_all();
+      return n;
+    }
+    std::lock_guard<std::mutex> l(mu);
+    // Puts of the request still unread now end cancelled (their waits say so), then go.
+    for (auto& [edge, q] : inflight)
+      for (auto& r : q)
+        if (r->rid == rid && !released(*r)) r->cancelled.store(true);
+    if (conn) n = conn->cleanup(rid);
+    for (auto& [edge, q] : inflight) reap_locked(q);
+    return n;
+  }
+
+  Value health() {
+    Value::Map m;
+    m.emplace_back("backend", cfg.backend);
+    m.emplace_back("status", closed ? "closed" : "healthy");
+    m.emplace_back("puts", uint64_t(puts.load()));
+    m.emplace_back("gets", uint64_t(gets.load()));
+    m.emplace_back("bytes_out", uint64_t(bytes_out.load()));
+    m.emplace_back("bytes_in", uint64_t(bytes_in.load()));
+    m.emplace_back("credits", uint64_t(cfg.credits));
+    m.emplace_back("credit_waits", uint64_t(credit_waits.load()));
+    m.emplace_back("credit_timeouts", uint64_t(credit_timeouts.load()));
+    Value::Map in_use;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      for (auto& [edge, q] : inflight) {
+        reap_locked(q);
+        in_use.emplace_back(edge, uint64_t(q.size()));
+      }
+    }
+    m.emplace_back("credits_in_use", Value(std::move(in_use)));
+    if (conn) m.emplace_back("connector", conn->health());
+    return Value(std::move(m));
+  }
+
+  void close() {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (closed.exchange(true)) return;
+      for (auto& [edge, q] : inflight)
+        for (auto& r : q)
+          if (!released(*r)) {
+            r->cancelled.store(true);
+            r->released.store(true, std::memory_order_release);
+          }
+      inflight.clear();
+    }
+    if (conn) conn->close();
+    auto& t = local_table();
+    std::lock_guard<std::mutex> l(t.mu);
+    for (auto it = t.items.begin(); it != t.items.end();) {
+      if (it->second.relay == id) it = t.items.erase(it);
+      else ++it;
+    }
+    ++t.epoch;
+    t.cv.notify_all();
+  }
+
+  RelayConfig cfg;
+  const uint64_t id;
+  std::string prefix;
+  std::unique_ptr<Connector> conn;
+  std::mutex mu;
+  std::atomic<bool> closed{false};
+  std::unordered_map<std::string, std::deque<std::shared_ptr<PutRec>>> inflight;
+  std::atomic<uint64_t> seq{0}, puts{0}, gets{0}, bytes_out{0}, bytes_in{0}, credit_waits{0}, credit_timeouts{0};
+};
+
+RelayOp::RelayOp() = default;
+RelayOp::RelayOp(std::shared_ptr<State> s) : s_(std::move(s)) {}
+RelayOp::RelayOp(RelayOp&&) noexcept = default;
+RelayOp& RelayOp::operator=(RelayOp&&) noexcept = default;
+RelayOp::~RelayOp() = default;
+
+const Value& RelayOp::metadata() const {
+  static const Value kNil;
+  return s_ ? s_->metadata : kNil;
+}
+
+bool RelayOp::done() {
+  if (!s_ || !s_->is_put) return true;
+  return s_->core->released(*s_->rec);
+}
+
+Status RelayOp::wait(double timeout_s) {
+  if (!s_ || !s_->is_put) return {};
+  const Deadline deadline = timeout_s < 0 ? Deadline::max() : deadline_after(timeout_s);
+  for (;;) {
+    const uint64_t seen = s_->core->epoch();
+    if (s_->core->released(*s_->rec)) {
+      if (s_->rec->cancelled.load())
+        return s_->core->closed ? make_error(Errc::closed, "relay closed before the put was read")
+                                : make_error(Errc::cancelled, "relay put cancelled (cleanup) before it was read");
+      return {};
+    }
+    if (s_->core->closed) return make_error(Errc::closed, "relay closed before the put was read");
+    if (Clock::now() >= deadline)
+      return make_error(Errc::timeout, "relay put to '" + s_->rec->edge + "' not read after " + std::to_string(timeout_s) + " s");
+    s_->core->wait_epoch(seen, deadline);
+  }
+}
+
+Payload& RelayOp::payload() {
+  static thread_local Payload empty;
+  return s_ ? s_->payload : empty;
+}
+
+size_t RelayOp::size() const { return s_ ? s_->size : 0; }
+
+Result<std::unique_ptr<Relay>> Relay::create(const RelayConfig& cfg) {
+  if (cfg.credits == 0) return make_error(Errc::invalid_argument, "relay config: credits must be at least 1");
+  auto core = std::make_shared<RelayCore>(cfg);
+  SL_TRY(core->init());
+  return std::unique_ptr<Relay>(new Relay(std::move(core)));
+}
+Relay::Relay(std::shared_ptr<RelayCore> core) : core_(std::move(core)) {}
+Relay::~Relay() { close(); }
+const RelayConfig& Relay::config() const { return core_->cfg; }
+Result<RelayOp> Relay::put_async(const Payload& p, const RelayPutOptions& o) { return core_->put(p, o); }
+Result<RelayOp> Relay::get_async(const Value& md, const RelayGetOptions& o) { return core_->get(md, o); }
+size_t Relay::cleanup(const std::string& rid) { return core_->cleanup(rid); }
+Value Relay::health() { return core_->health(); }
+void Relay::close() { core_->close(); }
+
+}  // namespace stagelink

@@ -1,0 +1,264 @@
+// The relay: credits per edge with deadlines, completion by release, cleanup, close, backends.
+// Each test here is one of SGLang-Omni's relay failures (issue 10) shown not to happen.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "util.hpp"
+#include "stagelink/stagelink.hpp"
+
+using namespace stagelink;
+using testing_util::checksum;
+using testing_util::wait_child;
+
+namespace {
+std::string unique_ns() {
+  static int n = 0;
+  return "trel" + std::to_string(getpid()) + "x" + std::to_string(n++);
+}
+RelayConfig cfg(uint32_t credits = 2, double timeout = 0.3, const std::string& backend = "shm") {
+  RelayConfig c;
+  c.backend = backend;
+  c.credits = credits;
+  c.timeout_s = timeout;
+  c.slot_size_mb = 1;
+  Value::Map e;
+  e.emplace_back("namespace", unique_ns());
+  c.extra = Value(std::move(e));
+  return c;
+}
+std::unique_ptr<Relay> make(const RelayConfig& c) {
+  auto r = Relay::create(c);
+  EXPECT_TRUE(r.ok()) << (r.ok() ? "" : r.error().message);
+  return r.ok() ? std::move(r).value() : nullptr;
+}
+Payload bytes_payload(const std::vector<std::byte>& data, size_t tensors = 1) {
+  Payload p;
+  Value::List refs;
+  for (size_t i = 0; i < tensors; ++i) {
+    p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(data)));
+    refs.emplace_back(TensorRef{uint32_t(i)});
+  }
+  p.tree = Value(std::move(refs));
+  return p;
+}
+std::vector<std::byte> pattern(size_t n, uint8_t seed) {
+  std::vector<std::byte> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = std::byte(uint8_t(i * 31 + seed));
+  return v;
+}
+}  // namespace
+
+TEST(Relay, CrossProcessRoundTripCompletesWhenRead) {
+  auto c = cfg(4, 5.0);
+  auto relay = make(c);
+  ASSERT_TRUE(relay);
+  const auto data = pattern(3 << 20, 7);  // larger than the inline threshold: through the arena
+  auto op = relay->put_async(bytes_payload(data), {.request_id = "req-1", .edge = "talker"});
+  ASSERT_TRUE(op.ok()) << op.error().message;
+  EXPECT_FALSE(op->done());
+  const auto md = value_to_msgpack(op->metadata());
+  int to_child[2], from_child[2];
+  ASSERT_EQ(pipe(to_child), 0);
+  ASSERT_EQ(pipe(from_child), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    uint32_t n = 0;
+    if (read(to_child[0], &n, 4) != 4) _exit(2);
+    std::vector<std::byte> buf(n);
+    if (read(to_child[0], buf.data(), n) != ssize_t(n)) _exit(3);
+    auto mdv = value_from_msgpack(buf);
+    if (!mdv.ok()) _exit(4);
+    RelayConfig rc = c;
+    auto r = Relay::create(rc);
+    if (!r.ok()) _exit(5);
+    std::vector<std::byte> dest(data.size());
+    auto g = r.value()->get_async(mdv.value(), {.request_id = "req-1", .dest = dest});
+    if (!g.ok() || !g->wait(1).ok()) _exit(6);
+    _exit(checksum(dest) == checksum(data) ? 0 : 7);
+  }
+  const uint32_t n = uint32_t(md.size());
+  ASSERT_EQ(write(to_child[1], &n, 4), 4);
+  ASSERT_EQ(write(to_child[1], md.data(), n), ssize_t(n));
+  EXPECT_EQ(wait_child(pid), 0);
+  EXPECT_TRUE(op->wait(2.0).ok());  // released by the child's read
+  EXPECT_TRUE(op->done());
+  for (int fd : {to_child[0], to_child[1], from_child[0], from_child[1]}) close(fd);
+}
+
+// Reference: one pool for every edge, credit waits without a timeout.
+TEST(Relay, CreditsArePerEdgeAndEveryWaitHasADeadline) {
+  auto relay = make(cfg(2, 0.3));
+  ASSERT_TRUE(relay);
+  const auto data = pattern(100 << 10, 1);
+  auto a1 = relay->put_async(bytes_payload(data), {.request_id = "r", .edge = "a"});
+  auto a2 = relay->put_async(bytes_payload(data), {.request_id = "r", .edge = "a"});
+  ASSERT_TRUE(a1.ok() && a2.ok());
+  const auto t0 = Clock::now();
+  auto a3 = relay->put_async(bytes_payload(data), {.request_id = "r", .edge = "a"});
+  const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_FALSE(a3.ok());
+  EXPECT_EQ(a3.error().code, Errc::exhausted);
+  EXPECT_NE(a3.error().message.find("'a'"), std::string::npos) << a3.error().message;
+  EXPECT_GE(waited, 0.25);
+  EXPECT_LT(waited, 2.0);
+  // Another edge has its own credits.
+  auto b1 = relay->put_async(bytes_payload(data), {.request_id = "r", .edge = "b"});
+  EXPECT_TRUE(b1.ok());
+  // A read returns a credit to the waiting edge.
+  auto g = relay->get_async(a1->metadata());
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  auto a4 = relay->put_async(bytes_payload(data), {.request_id = "r", .edge = "a"});
+  EXPECT_TRUE(a4.ok());
+}
+
+// Reference: a chunk with 2 metadata tensors needs 3 credits of a pool of 2 and blocks forever.
+TEST(Relay, OneCreditPerPutHoweverManyTensors) {
+  auto relay = make(cfg(2, 0.2));
+  ASSERT_TRUE(relay);
+  const auto data = pattern(4096, 2);
+  auto p1 = relay->put_async(bytes_payload(data, 3), {.request_id = "r", .edge = "e"});
+  auto p2 = relay->put_async(bytes_payload(data, 3), {.request_id = "r", .edge = "e"});
+  ASSERT_TRUE(p1.ok() && p2.ok());
+  auto g = relay->get_async(p1->metadata());
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->payload().tensors.size(), 3u);
+  EXPECT_EQ(checksum(g->payload().tensors[2].data), checksum(data));
+}
+
+// Reference: a put that is never waited on leaks its segment and its credit.
+TEST(Relay, DroppedOperationLosesNothingAndReturnsItsCredit) {
+  auto relay = make(cfg(1, 0.3));
+  ASSERT_TRUE(relay);
+  const auto data = pattern(1 << 20, 3);
+  Value md;
+  {
+    auto op = relay->put_async(bytes_payload(data), {.request_id = "r", .edge = "e"});
+    ASSERT_TRUE(op.ok());
+    md = op->metadata();
+  }  // dropped, never waited on: the data stays readable
+  auto g = relay->get_async(md);
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  EXPECT_EQ(checksum(g->payload().tensors[0].data), checksum(data));
+  auto again = relay->put_async(bytes_payload(data), {.request_id = "r", .edge = "e"});
+  EXPECT_TRUE(again.ok()) << "credit not returned: " << again.error().message;
+  auto g2 = relay->get_async(again->metadata());
+  ASSERT_TRUE(g2.ok());
+  g2 = make_error(Errc::io, "");  // drop the copy
+  Value h = relay->health();
+  const Value* conn = h.find("connector");
+  ASSERT_TRUE(conn);
+  uint64_t used = 1;
+  ASSERT_TRUE(relay->put_async(bytes_payload(pattern(10, 1)), {.edge = "x"}).ok());  // reclaims lazily
+  h = relay->health();
+  ASSERT_TRUE(h.find("connector")->find("outstanding")->get_u64(used));
+  EXPECT_EQ(used, 1u);  // only the last, unread put: the others went back
+}
+
+// Reference: cleanup/close do nothing.
+TEST(Relay, CleanupReleasesUnreadPutsAndCredits) {
+  auto relay = make(cfg(1, 0.3));
+  ASSERT_TRUE(relay);
+  const auto data = pattern(200 << 10, 4);
+  auto op = relay->put_async(bytes_payload(data), {.request_id = "req-9", .edge = "e"});
+  ASSERT_TRUE(op.ok());
+  EXPECT_EQ(relay->cleanup("req-9"), 1u);
+  auto w = op->wait(1.0);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.error().code, Errc::cancelled);
+  auto g = relay->get_async(op->metadata(), {.timeout_s = 0});
+  EXPECT_FALSE(g.ok());
+  auto next = relay->put_async(bytes_payload(data), {.request_id = "req-10", .edge = "e"});
+  EXPECT_TRUE(next.ok());
+}
+
+TEST(Relay, CloseEndsACreditWaitAtOnce) {
+  auto c = cfg(1, 30);
+  auto relay = make(c);
+  ASSERT_TRUE(relay);
+  const auto data = pattern(100 << 10, 5);
+  auto held = relay->put_async(bytes_payload(data), {.edge = "e"});
+  ASSERT_TRUE(held.ok());
+  Result<RelayOp> blocked = make_error(Errc::io, "not run");
+  const auto t0 = Clock::now();
+  std::thread t([&] { blocked = relay->put_async(bytes_payload(data), {.edge = "e"}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  relay->close();
+  t.join();
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0);
+  ASSERT_FALSE(blocked.ok());
+  EXPECT_EQ(blocked.error().code, Errc::closed);
+  EXPECT_FALSE(held->wait(0).ok());
+}
+
+// Reference: reads are destructive; a second reader fails.
+TEST(Relay, FanOutToTwoReaders) {
+  auto relay = make(cfg(2, 1));
+  ASSERT_TRUE(relay);
+  const auto data = pattern(300 << 10, 6);
+  auto op = relay->put_async(bytes_payload(data), {.edge = "e", .readers = 2});
+  ASSERT_TRUE(op.ok());
+  auto g1 = relay->get_async(op->metadata());
+  EXPECT_FALSE(op->done());
+  auto g2 = relay->get_async(op->metadata());
+  ASSERT_TRUE(g1.ok() && g2.ok());
+  EXPECT_EQ(checksum(g2->payload().tensors[0].data), checksum(data));
+  EXPECT_TRUE(op->wait(1).ok());
+}
+
+TEST(Relay, LocalBackendPassesByReference) {
+  auto a = make(cfg(2, 0.2, "local"));
+  auto b = make(cfg(2, 0.2, "local"));
+  ASSERT_TRUE(a && b);
+  const auto data = pattern(1 << 20, 8);
+  auto op = a->put_async(bytes_payload(data), {.request_id = "r", .edge = "e"});
+  ASSERT_TRUE(op.ok());
+  auto g = b->get_async(op->metadata());
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  EXPECT_EQ(g->payload().tensors[0].data.data(), data.data());  // the same bytes, not a copy
+  EXPECT_TRUE(op->wait(0.1).ok());
+  auto again = b->get_async(op->metadata());
+  EXPECT_FALSE(again.ok());
+  EXPECT_EQ(again.error().code, Errc::not_found);
+}
+
+TEST(Relay, BadInputIsAClearError) {
+  auto relay = make(cfg());
+  ASSERT_TRUE(relay);
+  Value::Map bad;
+  bad.emplace_back("size", uint64_t(1));
+  auto g = relay->get_async(Value(bad));
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.error().code, Errc::corrupt);
+  const auto data = pattern(1 << 20, 9);
+  auto op = relay->put_async(bytes_payload(data), {.edge = "e"});
+  ASSERT_TRUE(op.ok());
+  std::vector<std::byte> small(100);
+  auto g2 = relay->get_async(op->metadata(), {.dest = small});
+  ASSERT_FALSE(g2.ok());
+  EXPECT_EQ(g2.error().code, Errc::invalid_argument);
+  auto r = relay->put_async(bytes_payload(data), {.dst_rank = 3});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, Errc::invalid_argument);
+
+  Value::Map c;
+  c.emplace_back("credit", uint64_t(4));
+  auto rc = RelayConfig::from_value(Value(c));
+  ASSERT_FALSE(rc.ok());
+  EXPECT_NE(rc.error().message.find("'credit'"), std::string::npos);
+  Value::Map c2;
+  c2.emplace_back("backend", "nccl");
+  EXPECT_FALSE(RelayConfig::from_value(Value(c2)).ok());
+  Value::Map c3;
+  c3.emplace_back("credits", uint64_t(0));
+  EXPECT_FALSE(RelayConfig::from_value(Value(c3)).ok());
+  Value::Map c4;
+  c4.emplace_back("credits", uint64_t(3));
+  c4.emplace_back("slot_size_mb", 2.0);
+  auto ok = RelayConfig::from_value(Value(c4));
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->credits, 3u);
+}
