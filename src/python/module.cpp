@@ -1004,6 +1004,8 @@ struct Found {
   size_t size = 0;
 };
 
+Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key);
+
 std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to, const std::string& key,
                                nb::handle metadata, nb::handle timeout, bool zero_copy) {
   // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
@@ -1011,9 +1013,13 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
   Value md;  // outlives `got`: inline tensors view it
   std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout, md);
   if (!got) return std::nullopt;
-  GetResult& g = *got;
+  return found_of(*got, zero_copy, self.allow_pickle, key);
+}
+
+// The Python object of a received payload (KIND_OBJECT), or a pickle's kind and regions to unpickle.
+Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key) {
   if (!is_pickle(g.payload)) return Found{KIND_OBJECT, native_object(g.payload, zero_copy), g.size};
-  if (!self.allow_pickle)
+  if (!allow_pickle)
     raise(make_error(Errc::corrupt, "'" + key + "' holds a pickled object and allow_pickle is off: refused unread"));
   int64_t kind = 0;
   g.payload.ext.find("pickle")->get_i64(kind);
@@ -1228,6 +1234,80 @@ struct PyOutbox {
     return out;
   }
 };
+
+
+// ---- Relay ----
+// shared_ptr: a put or get blocked with the GIL released keeps the relay alive if another thread
+// closes it (close ends that wait with `closed`).
+struct PyRelay {
+  std::shared_ptr<Relay> r;
+  bool allow_pickle = true;
+  std::shared_ptr<Relay> get() {
+    if (!r) raise(make_error(Errc::closed, "relay is closed"));
+    return r;
+  }
+};
+struct PyRelayOp {
+  RelayOp op;
+  nb::object metadata;  // converted once
+};
+
+RelayPutOptions relay_put_options(nb::handle rid, nb::handle dst_rank, const std::string& edge, uint32_t readers,
+                                  std::string& rid_holder) {
+  rid_holder = rid_str(rid);
+  RelayPutOptions o;
+  o.request_id = rid_holder;
+  if (!dst_rank.is_none()) o.dst_rank = nb::cast<int>(dst_rank);
+  o.edge = edge;
+  o.readers = readers;
+  return o;
+}
+
+PyRelayOp relay_put_payload(PyRelay& self, const Payload& p, const RelayPutOptions& o) {
+  auto relay = self.get();
+  Result<RelayOp> r = make_error(Errc::io, "");
+  {
+    nb::gil_scoped_release nogil;  // a credit wait may block up to timeout_s
+    r = relay->put_async(p, o);
+  }
+  RelayOp op = unwrap(std::move(r));
+  nb::object md = to_py(op.metadata());
+  return PyRelayOp{std::move(op), std::move(md)};
+}
+
+// Native frames for arrays, tensors, bytes and trees; None when the object needs pickling (the
+// Python side then calls _put_parts).
+nb::object relay_put_obj(PyRelay& self, nb::handle data, nb::handle rid, nb::handle dst_rank, const std::string& edge,
+                         uint32_t readers) {
+  Payload p;
+  BufferViews bv;
+  if (!array_payload(data, bv, p, true)) {
+    PyEncoder enc{p, bv};
+    if (!enc.run(data)) return nb::none();
+  }
+  std::string rh;
+  return nb::cast(relay_put_payload(self, p, relay_put_options(rid, dst_rank, edge, readers, rh)));
+}
+
+RelayGetOptions relay_get_options(nb::handle rid, nb::handle timeout, bool zero_copy, std::string& rid_holder) {
+  rid_holder = rid_str(rid);
+  RelayGetOptions o;
+  o.request_id = rid_holder;
+  o.zero_copy = zero_copy;
+  o.timeout_s = timeout.is_none() ? -1.0 : std::max(0.0, nb::cast<double>(timeout));
+  return o;
+}
+
+RelayOp relay_get(PyRelay& self, nb::handle metadata, const RelayGetOptions& o) {
+  const Value md = from_py(metadata);
+  auto relay = self.get();
+  Result<RelayOp> r = make_error(Errc::io, "");
+  {
+    nb::gil_scoped_release nogil;
+    r = relay->get_async(md, o);
+  }
+  return unwrap(std::move(r));
+}
 
 nb::dict spec_dict(const ConnectorSpec& s) {
   nb::dict d;
@@ -1552,6 +1632,57 @@ NB_MODULE(_core, m) {
              }
            })
       .def_prop_ro("closed", [](PyOutbox& self) { return !self.out; });
+  nb::class_<PyRelayOp>(m, "_RelayOp")
+      .def_prop_ro("metadata", [](PyRelayOp& self) { return self.metadata; })
+      .def("wait", [](PyRelayOp& self, nb::handle timeout) {
+             const double t = timeout_arg(timeout);
+             check_nogil([&] { return self.op.wait(t); });
+           }, nb::arg("timeout").none() = nb::none())
+      .def("done", [](PyRelayOp& self) { return self.op.done(); });
+  nb::class_<PyRelay>(m, "_Relay")
+      .def("__init__", [](PyRelay* self, nb::handle config, bool allow_pickle) {
+             RelayConfig c = unwrap(RelayConfig::from_value(config.is_none() ? Value() : from_py(config)));
+             new (self) PyRelay{std::shared_ptr<Relay>(unwrap(Relay::create(c))), allow_pickle};
+           }, nb::arg("config").none(), nb::arg("allow_pickle") = true)
+      .def("_put_obj", &relay_put_obj, nb::arg("data"), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
+           nb::arg("edge"), nb::arg("readers"))
+      .def("_put_parts", [](PyRelay& self, int kind, nb::list regions, nb::handle rid, nb::handle dst_rank,
+                            const std::string& edge, uint32_t readers) {
+             Payload p;
+             BufferViews bv;
+             payload_from_parts(kind, regions, bv, p);
+             std::string rh;
+             return relay_put_payload(self, p, relay_put_options(rid, dst_rank, edge, readers, rh));
+           }, nb::arg("kind"), nb::arg("regions"), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
+           nb::arg("edge"), nb::arg("readers"))
+      .def("_get_found", [](PyRelay& self, nb::handle metadata, nb::handle rid, nb::handle timeout, bool zero_copy) {
+             std::string rh;
+             RelayOp op = relay_get(self, metadata, relay_get_options(rid, timeout, zero_copy, rh));
+             GetResult g{std::move(op.payload()), op.size()};
+             Found f = found_of(g, zero_copy, self.allow_pickle, "relay payload");
+             return nb::make_tuple(f.kind, f.obj, f.size);
+           }, nb::arg("metadata").none(), nb::arg("request_id").none(), nb::arg("timeout").none(), nb::arg("zero_copy"))
+      .def("_get_into", [](PyRelay& self, nb::handle metadata, nb::handle out, nb::handle rid, nb::handle timeout) {
+             Py_buffer view;
+             if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+             BufferViews hold;
+             hold.views.push_back(view);
+             std::string rh;
+             RelayGetOptions o = relay_get_options(rid, timeout, false, rh);
+             o.dest = std::span<std::byte>(static_cast<std::byte*>(view.buf), size_t(view.len));
+             return relay_get(self, metadata, o).size();
+           }, nb::arg("metadata").none(), nb::arg("out"), nb::arg("request_id").none(), nb::arg("timeout").none())
+      .def("cleanup", [](PyRelay& self, const std::string& rid) { return self.get()->cleanup(rid); },
+           "Release every unread put of ``request_id`` on this host and this relay's credits for them; returns how many.")
+      .def("health", [](PyRelay& self) { return self.r ? to_py(self.r->health()) : nb::object(nb::dict()); })
+      .def_prop_ro("allow_pickle", [](PyRelay& self) { return self.allow_pickle; })
+      .def("close", [](PyRelay& self) {
+             if (auto r = std::move(self.r)) {
+               nb::gil_scoped_release nogil;
+               r->close();
+             }
+           }, "Release everything; waits for credits end with ClosedError. Idempotent.")
+      .def_prop_ro("closed", [](PyRelay& self) { return !self.r; });
   m.def("make_private_socket_dir", [](const std::string& tag) { return unwrap(make_private_socket_dir(tag)); },
         nb::arg("tag") = "stagelink");
   m.def("remove_private_socket_dir", &remove_private_socket_dir);
