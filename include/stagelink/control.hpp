@@ -24,14 +24,16 @@ enum class ControlType : uint8_t {
   shutdown,      // coordinator -> stage: stop after in-flight work
   abort,         // coordinator -> every stage: drop everything of `request_id`
   abort_ack,     // stage -> coordinator: the abort of `request_id` is done here
+  ready,         // stage process -> coordinator: started (or `error`: why it could not); at
+                 // shutdown, its figures in `body`. No request id.
 };
-inline constexpr int kControlTypeCount = 8;
+inline constexpr int kControlTypeCount = 9;
 const char* control_type_name(ControlType t) noexcept;
 Result<ControlType> control_type_from_name(std::string_view name);
 
 struct ControlMessage {
   ControlType type = ControlType::submit;
-  std::string request_id;             // required except for shutdown
+  std::string request_id;             // required except for shutdown and ready
   std::string from_stage, to_stage;   // empty: not applicable
   Value metadata;                     // relay metadata (data_ready, data_ack, stream); nil: none
   std::optional<uint64_t> chunk_id;   // stream chunks: their number per (request, target)

@@ -15,6 +15,7 @@ from .connector import Connector, Loan, create_connector  # noqa: F401
 from .control import ControlMessage  # noqa: F401
 from .mq import MessageQueue  # noqa: F401
 from .relay import Relay, RelayOperation  # noqa: F401
+from .pipeline import Pipeline  # noqa: F401
 
 __version__ = "0.1.0"
 

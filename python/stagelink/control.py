@@ -5,7 +5,7 @@
     wire = msg.to_bytes()                      # a small msgpack map
     msg = ControlMessage.from_bytes(wire)      # checked: malformed bytes raise CorruptError
 
-Types: submit, data_ready, data_ack, complete, stream, shutdown, abort, abort_ack.
+Types: submit, data_ready, data_ack, complete, stream, shutdown, abort, abort_ack, ready.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Optional
 from . import _core
 from ._lifetime import NativeOwner
 
-TYPES = ("submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack")
+TYPES = ("submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready")
 
 
 @dataclass
@@ -32,7 +32,7 @@ class ControlMessage:
 
     def to_bytes(self) -> bytes:
         """Encode; raises InvalidArgumentError for an unknown type, a missing request id (all but
-        shutdown) or a field over its limit (ids 256 bytes, error 64 KiB, body 64 MiB)."""
+        shutdown and ready) or a field over its limit (ids 256 bytes, error 64 KiB, body 64 MiB)."""
         return _core.control_encode(self.type, self.request_id or "", _s(self.from_stage), _s(self.to_stage),
                                     self.metadata, self.chunk_id, bool(self.is_done), self.error or "", self.body)
 

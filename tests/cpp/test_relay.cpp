@@ -77,8 +77,9 @@ TEST(Relay, CrossProcessRoundTripCompletesWhenRead) {
     if (!r.ok()) _exit(5);
     std::vector<std::byte> dest(data.size());
     auto g = r.value()->get_async(mdv.value(), {.request_id = "req-1", .dest = dest});
-    if (!g.ok() || !g->wait(1).ok()) _exit(6);
-    _exit(checksum(dest) == checksum(data) ? 0 : 7);
+    const int code = !g.ok() || !g->wait(1).ok() ? 6 : checksum(dest) == checksum(data) ? 0 : 7;
+    r.value().reset();  // detach before _exit: the directory goes with its last process
+    _exit(code);
   }
   const uint32_t n = uint32_t(md.size());
   ASSERT_EQ(write(to_child[1], &n, 4), 4);

@@ -9,7 +9,7 @@ from stagelink.control import TYPES, ControlMessage
 
 def test_every_type_round_trips():
     for t in TYPES:
-        m = ControlMessage(t, "" if t == "shutdown" else "req-1", from_stage="thinker", to_stage="talker",
+        m = ControlMessage(t, "" if t in ("shutdown", "ready") else "req-1", from_stage="thinker", to_stage="talker",
                            metadata={"entry": 3, "gen": 1, "inline": b"\x00\x01"}, chunk_id=5 if t == "stream" else None,
                            is_done=t == "stream", error="boom" if t == "complete" else None,
                            body=b"frame" if t == "submit" else None)

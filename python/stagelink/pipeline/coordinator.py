@@ -1,0 +1,423 @@
+"""The coordinator: starts a pipeline's stage processes, submits requests, collects results and
+stream chunks, aborts, and notices stages that die.
+
+    with stagelink.Pipeline.from_yaml("examples/omni_pipeline.yaml") as p:
+        fut = p.submit("req-1", {"audio": samples})
+        for chunk in p.stream("req-1"):      # what the terminal stage streams (ctx.stream)
+            play(chunk)
+        result = fut.result(timeout=60)
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Dict, List, Optional
+
+from .. import _core
+from ..connector import Connector
+from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_socket_dir
+from ..relay import Relay
+from .spec import COORDINATOR, PipelineSpec, load_pipeline
+from .worker import endpoint
+
+
+class StageError(RuntimeError):
+    """A stage raised while handling a request: ``stage`` names it, ``remote_traceback`` is its
+    traceback (also the message's tail)."""
+
+    def __init__(self, stage: str, tb: str):
+        last = tb.strip().splitlines()[-1] if tb.strip() else "failed"
+        super().__init__(f"stage '{stage}' failed: {last}\n--- traceback in stage '{stage}' ---\n{tb}")
+        self.stage, self.remote_traceback = stage, tb
+
+
+class StageDiedError(_core.PeerDeadError):
+    """A stage process died; every request in flight fails with this, naming it."""
+
+
+class PipelineStartError(_core.StagelinkError):
+    """A stage process could not start; every process already started was stopped."""
+
+
+_END = object()
+
+
+class _Req:
+    __slots__ = ("future", "t0", "t_first", "chunks", "n_chunks", "acks", "done")
+
+    def __init__(self):
+        self.future: Future = Future()
+        self.t0 = time.monotonic()
+        self.t_first: Optional[float] = None
+        self.chunks: "queue.Queue" = queue.Queue()
+        self.n_chunks = 0
+        self.acks: set = set()
+        self.done = False
+
+
+class Pipeline:
+    """A running pipeline: one process per ``process`` group of the file's stages.
+
+    ``submit(request_id, payload)`` returns a ``concurrent.futures.Future`` of the terminal
+    stage's result; ``stream(request_id)`` iterates what the terminal stage streams;
+    ``abort(request_id)`` drops the request everywhere and waits for every process to confirm;
+    ``close()`` stops every process and removes every socket and shared-memory slot (also run by
+    ``with`` and, as a last resort, at interpreter exit)."""
+
+    def __init__(self, spec: PipelineSpec, *, python: Optional[str] = None, env: Optional[dict] = None):
+        self.spec = spec
+        self.settings = spec.settings
+        self._lock = threading.Condition()
+        self._reqs: Dict[str, _Req] = {}
+        self._aborting: Dict[str, _Req] = {}  # abort() waiting for acknowledgements
+        self._closed = False
+        self._broken: Optional[BaseException] = None
+        self._procs: Dict[str, subprocess.Popen] = {}
+        self._ready: Dict[str, Optional[str]] = {}
+        self._stats: Dict[str, dict] = {}
+        self._outboxes: Dict[str, Outbox] = {}
+        self._out_lock = threading.Lock()
+        self.completed: List[dict] = []  # per finished request: e2e_s, ttfc_s, chunks
+        self._dir = private_socket_dir(("stagelink-" + "".join(c if c.isalnum() or c in "-_" else "_"
+                                                                 for c in spec.name))[:48])
+        self._inbox: Optional[Inbox] = None
+        self._relay: Optional[Relay] = None
+        self._thread: Optional[threading.Thread] = None
+        t0 = time.monotonic()
+        # Sweep what crashed processes of earlier runs left in shared memory (only the dead's).
+        _core.shm_reap("/dev/shm")
+        try:
+            self._inbox = Inbox(endpoint(self._dir, COORDINATOR))
+            self._relay = Relay(spec.relay)
+            self._start(python or sys.executable, env)
+        except BaseException:
+            self._teardown(kill=True)
+            raise
+        self.startup_s = time.monotonic() - t0
+        self._thread = threading.Thread(target=self._loop, name="stagelink-coordinator", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_yaml(cls, path, **kw) -> "Pipeline":
+        """Load, check (PipelineConfigError) and start the pipeline of a YAML file."""
+        return cls(load_pipeline(path), **kw)
+
+    from_config = from_yaml  # a dict works too
+
+    # -- start-up and shutdown
+    def _start(self, python, env):
+        spec_path = os.path.join(self._dir, "pipeline.json")
+        with open(spec_path, "w") as f:
+            json.dump(self.spec.to_dict(), f)
+        e = dict(os.environ if env is None else env)
+        # The coordinator's import path: stage factories import in the stages as they do here.
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        if self.spec.source != "<dict>":
+            paths.insert(0, os.path.dirname(os.path.abspath(self.spec.source)))
+        e["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd()] + paths))
+        for proc in self.spec.processes():
+            self._procs[proc] = subprocess.Popen(
+                [python, "-m", "stagelink.pipeline._entry", spec_path, proc, self._dir], env=e,
+                stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.settings["startup_timeout_s"]
+        while len(self._ready) < len(self._procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [p for p in self._procs if p not in self._ready]
+                raise PipelineStartError(f"stage processes {missing} did not start within "
+                                         f"{self.settings['startup_timeout_s']} s (settings.startup_timeout_s)")
+            try:
+                m = self._inbox.recv(timeout=min(left, 0.2))
+            except _core.TimeoutError:
+                for proc, p in self._procs.items():
+                    if proc not in self._ready and p.poll() is not None:
+                        raise PipelineStartError(f"stage process '{proc}' (stages {self.spec.processes()[proc]}) "
+                                                 f"exited during start-up: {_how(p.returncode)}") from None
+                continue
+            if m.type != "ready":
+                continue
+            if m.error:
+                raise PipelineStartError(f"stage process '{m.from_stage}' (stages "
+                                         f"{self.spec.processes().get(m.from_stage)}) could not start:\n{m.error}")
+            self._ready[m.from_stage] = None
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stop every stage process (in-flight requests fail with ClosedError), gather their
+        figures, remove sockets and shared memory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        timeout = self.settings["shutdown_timeout_s"] if timeout is None else timeout
+        for proc in self._procs:
+            try:
+                self._send(proc, ControlMessage("shutdown"), 1.0)
+            except _core.StagelinkError:
+                pass
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while len(self._stats) < len(self._procs) and time.monotonic() < deadline:
+                if all(p.poll() is not None for p in self._procs.values()):
+                    break
+                self._lock.wait(0.05)
+        self._teardown(kill=False, deadline=deadline)
+
+    def _teardown(self, kill: bool, deadline: Optional[float] = None):
+        self._closed = True
+        deadline = deadline or time.monotonic()
+        for p in self._procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()) if not kill else 0.5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+        err = _core.ClosedError("pipeline closed")
+        with self._lock:
+            for rid, r in list(self._reqs.items()):
+                self._finish_locked(rid, r, error=err)
+        for ob in self._outboxes.values():
+            ob.close()
+        self._outboxes.clear()
+        if self._relay is not None:
+            self._relay.close()
+        if self._inbox is not None:
+            self._inbox.close()
+        remove_socket_dir(self._dir)
+        if any(p.returncode not in (0, None) for p in self._procs.values()):
+            _core.shm_reap("/dev/shm")  # a stage died: reclaim what it held, now that nobody else uses it
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self.close(timeout=2.0)
+        except Exception:  # noqa: BLE001  interpreter exit
+            pass
+
+    # -- requests
+    def submit(self, request_id: str, payload: Any) -> Future:
+        """Start a request at the entry stage. Returns a Future of the terminal stage's result;
+        it fails with StageError (a stage raised), StageDiedError, TimeoutError
+        (settings.request_timeout_s), CancelledError (abort) or ClosedError."""
+        rid = str(request_id)
+        with self._lock:
+            if self._closed:
+                raise _core.ClosedError("pipeline closed")
+            if self._broken is not None:
+                raise self._broken
+            if rid in self._reqs:
+                raise _core.InvalidArgumentError(f"request '{rid}' is already in flight")
+            r = self._reqs[rid] = _Req()
+        try:
+            op = self._relay.put_async(payload, request_id=rid, edge=self.spec.entry)
+            md = dict(op.metadata)
+            md["t_ns"] = time.monotonic_ns()
+            self._send(self.spec.stages[self.spec.entry].process,
+                       ControlMessage("submit", rid, from_stage=COORDINATOR, to_stage=self.spec.entry, metadata=md),
+                       30.0)
+        except BaseException as e:
+            with self._lock:
+                self._finish_locked(rid, r, error=e)
+            raise
+        return r.future
+
+    def stream(self, request_id: str, timeout: Optional[float] = None):
+        """Iterate the chunks the terminal stage streams for ``request_id`` until it completes.
+        ``timeout``: the longest wait for one chunk (TimeoutError). A failed request raises its
+        error at the end."""
+        with self._lock:
+            r = self._reqs.get(str(request_id))
+        if r is None:
+            raise _core.NotFoundError(f"request '{request_id}' is not in flight (submit it first)")
+        while True:
+            try:
+                item = r.chunks.get(timeout=timeout)
+            except queue.Empty:
+                raise _core.TimeoutError(f"no chunk of '{request_id}' for {timeout} s") from None
+            if item is _END:
+                exc = r.future.exception() if r.future.done() else None
+                if exc is not None:
+                    raise exc
+                return
+            yield item
+
+    def abort(self, request_id: str, timeout: Optional[float] = None) -> bool:
+        """Drop ``request_id`` in every stage (running stages see ``ctx.aborted``; their slots,
+        credits and held chunks are released) and wait until every process confirmed. Returns
+        True when all did within ``timeout`` (settings.abort_timeout_s)."""
+        rid = str(request_id)
+        timeout = self.settings["abort_timeout_s"] if timeout is None else timeout
+        with self._lock:
+            r = self._reqs.get(rid)
+            if r is None:
+                r = _Req()  # not ours any more: still clean up everywhere
+            else:
+                self._finish_locked(rid, r, error=_core.CancelledError(f"request '{rid}' aborted"))
+            r.acks = set()
+            self._aborting[rid] = r
+        try:
+            self._broadcast_abort(rid)
+            deadline = time.monotonic() + timeout
+            with self._lock:
+                while len(r.acks) < len(self._live_procs()) and time.monotonic() < deadline:
+                    self._lock.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                ok = len(r.acks) >= len(self._live_procs())
+        finally:
+            with self._lock:
+                self._aborting.pop(rid, None)
+        self._relay.cleanup(rid)
+        return ok
+
+    def _live_procs(self):
+        return [p for p, h in self._procs.items() if h.poll() is None]
+
+    def _broadcast_abort(self, rid):
+        for proc in self._live_procs():
+            try:
+                self._send(proc, ControlMessage("abort", rid, from_stage=COORDINATOR), 5.0)
+            except _core.StagelinkError:
+                pass
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._reqs)
+
+    def stats(self) -> Dict[str, dict]:
+        """Per-process figures gathered at close (edges: bytes, messages, per-hop latencies)."""
+        return dict(self._stats)
+
+    # -- the receive thread
+    def _send(self, proc, msg, timeout):
+        with self._out_lock:
+            ob = self._outboxes.get(proc)
+            if ob is None:
+                ob = self._outboxes[proc] = Outbox(endpoint(self._dir, proc))
+            ob.send(msg, timeout=timeout)
+
+    def _finish_locked(self, rid, r: _Req, result=None, error=None):
+        if r.done:
+            return
+        r.done = True
+        self._reqs.pop(rid, None)
+        if error is not None:
+            r.future.set_exception(error)
+        else:
+            r.future.set_result(result)
+            self.completed.append({"request_id": rid, "e2e_s": time.monotonic() - r.t0,
+                                   "ttfc_s": (r.t_first - r.t0) if r.t_first is not None else None,
+                                   "chunks": r.n_chunks})
+        r.chunks.put(_END)
+        self._lock.notify_all()
+
+    def _loop(self):
+        last_check = 0.0
+        while True:
+            try:
+                m = self._inbox.recv(timeout=0.1)
+            except _core.TimeoutError:
+                m = None
+            except _core.ClosedError:
+                return
+            except _core.CorruptError:
+                continue
+            if m is not None:
+                try:
+                    self._handle(m)
+                except Exception as e:  # noqa: BLE001  keep the coordinator alive
+                    print(f"stagelink coordinator: handling {m.type}: {e!r}", file=sys.stderr)
+            now = time.monotonic()
+            if now - last_check > 0.1:
+                last_check = now
+                self._check()
+            if self._closed and (len(self._stats) >= len(self._procs)
+                                 or all(p.poll() is not None for p in self._procs.values())):
+                return
+
+    def _handle(self, m: ControlMessage):
+        if m.type == "ready":
+            if m.body:
+                with self._lock:
+                    self._stats[m.from_stage] = Connector.deserialize_obj(m.body)
+                    self._lock.notify_all()
+            return
+        if m.type == "abort_ack":
+            with self._lock:
+                r = self._aborting.get(m.request_id)
+                if r is not None:
+                    r.acks.add(m.from_stage)
+                    self._lock.notify_all()
+            return
+        with self._lock:
+            r = self._reqs.get(m.request_id)
+        if r is None:  # finished, aborted or unknown: release what it carried
+            if isinstance(m.metadata, dict) and m.metadata:
+                try:
+                    self._relay.get_async(m.metadata, timeout=0)
+                except _core.StagelinkError:
+                    pass
+            return
+        if m.type == "stream":
+            if m.is_done:
+                return
+            obj = self._relay.get_async(m.metadata).result()
+            if r.t_first is None:
+                r.t_first = time.monotonic()
+            r.n_chunks += 1
+            r.chunks.put(obj)
+        elif m.type == "complete":
+            if m.error:
+                with self._lock:
+                    self._finish_locked(m.request_id, r, error=StageError(m.from_stage, m.error))
+                self._broadcast_abort(m.request_id)  # release what other stages hold of it
+                self._relay.cleanup(m.request_id)
+                return
+            obj = self._relay.get_async(m.metadata).result()
+            with self._lock:
+                self._finish_locked(m.request_id, r, result=obj)
+
+    def _check(self):
+        if self._closed:
+            return
+        for proc, p in self._procs.items():
+            if p.poll() is not None and self._broken is None:
+                err = StageDiedError(f"stage process '{proc}' (stages {', '.join(self.spec.processes()[proc])}, "
+                                     f"pid {p.pid}) died: {_how(p.returncode)}")
+                with self._lock:
+                    self._broken = err
+                    for rid, r in list(self._reqs.items()):
+                        self._finish_locked(rid, r, error=err)
+                # What the dead process held is reclaimed by the survivors' reaping.
+        limit = self.settings["request_timeout_s"]
+        now = time.monotonic()
+        with self._lock:
+            late = [(rid, r) for rid, r in self._reqs.items() if now - r.t0 > limit]
+            for rid, r in late:
+                self._finish_locked(rid, r, error=_core.TimeoutError(
+                    f"request '{rid}' not complete after {limit} s (settings.request_timeout_s)"))
+        for rid, _ in late:
+            self._broadcast_abort(rid)
+
+
+def _how(rc) -> str:
+    if rc is None:
+        return "still running"
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"

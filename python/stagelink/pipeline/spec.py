@@ -1,0 +1,311 @@
+"""The pipeline file: stages, their edges and where each stage runs, checked before anything starts.
+
+    name: omni
+    relay: {backend: shm, credits: 8, slot_size_mb: 16, timeout_s: 30}   # every edge's default
+    settings: {request_timeout_s: 120, startup_timeout_s: 20}
+    stages:
+      - name: encoder
+        factory: "stagelink.examples.omni:encoder"   # module:callable
+        args: {dim: 1024}                             # optional: factory(**args) builds the stage
+        next: thinker                                 # one target or a list (fan-out)
+      - name: thinker
+        factory: ...
+        stream_to: [talker]                           # chunks sent with ctx.stream()
+        process: lm                                   # stages sharing a value share a process
+      - name: talker
+        factory: ...
+        merge: "mod:fn"                               # fan-in: combine {source: payload}
+        terminal: true                                # its result completes the request
+    edges:                                            # optional: a connector per edge
+      - {from: thinker, to: talker, connector: big}
+    connectors:                                       # or runtime.connectors (vLLM-Omni syntax)
+      big: {name: SharedMemoryConnector, extra: {arena_bytes: 1073741824}}
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .. import _core
+
+_STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
+               "relay"}
+_TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description"}
+_SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 20.0, "abort_timeout_s": 5.0,
+             "shutdown_timeout_s": 10.0}
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+COORDINATOR = "coordinator"
+
+
+class PipelineConfigError(_core.InvalidArgumentError):
+    """A pipeline file that cannot run, with what is wrong and where."""
+
+
+@dataclass
+class StageSpec:
+    name: str
+    factory: str
+    args: Optional[dict] = None
+    next: List[str] = field(default_factory=list)
+    stream_to: List[str] = field(default_factory=list)
+    terminal: bool = False
+    process: str = ""
+    merge: Optional[str] = None
+    concurrency: int = 8
+    sources: List[str] = field(default_factory=list)         # stages whose `next` names this one
+    stream_sources: List[str] = field(default_factory=list)  # stages whose `stream_to` names it
+
+
+@dataclass
+class PipelineSpec:
+    name: str
+    stages: Dict[str, StageSpec]
+    entry: str
+    terminal: str
+    relay: dict
+    edge_relays: Dict[str, dict]  # "from->to" -> relay config of that edge
+    settings: dict
+    source: str = "<dict>"
+
+    def processes(self) -> Dict[str, List[str]]:
+        """Process name -> its stages, in file order."""
+        out: Dict[str, List[str]] = {}
+        for s in self.stages.values():
+            out.setdefault(s.process, []).append(s.name)
+        return out
+
+    def relay_for(self, src: str, dst: str) -> dict:
+        return self.edge_relays.get(f"{src}->{dst}", self.relay)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "entry": self.entry, "terminal": self.terminal, "relay": self.relay,
+                "edge_relays": self.edge_relays, "settings": self.settings, "source": self.source,
+                "stages": [{k: getattr(s, k) for k in ("name", "factory", "args", "next", "stream_to", "terminal",
+                                                       "process", "merge", "concurrency", "sources",
+                                                       "stream_sources")} for s in self.stages.values()]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PipelineSpec":
+        stages = {s["name"]: StageSpec(**s) for s in d["stages"]}
+        return cls(d["name"], stages, d["entry"], d["terminal"], d["relay"], d["edge_relays"], d["settings"],
+                   d.get("source", "<dict>"))
+
+
+def _list(v, where) -> List[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
+        return list(v)
+    raise PipelineConfigError(f"{where}: expected a stage name or a list of them, got {v!r}")
+
+
+def load_pipeline(path_or_dict) -> PipelineSpec:
+    """Read and check a pipeline file (or an already-parsed dict). Raises PipelineConfigError
+    naming the stage and key at fault: unknown keys, unknown targets, cycles, no single entry or
+    terminal stage, bad factories (``module:callable``)."""
+    source = "<dict>"
+    if isinstance(path_or_dict, (str, os.PathLike)):
+        import yaml
+        source = str(path_or_dict)
+        try:
+            with open(path_or_dict) as f:
+                raw = yaml.safe_load(f)
+        except OSError as e:
+            raise PipelineConfigError(f"cannot read pipeline file {source}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise PipelineConfigError(f"{source}: not valid YAML: {e}") from None
+    else:
+        raw = path_or_dict
+    if not isinstance(raw, dict):
+        raise PipelineConfigError(f"{source}: a pipeline file is a map with 'stages'")
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise PipelineConfigError(f"{source}: unknown top-level keys {sorted(unknown)} (known: {sorted(_TOP_KEYS)})")
+    stages_raw = raw.get("stages")
+    if not isinstance(stages_raw, list) or not stages_raw:
+        raise PipelineConfigError(f"{source}: 'stages' must be a non-empty list")
+    stages: Dict[str, StageSpec] = {}
+    for i, s in enumerate(stages_raw):
+        where = f"{source}: stages[{i}]"
+        if not isinstance(s, dict):
+            raise PipelineConfigError(f"{where}: a stage is a map with name and factory")
+        bad = set(s) - _STAGE_KEYS
+        if bad:
+            raise PipelineConfigError(f"{where}: unknown keys {sorted(bad)} (known: {sorted(_STAGE_KEYS)})")
+        name = s.get("name")
+        if not isinstance(name, str) or not _NAME.match(name) or name == COORDINATOR:
+            raise PipelineConfigError(f"{where}: 'name' must be 1-64 letters, digits, '_', '.', '-' (not "
+                                      f"'{COORDINATOR}'), got {name!r}")
+        where = f"{source}: stage '{name}'"
+        if name in stages:
+            raise PipelineConfigError(f"{where}: declared twice")
+        factory = s.get("factory")
+        if not isinstance(factory, str) or factory.count(":") != 1:
+            raise PipelineConfigError(f"{where}: 'factory' must be 'module:callable', got {factory!r}")
+        args = s.get("args")
+        if args is not None and not isinstance(args, dict):
+            raise PipelineConfigError(f"{where}: 'args' must be a map of keyword arguments")
+        conc = s.get("concurrency", 8)
+        if not isinstance(conc, int) or not 1 <= conc <= 256:
+            raise PipelineConfigError(f"{where}: 'concurrency' must be an integer in [1, 256]")
+        merge = s.get("merge")
+        if merge is not None and (not isinstance(merge, str) or merge.count(":") != 1):
+            raise PipelineConfigError(f"{where}: 'merge' must be 'module:callable'")
+        proc = s.get("process", name)
+        if not isinstance(proc, str) or not _NAME.match(proc):
+            raise PipelineConfigError(f"{where}: 'process' must be a name like a stage's")
+        stages[name] = StageSpec(name=name, factory=factory, args=args, next=_list(s.get("next"), f"{where}: next"),
+                                 stream_to=_list(s.get("stream_to"), f"{where}: stream_to"),
+                                 terminal=bool(s.get("terminal", False)), process=proc, merge=merge,
+                                 concurrency=conc)
+    for s in stages.values():
+        for key in ("next", "stream_to"):
+            for t in getattr(s, key):
+                if t not in stages:
+                    raise PipelineConfigError(f"{source}: stage '{s.name}': {key} names '{t}', which is not a stage "
+                                              f"(stages: {', '.join(stages)})")
+                if t == s.name:
+                    raise PipelineConfigError(f"{source}: stage '{s.name}': {key} names itself")
+            if len(set(getattr(s, key))) != len(getattr(s, key)):
+                raise PipelineConfigError(f"{source}: stage '{s.name}': {key} names a stage twice")
+        if s.terminal and s.next:
+            raise PipelineConfigError(f"{source}: stage '{s.name}' is terminal and has next {s.next}")
+        for t in s.next:
+            stages[t].sources.append(s.name)
+        for t in s.stream_to:
+            stages[t].stream_sources.append(s.name)
+    terminals = [s.name for s in stages.values() if s.terminal]
+    if len(terminals) != 1:
+        raise PipelineConfigError(f"{source}: exactly one stage must be 'terminal: true' (its result completes a "
+                                  f"request); found {terminals or 'none'}")
+    entries = [s.name for s in stages.values() if not s.sources and not s.stream_sources]
+    if len(entries) != 1:
+        raise PipelineConfigError(f"{source}: exactly one stage must have no inputs (the entry, where submit "
+                                  f"sends requests); found {entries or 'none'}")
+    for s in stages.values():
+        if not s.terminal and not s.next and not s.stream_to:
+            raise PipelineConfigError(f"{source}: stage '{s.name}' sends nothing: give it next, stream_to, or "
+                                      "terminal: true")
+        if len(s.sources) > 1 and s.stream_sources:
+            raise PipelineConfigError(f"{source}: stage '{s.name}': fan-in and stream inputs together are not "
+                                      "supported")
+    _check_acyclic(stages, source)
+    _check_reaches(stages, entries[0], terminals[0], source)
+    relay = _relay_cfg(raw.get("relay"), f"{source}: relay")
+    settings = dict(_SETTINGS)
+    st = raw.get("settings") or {}
+    if not isinstance(st, dict) or set(st) - set(_SETTINGS):
+        raise PipelineConfigError(f"{source}: settings: known keys are {sorted(_SETTINGS)}")
+    for k, v in st.items():
+        if not isinstance(v, (int, float)) or v <= 0:
+            raise PipelineConfigError(f"{source}: settings.{k} must be a positive number of seconds")
+        settings[k] = float(v)
+    edge_relays = _edges(raw, stages, relay, source)
+    name = raw.get("name") or (os.path.splitext(os.path.basename(source))[0] if source != "<dict>" else "pipeline")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise PipelineConfigError(f"{source}: 'name' must be 1-64 letters, digits, '_', '.', '-', got {name!r}")
+    return PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source)
+
+
+def _relay_cfg(v, where) -> dict:
+    cfg = {"backend": "shm", "credits": 8, "slot_size_mb": 16, "timeout_s": 30}
+    if v is None:
+        return cfg
+    if not isinstance(v, dict):
+        raise PipelineConfigError(f"{where}: a map of relay settings (backend, credits, slot_size_mb, timeout_s, ...)")
+    cfg.update(v)
+    try:  # the core's checks: unknown keys, ranges
+        _core._Relay(dict(cfg, backend="local"), True).close()
+    except _core.StagelinkError as e:
+        raise PipelineConfigError(f"{where}: {e}") from None
+    return cfg
+
+
+def _edges(raw, stages, relay, source) -> Dict[str, dict]:
+    """Per-edge connectors, in vLLM-Omni's syntax: `edges: [{from, to, connector}]` naming an entry
+    of `connectors:` or `runtime.connectors` ({name, extra})."""
+    conns = dict(raw.get("connectors") or {})
+    rt = raw.get("runtime") or {}
+    if isinstance(rt, dict):
+        conns.update(rt.get("connectors") or {})
+    out = {}
+    for i, e in enumerate(raw.get("edges") or []):
+        where = f"{source}: edges[{i}]"
+        if not isinstance(e, dict) or not {"from", "to"} <= set(e):
+            raise PipelineConfigError(f"{where}: an edge is a map with from, to and connector")
+        src, dst = str(e["from"]), str(e["to"])
+        if src not in stages or (dst not in stages[src].next and dst not in stages[src].stream_to):
+            raise PipelineConfigError(f"{where}: {src} -> {dst} is not an edge of the pipeline")
+        ref = e.get("connector")
+        spec = conns.get(ref) if isinstance(ref, str) else ref
+        if not isinstance(spec, dict) or "name" not in spec:
+            raise PipelineConfigError(f"{where}: connector {ref!r} is not defined under connectors or runtime.connectors")
+        if spec["name"] not in _core.registered_connectors():
+            raise PipelineConfigError(f"{where}: connector class {spec['name']!r} is not available "
+                                      f"(registered: {', '.join(_core.registered_connectors())})")
+        out[f"{src}->{dst}"] = dict(relay, backend="connector", connector=spec["name"], extra=dict(spec.get("extra") or {}))
+    return out
+
+
+def _check_acyclic(stages, source):
+    state: Dict[str, int] = {}
+
+    def visit(n, path):
+        state[n] = 1
+        for t in stages[n].next + stages[n].stream_to:
+            if state.get(t) == 1:
+                raise PipelineConfigError(f"{source}: the stages form a cycle: {' -> '.join(path + [n, t])}")
+            if not state.get(t):
+                visit(t, path + [n])
+        state[n] = 2
+
+    for n in stages:
+        if not state.get(n):
+            visit(n, [])
+
+
+def _check_reaches(stages, entry, terminal, source):
+    seen, todo = set(), [entry]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo += stages[n].next + stages[n].stream_to
+    unreached = [n for n in stages if n not in seen]
+    if unreached:
+        raise PipelineConfigError(f"{source}: stages {unreached} cannot be reached from the entry '{entry}'")
+    if terminal not in seen:
+        raise PipelineConfigError(f"{source}: the terminal stage '{terminal}' cannot be reached from '{entry}'")
+
+
+def resolve(ref: str):
+    """The object a 'module:callable' names. Raises PipelineConfigError saying what is missing."""
+    mod_name, _, attr = ref.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise PipelineConfigError(f"cannot import module '{mod_name}' of '{ref}': {e}") from None
+    obj = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PipelineConfigError(f"module '{mod_name}' has no '{attr}' (from '{ref}')")
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_stage(spec: StageSpec):
+    """The stage callable: factory(**args) when args are given or the factory is a class, else the
+    factory itself. It must be callable as fn(payload, ctx) (or have process(payload, ctx))."""
+    f = resolve(spec.factory)
+    obj = f(**(spec.args or {})) if (spec.args is not None or isinstance(f, type)) else f
+    fn = getattr(obj, "process", None) or obj
+    if not callable(fn):
+        raise PipelineConfigError(f"stage '{spec.name}': factory '{spec.factory}' gave {type(obj).__name__}, which "
+                                  "is not callable as fn(payload, ctx)")
+    return fn

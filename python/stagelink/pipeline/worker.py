@@ -1,0 +1,464 @@
+"""A stage process: runs the stages of one `process` group of a pipeline.
+
+Started by the coordinator as ``python -m stagelink.pipeline._entry SPEC.json PROCESS DIR``. One
+thread receives control messages (ZeroMQ PULL on ``ipc://DIR/PROCESS.sock``); each stage runs its
+requests on a pool of ``concurrency`` threads. Payloads between processes move through the relay
+(the control message is sent before anything waits on the transfer); between stages of this
+process they pass by reference (read-only, as the seed's LOCAL_OBJECT).
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional
+
+from .. import _core
+from ..connector import Connector
+from ..control import ControlMessage, Inbox, Outbox
+from ..relay import Relay
+from .spec import COORDINATOR, PipelineSpec, StageSpec, build_stage, resolve
+
+SEND_TIMEOUT_S = 30.0
+_LAT_CAP = 200_000
+
+
+def endpoint(sock_dir: str, proc: str) -> str:
+    return f"ipc://{sock_dir}/{proc}.sock"
+
+
+class StreamError(RuntimeError):
+    """An upstream stage failed while streaming to this one (its error text is the message)."""
+
+
+class Aborted(_core.CancelledError):
+    """The request was aborted; raised inside a stage by ctx.stream() and ctx.chunks()."""
+
+
+class _Request:
+    __slots__ = ("inputs", "started", "queue", "expect", "held", "done_srcs", "aborted", "cond", "n_streamed",
+                 "stream_closed")
+
+    def __init__(self, lock):
+        self.inputs: Dict[str, Any] = {}
+        self.started = False
+        self.queue: collections.deque = collections.deque()  # (src, kind, item, t_ns)
+        self.expect: Dict[str, int] = collections.defaultdict(int)  # next chunk id per source
+        self.held: Dict[str, dict] = collections.defaultdict(dict)  # out-of-order chunks per source
+        self.done_srcs: set = set()
+        self.aborted = False
+        self.cond = threading.Condition(lock)
+        self.n_streamed: Dict[str, int] = collections.defaultdict(int)  # chunk ids sent per target
+        self.stream_closed: set = set()
+
+
+class StageContext:
+    """What a stage function gets beside its payload.
+
+    ``request_id``, ``stage``; ``stream(chunk)`` sends a chunk to every ``stream_to`` target (a
+    terminal stage's chunks go to the coordinator: ``Pipeline.stream``); ``chunks(timeout)``
+    iterates the chunks streamed to this stage, in order, until every source is done (raising
+    StreamError if one failed); ``aborted`` says whether to stop early."""
+
+    def __init__(self, stage: "StageRuntime", rid: str, req: _Request):
+        self.stage, self.request_id = stage.spec.name, rid
+        self._rt, self._req = stage, req
+
+    @property
+    def aborted(self) -> bool:
+        return self._req.aborted
+
+    def stream(self, chunk, targets: Optional[List[str]] = None) -> None:
+        if self._req.aborted:
+            raise Aborted(f"request '{self.request_id}' was aborted")
+        self._rt.send_chunk(self.request_id, self._req, chunk, targets)
+
+    def chunks(self, timeout: Optional[float] = None):
+        return self._rt.iter_chunks(self.request_id, self._req, timeout)
+
+
+class StageRuntime:
+    def __init__(self, spec: StageSpec, worker: "Worker"):
+        self.spec, self.w = spec, worker
+        self.fn = build_stage(spec)
+        self.merge = resolve(spec.merge) if spec.merge else None
+        self.pool = ThreadPoolExecutor(spec.concurrency, thread_name_prefix=f"stage-{spec.name}")
+        self.lock = threading.Lock()
+        self.reqs: Dict[str, _Request] = {}
+        self.finished: collections.OrderedDict = collections.OrderedDict()  # rids done here (late messages dropped)
+        self.stream_targets = spec.stream_to or ([COORDINATOR] if spec.terminal else [])
+        self.runs = 0
+        self.busy_ns = 0
+
+    # -- inputs
+    def _state(self, rid) -> Optional[_Request]:
+        if rid in self.finished or rid in self.w.aborted:
+            return None
+        r = self.reqs.get(rid)
+        if r is None:
+            r = self.reqs[rid] = _Request(self.lock)
+        return r
+
+    def deliver_data(self, rid: str, src: str, obj) -> None:
+        with self.lock:
+            r = self._state(rid)
+            if r is None or r.started:
+                return
+            r.inputs[src] = obj
+            need = self.spec.sources or [COORDINATOR]
+            if not all(s in r.inputs for s in need):
+                return
+            r.started = True
+        self.pool.submit(self._run, rid, r)
+
+    def deliver_stream(self, rid: str, src: str, chunk_id: int, kind: str, item, is_done: bool, error: str,
+                       t_ns: int) -> bool:
+        """Queue a chunk (held as relay metadata until the stage reads it: the sender's credits
+        are the back-pressure). Returns False when the request is no longer here."""
+        start = False
+        with self.lock:
+            r = self._state(rid)
+            if r is None:
+                return False
+            r.held[src][chunk_id] = (kind, item, is_done, error, t_ns)
+            while r.expect[src] in r.held[src]:  # in chunk order per source
+                k, it, done, err, t = r.held[src].pop(r.expect[src])
+                r.expect[src] += 1
+                if done:
+                    r.done_srcs.add(src)
+                    if err:
+                        r.queue.append((src, "error", err, t))
+                else:
+                    r.queue.append((src, k, it, t))
+            r.cond.notify_all()
+            if not self.spec.sources and not r.started:
+                r.started = start = True
+        if start:
+            self.pool.submit(self._run, rid, r)
+        return True
+
+    def iter_chunks(self, rid: str, r: _Request, timeout: Optional[float]):
+        timeout = self.w.spec.settings["request_timeout_s"] if timeout is None else timeout
+        srcs = set(self.spec.stream_sources)
+        while True:
+            with self.lock:
+                deadline = time.monotonic() + timeout
+                while not r.queue and not r.aborted and not srcs <= r.done_srcs:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise _core.TimeoutError(f"stage '{self.spec.name}': no stream chunk of '{rid}' for {timeout} s")
+                    r.cond.wait(left)
+                if r.aborted:
+                    raise Aborted(f"request '{rid}' was aborted")
+                if not r.queue:
+                    return
+                src, kind, item, t_ns = r.queue.popleft()
+            if kind == "error":
+                raise StreamError(f"stage '{src}' failed while streaming to '{self.spec.name}': {item}")
+            yield self.w.read(src, self.spec.name, kind, item, t_ns)
+
+    # -- running
+    def _run(self, rid: str, r: _Request):
+        ctx = StageContext(self, rid, r)
+        t0 = time.monotonic_ns()
+        try:
+            if self.spec.sources or not self.spec.stream_sources:
+                ins = r.inputs
+                if len(self.spec.sources) > 1:
+                    payload = self.merge(dict(ins)) if self.merge else dict(ins)
+                else:
+                    payload = next(iter(ins.values()))
+            else:
+                payload = None
+            result = self.fn(payload, ctx)
+            if r.aborted:
+                return
+            for t in self.stream_targets:
+                if t not in r.stream_closed:
+                    self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], "")
+            if self.spec.terminal:
+                self.w.send_result(rid, self.spec.name, result)
+            else:
+                per = result.targets if isinstance(result, PerTarget) else None
+                for t in self.spec.next:
+                    self.w.send_data(rid, self.spec.name, t, per[t] if per is not None else result)
+        except Aborted:
+            pass
+        except BaseException as e:  # noqa: BLE001  a stage's failure fails only its request
+            if not r.aborted:
+                tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+                for t in self.stream_targets:
+                    if t != COORDINATOR and t not in r.stream_closed:
+                        self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], tb[-2000:] or repr(e))
+                self.w.send_failure(rid, self.spec.name, tb)
+        finally:
+            self.busy_ns += time.monotonic_ns() - t0
+            self.runs += 1
+            self._finish(rid, r)
+
+    def _finish(self, rid: str, r: _Request):
+        with self.lock:
+            self.reqs.pop(rid, None)
+            self.finished[rid] = True
+            if len(self.finished) > 100_000:
+                self.finished.popitem(last=False)
+            left = list(r.queue)
+            r.queue.clear()
+        for src, kind, item, _ in left:  # chunks the stage did not read: released, not leaked
+            if kind == "relay":
+                self.w.discard(src, self.spec.name, item)
+
+    def send_chunk(self, rid: str, r: _Request, chunk, targets):
+        for t in targets or self.stream_targets:
+            if t not in self.stream_targets:
+                raise _core.InvalidArgumentError(f"stage '{self.spec.name}' does not stream to '{t}'")
+            cid = r.n_streamed[t]
+            r.n_streamed[t] += 1
+            self.w.send_stream(rid, self.spec.name, t, cid, chunk)
+
+    def abort(self, rid: str):
+        with self.lock:
+            r = self.reqs.pop(rid, None)
+            if r is not None:
+                r.aborted = True
+                r.cond.notify_all()
+                left = list(r.queue)
+                r.queue.clear()
+            else:
+                left = []
+        for src, kind, item, _ in left:
+            if kind == "relay":
+                self.w.discard(src, self.spec.name, item)
+
+
+class PerTarget:
+    """Returned by a stage with several ``next`` targets: each target gets its own payload
+    (``PerTarget({"talker": a, "logger": b})``); a plain return value goes to every target."""
+
+    def __init__(self, targets: dict):
+        self.targets = dict(targets)
+
+
+class Worker:
+    def __init__(self, spec: PipelineSpec, proc: str, sock_dir: str):
+        self.spec, self.proc, self.dir = spec, proc, sock_dir
+        self.names = spec.processes()[proc]
+        self.aborted: collections.OrderedDict = collections.OrderedDict()
+        self.stages: Dict[str, StageRuntime] = {}
+        self.relays: Dict[str, Relay] = {}
+        self.outboxes: Dict[str, Outbox] = {}
+        self.out_lock = threading.Lock()
+        self.stats_lock = threading.Lock()
+        self.edges: Dict[str, dict] = {}
+        self.inbox: Optional[Inbox] = None
+
+    # -- plumbing
+    def relay(self, src: str, dst: str) -> Relay:
+        cfg = self.spec.relay_for(src, dst)
+        key = json.dumps(cfg, sort_keys=True)
+        r = self.relays.get(key)
+        if r is None:
+            r = self.relays[key] = Relay(cfg)
+        return r
+
+    def proc_of(self, stage: str) -> str:
+        return COORDINATOR if stage == COORDINATOR else self.spec.stages[stage].process
+
+    def send(self, proc: str, msg: ControlMessage):
+        with self.out_lock:
+            ob = self.outboxes.get(proc)
+            if ob is None:
+                ob = self.outboxes[proc] = Outbox(endpoint(self.dir, proc))
+            ob.send(msg, timeout=SEND_TIMEOUT_S)
+
+    def _edge(self, src, dst) -> dict:
+        e = self.edges.get(f"{src}->{dst}")
+        if e is None:
+            e = self.edges[f"{src}->{dst}"] = {"bytes": 0, "messages": 0, "lat_ns": []}
+        return e
+
+    def _put(self, rid, src, dst, obj):
+        t = time.monotonic_ns()
+        op = self.relay(src, dst).put_async(obj, request_id=rid, edge=dst)
+        md = dict(op.metadata)
+        md["t_ns"] = t
+        return md
+
+    def read(self, src, dst, kind, item, t_ns):
+        if kind == "obj":
+            obj = item
+        else:
+            obj = self.relay(src, dst).get_async(item).result()
+        with self.stats_lock:
+            e = self._edge(src, dst)
+            e["messages"] += 1
+            if kind != "obj":
+                e["bytes"] += int(item.get("size", 0))
+            if len(e["lat_ns"]) < _LAT_CAP:
+                e["lat_ns"].append(time.monotonic_ns() - t_ns)
+        return obj
+
+    def discard(self, src, dst, md):
+        try:
+            self.relay(src, dst).get_async(md, timeout=0)
+        except _core.StagelinkError:
+            pass
+
+    # -- sending
+    def send_data(self, rid, src, dst, obj):
+        if self.proc_of(dst) == self.proc:
+            t = time.monotonic_ns()
+            self.read(src, dst, "obj", None, t)
+            self.stages[dst].deliver_data(rid, src, obj)
+            return
+        md = self._put(rid, src, dst, obj)
+        self.send(self.proc_of(dst), ControlMessage("data_ready", rid, from_stage=src, to_stage=dst, metadata=md))
+
+    def send_stream(self, rid, src, dst, cid, chunk):
+        if dst != COORDINATOR and self.proc_of(dst) == self.proc:
+            self.stages[dst].deliver_stream(rid, src, cid, "obj", chunk, False, "", time.monotonic_ns())
+            return
+        md = self._put(rid, src, dst, chunk)
+        self.send(self.proc_of(dst), ControlMessage("stream", rid, from_stage=src, to_stage=dst, metadata=md,
+                                                    chunk_id=cid))
+
+    def send_stream_signal(self, rid, src, dst, cid, error):
+        if dst != COORDINATOR and self.proc_of(dst) == self.proc:
+            self.stages[dst].deliver_stream(rid, src, cid, "obj", None, True, error, time.monotonic_ns())
+            return
+        self.send(self.proc_of(dst), ControlMessage("stream", rid, from_stage=src, to_stage=dst, chunk_id=cid,
+                                                    is_done=True, error=error or None))
+
+    def send_result(self, rid, src, obj):
+        md = self._put(rid, src, COORDINATOR, obj)
+        self.send(COORDINATOR, ControlMessage("complete", rid, from_stage=src, to_stage=COORDINATOR, metadata=md))
+
+    def send_failure(self, rid, src, tb):
+        self.send(COORDINATOR, ControlMessage("complete", rid, from_stage=src, to_stage=COORDINATOR,
+                                              error=tb[-60000:]))
+
+    # -- the receive loop
+    def start(self):
+        self.inbox = Inbox(endpoint(self.dir, self.proc))
+        for n in self.names:
+            self.stages[n] = StageRuntime(self.spec.stages[n], self)
+
+    def handle(self, m: ControlMessage) -> bool:
+        t = m.type
+        if t in ("submit", "data_ready"):
+            st = self.stages.get(m.to_stage)
+            if st is None:
+                return True
+            if m.request_id in self.aborted or m.request_id in st.finished:
+                self.discard(m.from_stage, m.to_stage, m.metadata)
+                return True
+            obj = self.read(m.from_stage, m.to_stage, "relay", m.metadata, int(m.metadata.get("t_ns", 0)))
+            st.deliver_data(m.request_id, m.from_stage, obj)
+        elif t == "stream":
+            st = self.stages.get(m.to_stage)
+            if st is None:
+                return True
+            md = m.metadata
+            t_ns = int(md.get("t_ns", 0)) if isinstance(md, dict) else time.monotonic_ns()
+            if not st.deliver_stream(m.request_id, m.from_stage, int(m.chunk_id or 0), "relay", md, m.is_done,
+                                     m.error or "", t_ns) and md is not None:
+                self.discard(m.from_stage, m.to_stage, md)
+        elif t == "abort":
+            self.aborted[m.request_id] = True
+            if len(self.aborted) > 100_000:
+                self.aborted.popitem(last=False)
+            for st in self.stages.values():
+                st.abort(m.request_id)
+            for r in list(self.relays.values()):
+                r.cleanup(m.request_id)
+            self.send(COORDINATOR, ControlMessage("abort_ack", m.request_id, from_stage=self.proc))
+        elif t == "shutdown":
+            return False
+        return True
+
+    def stats(self) -> dict:
+        with self.stats_lock:
+            return {"process": self.proc, "pid": os.getpid(), "edges": {k: dict(v) for k, v in self.edges.items()},
+                    "stages": {n: {"runs": s.runs, "busy_s": s.busy_ns / 1e9} for n, s in self.stages.items()}}
+
+    def shutdown(self):
+        deadline = time.monotonic() + self.spec.settings["shutdown_timeout_s"]
+        for st in self.stages.values():
+            for r in list(st.reqs.values()):
+                with st.lock:
+                    r.aborted = True
+                    r.cond.notify_all()
+            st.pool.shutdown(wait=False, cancel_futures=True)
+        for st in self.stages.values():  # in-flight work ends (aborted above) before the relays go
+            for th in list(getattr(st.pool, "_threads", ())):
+                th.join(max(0.0, deadline - time.monotonic()))
+
+
+def _die_with_parent():
+    try:  # PR_SET_PDEATHSIG: the coordinator's death (even SIGKILL) ends this process
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec_path, proc, sock_dir = argv
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
+    sys.setswitchinterval(0.0002)  # a thread woken by a message gets the GIL in 0.2 ms, not 5
+    ppid = os.getppid()
+    with open(spec_path) as f:
+        spec = PipelineSpec.from_dict(json.load(f))
+    w = Worker(spec, proc, sock_dir)
+    coord = Outbox(endpoint(sock_dir, COORDINATOR))
+    try:
+        w.start()
+    except BaseException as e:  # noqa: BLE001  reported to the coordinator, which rolls back
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        coord.send(ControlMessage("ready", from_stage=proc, error=tb[-60000:]), timeout=5)
+        coord.close()
+        return 1
+    coord.send(ControlMessage("ready", from_stage=proc), timeout=5)
+    try:
+        while True:
+            try:
+                m = w.inbox.recv(timeout=1.0)
+            except _core.TimeoutError:
+                if os.getppid() != ppid:  # orphaned (the coordinator is gone)
+                    break
+                continue
+            except _core.CorruptError as e:
+                print(f"stagelink worker {proc}: dropped a malformed control message: {e}", file=sys.stderr)
+                continue
+            try:
+                if not w.handle(m):
+                    break
+            except Exception:  # noqa: BLE001  one bad message must not end the process
+                print(f"stagelink worker {proc}: handling {m.type} of '{m.request_id}':\n{traceback.format_exc()}",
+                      file=sys.stderr)
+    finally:
+        w.shutdown()
+        try:
+            coord.send(ControlMessage("ready", from_stage=proc, body=Connector.serialize_obj(w.stats())), timeout=5)
+        except _core.StagelinkError:
+            pass
+        for r in w.relays.values():
+            r.close()
+        for ob in w.outboxes.values():
+            ob.close()
+        coord.close()
+        w.inbox.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

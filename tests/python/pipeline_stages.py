@@ -1,0 +1,77 @@
+"""Model-free stages for the pipeline tests (imported by the stage processes)."""
+import os
+import time
+
+import numpy as np
+
+
+def double(payload, ctx):
+    return {"x": payload["x"] * 2, "trail": payload.get("trail", []) + [ctx.stage]}
+
+
+def add_one(payload, ctx):
+    return {"x": payload["x"] + 1, "trail": payload.get("trail", []) + [ctx.stage]}
+
+
+def streamer(payload, ctx):
+    n = int(payload.get("chunks", 8))
+    size = int(payload.get("chunk_bytes", 64))
+    for i in range(n):
+        if ctx.aborted:
+            return None
+        ctx.stream({"i": i, "data": np.full(size, i % 251, np.uint8)})
+        if payload.get("chunk_sleep"):
+            time.sleep(payload["chunk_sleep"])
+    return {"n": n, "x": payload.get("x")}
+
+
+def collector(payload, ctx):
+    seen = []
+    for c in ctx.chunks():
+        assert int(c["data"][0]) == c["i"] % 251 and (c["data"] == c["data"][0]).all()
+        seen.append(c["i"])
+    return {"ids": seen, "payload": payload}
+
+
+def relay_chunks(payload, ctx):
+    n = 0
+    for c in ctx.chunks():
+        ctx.stream(c)
+        n += 1
+    return {"forwarded": n}
+
+
+def fail(payload, ctx):
+    if payload.get("fail"):
+        raise ValueError(f"bad input {payload['fail']}")
+    return payload
+
+
+def slow(payload, ctx):
+    for _ in range(int(payload.get("ticks", 100))):
+        if ctx.aborted:
+            return None
+        time.sleep(0.02)
+    return payload
+
+
+def suicide(payload, ctx):
+    if payload.get("die"):
+        os.kill(os.getpid(), 9)
+    return payload
+
+
+def merge_sum(inputs):
+    return {"x": sum(v["x"] for v in inputs.values()), "from": sorted(inputs)}
+
+
+def pid(payload, ctx):
+    return {"pid": os.getpid(), "x": payload["x"]}
+
+
+class Scale:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __call__(self, payload, ctx):
+        return {"x": payload["x"] * self.factor}

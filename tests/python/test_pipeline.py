@@ -1,0 +1,273 @@
+"""The pipeline runtime: stages as processes, streaming, fan-out/fan-in, abort, failures.
+
+Stage functions live in pipeline_stages.py (imported by the stage processes through the
+coordinator's import path). Every pipeline here uses a shared-memory namespace of its own, and the
+`ns` fixture fails a test that leaves any of it behind.
+"""
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import stagelink
+from stagelink.control import Outbox
+from stagelink.pipeline import (Pipeline, PipelineConfigError, PipelineStartError, StageDiedError, StageError,
+                                load_pipeline)
+
+S = "pipeline_stages"
+
+
+def spec(ns, stages, **top):
+    d = {"stages": stages, "relay": dict({"extra": {"namespace": ns}, "timeout_s": 10}, **top.pop("relay", {}))}
+    d.update(top)
+    return d
+
+
+def three_stage(ns, **kw):
+    return spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b"},
+        {"name": "b", "factory": f"{S}:streamer", "stream_to": "c"},
+        {"name": "c", "factory": f"{S}:collector", "terminal": True},
+    ], **kw)
+
+
+def children():
+    """Live (not zombie) child processes of this one."""
+    me, out = os.getpid(), set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                out.add(int(d))
+    return out
+
+
+def live_entries(ns):
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        return c.health()["directory_live_entries"]
+
+
+def test_three_stages_over_shm_with_streaming(ns):
+    with Pipeline.from_config(three_stage(ns)) as p:
+        assert p.startup_s < 5
+        futs = [p.submit(f"r{i}", {"x": np.arange(1000) + i}) for i in range(6)]
+        for f in futs:
+            r = f.result(20)
+            assert r["ids"] == list(range(8))  # every chunk, in order
+    st = p.stats()
+    assert set(st) == {"a", "b", "c"}
+    assert len({s["pid"] for s in st.values()}) == 3  # one process per stage
+    assert st["c"]["edges"]["b->c"]["messages"] == 6 * 8
+    assert st["b"]["edges"]["a->b"]["bytes"] > 6 * 8000
+    assert len(p.completed) == 6
+
+
+def test_data_arrives_intact_between_processes(ns):
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b"},
+        {"name": "b", "factory": f"{S}:add_one", "next": "c"},
+        {"name": "c", "factory": f"{S}:add_one", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        x = np.random.default_rng(1).integers(-1000, 1000, (512, 300)).astype(np.int32)  # 600 KiB
+        r = p.submit("r", {"x": x}).result(20)
+        np.testing.assert_array_equal(r["x"], x * 2 + 2)
+        assert r["trail"] == ["a", "b", "c"]
+
+
+def test_colocated_stages_pass_by_reference(ns):
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b", "process": "one"},
+        {"name": "b", "factory": f"{S}:pid", "next": "c", "process": "one"},
+        {"name": "c", "factory": f"{S}:pid", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        r = p.submit("r", {"x": np.ones(4)}).result(20)
+        np.testing.assert_array_equal(r["x"], np.full(4, 2.0))
+    st = p.stats()
+    assert set(st) == {"one", "c"}
+    # a -> b never touched the relay: no bytes counted on it
+    assert st["one"]["edges"]["a->b"]["bytes"] == 0
+    assert st["c"]["edges"]["b->c"]["bytes"] > 0
+
+
+def test_fan_out_to_two_and_fan_in_from_two(ns):
+    d = spec(ns, [
+        {"name": "src", "factory": f"{S}:double", "next": ["left", "right"]},
+        {"name": "left", "factory": f"{S}:add_one", "next": "join"},
+        {"name": "right", "factory": f"{S}:Scale", "args": {"factor": 10}, "next": "join"},
+        {"name": "join", "factory": f"{S}:add_one", "merge": f"{S}:merge_sum", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        futs = {i: p.submit(f"r{i}", {"x": np.float64(i)}) for i in range(5)}
+        for i, f in futs.items():
+            r = f.result(20)
+            assert r["x"] == (2 * i + 1) + (2 * i * 10) + 1
+
+
+def test_thousand_stream_chunks_in_order(ns):
+    d = spec(ns, [
+        {"name": "b", "factory": f"{S}:streamer", "stream_to": "c"},
+        {"name": "c", "factory": f"{S}:collector", "terminal": True},
+    ], relay={"credits": 4})
+    with Pipeline.from_config(d) as p:
+        r = p.submit("r", {"chunks": 1000, "chunk_bytes": 100}).result(60)
+        assert r["ids"] == list(range(1000))
+
+
+def test_terminal_stream_reaches_the_coordinator(ns):
+    d = spec(ns, [
+        {"name": "b", "factory": f"{S}:streamer", "stream_to": "c"},
+        {"name": "c", "factory": f"{S}:relay_chunks", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        f = p.submit("r", {"chunks": 20, "chunk_bytes": 10})
+        got = [c["i"] for c in p.stream("r", timeout=20)]
+        assert got == list(range(20))
+        assert f.result(5) == {"forwarded": 20}
+        assert p.completed[0]["ttfc_s"] is not None
+
+
+def test_big_stream_chunks_between_processes(ns):
+    # Reference: on a CPU-only host a stream chunk over 16 KiB cannot cross processes.
+    d = spec(ns, [
+        {"name": "b", "factory": f"{S}:streamer", "stream_to": "c"},
+        {"name": "c", "factory": f"{S}:collector", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        r = p.submit("r", {"chunks": 4, "chunk_bytes": 3 << 20}).result(30)
+        assert r["ids"] == [0, 1, 2, 3]
+
+
+def test_a_failing_stage_fails_only_its_request(ns):
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:fail", "next": "b"},
+        {"name": "b", "factory": f"{S}:fail", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        bad = p.submit("bad", {"fail": "xyz"})
+        good = p.submit("good", {"v": 1})
+        with pytest.raises(StageError) as ei:
+            bad.result(20)
+        assert ei.value.stage == "a"
+        assert "ValueError: bad input xyz" in ei.value.remote_traceback
+        assert "pipeline_stages.py" in ei.value.remote_traceback
+        assert good.result(20) == {"v": 1}
+
+
+def test_abort_mid_stream_frees_every_slot_and_credit(ns):
+    d = spec(ns, [
+        {"name": "b", "factory": f"{S}:streamer", "stream_to": "c"},
+        {"name": "c", "factory": f"{S}:collector", "next": "d"},
+        {"name": "d", "factory": f"{S}:fail", "terminal": True},
+    ], relay={"credits": 3, "timeout_s": 30})
+    with Pipeline.from_config(d) as p:
+        # Slow consumer: c reads chunk by chunk while b streams 200 chunks of 256 KiB with credits 3.
+        f = p.submit("r", {"chunks": 200, "chunk_bytes": 256 << 10, "chunk_sleep": 0.01})
+        time.sleep(0.5)
+        assert p.abort("r", timeout=10)  # every process acknowledged
+        with pytest.raises(stagelink.CancelledError):
+            f.result(5)
+        deadline = time.monotonic() + 5
+        while live_entries(ns) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live_entries(ns) == 0  # no slot left held
+        # credits came back: a full request through the same edges still runs
+        r = p.submit("r2", {"chunks": 10, "chunk_bytes": 256 << 10}).result(30)
+        assert r["ids"] == list(range(10))
+
+
+def test_stage_killed_with_sigkill_fails_in_flight_requests(ns):
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "victim"},
+        {"name": "victim", "factory": f"{S}:slow", "terminal": True},
+    ], settings={"request_timeout_s": 60})
+    before = children()
+    p = Pipeline.from_config(d)
+    try:
+        f = p.submit("r", {"x": np.ones(3), "ticks": 1000})
+        time.sleep(0.3)
+        os.kill(p._procs["victim"].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(StageDiedError) as ei:
+            f.result(10)
+        assert time.monotonic() - t0 < 5
+        assert "victim" in str(ei.value) and "SIGKILL" in str(ei.value)
+        with pytest.raises(StageDiedError):
+            p.submit("r2", {"x": np.ones(3)})
+    finally:
+        p.close()
+    assert children() <= before  # and the `ns` fixture checks that what the killed stage held was reclaimed
+
+
+def test_malformed_control_messages_are_dropped(ns):
+    with Pipeline.from_config(three_stage(ns)) as p:
+        ob = Outbox(f"ipc://{p._dir}/b.sock")
+        for junk in (b"", b"\x00", b"\xc1garbage", os.urandom(300)):
+            ob._native.send_bytes(junk, 1.0)
+        ob.close()
+        assert p.submit("r", {"x": np.arange(3)}).result(20)["ids"] == list(range(8))
+
+
+def test_two_pipelines_side_by_side(ns):
+    p1 = Pipeline.from_config(three_stage(ns))
+    p2 = Pipeline.from_config(three_stage(ns))
+    try:
+        assert p1._dir != p2._dir
+        f1 = [p1.submit(f"r{i}", {"x": np.arange(3)}) for i in range(3)]
+        f2 = [p2.submit(f"r{i}", {"x": np.arange(3)}) for i in range(3)]  # the same request ids
+        for f in f1 + f2:
+            assert f.result(20)["ids"] == list(range(8))
+    finally:
+        p1.close()
+        p2.close()
+    assert not os.path.exists(p1._dir) and not os.path.exists(p2._dir)
+
+
+def test_startup_failure_rolls_back(ns):
+    before = children()
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b"},
+        {"name": "b", "factory": f"{S}:no_such_function", "terminal": True},
+    ])
+    with pytest.raises(PipelineStartError) as ei:
+        Pipeline.from_config(d)
+    assert "no_such_function" in str(ei.value) and "'b'" in str(ei.value)
+    time.sleep(0.2)
+    assert children() <= before
+
+
+@pytest.mark.parametrize("stages,needle", [
+    ([{"name": "a", "factory": "m:f", "next": "b"}, {"name": "b", "factory": "m:f", "next": "a"}], "terminal"),
+    ([{"name": "a", "factory": "m:f", "next": "c"}, {"name": "b", "factory": "m:f", "next": "c"},
+      {"name": "c", "factory": "m:f", "terminal": True}], "no inputs"),
+    ([{"name": "a", "factory": "m:f", "next": "zz", "terminal": False}], "'zz'"),
+    ([{"name": "a", "factory": "m:f", "terminal": True}, {"name": "b", "factory": "m:f", "terminal": True}],
+     "exactly one stage must be 'terminal"),
+    ([{"name": "a", "factory": "nocolon", "terminal": True}], "module:callable"),
+    ([{"name": "a", "factory": "m:f", "terminal": True, "nxt": "b"}], "unknown keys"),
+    ([{"name": "a", "factory": "m:f", "next": "b"}, {"name": "b", "factory": "m:f", "next": "c"},
+      {"name": "c", "factory": "m:f", "next": ["b", "d"]}, {"name": "d", "factory": "m:f", "terminal": True}],
+     "cycle"),
+])
+def test_bad_pipeline_files_are_refused_before_starting(stages, needle):
+    with pytest.raises(PipelineConfigError) as ei:
+        load_pipeline({"stages": stages})
+    assert needle in str(ei.value)
+
+
+def test_request_ids_are_unique_while_in_flight(ns):
+    d = spec(ns, [{"name": "a", "factory": f"{S}:slow", "terminal": True}])
+    with Pipeline.from_config(d) as p:
+        f = p.submit("same", {"ticks": 20})
+        with pytest.raises(stagelink.InvalidArgumentError):
+            p.submit("same", {"ticks": 1})
+        f.result(10)
