@@ -113,9 +113,8 @@ def _cmd_health(args):
 
 
 def _cmd_run(args):
-    print("error: the pipeline runtime (stagelink run) is not built yet; `./scripts/demo` runs the "
-          "producer/consumer demo on the shared-memory connector", file=sys.stderr)
-    return 2
+    from .run import run
+    return run(args.pipeline, args.requests, args.concurrency, args.json)
 
 
 def _cmd_demo(args):
@@ -153,9 +152,17 @@ def main(argv=None):
     h.add_argument("file")
     h.set_defaults(fn=_cmd_health)
 
-    r = sub.add_parser("run", help="run a pipeline from YAML (not built yet)")
-    r.add_argument("pipeline")
-    r.add_argument("--requests", type=int, default=16)
+    r = sub.add_parser("run", help="run a pipeline from YAML: progress, per-edge figures, verified results",
+                       description="Start every stage process of PIPELINE (a YAML file, see docs/pipeline.md), "
+                                   "send it N requests with K in flight, verify each result with the file's "
+                                   "client.verify, then print per-edge bytes and hop latency (p50, p99), "
+                                   "throughput, end-to-end latency and time to first chunk. Stage processes "
+                                   "and shared memory are gone when it returns, also after Ctrl-C. "
+                                   "Example: stagelink run examples/omni_pipeline.yaml --requests 32")
+    r.add_argument("pipeline", help="the pipeline file (e.g. examples/omni_pipeline.yaml)")
+    r.add_argument("--requests", type=int, default=16, metavar="N", help="requests to send (default 16)")
+    r.add_argument("--concurrency", type=int, default=4, metavar="K", help="requests in flight (default 4)")
+    r.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     r.set_defaults(fn=_cmd_run)
 
     d = sub.add_parser("demo", help="producer and consumer processes over the shared-memory connector")

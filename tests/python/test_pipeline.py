@@ -271,3 +271,24 @@ def test_request_ids_are_unique_while_in_flight(ns):
         with pytest.raises(stagelink.InvalidArgumentError):
             p.submit("same", {"ticks": 1})
         f.result(10)
+
+
+def test_relays_are_created_once_under_concurrent_first_use(ns):
+    # Regression: two threads creating a stage's relay at once left one unreferenced; its close on
+    # collection freed a stream chunk the coordinator had not read yet (a lost chunk).
+    from stagelink.pipeline.worker import Worker
+    w = Worker(load_pipeline(three_stage(ns)), "b", "/nonexistent")
+    got, barrier = [], threading.Barrier(8)
+
+    def first_use():
+        barrier.wait()
+        got.append(w.relay("a", "b"))
+
+    ts = [threading.Thread(target=first_use) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len({id(r) for r in got}) == 1 and len(w.relays) == 1
+    for r in w.relays.values():
+        r.close()

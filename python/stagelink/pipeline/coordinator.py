@@ -50,7 +50,7 @@ _END = object()
 
 
 class _Req:
-    __slots__ = ("future", "t0", "t_first", "chunks", "n_chunks", "acks", "done")
+    __slots__ = ("future", "t0", "t_first", "chunks", "n_chunks", "acks", "done", "on_chunk")
 
     def __init__(self):
         self.future: Future = Future()
@@ -60,6 +60,7 @@ class _Req:
         self.n_chunks = 0
         self.acks: set = set()
         self.done = False
+        self.on_chunk = None
 
 
 class Pipeline:
@@ -209,10 +210,12 @@ class Pipeline:
             pass
 
     # -- requests
-    def submit(self, request_id: str, payload: Any) -> Future:
+    def submit(self, request_id: str, payload: Any, on_chunk=None) -> Future:
         """Start a request at the entry stage. Returns a Future of the terminal stage's result;
         it fails with StageError (a stage raised), StageDiedError, TimeoutError
-        (settings.request_timeout_s), CancelledError (abort) or ClosedError."""
+        (settings.request_timeout_s), CancelledError (abort) or ClosedError. ``on_chunk``: called
+        (on the coordinator's thread) with each chunk the terminal stage streams, instead of
+        queueing them for :meth:`stream`."""
         rid = str(request_id)
         with self._lock:
             if self._closed:
@@ -222,6 +225,7 @@ class Pipeline:
             if rid in self._reqs:
                 raise _core.InvalidArgumentError(f"request '{rid}' is already in flight")
             r = self._reqs[rid] = _Req()
+            r.on_chunk = on_chunk
         try:
             op = self._relay.put_async(payload, request_id=rid, edge=self.spec.entry)
             md = dict(op.metadata)
@@ -377,7 +381,10 @@ class Pipeline:
             if r.t_first is None:
                 r.t_first = time.monotonic()
             r.n_chunks += 1
-            r.chunks.put(obj)
+            if r.on_chunk is not None:
+                r.on_chunk(obj)
+            else:
+                r.chunks.put(obj)
         elif m.type == "complete":
             if m.error:
                 with self._lock:

@@ -33,7 +33,7 @@ from .. import _core
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
                "relay"}
-_TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description"}
+_TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client"}
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 20.0, "abort_timeout_s": 5.0,
              "shutdown_timeout_s": 10.0}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -69,6 +69,7 @@ class PipelineSpec:
     edge_relays: Dict[str, dict]  # "from->to" -> relay config of that edge
     settings: dict
     source: str = "<dict>"
+    client: dict = field(default_factory=dict)  # for `stagelink run`: request, args, verify
 
     def processes(self) -> Dict[str, List[str]]:
         """Process name -> its stages, in file order."""
@@ -83,6 +84,7 @@ class PipelineSpec:
     def to_dict(self) -> dict:
         return {"name": self.name, "entry": self.entry, "terminal": self.terminal, "relay": self.relay,
                 "edge_relays": self.edge_relays, "settings": self.settings, "source": self.source,
+                "client": self.client,
                 "stages": [{k: getattr(s, k) for k in ("name", "factory", "args", "next", "stream_to", "terminal",
                                                        "process", "merge", "concurrency", "sources",
                                                        "stream_sources")} for s in self.stages.values()]}
@@ -91,7 +93,7 @@ class PipelineSpec:
     def from_dict(cls, d: dict) -> "PipelineSpec":
         stages = {s["name"]: StageSpec(**s) for s in d["stages"]}
         return cls(d["name"], stages, d["entry"], d["terminal"], d["relay"], d["edge_relays"], d["settings"],
-                   d.get("source", "<dict>"))
+                   d.get("source", "<dict>"), d.get("client") or {})
 
 
 def _list(v, where) -> List[str]:
@@ -209,7 +211,14 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
     name = raw.get("name") or (os.path.splitext(os.path.basename(source))[0] if source != "<dict>" else "pipeline")
     if not isinstance(name, str) or not _NAME.match(name):
         raise PipelineConfigError(f"{source}: 'name' must be 1-64 letters, digits, '_', '.', '-', got {name!r}")
-    return PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source)
+    client = raw.get("client") or {}
+    if not isinstance(client, dict) or set(client) - {"request", "args", "verify"}:
+        raise PipelineConfigError(f"{source}: client: a map of request ('module:callable' making request i), "
+                                  "args (its keyword arguments) and verify ('module:callable')")
+    for k in ("request", "verify"):
+        if k in client and (not isinstance(client[k], str) or client[k].count(":") != 1):
+            raise PipelineConfigError(f"{source}: client.{k} must be 'module:callable'")
+    return PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source, client)
 
 
 def _relay_cfg(v, where) -> dict:

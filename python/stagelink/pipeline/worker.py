@@ -255,6 +255,7 @@ class Worker:
         self.relays: Dict[str, Relay] = {}
         self.outboxes: Dict[str, Outbox] = {}
         self.out_lock = threading.Lock()
+        self.relay_lock = threading.Lock()
         self.stats_lock = threading.Lock()
         self.edges: Dict[str, dict] = {}
         self.inbox: Optional[Inbox] = None
@@ -265,7 +266,12 @@ class Worker:
         key = json.dumps(cfg, sort_keys=True)
         r = self.relays.get(key)
         if r is None:
-            r = self.relays[key] = Relay(cfg)
+            # Under a lock: two threads creating the same relay would leave one unreferenced,
+            # and its close on collection would free puts that readers still need.
+            with self.relay_lock:
+                r = self.relays.get(key)
+                if r is None:
+                    r = self.relays[key] = Relay(cfg)
         return r
 
     def proc_of(self, stage: str) -> str:
@@ -349,6 +355,12 @@ class Worker:
         self.inbox = Inbox(endpoint(self.dir, self.proc))
         for n in self.names:
             self.stages[n] = StageRuntime(self.spec.stages[n], self)
+        for n in self.names:  # every relay this process uses, before any request
+            s = self.spec.stages[n]
+            for src in s.sources + s.stream_sources + ([COORDINATOR] if n == self.spec.entry else []):
+                self.relay(src, n)
+            for dst in s.next + s.stream_to + ([COORDINATOR] if s.terminal else []):
+                self.relay(n, dst)
 
     def handle(self, m: ControlMessage) -> bool:
         t = m.type

@@ -1,0 +1,70 @@
+"""`stagelink run` on the shipped examples, as a user runs it: a subprocess, a fresh process tree."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STAGELINK = os.path.join(os.path.dirname(sys.executable), "stagelink")
+
+
+def shm_files():
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.mark.parametrize("example,requests", [("omni_pipeline.yaml", 12), ("fanin_pipeline.yaml", 8)])
+def test_run_example_verifies_every_result(tmp_path, example, requests):
+    before = shm_files()
+    out = tmp_path / "r.json"
+    p = subprocess.run([STAGELINK, "run", os.path.join(ROOT, "examples", example), "--requests", str(requests),
+                        "--concurrency", "3", "--json", str(out)], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["completed"] == requests and r["failed"] == 0
+    assert r["startup_ms"] < 5000
+    assert all(e["messages"] > 0 for e in r["edges"])
+    assert "verified end to end" in p.stdout or "all requests completed" in p.stdout
+    assert shm_files() <= before
+
+
+def test_run_reports_a_broken_pipeline_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - {name: a, factory: 'x:y', next: nowhere}\n")
+    p = subprocess.run([STAGELINK, "run", str(bad)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "nowhere" in p.stderr
+
+
+def test_run_fails_when_a_result_is_wrong(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text(open(os.path.join(ROOT, "examples", "omni_pipeline.yaml")).read()
+                 .replace("args: {seconds: 2.0, chunks: 4, tokens_per_chunk: 256}",
+                          "args: {seconds: 0.5, chunks: 3, tokens_per_chunk: 16}")
+                 .replace('verify: "stagelink.examples.omni:verify"', 'verify: "stagelink.examples.omni:verify_fanin"'))
+    p = subprocess.run([STAGELINK, "run", str(f), "--requests", "2"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert "wrong result" in p.stderr
+
+
+def test_ctrl_c_leaves_no_process_or_shared_memory(tmp_path):
+    before = shm_files()
+    f = tmp_path / "slow.yaml"
+    f.write_text(open(os.path.join(ROOT, "examples", "omni_pipeline.yaml")).read()
+                 .replace("args: {seconds: 2.0, chunks: 4, tokens_per_chunk: 256}",
+                          "args: {seconds: 1.0, chunks: 50, tokens_per_chunk: 64, compute_ms: 20}"))
+    p = subprocess.Popen([STAGELINK, "run", str(f), "--requests", "100"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(2.5)
+    os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, out + err
+    assert "interrupted" in err
+    time.sleep(0.3)
+    leftover = subprocess.run(["pgrep", "-f", "stagelink.pipeline._entry .*slow"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
+    assert shm_files() <= before
