@@ -75,8 +75,9 @@ def _cmd_shm_reap(args):
 def _cmd_bench(args):
     from .bench import parse_size, run_shm
     from .bench_mq import run_mq
-    if args.kind not in ("shm", "mq", "all"):
-        print(f"error: bench '{args.kind}' is not built yet; available: shm, mq", file=sys.stderr)
+    from .bench_relay import run_relay
+    if args.kind not in ("shm", "mq", "relay", "all"):
+        print(f"error: bench '{args.kind}' is not built yet; available: shm, mq, relay", file=sys.stderr)
         return 2
     def json_for(kind):
         if not args.json or args.kind != "all":
@@ -88,6 +89,9 @@ def _cmd_bench(args):
         run_shm(sizes, args.iters, json_for("shm"))
     if args.kind in ("mq", "all"):
         run_mq(quick=args.quick, json_path=json_for("mq"))
+    if args.kind in ("relay", "all"):
+        sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
+        run_relay(sizes, args.iters, json_for("relay"), pipelines=not args.quick)
     return 0
 
 
@@ -130,8 +134,8 @@ def main(argv=None):
     b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "all"])
     b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
     b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
-    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json)")
-    b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps (a smoke run)")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json)")
+    b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; relay: no pipeline figures (a smoke run)")
     b.set_defaults(fn=_cmd_bench)
 
     c = sub.add_parser("config", help="configuration tools")

@@ -18,6 +18,7 @@
 #include "core/msgpack_io.hpp"
 #include "core/net.hpp"
 #include "bench/shm_bench.hpp"
+#include "bench/relay_bench.hpp"
 #include "stagelink/stagelink.hpp"
 
 namespace nb = nanobind;
@@ -1723,6 +1724,25 @@ NB_MODULE(_core, m) {
     }
     return to_py(v);
   });
+  m.def("bench_relay_cpp", [](std::vector<size_t> sizes, int iters, const std::string& ns, nb::object progress) {
+    Result<std::vector<bench::RelayRow>> rows = make_error(Errc::io, "");
+    {
+      nb::gil_scoped_release nogil;
+      rows = bench::bench_relay(sizes, iters, ns, [&](const std::string& what) {
+        nb::gil_scoped_acquire gil;
+        if (!progress.is_none()) progress(what);
+      });
+    }
+    nb::list l;
+    for (auto& r : unwrap(std::move(rows))) {
+      nb::dict d;
+      d["size"] = r.size;
+      d["rtt_copy"] = stat_dict(r.rtt_copy); d["rtt_view"] = stat_dict(r.rtt_view);
+      d["rtt_zmq"] = stat_dict(r.rtt_zmq); d["memcpy"] = stat_dict(r.memcpy_);
+      l.append(d);
+    }
+    return l;
+  }, nb::arg("sizes"), nb::arg("iters"), nb::arg("ns"), nb::arg("progress").none());
   m.def("bench_shm_cpp", [](std::vector<size_t> sizes, int iters, const std::string& ns, size_t arena) {
     std::vector<bench::ShmRow> rows;
     {

@@ -1,0 +1,111 @@
+"""stagelink bench relay: one relay hop between processes (C++ harness) against memcpy and raw
+ZeroMQ, then the reference's two model-free 3-stage pipelines through the pipeline runtime, all
+in the same run. Reference figures (SGLang-Omni 0.1.9, this machine class) are printed beside."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+
+from . import _core
+
+# SGLang-Omni 0.1.9 on this machine class (issue 10): e2e ms, requests/s with 8 in flight, start-up s.
+REFERENCE = {"1MiB+8x8KiB": (8.4, 180.0), "4KiB+8x1KiB": (4.4, 398.0), "startup_s": 4.0,
+             "hop_64B_us": 171.0}
+
+
+def _fmt(n):
+    for u in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:g} {u}"
+        n /= 1024
+    return f"{n:g} TiB"
+
+
+def pipeline_figures(payload_bytes, chunk_bytes, sequential=60, concurrent=240, in_flight=8, progress=None):
+    import numpy as np
+    from .pipeline import Pipeline
+    ns = "bench" + uuid.uuid4().hex[:8]
+    spec = {"name": "bench3", "relay": {"extra": {"namespace": ns}, "credits": 16},
+            "stages": [{"name": "a", "factory": "stagelink.examples.bench_stages:forward", "next": "b"},
+                       {"name": "b", "factory": "stagelink.examples.bench_stages:stream8", "stream_to": "c"},
+                       {"name": "c", "factory": "stagelink.examples.bench_stages:collect", "terminal": True}]}
+    payload = {"data": np.ones(payload_bytes, np.uint8), "chunk_bytes": chunk_bytes}
+    t0 = time.monotonic()
+    with Pipeline.from_config(spec) as p:
+        startup = p.startup_s
+        for i in range(10):  # warm-up
+            assert p.submit(f"w{i}", payload).result(30) == 8
+        lat = []
+        for i in range(sequential):
+            t = time.perf_counter()
+            assert p.submit(f"s{i}", payload).result(30) == 8
+            lat.append((time.perf_counter() - t) * 1e3)
+        if progress:
+            progress(f"pipeline {_fmt(payload_bytes)} + 8 x {_fmt(chunk_bytes)}: {in_flight} in flight")
+        futs, t = [], time.perf_counter()
+        for i in range(concurrent):
+            if len(futs) >= in_flight:
+                assert futs.pop(0).result(30) == 8
+            futs.append(p.submit(f"c{i}", payload))
+        for f in futs:
+            assert f.result(30) == 8
+        rps = concurrent / (time.perf_counter() - t)
+    lat.sort()
+    return {"e2e_ms_p50": statistics.median(lat), "e2e_ms_p99": lat[int(len(lat) * 0.99)], "requests_per_s": rps,
+            "startup_s": startup, "total_s": time.monotonic() - t0}
+
+
+def run_relay(sizes=None, iters=2000, json_path=None, out=sys.stdout, pipelines=True):
+    sizes = sizes or [64, 4096, 1 << 20, 16 << 20, 64 << 20, 186 << 20]
+    ns = "benchr" + uuid.uuid4().hex[:8]
+    print("stagelink bench relay: one hop = relay put + data_ready control message + get, process to process;\n"
+          "peers in the same run: memcpy (a warm buffer) and raw ZeroMQ PUSH/PULL over ipc:// (bytes in the "
+          "message).\n", file=out)
+    rows = _core.bench_relay_cpp(sizes, iters, ns, lambda w: print(f"  ... {w}", file=sys.stderr))
+    base = {m: rows[0][m]["median_us"] / 2 for m in ("rtt_copy", "rtt_view", "rtt_zmq")}  # hop of 64 B
+    table = []
+    print(f"{'size':>9} {'relay copy-out':>15} {'relay view':>11} {'raw ZeroMQ':>11} {'memcpy':>9} "
+          f"{'relay GB/s':>10} {'memcpy GB/s':>11} {'relay/memcpy':>12} {'ZeroMQ/relay':>12}", file=out)
+    for r in rows:
+        s = r["size"]
+        hop = {m: (r[m]["median_us"] / 2 if s == 64 else max(0.01, r[m]["median_us"] - base[m]))
+               for m in ("rtt_copy", "rtt_view", "rtt_zmq")}
+        mc = max(0.001, r["memcpy"]["median_us"])
+        row = {"size": s, "hop_us_copy": hop["rtt_copy"], "hop_us_view": hop["rtt_view"], "hop_us_zmq": hop["rtt_zmq"],
+               "memcpy_us": mc, "raw": r}
+        row["gbps_view"] = s / hop["rtt_view"] / 1e3
+        row["gbps_memcpy"] = s / mc / 1e3
+        row["view_vs_memcpy"] = hop["rtt_view"] / mc
+        row["zmq_vs_view"] = hop["rtt_zmq"] / hop["rtt_view"]
+        table.append(row)
+        print(f"{_fmt(s):>9} {hop['rtt_copy']:>12.1f} us {hop['rtt_view']:>8.1f} us {hop['rtt_zmq']:>8.1f} us "
+              f"{mc:>6.1f} us {row['gbps_view']:>10.2f} {row['gbps_memcpy']:>11.2f} "
+              f"{row['view_vs_memcpy']:>11.2f}x {row['zmq_vs_view']:>11.2f}x", file=out)
+    print(f"\none hop of 64 B: {table[0]['hop_us_view']:.1f} us median (aim: under 20 us; raw ZeroMQ "
+          f"{table[0]['hop_us_zmq']:.1f} us; the reference's shm relay {REFERENCE['hop_64B_us']:.0f} us)", file=out)
+    result = {"kind": "relay", "machine": os.uname().nodename, "cpus": os.cpu_count(), "hops": table}
+    if pipelines:
+        print("\nthe reference's 3-stage pipeline (A -> B ~~> C, B streams 8 chunks; each stage its own process):",
+              file=out)
+        print(f"{'case':>14} {'e2e p50':>9} {'e2e p99':>9} {'req/s (8 in flight)':>20} {'start-up':>9}   "
+              f"{'reference e2e / req/s':>22}  {'ratios e2e / req/s':>18}", file=out)
+        result["pipelines"] = {}
+        for name, (pb, cb) in (("1MiB+8x8KiB", (1 << 20, 8 << 10)), ("4KiB+8x1KiB", (4 << 10, 1 << 10))):
+            f = pipeline_figures(pb, cb, progress=lambda w: print(f"  ... {w}", file=sys.stderr))
+            ref_e2e, ref_rps = REFERENCE[name]
+            f["e2e_vs_reference"] = f["e2e_ms_p50"] / ref_e2e
+            f["rps_vs_reference"] = f["requests_per_s"] / ref_rps
+            result["pipelines"][name] = f
+            print(f"{name:>14} {f['e2e_ms_p50']:>6.2f} ms {f['e2e_ms_p99']:>6.2f} ms {f['requests_per_s']:>20.0f} "
+                  f"{f['startup_s']:>7.2f} s   {ref_e2e:>8.1f} ms / {ref_rps:>5.0f}  "
+                  f"{f['e2e_vs_reference']:>8.2f}x / {f['rps_vs_reference']:>5.1f}x", file=out)
+        print("aims: e2e at most 0.2x and req/s at least 10x the reference; start-up under 1 s", file=out)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(result, fh, indent=2)
+        print(f"\nwrote {json_path}", file=out)
+    return result
