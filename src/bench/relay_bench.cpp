@@ -1,7 +1,8 @@
 // stagelink bench relay: one hop of the pipeline's data plane (relay put + control message, then
 // the receiver's get), process to process, against memcpy and raw ZeroMQ in the same run.
 //
-// Harness: the parent (sender) and a forked child (receiver) ping-pong. The sender puts S bytes
+// Harness: the parent (sender) and a forked child (receiver) ping-pong. Control messages go over
+// shared memory (shm://, the default on one host), and once more over ZeroMQ ipc:// for comparison. The sender puts S bytes
 // into the relay and sends `data_ready` with the metadata; the receiver wakes in its inbox, reads
 // the payload (into a reused buffer, or as a zero-copy view), then answers the same way with 64
 // bytes. One-way hop of S = round trip - hop(64 B), where hop(64 B) = the 64/64 round trip / 2.
@@ -28,11 +29,14 @@ struct Ends {
   std::unique_ptr<Relay> relay;
 };
 
+// `ipc`: control messages over ZeroMQ ipc:// (across hosts: tcp://); else over shared memory
+// (shm://, the default on one host).
 Result<Ends> open_ends(const std::string& dir, const char* me, const char* peer, const std::string& ns,
-                       size_t max_size) {
+                       size_t max_size, bool ipc) {
   Ends e;
-  SL_ASSIGN(e.in, ControlInbox::bind("ipc://" + dir + "/" + me));
-  SL_ASSIGN(e.out, ControlOutbox::connect("ipc://" + dir + "/" + peer));
+  const std::string tag = dir.substr(dir.rfind('/') + 1);
+  SL_ASSIGN(e.in, ControlInbox::bind(ipc ? "ipc://" + dir + "/" + me : "shm://" + tag + "-" + me));
+  SL_ASSIGN(e.out, ControlOutbox::connect(ipc ? "ipc://" + dir + "/" + peer : "shm://" + tag + "-" + peer));
   RelayConfig c;
   c.credits = 4;
   c.slot_size_mb = double(max_size) / double(1 << 20) + 1;
@@ -79,17 +83,21 @@ int iters_for(size_t size, int iters) {
   return iters;
 }
 
-// Modes: 0 = relay copy into dest, 1 = relay zero-copy view, 2 = raw ZeroMQ.
+// Modes: 0 = relay copy into dest, 1 = relay zero-copy view (control over shm), 2 = raw ZeroMQ,
+// 3 = relay zero-copy view with control over ZeroMQ ipc.
+constexpr int kModes = 4;
 void child_main(const std::string& dir, const std::string& ns, const std::vector<size_t>& sizes, int iters,
                 size_t max_size) {
   std::vector<std::byte> dest(max_size + 64), small(64);
-  auto e = open_ends(dir, "b", "a", ns, max_size);
-  if (!e.ok()) _exit(3);
+  auto e = open_ends(dir, "b", "a", ns, max_size, false);
+  auto ez = open_ends(dir, "bz", "az", ns + "z", max_size, true);
+  if (!e.ok() || !ez.ok()) _exit(3);
   zmq::context_t ctx(1);
   zmq::socket_t zin(ctx, zmq::socket_type::pull), zout(ctx, zmq::socket_type::push);
   zin.bind("ipc://" + dir + "/zb");
   zout.connect("ipc://" + dir + "/za");
-  for (int mode = 0; mode < 3; ++mode) {
+  for (int mode = 0; mode < kModes; ++mode) {
+    Ends& E = mode == 3 ? ez.value() : e.value();
     for (size_t s : sizes) {
       const int n = iters_for(s, iters) + 3;  // + warm-up
       for (int i = 0; i < n; ++i) {
@@ -99,13 +107,16 @@ void child_main(const std::string& dir, const std::string& ns, const std::vector
           if (!zout.send(zmq::const_buffer(small.data(), small.size()), zmq::send_flags::none)) _exit(5);
           continue;
         }
-        if (!recv_hop(e.value(), std::span<std::byte>(dest.data(), s), mode == 1).ok()) _exit(6);
-        if (!send_hop(e.value(), small).ok()) _exit(7);
+        if (!recv_hop(E, std::span<std::byte>(dest.data(), s), mode != 0).ok()) _exit(6);
+        if (!send_hop(E, small).ok()) _exit(7);
       }
     }
   }
-  e.value().relay->close();
-  e.value().relay.reset();
+  for (Ends* x : {&e.value(), &ez.value()}) {
+    x->relay.reset();
+    x->in.reset();
+    x->out.reset();
+  }
   _exit(0);
 }
 
@@ -122,7 +133,8 @@ Result<std::vector<RelayRow>> bench_relay(const std::vector<size_t>& sizes, int 
   for (size_t i = 0; i < src.size(); ++i) src[i] = std::byte(i * 131);
   pid_t pid = fork();
   if (pid == 0) child_main(dir, ns, all, iters, max_size);
-  auto e = open_ends(dir, "a", "b", ns, max_size);
+  auto e = open_ends(dir, "a", "b", ns, max_size, false);
+  auto ez = open_ends(dir, "az", "bz", ns + "z", max_size, true);
   zmq::context_t ctx(1);
   zmq::socket_t zin(ctx, zmq::socket_type::pull), zout(ctx, zmq::socket_type::push);
   zin.bind("ipc://" + dir + "/za");
@@ -130,8 +142,10 @@ Result<std::vector<RelayRow>> bench_relay(const std::vector<size_t>& sizes, int 
   std::vector<RelayRow> rows(all.size());
   Status failed;
   for (size_t k = 0; k < all.size(); ++k) rows[k].size = all[k];
-  for (int mode = 0; mode < 3 && e.ok() && failed.ok(); ++mode) {
-    static const char* kNames[] = {"relay (copy out)", "relay (zero-copy view)", "raw ZeroMQ"};
+  for (int mode = 0; mode < kModes && e.ok() && ez.ok() && failed.ok(); ++mode) {
+    static const char* kNames[] = {"relay (copy out)", "relay (zero-copy view)", "raw ZeroMQ",
+                                   "relay (view, control over ZeroMQ)"};
+    Ends& E = mode == 3 ? ez.value() : e.value();
     for (size_t k = 0; k < all.size() && failed.ok(); ++k) {
       const size_t s = all[k];
       if (progress) progress(std::string(kNames[mode]) + " " + std::to_string(s) + " B");
@@ -148,8 +162,8 @@ Result<std::vector<RelayRow>> bench_relay(const std::vector<size_t>& sizes, int 
             break;
           }
         } else {
-          Status st = send_hop(e.value(), std::span<const std::byte>(src.data(), s));
-          if (st.ok()) st = recv_hop(e.value(), small, false);
+          Status st = send_hop(E, std::span<const std::byte>(src.data(), s));
+          if (st.ok()) st = recv_hop(E, small, false);
           if (!st.ok()) {
             failed = std::move(st);
             break;
@@ -159,7 +173,7 @@ Result<std::vector<RelayRow>> bench_relay(const std::vector<size_t>& sizes, int 
       }
       Stat st = summarize(rtt);
       RelayRow& r = rows[k];
-      (mode == 0 ? r.rtt_copy : mode == 1 ? r.rtt_view : r.rtt_zmq) = st;
+      (mode == 0 ? r.rtt_copy : mode == 1 ? r.rtt_view : mode == 2 ? r.rtt_zmq : r.rtt_view_zmqctl) = st;
     }
   }
   // memcpy into a warm buffer: the floor of any copy.
@@ -173,13 +187,17 @@ Result<std::vector<RelayRow>> bench_relay(const std::vector<size_t>& sizes, int 
     }
     r.memcpy_ = summarize(t);
   }
-  if (e.ok()) {
-    e.value().relay->close();
-  }
   int st = 0;
   waitpid(pid, &st, 0);
+  for (auto* x : {&e, &ez})
+    if (x->ok()) {
+      x->value().relay.reset();
+      x->value().in.reset();
+      x->value().out.reset();
+    }
   remove_private_socket_dir(dir);
   if (!e.ok()) return std::move(e).error();
+  if (!ez.ok()) return std::move(ez).error();
   if (!failed.ok()) return std::move(failed).error();
   if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
     return make_error(Errc::io, "bench relay: the receiving process failed (status " + std::to_string(st) + ")");

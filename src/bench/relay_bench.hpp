@@ -14,7 +14,7 @@ struct RelayRow {
   size_t size = 0;
   // Round trips: S bytes one way, 64 bytes back, each as relay put + data_ready + get (copy out
   // into a reused buffer, or a zero-copy view), or as raw ZeroMQ PUSH/PULL messages.
-  Stat rtt_copy, rtt_view, rtt_zmq, memcpy_;
+  Stat rtt_copy, rtt_view, rtt_zmq, rtt_view_zmqctl, memcpy_;
 };
 
 Result<std::vector<RelayRow>> bench_relay(const std::vector<size_t>& sizes, int iters, const std::string& ns,

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <zmq.hpp>
 
+#include "control/shm_transport.hpp"
 #include "core/proc.hpp"
 #include "stagelink/control.hpp"
 
@@ -41,7 +42,7 @@ Status check_endpoint(const std::string& ep) {
     return {};
   }
   if (ep.rfind("tcp://", 0) == 0 && ep.find(':', 6) != std::string::npos) return {};
-  return make_error(Errc::invalid_argument, "control endpoint '" + ep + "' is neither ipc:///path nor tcp://host:port");
+  return make_error(Errc::invalid_argument, "control endpoint '" + ep + "' is none of shm://name, ipc:///path, tcp://host:port");
 }
 
 class ZmqInbox final : public ControlInbox {
@@ -187,12 +188,14 @@ void remove_private_socket_dir(const std::string& dir) {
 }
 
 Result<std::unique_ptr<ControlInbox>> ControlInbox::bind(const std::string& endpoint) {
+  if (endpoint.rfind("shm://", 0) == 0) return bind_shm_inbox(endpoint);
   auto in = std::make_unique<ZmqInbox>();
   SL_TRY(in->init(endpoint));
   return std::unique_ptr<ControlInbox>(std::move(in));
 }
 
 Result<std::unique_ptr<ControlOutbox>> ControlOutbox::connect(const std::string& endpoint) {
+  if (endpoint.rfind("shm://", 0) == 0) return connect_shm_outbox(endpoint);
   auto out = std::make_unique<ZmqOutbox>();
   SL_TRY(out->init(endpoint));
   return std::unique_ptr<ControlOutbox>(std::move(out));

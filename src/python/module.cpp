@@ -1739,6 +1739,7 @@ NB_MODULE(_core, m) {
       d["size"] = r.size;
       d["rtt_copy"] = stat_dict(r.rtt_copy); d["rtt_view"] = stat_dict(r.rtt_view);
       d["rtt_zmq"] = stat_dict(r.rtt_zmq); d["memcpy"] = stat_dict(r.memcpy_);
+      d["rtt_view_zmqctl"] = stat_dict(r.rtt_view_zmqctl);
       l.append(d);
     }
     return l;

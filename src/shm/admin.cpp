@@ -27,6 +27,19 @@ std::vector<std::string> our_files(const std::string& dir) {
   ::closedir(d);
   return out;
 }
+// A control inbox ring (sl.<uid>.ci.NAME, src/control/shm_transport.cpp) starts with
+// {u32 magic, u32 version, u64 capacity, u32 owner_pid, u32, u64 owner_start}: its owner.
+bool control_inbox_owner(const std::string& dir, const std::string& n, ProcId& owner) {
+  if (n.rfind(user_prefix() + "ci.", 0) != 0) return false;
+  auto s = Segment::open(dir, n, false, false, 32);
+  if (!s.ok()) return false;
+  uint32_t pid;
+  uint64_t start;
+  std::memcpy(&pid, s.value()->data() + 16, 4);
+  std::memcpy(&start, s.value()->data() + 24, 8);
+  owner = ProcId{pid, start};
+  return true;
+}
 bool ends_with(const std::string& s, const std::string& suf) {
   return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
 }
@@ -98,9 +111,15 @@ std::vector<ResourceInfo> list_resources(const std::string& shm_dir) {
     ResourceInfo r;
     r.name = n;
     std::string kind = "orphan";
-    r.owner_pid = pid_in_name(n, kind);
-    r.kind = "orphan " + kind;
-    r.owner_alive = r.owner_pid && proc_alive(ProcId{r.owner_pid, 0});
+    if (ProcId o; control_inbox_owner(shm_dir, n, o)) {
+      r.kind = "control inbox";
+      r.owner_pid = o.pid;
+      r.owner_alive = proc_alive(o);
+    } else {
+      r.owner_pid = pid_in_name(n, kind);
+      r.kind = "orphan " + kind;
+      r.owner_alive = r.owner_pid && proc_alive(ProcId{r.owner_pid, 0});
+    }
     struct stat st{};
     if (::stat((shm_dir + "/" + n).c_str(), &st) == 0) {
       r.size = uint64_t(st.st_size);
@@ -147,6 +166,11 @@ std::vector<std::string> reap(const std::string& shm_dir) {
   // Segments no directory lists whose creating process is gone.
   for (auto& n : our_files(shm_dir)) {
     if (referenced.count(n) || ends_with(n, ".dir")) continue;
+    if (ProcId o; control_inbox_owner(shm_dir, n, o)) {
+      if (o.pid && !proc_alive(o) && Segment::unlink(shm_dir, n))
+        out.push_back("control inbox " + n + " of dead process " + std::to_string(o.pid));
+      continue;
+    }
     std::string kind;
     uint32_t pid = pid_in_name(n, kind);
     if (pid && !proc_alive(ProcId{pid, 0})) {

@@ -15,6 +15,7 @@ import pytest
 
 import stagelink
 from stagelink.control import Outbox
+from stagelink.pipeline.worker import endpoint
 from stagelink.pipeline import (Pipeline, PipelineConfigError, PipelineStartError, StageDiedError, StageError,
                                 load_pipeline)
 
@@ -210,16 +211,17 @@ def test_stage_killed_with_sigkill_fails_in_flight_requests(ns):
 
 def test_malformed_control_messages_are_dropped(ns):
     with Pipeline.from_config(three_stage(ns)) as p:
-        ob = Outbox(f"ipc://{p._dir}/b.sock")
-        for junk in (b"", b"\x00", b"\xc1garbage", os.urandom(300)):
+        ob = Outbox(endpoint(p._dir, "b"))
+        for junk in (b"\x00", b"\xc1garbage", os.urandom(300)):
             ob._native.send_bytes(junk, 1.0)
         ob.close()
         assert p.submit("r", {"x": np.arange(3)}).result(20)["ids"] == list(range(8))
 
 
-def test_two_pipelines_side_by_side(ns):
-    p1 = Pipeline.from_config(three_stage(ns))
-    p2 = Pipeline.from_config(three_stage(ns))
+@pytest.mark.parametrize("control", ["shm", "ipc"])
+def test_two_pipelines_side_by_side(ns, control):
+    p1 = Pipeline.from_config(three_stage(ns, control=control))
+    p2 = Pipeline.from_config(three_stage(ns, control=control))
     try:
         assert p1._dir != p2._dir
         f1 = [p1.submit(f"r{i}", {"x": np.arange(3)}) for i in range(3)]

@@ -2,6 +2,7 @@
 
     name: omni
     relay: {backend: shm, credits: 8, slot_size_mb: 16, timeout_s: 30}   # every edge's default
+    control: shm                                      # control messages: shm rings | ipc (ZeroMQ)
     settings: {request_timeout_s: 120, startup_timeout_s: 20}
     stages:
       - name: encoder
@@ -33,7 +34,8 @@ from .. import _core
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
                "relay"}
-_TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client"}
+_TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
+             "control"}
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 20.0, "abort_timeout_s": 5.0,
              "shutdown_timeout_s": 10.0}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -70,6 +72,7 @@ class PipelineSpec:
     settings: dict
     source: str = "<dict>"
     client: dict = field(default_factory=dict)  # for `stagelink run`: request, args, verify
+    control: str = "shm"  # control-message transport: shm (rings, one host) | ipc (ZeroMQ)
 
     def processes(self) -> Dict[str, List[str]]:
         """Process name -> its stages, in file order."""
@@ -84,7 +87,7 @@ class PipelineSpec:
     def to_dict(self) -> dict:
         return {"name": self.name, "entry": self.entry, "terminal": self.terminal, "relay": self.relay,
                 "edge_relays": self.edge_relays, "settings": self.settings, "source": self.source,
-                "client": self.client,
+                "client": self.client, "control": self.control,
                 "stages": [{k: getattr(s, k) for k in ("name", "factory", "args", "next", "stream_to", "terminal",
                                                        "process", "merge", "concurrency", "sources",
                                                        "stream_sources")} for s in self.stages.values()]}
@@ -93,7 +96,7 @@ class PipelineSpec:
     def from_dict(cls, d: dict) -> "PipelineSpec":
         stages = {s["name"]: StageSpec(**s) for s in d["stages"]}
         return cls(d["name"], stages, d["entry"], d["terminal"], d["relay"], d["edge_relays"], d["settings"],
-                   d.get("source", "<dict>"), d.get("client") or {})
+                   d.get("source", "<dict>"), d.get("client") or {}, d.get("control", "shm"))
 
 
 def _list(v, where) -> List[str]:
@@ -218,7 +221,12 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
     for k in ("request", "verify"):
         if k in client and (not isinstance(client[k], str) or client[k].count(":") != 1):
             raise PipelineConfigError(f"{source}: client.{k} must be 'module:callable'")
-    return PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source, client)
+    control = raw.get("control", "shm")
+    if control not in ("shm", "ipc"):
+        raise PipelineConfigError(f"{source}: control must be 'shm' (shared-memory rings, the default) or 'ipc' "
+                                  f"(ZeroMQ sockets), got {control!r}")
+    return PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source, client,
+                        control)
 
 
 def _relay_cfg(v, where) -> dict:

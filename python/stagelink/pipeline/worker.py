@@ -30,8 +30,13 @@ SEND_TIMEOUT_S = 30.0
 _LAT_CAP = 200_000
 
 
-def endpoint(sock_dir: str, proc: str) -> str:
-    return f"ipc://{sock_dir}/{proc}.sock"
+def endpoint(sock_dir: str, proc: str, transport: str = "shm") -> str:
+    """Where process `proc` of the pipeline whose private directory is `sock_dir` receives control
+    messages: a shared-memory ring named after the directory (unique per pipeline) by default, or
+    a ZeroMQ ipc:// socket inside it (`control: ipc`)."""
+    if transport == "ipc":
+        return f"ipc://{sock_dir}/{proc}.sock"
+    return f"shm://{os.path.basename(sock_dir)}-{proc}"
 
 
 class StreamError(RuntimeError):
@@ -281,7 +286,7 @@ class Worker:
         with self.out_lock:
             ob = self.outboxes.get(proc)
             if ob is None:
-                ob = self.outboxes[proc] = Outbox(endpoint(self.dir, proc))
+                ob = self.outboxes[proc] = Outbox(endpoint(self.dir, proc, self.spec.control))
             ob.send(msg, timeout=SEND_TIMEOUT_S)
 
     def _edge(self, src, dst) -> dict:
@@ -352,7 +357,7 @@ class Worker:
 
     # -- the receive loop
     def start(self):
-        self.inbox = Inbox(endpoint(self.dir, self.proc))
+        self.inbox = Inbox(endpoint(self.dir, self.proc, self.spec.control))
         for n in self.names:
             self.stages[n] = StageRuntime(self.spec.stages[n], self)
         for n in self.names:  # every relay this process uses, before any request
@@ -431,7 +436,7 @@ def main(argv=None) -> int:
     with open(spec_path) as f:
         spec = PipelineSpec.from_dict(json.load(f))
     w = Worker(spec, proc, sock_dir)
-    coord = Outbox(endpoint(sock_dir, COORDINATOR))
+    coord = Outbox(endpoint(sock_dir, COORDINATOR, spec.control))
     try:
         w.start()
     except BaseException as e:  # noqa: BLE001  reported to the coordinator, which rolls back
