@@ -70,8 +70,7 @@ def run_relay(sizes=None, iters=2000, json_path=None, out=sys.stdout, pipelines=
     base = {m: rows[0][m]["median_us"] / 2 for m in modes}  # hop of 64 B
     table = []
     print("control messages over shared memory (shm://, the default on one host); the 'view, ZeroMQ control' "
-          "column sends them over ipc:// instead
-", file=out)
+          "column sends them over ipc:// instead\n", file=out)
     print(f"{'size':>9} {'relay copy-out':>15} {'relay view':>11} {'view, ZeroMQ ctl':>16} {'raw ZeroMQ':>11} "
           f"{'memcpy':>9} {'relay GB/s':>10} {'memcpy GB/s':>11} {'relay/memcpy':>12} {'ZeroMQ/relay':>12}", file=out)
     for r in rows:
