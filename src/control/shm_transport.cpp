@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstddef>
 #include <atomic>
 #include <cstring>
@@ -37,7 +38,15 @@ constexpr uint32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kRingBytes = 4u << 20;
 constexpr size_t kRecHeader = 16;
-constexpr uint64_t kSpinNs = 50'000;  // a reply in a ping-pong arrives within this: no sleep
+// Spin this long before sleeping (a reply in a ping-pong arrives within it: no futex round trip).
+// STAGELINK_CONTROL_SPIN_US overrides it (0: sleep at once, best when cores are oversubscribed).
+uint64_t spin_ns() {
+  static const uint64_t v = [] {
+    const char* e = std::getenv("STAGELINK_CONTROL_SPIN_US");
+    return e ? uint64_t(std::strtoull(e, nullptr, 10)) * 1000 : uint64_t(50'000);
+  }();
+  return v;
+}
 
 struct alignas(64) InboxHeader {
   std::atomic<uint32_t> magic;  // set last: openers wait for it
@@ -145,7 +154,7 @@ class ShmInbox final : public ControlInbox {
       if (deadline && now >= deadline)
         return make_error(Errc::timeout, "no control message on " + endpoint_ + " within " +
                                              std::to_string(timeout_s) + " s");
-      if (now - start < kSpinNs) {
+      if (now - start < spin_ns()) {
         if ((spins & 63) == 63) std::this_thread::yield();
         continue;
       }

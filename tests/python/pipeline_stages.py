@@ -75,3 +75,22 @@ class Scale:
 
     def __call__(self, payload, ctx):
         return {"x": payload["x"] * self.factor}
+
+
+class CallbackCollector:
+    """A callback stage: chunks handled as they arrive, no thread of its own."""
+
+    def on_chunk(self, chunk, ctx):
+        assert int(chunk["data"][0]) == chunk["i"] % 251
+        ctx.state.setdefault("ids", []).append(chunk["i"])
+        if ctx.state.get("fail_at") is None and chunk["i"] == 3 and chunk.get("boom"):
+            raise RuntimeError("boom at chunk 3")
+
+    def finish(self, payload, ctx):
+        return {"ids": ctx.state.get("ids", []), "payload": payload}
+
+
+def boom_streamer(payload, ctx):
+    for i in range(6):
+        ctx.stream({"i": i, "data": np.full(8, i, np.uint8), "boom": True})
+    return None

@@ -84,6 +84,36 @@ def test_data_arrives_intact_between_processes(ns):
         assert r["trail"] == ["a", "b", "c"]
 
 
+def test_inline_stages_run_on_the_receive_thread(ns):
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b", "inline": True},
+        {"name": "b", "factory": f"{S}:streamer", "stream_to": "c", "inline": True},
+        {"name": "c", "factory": f"{S}:collector", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        futs = [p.submit(f"r{i}", {"x": np.arange(10)}) for i in range(10)]
+        assert all(f.result(20)["ids"] == list(range(8)) for f in futs)
+    bad = spec(ns, [{"name": "b", "factory": f"{S}:streamer", "stream_to": "c"},
+                    {"name": "c", "factory": f"{S}:collector", "terminal": True, "inline": True}])
+    with pytest.raises(PipelineConfigError, match="cannot be inline"):
+        load_pipeline(bad)
+
+
+def test_callback_stage_handles_chunks_in_order(ns):
+    d = spec(ns, [
+        {"name": "b", "factory": f"{S}:streamer", "stream_to": "c", "inline": True},
+        {"name": "c", "factory": f"{S}:CallbackCollector", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        futs = [p.submit(f"r{i}", {"chunks": 50 + i, "chunk_bytes": 30}) for i in range(6)]
+        for i, f in enumerate(futs):
+            assert f.result(20)["ids"] == list(range(50 + i))
+    d["stages"][0]["factory"] = f"{S}:boom_streamer"
+    with Pipeline.from_config(d) as p:
+        with pytest.raises(StageError, match="boom at chunk 3"):
+            p.submit("r", {}).result(20)
+
+
 def test_colocated_stages_pass_by_reference(ns):
     d = spec(ns, [
         {"name": "a", "factory": f"{S}:double", "next": "b", "process": "one"},

@@ -21,3 +21,16 @@ def collect(payload, ctx):
             raise ValueError(f"chunk {i} damaged or out of order")
         n += 1
     return n
+
+
+class Collect:
+    """collect() as a callback stage: each chunk handled as it arrives, no thread of its own."""
+
+    def on_chunk(self, c, ctx):
+        i = ctx.state.get("n", 0)
+        if c[0] != i or c[-1] != i:
+            raise ValueError(f"chunk {i} damaged or out of order")
+        ctx.state["n"] = i + 1
+
+    def finish(self, payload, ctx):
+        return ctx.state.get("n", 0)

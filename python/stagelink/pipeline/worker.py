@@ -24,7 +24,7 @@ from .. import _core
 from ..connector import Connector
 from ..control import ControlMessage, Inbox, Outbox
 from ..relay import Relay
-from .spec import COORDINATOR, PipelineSpec, StageSpec, build_stage, resolve
+from .spec import COORDINATOR, PipelineConfigError, PipelineSpec, StageSpec, build_stage, resolve
 
 SEND_TIMEOUT_S = 30.0
 _LAT_CAP = 200_000
@@ -49,7 +49,7 @@ class Aborted(_core.CancelledError):
 
 class _Request:
     __slots__ = ("inputs", "started", "queue", "expect", "held", "done_srcs", "aborted", "cond", "n_streamed",
-                 "stream_closed")
+                 "stream_closed", "ctx", "done")
 
     def __init__(self, lock):
         self.inputs: Dict[str, Any] = {}
@@ -62,12 +62,15 @@ class _Request:
         self.cond = threading.Condition(lock)
         self.n_streamed: Dict[str, int] = collections.defaultdict(int)  # chunk ids sent per target
         self.stream_closed: set = set()
+        self.ctx: Optional["StageContext"] = None  # callback stages: one context for every call
+        self.done = False
 
 
 class StageContext:
     """What a stage function gets beside its payload.
 
-    ``request_id``, ``stage``; ``stream(chunk)`` sends a chunk to every ``stream_to`` target (a
+    ``request_id``, ``stage``, ``state`` (a dict kept across a callback stage's calls);
+    ``stream(chunk)`` sends a chunk to every ``stream_to`` target (a
     terminal stage's chunks go to the coordinator: ``Pipeline.stream``); ``chunks(timeout)``
     iterates the chunks streamed to this stage, in order, until every source is done (raising
     StreamError if one failed); ``aborted`` says whether to stop early."""
@@ -75,6 +78,7 @@ class StageContext:
     def __init__(self, stage: "StageRuntime", rid: str, req: _Request):
         self.stage, self.request_id = stage.spec.name, rid
         self._rt, self._req = stage, req
+        self.state: dict = {}  # per request, for callback stages (on_chunk/finish)
 
     @property
     def aborted(self) -> bool:
@@ -92,7 +96,15 @@ class StageContext:
 class StageRuntime:
     def __init__(self, spec: StageSpec, worker: "Worker"):
         self.spec, self.w = spec, worker
-        self.fn = build_stage(spec)
+        self.obj, self.fn = build_stage(spec)
+        # A callback stage (on_chunk(chunk, ctx) and finish(payload, ctx)): driven by its chunks on
+        # the receive thread, no thread of its own.
+        self.on_chunk = getattr(self.obj, "on_chunk", None)
+        self.finish = getattr(self.obj, "finish", None)
+        if self.on_chunk is not None:
+            if not spec.stream_sources or spec.sources or not callable(self.finish):
+                raise PipelineConfigError(f"stage '{spec.name}': on_chunk stages read streams only (no next into "
+                                          "them) and need finish(payload, ctx)")
         self.merge = resolve(spec.merge) if spec.merge else None
         self.pool = ThreadPoolExecutor(spec.concurrency, thread_name_prefix=f"stage-{spec.name}")
         self.lock = threading.Lock()
@@ -121,7 +133,10 @@ class StageRuntime:
             if not all(s in r.inputs for s in need):
                 return
             r.started = True
-        self.pool.submit(self._run, rid, r)
+        if self.spec.inline:  # on the receive thread: no handoff (see StageSpec.inline)
+            self._run(rid, r)
+        else:
+            self.pool.submit(self._run, rid, r)
 
     def deliver_stream(self, rid: str, src: str, chunk_id: int, kind: str, item, is_done: bool, error: str,
                        t_ns: int) -> bool:
@@ -143,9 +158,14 @@ class StageRuntime:
                 else:
                     r.queue.append((src, k, it, t))
             r.cond.notify_all()
-            if not self.spec.sources and not r.started:
+            if self.on_chunk is not None:
+                if r.ctx is None:
+                    r.ctx = StageContext(self, rid, r)
+            elif not self.spec.sources and not r.started:
                 r.started = start = True
-        if start:
+        if self.on_chunk is not None:
+            self._on_chunks(rid, r)
+        elif start:
             self.pool.submit(self._run, rid, r)
         return True
 
@@ -171,7 +191,7 @@ class StageRuntime:
 
     # -- running
     def _run(self, rid: str, r: _Request):
-        ctx = StageContext(self, rid, r)
+        ctx = r.ctx or StageContext(self, rid, r)
         t0 = time.monotonic_ns()
         try:
             if self.spec.sources or not self.spec.stream_sources:
@@ -182,31 +202,70 @@ class StageRuntime:
                     payload = next(iter(ins.values()))
             else:
                 payload = None
-            result = self.fn(payload, ctx)
-            if r.aborted:
-                return
-            for t in self.stream_targets:
-                if t not in r.stream_closed:
-                    self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], "")
-            if self.spec.terminal:
-                self.w.send_result(rid, self.spec.name, result)
-            else:
-                per = result.targets if isinstance(result, PerTarget) else None
-                for t in self.spec.next:
-                    self.w.send_data(rid, self.spec.name, t, per[t] if per is not None else result)
-        except Aborted:
-            pass
+            self._complete(rid, r, self.fn(payload, ctx))
         except BaseException as e:  # noqa: BLE001  a stage's failure fails only its request
-            if not r.aborted:
-                tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-                for t in self.stream_targets:
-                    if t != COORDINATOR and t not in r.stream_closed:
-                        self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], tb[-2000:] or repr(e))
-                self.w.send_failure(rid, self.spec.name, tb)
+            self._failed(rid, r, e)
         finally:
             self.busy_ns += time.monotonic_ns() - t0
             self.runs += 1
             self._finish(rid, r)
+
+    def _complete(self, rid: str, r: _Request, result):
+        """Send what a request produced here: end its streams, then its result downstream."""
+        if r.aborted:
+            return
+        for t in self.stream_targets:
+            if t not in r.stream_closed:
+                self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], "")
+        if self.spec.terminal:
+            self.w.send_result(rid, self.spec.name, result)
+        else:
+            per = result.targets if isinstance(result, PerTarget) else None
+            for t in self.spec.next:
+                self.w.send_data(rid, self.spec.name, t, per[t] if per is not None else result)
+
+    def _failed(self, rid: str, r: _Request, e: BaseException):
+        if isinstance(e, Aborted) or r.aborted:
+            return
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        for t in self.stream_targets:
+            if t != COORDINATOR and t not in r.stream_closed:
+                self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], tb[-2000:] or repr(e))
+        self.w.send_failure(rid, self.spec.name, tb)
+
+    def _on_chunks(self, rid: str, r: _Request):
+        """Callback stages (on_chunk/finish): handle every chunk that is ready, in order, on the
+        receive thread; at the end of every stream, finish() gives the result."""
+        srcs = set(self.spec.stream_sources)
+        with self.lock:
+            if r.started:  # another thread is draining this request: it will see these chunks too
+                return
+            r.started = True
+        t0 = time.monotonic_ns()
+        try:
+            while True:
+                with self.lock:
+                    if r.aborted or r.done:
+                        r.started = False
+                        return
+                    if not r.queue:
+                        if not srcs <= r.done_srcs:
+                            r.started = False
+                            return
+                        r.done = True
+                        break
+                    src, kind, item, t_ns = r.queue.popleft()
+                if kind == "error":
+                    raise StreamError(f"stage '{src}' failed while streaming to '{self.spec.name}': {item}")
+                self.on_chunk(self.w.read(src, self.spec.name, kind, item, t_ns), r.ctx)
+            self._complete(rid, r, self.finish(None, r.ctx))
+        except BaseException as e:  # noqa: BLE001
+            r.done = True
+            self._failed(rid, r, e)
+        finally:
+            self.busy_ns += time.monotonic_ns() - t0
+        self.runs += 1
+        self._finish(rid, r)
 
     def _finish(self, rid: str, r: _Request):
         with self.lock:
@@ -257,7 +316,8 @@ class Worker:
         self.names = spec.processes()[proc]
         self.aborted: collections.OrderedDict = collections.OrderedDict()
         self.stages: Dict[str, StageRuntime] = {}
-        self.relays: Dict[str, Relay] = {}
+        self.relays: Dict[str, Relay] = {}  # by config: edges with the same config share one
+        self.edge_relay: Dict[tuple, Relay] = {}
         self.outboxes: Dict[str, Outbox] = {}
         self.out_lock = threading.Lock()
         self.relay_lock = threading.Lock()
@@ -267,6 +327,12 @@ class Worker:
 
     # -- plumbing
     def relay(self, src: str, dst: str) -> Relay:
+        r = self.edge_relay.get((src, dst))
+        if r is None:
+            r = self.edge_relay[(src, dst)] = self._relay_for(src, dst)
+        return r
+
+    def _relay_for(self, src: str, dst: str) -> Relay:
         cfg = self.spec.relay_for(src, dst)
         key = json.dumps(cfg, sort_keys=True)
         r = self.relays.get(key)
