@@ -177,8 +177,7 @@ class _LocalRelay:
             while True:
                 if self.closed:
                     raise _core.ClosedError("relay is closed")
-                live = self.inflight.setdefault(edge, set())
-                live &= _TABLE.keys()
+                live = self.inflight[edge] = {k for k in self.inflight.get(edge, ()) if k in _TABLE}
                 if len(live) < self.credits:
                     break
                 left = deadline - time.monotonic()
@@ -222,7 +221,7 @@ class _LocalRelay:
         with _TABLE_LOCK:
             return {"backend": "local", "status": "closed" if self.closed else "healthy", "puts": self.puts,
                     "gets": self.gets, "credits": self.credits,
-                    "credits_in_use": {e: len(s & _TABLE.keys()) for e, s in self.inflight.items()}}
+                    "credits_in_use": {e: sum(k in _TABLE for k in s) for e, s in self.inflight.items()}}
 
     def close(self):
         with _TABLE_LOCK:

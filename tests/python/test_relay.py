@@ -1,0 +1,141 @@
+"""stagelink.Relay from Python: payload kinds, credits per edge with deadlines, completion,
+cleanup, close, the local backend, and across processes."""
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+
+import stagelink
+
+
+def relay(ns, **kw):
+    return stagelink.Relay(dict({"extra": {"namespace": ns}, "timeout_s": 0.3, "credits": 2}, **kw))
+
+
+def test_payload_kinds_round_trip(ns):
+    with relay(ns) as r:
+        big = np.arange(1 << 20, dtype=np.float32)
+        for obj in ({"hidden": big, "ids": list(range(300)), "t": (1, "a")}, b"x" * 100000, big,
+                    {"nested": [np.int64(3), None, 2.5]}, object):
+            op = r.put_async(obj, request_id="r", edge="e")
+            got = r.get_async(op.metadata).result()
+            if isinstance(obj, np.ndarray):
+                np.testing.assert_array_equal(got, obj)
+            elif isinstance(obj, dict) and "hidden" in obj:
+                np.testing.assert_array_equal(got["hidden"], big)
+                assert got["ids"] == obj["ids"] and got["t"] == (1, "a")
+            else:
+                assert got == obj
+            op.wait(1)  # read: the credit is back
+            assert op.done()
+
+
+def test_credits_per_edge_time_out_with_a_clear_error(ns):
+    with relay(ns) as r:
+        x = np.ones(100_000, np.uint8)
+        ops = [r.put_async(x, request_id="r", edge="a") for _ in range(2)]
+        t0 = time.monotonic()
+        with pytest.raises(stagelink.ExhaustedError, match="edge 'a'"):
+            r.put_async(x, request_id="r", edge="a")
+        assert 0.25 < time.monotonic() - t0 < 2
+        r.put_async(x, request_id="r", edge="b")  # its own credits
+        r.get_async(ops[0].metadata)
+        r.put_async(x, request_id="r", edge="a")  # a read returned one
+        assert r.health()["credit_timeouts"] == 1
+
+
+def test_a_dropped_operation_loses_nothing(ns):
+    with relay(ns, credits=1) as r:
+        md = r.put_async(np.full(300_000, 7, np.uint8), request_id="r", edge="e").metadata  # op dropped
+        assert (r.get_async(md).result() == 7).all()
+        r.put_async(np.ones(10), request_id="r", edge="e")  # the credit came back
+
+
+def test_cleanup_and_close_release_puts(ns):
+    r = relay(ns, credits=1)
+    op = r.put_async(np.ones(300_000, np.uint8), request_id="req-7", edge="e")
+    assert r.cleanup("req-7") == 1
+    with pytest.raises(stagelink.CancelledError):
+        op.wait(1)
+    with pytest.raises(stagelink.StagelinkError):
+        r.get_async(op.metadata, timeout=0)
+    held = r.put_async(np.ones(300_000, np.uint8), request_id="req-8", edge="e")
+    r.close()
+    with pytest.raises(stagelink.ClosedError):
+        held.wait(1)
+    with pytest.raises(stagelink.ClosedError):
+        r.put_async(b"x")
+
+
+def test_get_into_a_destination_buffer(ns):
+    with relay(ns) as r:
+        x = np.arange(1000, dtype=np.int32)
+        dest = np.zeros(1000, np.int32)
+        op = r.put_async(x, edge="e")
+        got = r.get_async(op.metadata, dest=dest)
+        assert got.result() is dest and got.size == x.nbytes
+        np.testing.assert_array_equal(dest, x)
+        small = np.zeros(10, np.int32)
+        op = r.put_async(x, edge="e")
+        with pytest.raises(stagelink.InvalidArgumentError, match="do not fit"):
+            r.get_async(op.metadata, dest=small)
+
+
+def test_fan_out_reads_are_not_destructive(ns):
+    with relay(ns) as r:
+        op = r.put_async(np.arange(50_000), edge="e", readers=2)
+        a = r.get_async(op.metadata).result()
+        assert not op.done()
+        b = r.get_async(op.metadata).result()
+        np.testing.assert_array_equal(a, b)
+        op.wait(1)
+
+
+def test_local_backend_passes_python_objects_by_reference():
+    with stagelink.Relay(backend="local", credits=1, timeout_s=0.2) as r:
+        obj = {"state": [1, 2, 3], "fn": print}
+        op = r.put_async(obj, request_id="r", edge="e")
+        with pytest.raises(stagelink.ExhaustedError):
+            r.put_async(obj, edge="e")
+        assert r.get_async(op.metadata).result() is obj
+        op.wait(0.1)
+        with pytest.raises(stagelink.NotFoundError):
+            r.get_async(op.metadata)
+        op2 = r.put_async(obj, request_id="r2", edge="e")
+        assert r.cleanup("r2") == 1
+        with pytest.raises(stagelink.CancelledError):
+            op2.wait(0.1)
+
+
+def test_bad_config_and_metadata_are_clear_errors(ns):
+    with pytest.raises(stagelink.InvalidArgumentError, match="unknown key 'credit'"):
+        stagelink.Relay(credit=3)
+    with pytest.raises(stagelink.InvalidArgumentError, match="backend 'nccl'"):
+        stagelink.Relay(backend="nccl")
+    with relay(ns) as r:
+        with pytest.raises(stagelink.CorruptError, match="relay_key"):
+            r.get_async({"size": 3})
+        with pytest.raises(stagelink.InvalidArgumentError, match="dst_rank"):
+            r.put_async(b"x", dst_rank=5)
+
+
+def _reader(ns, md, q):
+    r = stagelink.Relay({"extra": {"namespace": ns}})
+    x = r.get_async(md).result()
+    q.put((int(x["x"].sum()), x["tag"]))
+    r.close()
+
+
+def test_across_processes(ns):
+    with relay(ns, timeout_s=10) as r:
+        x = np.arange(2_000_000, dtype=np.int64)
+        op = r.put_async({"x": x, "tag": "hello"}, request_id="r", edge="p")
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_reader, args=(ns, op.metadata, q))
+        p.start()
+        op.wait(30)  # completes when the other process has read it
+        assert q.get(timeout=30) == (int(x.sum()), "hello")
+        p.join(30)
+        assert p.exitcode == 0
