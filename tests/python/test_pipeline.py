@@ -241,7 +241,7 @@ def test_stage_killed_with_sigkill_fails_in_flight_requests(ns):
 
 def test_malformed_control_messages_are_dropped(ns):
     with Pipeline.from_config(three_stage(ns)) as p:
-        ob = Outbox(endpoint(p._dir, "b"))
+        ob = Outbox(endpoint(p.spec, p._dir, "b"))
         for junk in (b"\x00", b"\xc1garbage", os.urandom(300)):
             ob._native.send_bytes(junk, 1.0)
         ob.close()
@@ -262,6 +262,53 @@ def test_two_pipelines_side_by_side(ns, control):
         p1.close()
         p2.close()
     assert not os.path.exists(p1._dir) and not os.path.exists(p2._dir)
+
+
+def _free_base_port(n):
+    import random
+    import socket
+    for _ in range(50):
+        base = random.randint(20000, 60000)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    pytest.skip("no free port range on loopback")
+
+
+def test_tcp_control_with_a_base_port_and_a_clear_error_when_taken(ns):
+    base = _free_base_port(4)
+    ctl = {"transport": "tcp", "host": "127.0.0.1", "base_port": base}
+    with Pipeline.from_config(three_stage(ns, control=ctl)) as p:
+        assert p.submit("r", {"x": np.arange(3)}).result(20)["ids"] == list(range(8))
+        with pytest.raises(stagelink.StagelinkError, match=str(base)):
+            Pipeline.from_config(three_stage(ns, control=ctl))  # the same ports: refused, naming them
+        assert p.submit("r2", {"x": np.arange(3)}).result(20)["ids"] == list(range(8))  # unharmed
+    with pytest.raises(PipelineConfigError, match="base_port"):
+        load_pipeline(three_stage(ns, control={"transport": "tcp", "base_port": 80}))
+
+
+def test_startup_sweeps_what_a_crashed_process_left(ns):
+    # Reference: a crash between put and notification leaks segments, with no sweep at start-up.
+    import sys
+    code = ("import os, numpy as np, stagelink\n"
+            f"r = stagelink.Relay({{'extra': {{'namespace': '{ns}'}}}})\n"
+            "r.put_async(np.ones(100000, np.uint8), edge='x')\n"
+            "print(os.getpid(), flush=True)\n"
+            "os._exit(0)  # dies holding its arena and an unread put\n")
+    pid = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    left = [f for f in os.listdir("/dev/shm") if f".{ns}.a{pid}." in f]
+    assert left, "the crashed process left nothing to sweep"
+    with Pipeline.from_config(three_stage(ns)):
+        assert not [f for f in os.listdir("/dev/shm") if f".{ns}.a{pid}." in f]
 
 
 def test_startup_failure_rolls_back(ns):

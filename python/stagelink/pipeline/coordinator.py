@@ -95,7 +95,7 @@ class Pipeline:
         # Sweep what crashed processes of earlier runs left in shared memory (only the dead's).
         _core.shm_reap("/dev/shm")
         try:
-            self._inbox = Inbox(endpoint(self._dir, COORDINATOR, spec.control))
+            self._inbox = Inbox(endpoint(spec, self._dir, COORDINATOR))
             self._relay = Relay(spec.relay)
             self._start(python or sys.executable, env)
         except BaseException:
@@ -309,7 +309,7 @@ class Pipeline:
         with self._out_lock:
             ob = self._outboxes.get(proc)
             if ob is None:
-                ob = self._outboxes[proc] = Outbox(endpoint(self._dir, proc, self.spec.control))
+                ob = self._outboxes[proc] = Outbox(endpoint(self.spec, self._dir, proc))
             ob.send(msg, timeout=timeout)
 
     def _finish_locked(self, rid, r: _Req, result=None, error=None):

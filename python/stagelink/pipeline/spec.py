@@ -2,7 +2,8 @@
 
     name: omni
     relay: {backend: shm, credits: 8, slot_size_mb: 16, timeout_s: 30}   # every edge's default
-    control: shm                                      # control messages: shm rings | ipc (ZeroMQ)
+    control: shm                                      # control messages: shm rings | ipc | tcp (below)
+    # control: {transport: tcp, host: 10.0.0.5, base_port: 47100}  # coordinator 47100, stages 47101...
     settings: {request_timeout_s: 120, startup_timeout_s: 20}
     stages:
       - name: encoder
@@ -78,7 +79,9 @@ class PipelineSpec:
     settings: dict
     source: str = "<dict>"
     client: dict = field(default_factory=dict)  # for `stagelink run`: request, args, verify
-    control: str = "shm"  # control-message transport: shm (rings, one host) | ipc (ZeroMQ)
+    # Control-message transport: {"transport": "shm"} (rings, one host), "ipc" (ZeroMQ sockets in
+    # the private directory) or "tcp" (ZeroMQ, with "host" and "base_port").
+    control: dict = field(default_factory=lambda: {"transport": "shm"})
 
     def processes(self) -> Dict[str, List[str]]:
         """Process name -> its stages, in file order."""
@@ -102,7 +105,7 @@ class PipelineSpec:
     def from_dict(cls, d: dict) -> "PipelineSpec":
         stages = {s["name"]: StageSpec(**s) for s in d["stages"]}
         return cls(d["name"], stages, d["entry"], d["terminal"], d["relay"], d["edge_relays"], d["settings"],
-                   d.get("source", "<dict>"), d.get("client") or {}, d.get("control", "shm"))
+                   d.get("source", "<dict>"), d.get("client") or {}, d.get("control") or {"transport": "shm"})
 
 
 def _list(v, where) -> List[str]:
@@ -230,12 +233,24 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
     for k in ("request", "verify"):
         if k in client and (not isinstance(client[k], str) or client[k].count(":") != 1):
             raise PipelineConfigError(f"{source}: client.{k} must be 'module:callable'")
-    control = raw.get("control", "shm")
-    if control not in ("shm", "ipc"):
-        raise PipelineConfigError(f"{source}: control must be 'shm' (shared-memory rings, the default) or 'ipc' "
-                                  f"(ZeroMQ sockets), got {control!r}")
+    control = _control(raw.get("control", "shm"), len(set(s.process for s in stages.values())), source)
     return PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source, client,
                         control)
+
+
+def _control(v, n_procs, source) -> dict:
+    c = {"transport": v} if isinstance(v, str) else dict(v) if isinstance(v, dict) else None
+    if c is None or c.get("transport", "shm") not in ("shm", "ipc", "tcp") or set(c) - {"transport", "host", "base_port"}:
+        raise PipelineConfigError(f"{source}: control is 'shm' (shared-memory rings, the default), 'ipc' (ZeroMQ "
+                                  "sockets) or {transport: tcp, host: ADDRESS, base_port: PORT}; got " + repr(v))
+    c.setdefault("transport", "shm")
+    if c["transport"] == "tcp":
+        port = c.get("base_port")
+        if not isinstance(port, int) or not 1024 <= port <= 65535 - n_procs:
+            raise PipelineConfigError(f"{source}: control.base_port must be a port in [1024, {65535 - n_procs}]: the "
+                                      f"coordinator takes it and the {n_procs} stage processes the ports after it")
+        c.setdefault("host", "127.0.0.1")
+    return c
 
 
 def _relay_cfg(v, where) -> dict:

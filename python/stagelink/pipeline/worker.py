@@ -30,12 +30,17 @@ SEND_TIMEOUT_S = 30.0
 _LAT_CAP = 200_000
 
 
-def endpoint(sock_dir: str, proc: str, transport: str = "shm") -> str:
+def endpoint(spec: PipelineSpec, sock_dir: str, proc: str) -> str:
     """Where process `proc` of the pipeline whose private directory is `sock_dir` receives control
-    messages: a shared-memory ring named after the directory (unique per pipeline) by default, or
-    a ZeroMQ ipc:// socket inside it (`control: ipc`)."""
-    if transport == "ipc":
+    messages: a shared-memory ring named after the directory (unique per pipeline) by default; a
+    ZeroMQ ipc:// socket inside it (`control: ipc`); or tcp://host:port with the coordinator on
+    base_port and the stage processes on the ports after it, in file order (`control: tcp`)."""
+    t = spec.control.get("transport", "shm")
+    if t == "ipc":
         return f"ipc://{sock_dir}/{proc}.sock"
+    if t == "tcp":
+        order = [COORDINATOR] + list(spec.processes())
+        return f"tcp://{spec.control['host']}:{int(spec.control['base_port']) + order.index(proc)}"
     return f"shm://{os.path.basename(sock_dir)}-{proc}"
 
 
@@ -352,7 +357,7 @@ class Worker:
         with self.out_lock:
             ob = self.outboxes.get(proc)
             if ob is None:
-                ob = self.outboxes[proc] = Outbox(endpoint(self.dir, proc, self.spec.control))
+                ob = self.outboxes[proc] = Outbox(endpoint(self.spec, self.dir, proc))
             ob.send(msg, timeout=SEND_TIMEOUT_S)
 
     def _edge(self, src, dst) -> dict:
@@ -423,7 +428,7 @@ class Worker:
 
     # -- the receive loop
     def start(self):
-        self.inbox = Inbox(endpoint(self.dir, self.proc, self.spec.control))
+        self.inbox = Inbox(endpoint(self.spec, self.dir, self.proc))
         for n in self.names:
             self.stages[n] = StageRuntime(self.spec.stages[n], self)
         for n in self.names:  # every relay this process uses, before any request
@@ -502,7 +507,7 @@ def main(argv=None) -> int:
     with open(spec_path) as f:
         spec = PipelineSpec.from_dict(json.load(f))
     w = Worker(spec, proc, sock_dir)
-    coord = Outbox(endpoint(sock_dir, COORDINATOR, spec.control))
+    coord = Outbox(endpoint(spec, sock_dir, COORDINATOR))
     try:
         w.start()
     except BaseException as e:  # noqa: BLE001  reported to the coordinator, which rolls back
