@@ -144,11 +144,12 @@ def test_fan_out_to_two_and_fan_in_from_two(ns):
             assert r["x"] == (2 * i + 1) + (2 * i * 10) + 1
 
 
-def test_thousand_stream_chunks_in_order(ns):
+@pytest.mark.parametrize("inline_bytes", [0, 16384])  # every chunk through the relay; or in the message
+def test_thousand_stream_chunks_in_order(ns, inline_bytes):
     d = spec(ns, [
         {"name": "b", "factory": f"{S}:streamer", "stream_to": "c"},
         {"name": "c", "factory": f"{S}:collector", "terminal": True},
-    ], relay={"credits": 4})
+    ], relay={"credits": 4}, settings={"inline_bytes": inline_bytes})
     with Pipeline.from_config(d) as p:
         r = p.submit("r", {"chunks": 1000, "chunk_bytes": 100}).result(60)
         assert r["ids"] == list(range(1000))

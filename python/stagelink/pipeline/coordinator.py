@@ -24,6 +24,7 @@ from .. import _core
 from ..connector import Connector
 from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_socket_dir
 from ..relay import Relay
+from ._wire import from_frame, small_frame
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
 from .worker import endpoint
 
@@ -227,12 +228,16 @@ class Pipeline:
             r = self._reqs[rid] = _Req()
             r.on_chunk = on_chunk
         try:
-            op = self._relay.put_async(payload, request_id=rid, edge=self.spec.entry)
-            md = dict(op.metadata)
-            md["t_ns"] = time.monotonic_ns()
+            t = time.monotonic_ns()
+            body = small_frame(payload, int(self.settings.get("inline_bytes", 16384)))
+            if body is None:
+                md = dict(self._relay.put_async(payload, request_id=rid, edge=self.spec.entry).metadata)
+            else:
+                md = {}
+            md["t_ns"] = t
             self._send(self.spec.stages[self.spec.entry].process,
-                       ControlMessage("submit", rid, from_stage=COORDINATOR, to_stage=self.spec.entry, metadata=md),
-                       30.0)
+                       ControlMessage("submit", rid, from_stage=COORDINATOR, to_stage=self.spec.entry, metadata=md,
+                                      body=body), 30.0)
         except BaseException as e:
             with self._lock:
                 self._finish_locked(rid, r, error=e)
@@ -368,7 +373,7 @@ class Pipeline:
         with self._lock:
             r = self._reqs.get(m.request_id)
         if r is None:  # finished, aborted or unknown: release what it carried
-            if isinstance(m.metadata, dict) and m.metadata:
+            if not m.body and isinstance(m.metadata, dict) and "relay_key" in m.metadata:
                 try:
                     self._relay.get_async(m.metadata, timeout=0)
                 except _core.StagelinkError:
@@ -377,7 +382,7 @@ class Pipeline:
         if m.type == "stream":
             if m.is_done:
                 return
-            obj = self._relay.get_async(m.metadata).result()
+            obj = from_frame(m.body) if m.body else self._relay.get_async(m.metadata).result()
             if r.t_first is None:
                 r.t_first = time.monotonic()
             r.n_chunks += 1
@@ -392,7 +397,7 @@ class Pipeline:
                 self._broadcast_abort(m.request_id)  # release what other stages hold of it
                 self._relay.cleanup(m.request_id)
                 return
-            obj = self._relay.get_async(m.metadata).result()
+            obj = from_frame(m.body) if m.body else self._relay.get_async(m.metadata).result()
             with self._lock:
                 self._finish_locked(m.request_id, r, result=obj)
 

@@ -40,7 +40,7 @@ _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "proc
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
              "control"}
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 20.0, "abort_timeout_s": 5.0,
-             "shutdown_timeout_s": 10.0}
+             "shutdown_timeout_s": 10.0, "inline_bytes": 16384}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 COORDINATOR = "coordinator"
 
@@ -219,6 +219,12 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
     if not isinstance(st, dict) or set(st) - set(_SETTINGS):
         raise PipelineConfigError(f"{source}: settings: known keys are {sorted(_SETTINGS)}")
     for k, v in st.items():
+        if k == "inline_bytes":
+            if not isinstance(v, int) or not 0 <= v <= (1 << 20):
+                raise PipelineConfigError(f"{source}: settings.inline_bytes must be an integer in [0, 1048576] "
+                                          "(payloads up to it travel inside the control message; 0: never)")
+            settings[k] = v
+            continue
         if not isinstance(v, (int, float)) or v <= 0:
             raise PipelineConfigError(f"{source}: settings.{k} must be a positive number of seconds")
         settings[k] = float(v)

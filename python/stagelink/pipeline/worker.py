@@ -24,6 +24,7 @@ from .. import _core
 from ..connector import Connector
 from ..control import ControlMessage, Inbox, Outbox
 from ..relay import Relay
+from ._wire import from_frame, small_frame
 from .spec import COORDINATOR, PipelineConfigError, PipelineSpec, StageSpec, build_stage, resolve
 
 SEND_TIMEOUT_S = 30.0
@@ -329,6 +330,7 @@ class Worker:
         self.stats_lock = threading.Lock()
         self.edges: Dict[str, dict] = {}
         self.inbox: Optional[Inbox] = None
+        self.inline_limit = int(spec.settings.get("inline_bytes", 16384))
 
     # -- plumbing
     def relay(self, src: str, dst: str) -> Relay:
@@ -367,21 +369,31 @@ class Worker:
         return e
 
     def _put(self, rid, src, dst, obj):
+        """(metadata, body) of a control message carrying `obj`: small native payloads inside the
+        message (body), the rest through the relay (metadata)."""
         t = time.monotonic_ns()
+        body = small_frame(obj, self.inline_limit)
+        if body is not None:
+            return {"t_ns": t}, body
         op = self.relay(src, dst).put_async(obj, request_id=rid, edge=dst)
         md = dict(op.metadata)
         md["t_ns"] = t
-        return md
+        return md, None
 
     def read(self, src, dst, kind, item, t_ns):
+        """The payload a message carried: `kind` obj (by reference), body (a frame), relay (metadata)."""
         if kind == "obj":
             obj = item
+        elif kind == "body":
+            obj = from_frame(item)
         else:
             obj = self.relay(src, dst).get_async(item).result()
         with self.stats_lock:
             e = self._edge(src, dst)
             e["messages"] += 1
-            if kind != "obj":
+            if kind == "body":
+                e["bytes"] += len(item)
+            elif kind == "relay":
                 e["bytes"] += int(item.get("size", 0))
             if len(e["lat_ns"]) < _LAT_CAP:
                 e["lat_ns"].append(time.monotonic_ns() - t_ns)
@@ -400,16 +412,17 @@ class Worker:
             self.read(src, dst, "obj", None, t)
             self.stages[dst].deliver_data(rid, src, obj)
             return
-        md = self._put(rid, src, dst, obj)
-        self.send(self.proc_of(dst), ControlMessage("data_ready", rid, from_stage=src, to_stage=dst, metadata=md))
+        md, body = self._put(rid, src, dst, obj)
+        self.send(self.proc_of(dst), ControlMessage("data_ready", rid, from_stage=src, to_stage=dst, metadata=md,
+                                                    body=body))
 
     def send_stream(self, rid, src, dst, cid, chunk):
         if dst != COORDINATOR and self.proc_of(dst) == self.proc:
             self.stages[dst].deliver_stream(rid, src, cid, "obj", chunk, False, "", time.monotonic_ns())
             return
-        md = self._put(rid, src, dst, chunk)
+        md, body = self._put(rid, src, dst, chunk)
         self.send(self.proc_of(dst), ControlMessage("stream", rid, from_stage=src, to_stage=dst, metadata=md,
-                                                    chunk_id=cid))
+                                                    chunk_id=cid, body=body))
 
     def send_stream_signal(self, rid, src, dst, cid, error):
         if dst != COORDINATOR and self.proc_of(dst) == self.proc:
@@ -419,8 +432,9 @@ class Worker:
                                                     is_done=True, error=error or None))
 
     def send_result(self, rid, src, obj):
-        md = self._put(rid, src, COORDINATOR, obj)
-        self.send(COORDINATOR, ControlMessage("complete", rid, from_stage=src, to_stage=COORDINATOR, metadata=md))
+        md, body = self._put(rid, src, COORDINATOR, obj)
+        self.send(COORDINATOR, ControlMessage("complete", rid, from_stage=src, to_stage=COORDINATOR, metadata=md,
+                                              body=body))
 
     def send_failure(self, rid, src, tb):
         self.send(COORDINATOR, ControlMessage("complete", rid, from_stage=src, to_stage=COORDINATOR,
@@ -445,9 +459,11 @@ class Worker:
             if st is None:
                 return True
             if m.request_id in self.aborted or m.request_id in st.finished:
-                self.discard(m.from_stage, m.to_stage, m.metadata)
+                if not m.body:
+                    self.discard(m.from_stage, m.to_stage, m.metadata)
                 return True
-            obj = self.read(m.from_stage, m.to_stage, "relay", m.metadata, int(m.metadata.get("t_ns", 0)))
+            kind, item = ("body", m.body) if m.body else ("relay", m.metadata)
+            obj = self.read(m.from_stage, m.to_stage, kind, item, int(m.metadata.get("t_ns", 0)))
             st.deliver_data(m.request_id, m.from_stage, obj)
         elif t == "stream":
             st = self.stages.get(m.to_stage)
@@ -455,8 +471,9 @@ class Worker:
                 return True
             md = m.metadata
             t_ns = int(md.get("t_ns", 0)) if isinstance(md, dict) else time.monotonic_ns()
-            if not st.deliver_stream(m.request_id, m.from_stage, int(m.chunk_id or 0), "relay", md, m.is_done,
-                                     m.error or "", t_ns) and md is not None:
+            kind, item = ("body", m.body) if m.body else ("relay", md)
+            if not st.deliver_stream(m.request_id, m.from_stage, int(m.chunk_id or 0), kind, item, m.is_done,
+                                     m.error or "", t_ns) and kind == "relay" and md is not None:
                 self.discard(m.from_stage, m.to_stage, md)
         elif t == "abort":
             self.aborted[m.request_id] = True
