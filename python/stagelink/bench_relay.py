@@ -30,9 +30,10 @@ def pipeline_figures(payload_bytes, chunk_bytes, sequential=60, concurrent=240, 
     from .pipeline import Pipeline
     ns = "bench" + uuid.uuid4().hex[:8]
     spec = {"name": "bench3", "relay": {"extra": {"namespace": ns}, "credits": 16},
-            "stages": [{"name": "a", "factory": "stagelink.examples.bench_stages:forward", "next": "b", "inline": True},
+            "stages": [{"name": "a", "factory": "stagelink.examples.bench_stages:forward", "next": "b", "inline": True,
+                        "zero_copy": True},
                        {"name": "b", "factory": "stagelink.examples.bench_stages:stream8", "stream_to": "c",
-                        "inline": True},
+                        "inline": True, "zero_copy": True},
                        {"name": "c", "factory": "stagelink.examples.bench_stages:Collect", "terminal": True}]}
     payload = {"data": np.ones(payload_bytes, np.uint8), "chunk_bytes": chunk_bytes}
     t0 = time.monotonic()

@@ -94,3 +94,7 @@ def boom_streamer(payload, ctx):
     for i in range(6):
         ctx.stream({"i": i, "data": np.full(8, i, np.uint8), "boom": True})
     return None
+
+
+def inspect_input(payload, ctx):
+    return {"writeable": bool(payload["x"].flags.writeable), "sum": int(payload["x"].sum())}

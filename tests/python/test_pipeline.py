@@ -114,6 +114,19 @@ def test_callback_stage_handles_chunks_in_order(ns):
             p.submit("r", {}).result(20)
 
 
+def test_zero_copy_inputs_are_read_only_views_that_hold_their_slot(ns):
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b"},
+        {"name": "b", "factory": f"{S}:inspect_input", "terminal": True, "zero_copy": True},
+    ], settings={"inline_bytes": 0})
+    with Pipeline.from_config(d) as p:
+        r = p.submit("r", {"x": np.arange(100_000)}).result(20)
+        assert r == {"writeable": False, "sum": int(np.arange(100_000).sum() * 2)}
+    d["stages"][1]["zero_copy"] = False
+    with Pipeline.from_config(d) as p:
+        assert p.submit("r", {"x": np.arange(100_000)}).result(20)["writeable"] is True
+
+
 def test_colocated_stages_pass_by_reference(ns):
     d = spec(ns, [
         {"name": "a", "factory": f"{S}:double", "next": "b", "process": "one"},

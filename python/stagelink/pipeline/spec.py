@@ -19,6 +19,7 @@
         merge: "mod:fn"                               # fan-in: combine {source: payload}
         concurrency: 8                                # requests run at once (threads); or
         inline: false                                 # true: on the receive thread, one at a time
+        zero_copy: false                              # true: relay inputs as read-only views
         terminal: true                                # its result completes the request
     edges:                                            # optional: a connector per edge
       - {from: thinker, to: talker, connector: big}
@@ -36,7 +37,7 @@ from typing import Any, Dict, List, Optional
 from .. import _core
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
-               "inline"}
+               "inline", "zero_copy"}
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
              "control"}
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 20.0, "abort_timeout_s": 5.0,
@@ -64,6 +65,9 @@ class StageSpec:
     # (the fastest for short stages), one request at a time, aborts seen between requests. Not for
     # stages that read streams (they wait for chunks the receive thread must deliver).
     inline: bool = False
+    # Inputs that came through the relay are read-only views of its shared memory (no copy); each
+    # holds its slot, and its edge's credit, until the stage drops it.
+    zero_copy: bool = False
     sources: List[str] = field(default_factory=list)         # stages whose `next` names this one
     stream_sources: List[str] = field(default_factory=list)  # stages whose `stream_to` names it
 
@@ -98,7 +102,8 @@ class PipelineSpec:
                 "edge_relays": self.edge_relays, "settings": self.settings, "source": self.source,
                 "client": self.client, "control": self.control,
                 "stages": [{k: getattr(s, k) for k in ("name", "factory", "args", "next", "stream_to", "terminal",
-                                                       "process", "merge", "concurrency", "inline", "sources",
+                                                       "process", "merge", "concurrency", "inline", "zero_copy",
+                                                       "sources",
                                                        "stream_sources")} for s in self.stages.values()]}
 
     @classmethod
@@ -176,7 +181,8 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         stages[name] = StageSpec(name=name, factory=factory, args=args, next=_list(s.get("next"), f"{where}: next"),
                                  stream_to=_list(s.get("stream_to"), f"{where}: stream_to"),
                                  terminal=bool(s.get("terminal", False)), process=proc, merge=merge,
-                                 concurrency=conc, inline=bool(s.get("inline", False)))
+                                 concurrency=conc, inline=bool(s.get("inline", False)),
+                                 zero_copy=bool(s.get("zero_copy", False)))
     for s in stages.values():
         for key in ("next", "stream_to"):
             for t in getattr(s, key):

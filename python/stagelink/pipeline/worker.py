@@ -193,7 +193,7 @@ class StageRuntime:
                 src, kind, item, t_ns = r.queue.popleft()
             if kind == "error":
                 raise StreamError(f"stage '{src}' failed while streaming to '{self.spec.name}': {item}")
-            yield self.w.read(src, self.spec.name, kind, item, t_ns)
+            yield self.w.read(src, self.spec.name, kind, item, t_ns, self.spec.zero_copy)
 
     # -- running
     def _run(self, rid: str, r: _Request):
@@ -263,7 +263,7 @@ class StageRuntime:
                     src, kind, item, t_ns = r.queue.popleft()
                 if kind == "error":
                     raise StreamError(f"stage '{src}' failed while streaming to '{self.spec.name}': {item}")
-                self.on_chunk(self.w.read(src, self.spec.name, kind, item, t_ns), r.ctx)
+                self.on_chunk(self.w.read(src, self.spec.name, kind, item, t_ns, self.spec.zero_copy), r.ctx)
             self._complete(rid, r, self.finish(None, r.ctx))
         except BaseException as e:  # noqa: BLE001
             r.done = True
@@ -380,14 +380,15 @@ class Worker:
         md["t_ns"] = t
         return md, None
 
-    def read(self, src, dst, kind, item, t_ns):
-        """The payload a message carried: `kind` obj (by reference), body (a frame), relay (metadata)."""
+    def read(self, src, dst, kind, item, t_ns, zero_copy=False):
+        """The payload a message carried: `kind` obj (by reference), body (a frame), relay (metadata;
+        `zero_copy`: read-only views holding the relay slot until dropped)."""
         if kind == "obj":
             obj = item
         elif kind == "body":
             obj = from_frame(item)
         else:
-            obj = self.relay(src, dst).get_async(item).result()
+            obj = self.relay(src, dst).get_async(item, zero_copy=zero_copy).result()
         with self.stats_lock:
             e = self._edge(src, dst)
             e["messages"] += 1
@@ -463,7 +464,7 @@ class Worker:
                     self.discard(m.from_stage, m.to_stage, m.metadata)
                 return True
             kind, item = ("body", m.body) if m.body else ("relay", m.metadata)
-            obj = self.read(m.from_stage, m.to_stage, kind, item, int(m.metadata.get("t_ns", 0)))
+            obj = self.read(m.from_stage, m.to_stage, kind, item, int(m.metadata.get("t_ns", 0)), st.spec.zero_copy)
             st.deliver_data(m.request_id, m.from_stage, obj)
         elif t == "stream":
             st = self.stages.get(m.to_stage)
