@@ -127,6 +127,44 @@ def test_zero_copy_inputs_are_read_only_views_that_hold_their_slot(ns):
         assert p.submit("r", {"x": np.arange(100_000)}).result(20)["writeable"] is True
 
 
+def test_an_edge_uses_the_connector_the_config_names(ns):
+    # vLLM-Omni syntax: runtime.connectors + edges; other edges keep the default relay.
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b"},
+        {"name": "b", "factory": f"{S}:add_one", "terminal": True},
+    ], settings={"inline_bytes": 0})
+    d["runtime"] = {"connectors": {"big": {"name": "SharedMemoryConnector",
+                                           "extra": {"namespace": ns + "e", "arena_bytes": 8 << 20}}}}
+    d["edges"] = [{"from": "a", "to": "b", "connector": "big"}]
+    sp = load_pipeline(d)
+    assert sp.relay_for("a", "b")["connector"] == "SharedMemoryConnector"
+    assert sp.relay_for("a", "b")["extra"]["namespace"] == ns + "e"
+    seen = set()
+    with Pipeline.from_config(d) as p:
+        r = p.submit("r", {"x": np.arange(50_000)}).result(20)
+        np.testing.assert_array_equal(r["x"], np.arange(50_000) * 2 + 1)
+        seen = {f for f in os.listdir("/dev/shm") if f".{ns}e." in f}
+    assert seen, "the edge's own namespace was not used"
+    assert not {f for f in os.listdir("/dev/shm") if f".{ns}e." in f}
+    d["edges"] = [{"from": "a", "to": "b", "connector": "nope"}]
+    with pytest.raises(PipelineConfigError, match="nope"):
+        load_pipeline(d)
+
+
+def test_torch_tensors_through_the_pipeline(ns):
+    torch = pytest.importorskip("torch")
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b"},
+        {"name": "b", "factory": f"{S}:add_one", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        for n in (16, 300_000):  # in the control message, and through the relay
+            x = torch.arange(n, dtype=torch.bfloat16)
+            r = p.submit(f"r{n}", {"x": x}).result(20)
+            assert isinstance(r["x"], torch.Tensor) and r["x"].dtype == torch.bfloat16
+            assert torch.equal(r["x"], x * 2 + 1)
+
+
 def test_colocated_stages_pass_by_reference(ns):
     d = spec(ns, [
         {"name": "a", "factory": f"{S}:double", "next": "b", "process": "one"},
