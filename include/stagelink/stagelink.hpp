@@ -8,4 +8,5 @@
 #include "stagelink/result.hpp"
 #include "stagelink/mq.hpp"
 #include "stagelink/relay.hpp"
+#include "stagelink/stage.hpp"
 #include "stagelink/shm.hpp"

@@ -98,3 +98,11 @@ def boom_streamer(payload, ctx):
 
 def inspect_input(payload, ctx):
     return {"writeable": bool(payload["x"].flags.writeable), "sum": int(payload["x"].sum())}
+
+
+def cpp_chunks(payload, ctx):
+    ids, total = [], 0.0
+    for c in ctx.chunks():
+        ids.append(int(c["i"]))
+        total += float(c["x"].sum())
+    return {"ids": ids, "sum": total}

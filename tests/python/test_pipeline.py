@@ -423,3 +423,29 @@ def test_relays_are_created_once_under_concurrent_first_use(ns):
     assert len({id(r) for r in got}) == 1 and len(w.relays) == 1
     for r in w.relays.values():
         r.close()
+
+
+CPP_LIB = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "build", "cpp", "libstagelink_example_stages.so")
+
+
+@pytest.mark.skipif(not os.path.exists(CPP_LIB), reason="the C++ example stages are built by ./scripts/test")
+def test_cpp_stages_compute_stream_and_fail_like_python_ones(ns):
+    d = spec(ns, [
+        {"name": "scale", "factory": f"cpp:{CPP_LIB}:scale_stage", "next": "chunk"},
+        {"name": "chunk", "factory": f"cpp:{CPP_LIB}:chunker_stage", "stream_to": "collect"},
+        {"name": "collect", "factory": f"{S}:cpp_chunks", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        x = np.arange(100_000, dtype=np.float32)  # through the relay
+        r = p.submit("r", {"x": x, "factor": 2.5}).result(20)  # scale's output has no "chunks": 4
+        assert r["ids"] == list(range(4))
+        assert r["sum"] == pytest.approx(float((x * 2.5).sum()) * 4, rel=1e-5)
+    d["stages"][1]["factory"] = f"cpp:{CPP_LIB}:fail_stage"
+    with Pipeline.from_config(d) as p:
+        with pytest.raises(StageError, match="fail_stage refuses request r") as ei:
+            p.submit("r", {"x": np.ones(3, np.float32)}).result(20)
+        assert ei.value.stage == "chunk"
+    d["stages"][1]["factory"] = f"cpp:{CPP_LIB}:no_such_symbol"
+    with pytest.raises(PipelineStartError, match="no_such_symbol"):
+        Pipeline.from_config(d)

@@ -164,8 +164,10 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         if name in stages:
             raise PipelineConfigError(f"{where}: declared twice")
         factory = s.get("factory")
-        if not isinstance(factory, str) or factory.count(":") != 1:
-            raise PipelineConfigError(f"{where}: 'factory' must be 'module:callable', got {factory!r}")
+        if not isinstance(factory, str) or not (factory.count(":") == 1 or
+                                                (factory.startswith("cpp:") and factory.count(":") >= 2)):
+            raise PipelineConfigError(f"{where}: 'factory' must be 'module:callable' (Python) or "
+                                      f"'cpp:path/to/lib.so:symbol' (C++), got {factory!r}")
         args = s.get("args")
         if args is not None and not isinstance(args, dict):
             raise PipelineConfigError(f"{where}: 'args' must be a map of keyword arguments")
@@ -352,10 +354,16 @@ def resolve(ref: str):
     return obj
 
 
-def build_stage(spec: StageSpec):
+def build_stage(spec: StageSpec, base_dir: str = "."):
     """(the stage object, its callable): factory(**args) when args are given or the factory is a
     class, else the factory itself. The callable is fn(payload, ctx) (or process(payload, ctx));
-    an object with on_chunk(chunk, ctx) and finish(payload, ctx) is a callback stage."""
+    an object with on_chunk(chunk, ctx) and finish(payload, ctx) is a callback stage. A factory
+    'cpp:LIB:SYMBOL' is a C++ stage in a shared library (relative LIB: from `base_dir`)."""
+    if spec.factory.startswith("cpp:"):
+        from .cpp_stage import CppStage
+        lib, _, symbol = spec.factory[4:].rpartition(":")
+        st = CppStage(lib if os.path.isabs(lib) else os.path.join(base_dir, lib), symbol, spec.name)
+        return st, st
     f = resolve(spec.factory)
     obj = f(**(spec.args or {})) if (spec.args is not None or isinstance(f, type)) else f
     if callable(getattr(obj, "on_chunk", None)):

@@ -102,7 +102,8 @@ class StageContext:
 class StageRuntime:
     def __init__(self, spec: StageSpec, worker: "Worker"):
         self.spec, self.w = spec, worker
-        self.obj, self.fn = build_stage(spec)
+        base = os.path.dirname(os.path.abspath(worker.spec.source)) if worker.spec.source != "<dict>" else os.getcwd()
+        self.obj, self.fn = build_stage(spec, base)
         # A callback stage (on_chunk(chunk, ctx) and finish(payload, ctx)): driven by its chunks on
         # the receive thread, no thread of its own.
         self.on_chunk = getattr(self.obj, "on_chunk", None)
