@@ -28,9 +28,18 @@ from ._lifetime import NativeOwner
 
 class RelayOperation:
     """A put or get in flight: ``metadata`` (what the receiver's ``get_async`` needs),
-    ``wait(timeout)`` and, for gets, ``result()``."""
+    ``wait(timeout)`` and, for gets, ``result()``.
+
+    Also usable as SGLang-Omni's asynchronous API: ``op = await relay.put_async(...)`` (the
+    operation is awaitable and gives itself) and ``await op.wait_for_completion(timeout=...)``
+    (the wait runs in the loop's executor, so the event loop is not blocked)."""
 
     __slots__ = ("_op", "_result", "_size")
+
+    def __await__(self):
+        if False:  # a generator that returns at once: `await op` is `op`
+            yield
+        return self
 
     def __init__(self, op=None, result=None, size=0):
         self._op = op
@@ -48,9 +57,13 @@ class RelayOperation:
         if self._op is not None:
             self._op.wait(timeout)
 
-    # the seed's name
-    def wait_for_completion(self, timeout: Optional[float] = None) -> None:
-        self.wait(timeout)
+    async def wait_for_completion(self, timeout: Optional[float] = None) -> None:
+        """The seed's awaitable wait: ``await op.wait_for_completion(timeout=5)``. Same errors as
+        :meth:`wait`; synchronous callers use :meth:`wait`."""
+        if self._op is None or self.done():
+            return self.wait(0) if self._op is not None else None
+        import asyncio
+        await asyncio.get_running_loop().run_in_executor(None, self.wait, timeout)
 
     def done(self) -> bool:
         return self._op.done() if self._op is not None else True
@@ -111,6 +124,8 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         are read-only views that hold the slot until dropped. Raises CorruptError for metadata
         that is not a relay's, NotFoundError when it was already read by every reader or cleaned
         up, InvalidArgumentError for a ``dest`` that is too small."""
+        if dest is not None and not _is_buffer(dest) and hasattr(dest, "numpy"):
+            dest = dest.numpy()  # a CPU torch tensor: its memory, as numpy sees it
         if self._native is None:
             obj = self._local.get(metadata)
             if dest is not None:
@@ -146,6 +161,14 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         if self._native.closed:
             raise _core.ClosedError("relay is closed")
         return self._native
+
+
+def _is_buffer(obj) -> bool:
+    try:
+        memoryview(obj)
+        return True
+    except TypeError:
+        return False
 
 
 def _copy_into(obj, dest):

@@ -139,3 +139,29 @@ def test_across_processes(ns):
         assert q.get(timeout=30) == (int(x.sum()), "hello")
         p.join(30)
         assert p.exitcode == 0
+
+
+def test_sglang_style_async_use(ns):
+    import asyncio
+
+    async def main():
+        with relay(ns, timeout_s=5) as r:
+            x = np.arange(100_000, dtype=np.float32)
+            op = await r.put_async(x, request_id="r")          # awaitable, as the seed's API
+            waiter = asyncio.ensure_future(op.wait_for_completion(timeout=5))
+            await asyncio.sleep(0.01)
+            assert not waiter.done()                            # the loop is not blocked by the wait
+            got = await r.get_async(op.metadata, request_id="r")
+            await waiter                                        # completes once read
+            np.testing.assert_array_equal(got.result(), x)
+
+    asyncio.run(main())
+
+
+def test_get_into_a_torch_tensor(ns):
+    torch = pytest.importorskip("torch")
+    with relay(ns) as r:
+        x = np.arange(1000, dtype=np.float32)
+        dest = torch.zeros(1000, dtype=torch.float32)
+        r.get_async(r.put_async(x, edge="e").metadata, dest)  # the seed's positional dest_tensor
+        assert torch.equal(dest, torch.arange(1000, dtype=torch.float32))
