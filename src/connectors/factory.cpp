@@ -4,6 +4,7 @@
 
 #include "connectors/internal_key.hpp"
 #include "connectors/shm_connector.hpp"
+#include "connectors/te_connector.hpp"
 #include "stagelink/connector.hpp"
 
 namespace stagelink {
@@ -66,9 +67,10 @@ Registry& registry() {
     reg->creators["SharedMemoryConnector"] = shm;
     reg->creators["MooncakeStoreConnector"] = not_yet("MooncakeStoreConnector", "the Redis store connector");
     reg->creators["StoreConnector"] = not_yet("StoreConnector", "the Redis store connector");
-    reg->creators["MooncakeTransferEngineConnector"] =
-        not_yet("MooncakeTransferEngineConnector", "the UCX transfer-engine connector");
-    reg->creators["TransferEngineConnector"] = not_yet("TransferEngineConnector", "the UCX transfer-engine connector");
+    for (const char* n : {"MooncakeTransferEngineConnector", "TransferEngineConnector"}) {
+      const std::string name = n;
+      reg->creators[name] = [name](const Value& extra) { return make_te_connector(name, extra); };
+    }
     return reg;
   }();
   return *r;

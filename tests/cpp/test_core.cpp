@@ -318,7 +318,7 @@ TEST(Factory, UnknownAndNotYetBuiltConnectors) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error().code, Errc::not_found);
   EXPECT_NE(r.error().message.find("SharedMemoryConnector"), std::string::npos);
-  auto m = create_connector("MooncakeTransferEngineConnector", Value());
+  auto m = create_connector("MooncakeStoreConnector", Value());
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.error().code, Errc::unsupported);
   EXPECT_NE(m.error().message.find("not built yet"), std::string::npos);

@@ -1,0 +1,529 @@
+// TransferEngineConnector (also MooncakeTransferEngineConnector): payloads between hosts over UCX.
+//
+// The sender stages each put in its registered pool and answers a ZeroMQ side channel (ROUTER on
+// host:zmq_port). The receiver allocates room in its own pool and asks the sender to write there
+// (a pull request carrying its worker address, the destination address and its pool's remote key);
+// the sender writes with UCX, flushes, and only then replies done. Every message is a small msgpack
+// map checked on receipt; a request id pairs replies with requests.
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <zmq.hpp>
+
+#include "connectors/internal_key.hpp"
+#include "core/log.hpp"
+#include "core/net.hpp"
+#include "core/proc.hpp"
+#include "stagelink/connector.hpp"
+#include "stagelink/frame.hpp"
+#include "ucx/engine.hpp"
+
+namespace stagelink {
+namespace {
+
+struct TeOptions {
+  std::string host = "auto";
+  int zmq_port = 50051;
+  std::string protocol = "tcp";
+  std::string device;
+  size_t pool_bytes = 256u << 20;
+  std::string role;
+  std::string sender_host;  // receiver side, for gets without metadata (update_sender_info)
+  int sender_port = 0;
+  double timeout_s = 10;
+  double put_timeout_s = 5;
+  double ttl_s = 300;
+  uint32_t readers = 1;
+};
+
+bool get_str(const Value& e, const char* k, std::string& out) {
+  const Value* v = e.find(k);
+  if (!v || v->is_nil()) return true;
+  if (!v->is<std::string>()) return false;
+  out = v->as<std::string>();
+  return true;
+}
+bool get_num(const Value& e, const char* k, double& out) {
+  const Value* v = e.find(k);
+  if (!v || v->is_nil()) return true;
+  if (v->is<double>()) {
+    out = v->as<double>();
+    return true;
+  }
+  int64_t i;
+  if (v->get_i64(i)) {
+    out = double(i);
+    return true;
+  }
+  if (v->is<std::string>()) {  // "64GB"-style sizes are the seed's memory_pool_size form
+    const std::string& s = v->as<std::string>();
+    char* end = nullptr;
+    double d = std::strtod(s.c_str(), &end);
+    std::string unit(end ? end : "");
+    for (auto& c : unit) c = char(std::toupper(static_cast<unsigned char>(c)));
+    const double mul = unit == "" || unit == "B"       ? 1
+                       : unit == "KB" || unit == "KIB" ? 1024.0
+                       : unit == "MB" || unit == "MIB" ? 1048576.0
+                       : unit == "GB" || unit == "GIB" ? 1073741824.0
+                                                       : -1;
+    if (mul < 0 || end == s.c_str()) return false;
+    out = d * mul;
+    return true;
+  }
+  return false;
+}
+
+Result<TeOptions> te_options(const Value& e) {
+  TeOptions o;
+  double port = o.zmq_port, pool = double(o.pool_bytes), tmo = o.timeout_s, ptmo = o.put_timeout_s, ttl = o.ttl_s,
+         readers = o.readers, sport = 0;
+  if (!get_str(e, "host", o.host) || !get_num(e, "zmq_port", port) || !get_str(e, "protocol", o.protocol) ||
+      !get_str(e, "device_name", o.device) || !get_num(e, "memory_pool_size", pool) || !get_str(e, "role", o.role) ||
+      !get_str(e, "sender_host", o.sender_host) || !get_num(e, "sender_zmq_port", sport) ||
+      !get_num(e, "timeout_s", tmo) || !get_num(e, "put_timeout_s", ptmo) || !get_num(e, "ttl_s", ttl) ||
+      !get_num(e, "readers", readers))
+    return make_error(Errc::invalid_argument,
+                      "TransferEngineConnector extra: host, protocol, device_name, role, sender_host are strings; "
+                      "zmq_port, memory_pool_size (bytes or '4GB'), timeout_s, put_timeout_s, ttl_s, readers numbers");
+  if (o.device.empty())
+    if (const char* d = std::getenv("RDMA_DEVICE_NAME")) o.device = d;
+  if (const Value* dev = e.find("memory_pool_device"); dev && dev->is<std::string>() && dev->as<std::string>() != "cpu")
+    return make_error(Errc::unsupported, "memory_pool_device '" + dev->as<std::string>() +
+                                             "': GPU pools come with the GPU issue; use cpu");
+  if (port < 0 || port > 65535) return make_error(Errc::invalid_argument, "zmq_port must be in [0, 65535]");
+  if (pool < 4096) return make_error(Errc::invalid_argument, "memory_pool_size must be at least 4096 bytes");
+  if (readers < 1 || readers > 1024) return make_error(Errc::invalid_argument, "readers must be in [1, 1024]");
+  if (o.protocol != "tcp" && o.protocol != "rdma")
+    return make_error(Errc::invalid_argument, "protocol must be tcp or rdma, got '" + o.protocol + "'");
+  o.zmq_port = int(port);
+  o.sender_port = int(sport);
+  o.pool_bytes = size_t(pool);
+  o.timeout_s = tmo;
+  o.put_timeout_s = ptmo;
+  o.ttl_s = ttl;
+  o.readers = uint32_t(readers);
+  return o;
+}
+
+std::string errc_str(Errc c) { return errc_name(c); }
+Errc errc_from(const std::string& s) {
+  for (int i = 0; i <= int(Errc::exists); ++i)
+    if (s == errc_name(Errc(i))) return Errc(i);
+  return Errc::io;
+}
+
+// Timeouts grow with size: the base, plus the size at 50 MB/s.
+double timeout_for(double base, size_t bytes) { return base + double(bytes) / 50e6; }
+
+class TeConnector final : public Connector {
+ public:
+  explicit TeConnector(TeOptions o) : o_(std::move(o)) {}
+  ~TeConnector() override { close(); }
+
+  Status init(const std::string& name) {
+    name_ = name;
+    ucx::EngineOptions eo;
+    eo.protocol = o_.protocol;
+    eo.device = o_.device;
+    eo.pool_bytes = o_.pool_bytes;
+    SL_ASSIGN(engine_, ucx::Engine::create(eo));
+    advertised_ = o_.host == "auto" ? net::host_address() : o_.host;
+    if (o_.role != "receiver") {  // a sender (or both): serve the side channel
+      const std::string bind_host = o_.host == "auto" ? "*" : o_.host;
+      try {
+        router_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::router);
+        router_->set(zmq::sockopt::linger, 0);
+        router_->bind("tcp://" + bind_host + ":" + std::to_string(o_.zmq_port));
+        const std::string last = router_->get(zmq::sockopt::last_endpoint);
+        port_ = std::stoi(last.substr(last.rfind(':') + 1));
+      } catch (const zmq::error_t& e) {
+        return make_error(Errc::io, "side channel on " + bind_host + ":" + std::to_string(o_.zmq_port) +
+                                        " (zmq_port): " + e.what() +
+                                        (e.num() == EADDRINUSE ? " (the port is taken)" : ""));
+      }
+      server_ = std::thread([this] { serve(); });
+    }
+    return {};
+  }
+
+  const std::string& name() const override { return name_; }
+
+  Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key, const Payload& p,
+                        const PutOptions& po) override {
+    if (!router_) return make_error(Errc::invalid_argument, name_ + " with role receiver cannot put");
+    SL_TRY(validate_name("from_stage", from, 64));
+    SL_TRY(validate_name("to_stage", to, 64));
+    SL_TRY(validate_name("key", key, 160));
+    SL_ASSIGN(FramePlan plan, plan_frame(p));
+    SL_ASSIGN(size_t off, engine_->allocate(plan.total, deadline_after(o_.put_timeout_s)));
+    write_frame(plan, p.tensors, engine_->pool_base() + off);
+    Entry e;
+    e.offset = off;
+    e.size = plan.total;
+    e.fast = p.ext.find("pickle") == nullptr;
+    e.readers_left = po.readers ? po.readers : o_.readers;
+    e.rid = std::string(po.request_id);
+    e.put_key = key;
+    e.created_ns = mono_ns();
+    const std::string ik = make_internal_key(key, from, to);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      sweep_locked();
+      auto it = entries_.find(ik);
+      if (it != entries_.end() && it->second.in_flight == 0) {  // an unread put of the key: replaced
+        engine_->free(it->second.offset, it->second.size);
+        entries_.erase(it);
+      } else if (it != entries_.end()) {
+        engine_->free(off, plan.total);
+        return make_error(Errc::exists, "key '" + ik + "' is being transferred; put it again after");
+      }
+      entries_.emplace(ik, e);
+    }
+    puts_.fetch_add(1);
+    put_bytes_.fetch_add(plan.total);
+    PutResult r;
+    r.size = plan.total;
+    Value::Map md;
+    md.emplace_back("source_host", advertised_);
+    md.emplace_back("source_port", uint64_t(port_));
+    md.emplace_back("data_size", uint64_t(plan.total));
+    md.emplace_back("is_fast_path", e.fast);
+    r.metadata = Value(std::move(md));
+    return r;
+  }
+
+  Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key, const Value* md,
+                        Deadline, const GetOptions& go) override {
+    SL_TRY(validate_name("from_stage", from, 64));
+    SL_TRY(validate_name("to_stage", to, 64));
+    SL_TRY(validate_name("key", key, 160));
+    const std::string ik = make_internal_key(key, from, to);
+    std::string host = o_.sender_host;
+    uint64_t port = uint64_t(o_.sender_port), size = 0;
+    bool have_size = false;
+    if (md && md->is<Value::Map>()) {
+      const Value* m = md;
+      if (m->as<Value::Map>().size() == 1 && m->find(key)) m = m->find(key);  // {key: metadata}
+      const Value *h = m->find("source_host"), *pt = m->find("source_port"), *ds = m->find("data_size");
+      if (h && pt) {
+        if (!h->is<std::string>() || !pt->get_u64(port) || port > 65535 || (ds && !ds->get_u64(size)))
+          return make_error(Errc::corrupt, "transfer-engine metadata: source_host must be a string, source_port a "
+                                           "port, data_size a size");
+        host = h->as<std::string>();
+        have_size = ds != nullptr;
+      }
+    }
+    if (host.empty() || port == 0)
+      return make_error(Errc::not_found, "get of '" + ik + "' needs the put's metadata (source_host, source_port) "
+                                         "or the sender's address (update_sender_info / extra sender_host, "
+                                         "sender_zmq_port)");
+    const std::string peer = "tcp://" + (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" +
+                             std::to_string(port);
+    if (!have_size) {  // ask the sender (query) first
+      Value::Map q;
+      q.emplace_back("op", "query");
+      q.emplace_back("key", ik);
+      SL_ASSIGN(Value rep, call(peer, std::move(q), o_.timeout_s));
+      SL_TRY(reply_status(rep, ik));
+      const Value* s = rep.find("size");
+      if (!s || !s->get_u64(size)) return make_error(Errc::corrupt, "query reply without a size");
+    }
+    if (size > engine_->pool_size())
+      return make_error(Errc::exhausted, "'" + ik + "' holds " + std::to_string(size) +
+                                             " bytes, more than this receiver's memory pool");
+    const double tmo = timeout_for(o_.timeout_s, size);
+    SL_ASSIGN(size_t off, engine_->allocate(size, deadline_after(tmo)));
+    auto region = std::shared_ptr<void>(nullptr, [eng = engine_, off, size](void*) { eng->free(off, size); });
+    Value::Map pull;
+    pull.emplace_back("op", "pull");
+    pull.emplace_back("key", ik);
+    pull.emplace_back("addr", uint64_t(reinterpret_cast<uintptr_t>(engine_->pool_base() + off)));
+    pull.emplace_back("len", uint64_t(size));
+    pull.emplace_back("rkey", Value::copy_bytes(engine_->rkey()));
+    pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+    SL_ASSIGN(Value rep, call(peer, std::move(pull), tmo));
+    SL_TRY(reply_status(rep, ik));
+    const std::span<const std::byte> bytes(engine_->pool_base() + off, size);
+    GetResult g;
+    g.size = size;
+    if (go.zero_copy) {
+      SL_TRY(decode_frame_into(bytes, region, g.payload, !go.raw_tree));  // views hold the region
+    } else {
+      SL_TRY(decode_frame_copy_into(bytes, g.payload));
+    }
+    gets_.fetch_add(1);
+    get_bytes_.fetch_add(size);
+    return g;
+  }
+
+  size_t cleanup(const std::string& rid) override {
+    std::lock_guard<std::mutex> l(mu_);
+    size_t n = 0;
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (it->second.in_flight == 0 && (it->second.put_key == rid || it->second.rid == rid)) {
+        engine_->free(it->second.offset, it->second.size);
+        it = entries_.erase(it);
+        ++n;
+      } else {
+        ++it;
+      }
+    }
+    return n;
+  }
+
+  Value health() override {
+    Value::Map m;
+    m.emplace_back("status", closed_ ? "closed" : "healthy");
+    m.emplace_back("connector", name_);
+    m.emplace_back("role", o_.role.empty() ? std::string("sender+receiver") : o_.role);
+    m.emplace_back("host", advertised_);
+    m.emplace_back("zmq_port", uint64_t(port_));
+    m.emplace_back("puts", uint64_t(puts_.load()));
+    m.emplace_back("gets", uint64_t(gets_.load()));
+    m.emplace_back("bytes_transferred", uint64_t(put_bytes_.load() + get_bytes_.load()));
+    m.emplace_back("pulls_served", uint64_t(pulls_.load()));
+    m.emplace_back("errors", uint64_t(errors_.load()));
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      m.emplace_back("outstanding", uint64_t(entries_.size()));
+    }
+    if (engine_) m.emplace_back("ucx", engine_->info());
+    return Value(std::move(m));
+  }
+
+  void close() override {
+    if (closed_.exchange(true)) return;
+    stop_.store(true);
+    if (server_.joinable()) server_.join();
+    router_.reset();
+    {
+      std::lock_guard<std::mutex> l(peers_mu_);
+      peers_.clear();
+    }
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      entries_.clear();  // their memory goes with the pool
+    }
+    if (engine_) engine_->close();
+    ctx_.close();
+  }
+
+ private:
+  struct Entry {
+    size_t offset = 0, size = 0;
+    bool fast = true;
+    uint32_t readers_left = 1;
+    uint32_t in_flight = 0;
+    std::string rid, put_key;
+    uint64_t created_ns = 0;
+  };
+  struct Peer {
+    std::mutex mu;
+    zmq::socket_t sock;
+    uint64_t next_id = 1;
+    Peer(zmq::context_t& c) : sock(c, zmq::socket_type::dealer) {}
+  };
+
+  static Status reply_status(const Value& rep, const std::string& ik) {
+    const Value* ok = rep.find("ok");
+    if (!ok || !ok->is<bool>()) return make_error(Errc::corrupt, "side-channel reply without 'ok'");
+    if (ok->as<bool>()) return {};
+    const Value* code = rep.find("code");
+    const Value* err = rep.find("err");
+    return make_error(code && code->is<std::string>() ? errc_from(code->as<std::string>()) : Errc::io,
+                      "sender, for '" + ik + "': " + (err && err->is<std::string>() ? err->as<std::string>() : "failed"));
+  }
+
+  // One request/reply with the sender at `peer` (a DEALER per sender, requests numbered).
+  Result<Value> call(const std::string& peer, Value::Map req, double timeout_s) {
+    std::shared_ptr<Peer> p;
+    {
+      std::lock_guard<std::mutex> l(peers_mu_);
+      if (closed_) return make_error(Errc::closed, name_ + " is closed");
+      auto& slot = peers_[peer];
+      if (!slot) {
+        slot = std::make_shared<Peer>(ctx_);
+        slot->sock.set(zmq::sockopt::linger, 0);
+        slot->sock.connect(peer);
+      }
+      p = slot;
+    }
+    std::lock_guard<std::mutex> l(p->mu);
+    const uint64_t id = p->next_id++;
+    req.emplace_back("rq", id);
+    const auto bytes = value_to_msgpack(Value(std::move(req)));
+    try {
+      if (!p->sock.send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait))
+        return make_error(Errc::timeout, "side channel to " + peer + " is not accepting requests");
+      const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+      for (;;) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+        if (left.count() <= 0)
+          return make_error(Errc::timeout, "no reply from the sender at " + peer + " within " + std::to_string(timeout_s) + " s");
+        zmq::pollitem_t it{p->sock.handle(), 0, ZMQ_POLLIN, 0};
+        zmq::poll(&it, 1, left);
+        if (!(it.revents & ZMQ_POLLIN)) continue;
+        zmq::message_t m;
+        if (!p->sock.recv(m, zmq::recv_flags::dontwait)) continue;
+        auto v = value_from_msgpack(std::span<const std::byte>(static_cast<const std::byte*>(m.data()), m.size()));
+        if (!v.ok() || !v->is<Value::Map>()) return make_error(Errc::corrupt, "malformed side-channel reply from " + peer);
+        uint64_t got = 0;
+        const Value* rq = v->find("rq");
+        if (!rq || !rq->get_u64(got) || got != id) continue;  // a late reply to an earlier request
+        return std::move(v).value();
+      }
+    } catch (const zmq::error_t& e) {
+      return make_error(Errc::io, "side channel to " + peer + ": " + e.what());
+    }
+  }
+
+  // The sender's side channel: one request at a time (each is a query or a whole pull).
+  void serve() {
+    while (!stop_.load()) {
+      zmq::pollitem_t it{router_->handle(), 0, ZMQ_POLLIN, 0};
+      try {
+        zmq::poll(&it, 1, std::chrono::milliseconds(100));
+        if (!(it.revents & ZMQ_POLLIN)) {
+          std::lock_guard<std::mutex> l(mu_);
+          sweep_locked();
+          continue;
+        }
+        zmq::message_t ident, body;
+        if (!router_->recv(ident, zmq::recv_flags::dontwait)) continue;
+        if (!ident.more() || !router_->recv(body, zmq::recv_flags::dontwait)) continue;
+        while (body.more()) {  // not ours: drain
+          zmq::message_t rest;
+          if (!router_->recv(rest, zmq::recv_flags::dontwait)) break;
+          body = std::move(rest);
+        }
+        Value rep = handle(std::span<const std::byte>(static_cast<const std::byte*>(body.data()), body.size()));
+        const auto bytes = value_to_msgpack(rep);
+        router_->send(ident, zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+        router_->send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait);
+      } catch (const zmq::error_t& e) {
+        if (stop_.load()) return;
+        SL_LOG_WARN("%s side channel: %s", name_.c_str(), e.what());
+      }
+    }
+  }
+
+  static Value fail(Errc c, const std::string& msg, uint64_t rq) {
+    Value::Map m;
+    m.emplace_back("ok", false);
+    m.emplace_back("code", errc_str(c));
+    m.emplace_back("err", msg);
+    m.emplace_back("rq", rq);
+    return Value(std::move(m));
+  }
+
+  Value handle(std::span<const std::byte> bytes) {
+    auto v = value_from_msgpack(bytes);
+    uint64_t rq = 0;
+    if (!v.ok() || !v->is<Value::Map>()) {
+      errors_.fetch_add(1);
+      return fail(Errc::corrupt, "malformed request", 0);
+    }
+    if (const Value* r = v->find("rq")) r->get_u64(rq);
+    const Value *op = v->find("op"), *key = v->find("key");
+    if (!op || !op->is<std::string>() || !key || !key->is<std::string>())
+      return fail(Errc::corrupt, "request without op/key", rq);
+    const std::string& ik = key->as<std::string>();
+    if (op->as<std::string>() == "query") {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = entries_.find(ik);
+      if (it == entries_.end()) return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
+      Value::Map m;
+      m.emplace_back("ok", true);
+      m.emplace_back("size", uint64_t(it->second.size));
+      m.emplace_back("fast", it->second.fast);
+      m.emplace_back("rq", rq);
+      return Value(std::move(m));
+    }
+    if (op->as<std::string>() != "pull") return fail(Errc::invalid_argument, "unknown op", rq);
+    uint64_t addr = 0, len = 0;
+    const Value *a = v->find("addr"), *n = v->find("len"), *rk = v->find("rkey"), *w = v->find("worker");
+    if (!a || !a->get_u64(addr) || !n || !n->get_u64(len) || !rk || !rk->is<Value::Bytes>() || !w ||
+        !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty() || rk->as<Value::Bytes>().empty())
+      return fail(Errc::corrupt, "pull request without addr/len/rkey/worker", rq);
+    Entry e;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = entries_.find(ik);
+      if (it == entries_.end()) return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
+      if (len < it->second.size)
+        return fail(Errc::invalid_argument, "destination of " + std::to_string(len) + " bytes for a payload of " +
+                                                std::to_string(it->second.size), rq);
+      ++it->second.in_flight;
+      e = it->second;
+    }
+    Status st = engine_->write(w->as<Value::Bytes>(), addr, rk->as<Value::Bytes>(),
+                               std::span<const std::byte>(engine_->pool_base() + e.offset, e.size),
+                               deadline_after(timeout_for(o_.timeout_s, e.size)));
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = entries_.find(ik);
+      if (it != entries_.end()) {
+        --it->second.in_flight;
+        if (st.ok() && --it->second.readers_left == 0 && it->second.in_flight == 0) {
+          engine_->free(it->second.offset, it->second.size);
+          entries_.erase(it);
+        }
+      }
+    }
+    if (!st.ok()) {
+      errors_.fetch_add(1);
+      return fail(st.error().code, st.error().message, rq);
+    }
+    pulls_.fetch_add(1);
+    Value::Map m;
+    m.emplace_back("ok", true);
+    m.emplace_back("rq", rq);
+    return Value(std::move(m));
+  }
+
+  // Unclaimed puts expire after ttl_s, never while a transfer is in flight.
+  void sweep_locked() {
+    const uint64_t ttl = uint64_t(o_.ttl_s * 1e9), now = mono_ns();
+    if (!ttl) return;
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (it->second.in_flight == 0 && now - it->second.created_ns > ttl) {
+        SL_LOG_WARN("%s: put '%s' unclaimed after %.0f s (ttl_s): freed", name_.c_str(), it->first.c_str(), o_.ttl_s);
+        engine_->free(it->second.offset, it->second.size);
+        it = entries_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  TeOptions o_;
+  std::string name_, advertised_;
+  int port_ = 0;
+  std::shared_ptr<ucx::Engine> engine_;
+  zmq::context_t ctx_{1};
+  std::unique_ptr<zmq::socket_t> router_;
+  std::thread server_;
+  std::atomic<bool> stop_{false}, closed_{false};
+  std::mutex mu_;
+  std::map<std::string, Entry> entries_;
+  std::mutex peers_mu_;
+  std::map<std::string, std::shared_ptr<Peer>> peers_;
+  std::atomic<uint64_t> puts_{0}, gets_{0}, put_bytes_{0}, get_bytes_{0}, pulls_{0}, errors_{0};
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Connector>> make_te_connector(const std::string& name, const Value& extra) {
+  SL_ASSIGN(TeOptions o, te_options(extra));
+  auto c = std::make_unique<TeConnector>(std::move(o));
+  SL_TRY(c->init(name));
+  return std::unique_ptr<Connector>(std::move(c));
+}
+
+}  // namespace stagelink

@@ -1,0 +1,377 @@
+// See engine.hpp.
+#include "ucx/engine.hpp"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/log.hpp"
+#include "core/proc.hpp"
+#include "stagelink/allocator.hpp"
+
+namespace stagelink::ucx {
+namespace {
+
+Error ucs_error(const std::string& what, ucs_status_t s) {
+  const Errc c = s == UCS_ERR_TIMED_OUT                                           ? Errc::timeout
+                 : s == UCS_ERR_UNREACHABLE || s == UCS_ERR_CONNECTION_RESET ||
+                           s == UCS_ERR_ENDPOINT_TIMEOUT || s == UCS_ERR_REJECTED ? Errc::peer_dead
+                 : s == UCS_ERR_NO_MEMORY || s == UCS_ERR_NO_RESOURCE             ? Errc::exhausted
+                 : s == UCS_ERR_UNSUPPORTED || s == UCS_ERR_NO_DEVICE             ? Errc::unsupported
+                 : s == UCS_ERR_CANCELED                                          ? Errc::cancelled
+                                                                                  : Errc::io;
+  return make_error(c, what + ": " + ucs_status_string(s));
+}
+
+// One operation's completion, shared between the waiting thread and UCX's callback.
+struct Op {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  ucs_status_t status = UCS_OK;
+};
+
+// Runs on the progress thread. The request is freed by the waiter once it has seen `done` (so a
+// waiter that cancels after its deadline never touches a freed request).
+void op_done(void*, ucs_status_t status, void* user_data) {
+  auto* holder = static_cast<std::shared_ptr<Op>*>(user_data);
+  {
+    std::lock_guard<std::mutex> l((*holder)->mu);
+    (*holder)->done = true;
+    (*holder)->status = status;
+  }
+  (*holder)->cv.notify_all();
+  delete holder;
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  EngineOptions opts;
+  ucp_context_h ctx = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_mem_h memh = nullptr;
+  std::byte* base = nullptr;
+  size_t size = 0;
+  std::vector<std::byte> addr, rkey;
+  int efd = -1, stopfd = -1;
+  std::thread progress;
+  std::atomic<bool> stopping{false}, closed{false};
+
+  mutable std::mutex pool_mu;
+  std::condition_variable pool_cv;
+  std::unique_ptr<BufferAllocator> alloc;
+
+  std::mutex ep_mu;
+  struct Ep {
+    ucp_ep_h ep = nullptr;
+    std::atomic<bool> failed{false};
+  };
+  std::map<std::vector<std::byte>, std::shared_ptr<Ep>> eps;
+  std::atomic<uint64_t> writes{0}, write_bytes{0}, write_errors{0}, eps_discarded{0};
+
+  static void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+    auto* e = static_cast<Ep*>(arg);
+    e->failed.store(true);
+    SL_LOG_INFO("ucx endpoint failed: %s (discarded; the next transfer makes a new one)", ucs_status_string(status));
+  }
+
+  Status init() {
+    ucp_config_t* cfg = nullptr;
+    ucs_status_t s = ucp_config_read(nullptr, nullptr, &cfg);
+    if (s != UCS_OK) return ucs_error("ucp_config_read", s);
+    const char* tls = opts.protocol == "tcp"    ? "tcp,self"
+                      : opts.protocol == "rdma" ? "rc,ud,dc,self"
+                      : opts.protocol == "shm"  ? "sm,self"
+                                                : "all";
+    if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(cfg, "TLS", tls);
+    if (!opts.device.empty()) ucp_config_modify(cfg, "NET_DEVICES", opts.device.c_str());
+    ucp_params_t p{};
+    p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    p.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    p.mt_workers_shared = 1;
+    s = ucp_init(&p, cfg, &ctx);
+    ucp_config_release(cfg);
+    if (s != UCS_OK)
+      return ucs_error("UCX init for protocol '" + opts.protocol + "'" +
+                           (opts.device.empty() ? "" : " on device '" + opts.device + "'"),
+                       s);
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_MULTI;  // connector threads post, the progress thread progresses
+    s = ucp_worker_create(ctx, &wp, &worker);
+    if (s != UCS_OK) return ucs_error("ucp_worker_create", s);
+    ucp_address_t* a = nullptr;
+    size_t alen = 0;
+    s = ucp_worker_get_address(worker, &a, &alen);
+    if (s != UCS_OK) return ucs_error("ucp_worker_get_address", s);
+    addr.assign(reinterpret_cast<std::byte*>(a), reinterpret_cast<std::byte*>(a) + alen);
+    ucp_worker_release_address(worker, a);
+    // The pool: allocated and registered once.
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = nullptr;
+    mp.length = opts.pool_bytes;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    s = ucp_mem_map(ctx, &mp, &memh);
+    if (s != UCS_OK) return ucs_error("registering a pool of " + std::to_string(opts.pool_bytes) + " bytes", s);
+    ucp_mem_attr_t ma{};
+    ma.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    s = ucp_mem_query(memh, &ma);
+    if (s != UCS_OK) return ucs_error("ucp_mem_query", s);
+    base = static_cast<std::byte*>(ma.address);
+    size = ma.length;
+    void* rk = nullptr;
+    size_t rklen = 0;
+    s = ucp_rkey_pack(ctx, memh, &rk, &rklen);
+    if (s != UCS_OK) return ucs_error("ucp_rkey_pack", s);
+    rkey.assign(static_cast<std::byte*>(rk), static_cast<std::byte*>(rk) + rklen);
+    ucp_rkey_buffer_release(rk);
+    alloc = std::make_unique<BufferAllocator>(size, 64);
+    s = ucp_worker_get_efd(worker, &efd);
+    if (s != UCS_OK) return ucs_error("ucp_worker_get_efd", s);
+    stopfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (stopfd < 0) return make_error(Errc::io, "eventfd");
+    progress = std::thread([this] { run(); });
+    return {};
+  }
+
+  // Progress whenever the worker's fd says so; sleep otherwise.
+  void run() {
+    pollfd fds[2] = {{efd, POLLIN, 0}, {stopfd, POLLIN, 0}};
+    while (!stopping.load()) {
+      while (ucp_worker_progress(worker) != 0) {
+      }
+      const ucs_status_t s = ucp_worker_arm(worker);
+      if (s == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
+      ::poll(fds, 2, 1000);
+      if (fds[1].revents & POLLIN) break;
+    }
+  }
+
+  void shutdown() {
+    if (closed.exchange(true)) return;
+    stopping.store(true);
+    if (stopfd >= 0) {
+      const uint64_t one = 1;
+      if (::write(stopfd, &one, sizeof one) < 0) {
+      }
+    }
+    if (progress.joinable()) progress.join();
+    {
+      std::lock_guard<std::mutex> l(ep_mu);
+      for (auto& [k, e] : eps) close_ep(e->ep);
+      eps.clear();
+    }
+    if (memh) ucp_mem_unmap(ctx, memh);
+    memh = nullptr;
+    if (worker) ucp_worker_destroy(worker);
+    worker = nullptr;
+    if (ctx) ucp_cleanup(ctx);
+    ctx = nullptr;
+    if (stopfd >= 0) ::close(stopfd);
+    stopfd = -1;
+    pool_cv.notify_all();
+  }
+
+  // Close an endpoint without waiting on the peer (it may be gone), progressing until done.
+  void close_ep(ucp_ep_h ep) {
+    if (!ep) return;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+      const uint64_t dl = mono_ns() + 1'000'000'000ull;
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && mono_ns() < dl) ucp_worker_progress(worker);
+      ucp_request_free(r);
+    }
+  }
+
+  Result<std::shared_ptr<Ep>> endpoint(std::span<const std::byte> peer) {
+    std::vector<std::byte> key(peer.begin(), peer.end());
+    std::lock_guard<std::mutex> l(ep_mu);
+    auto it = eps.find(key);
+    if (it != eps.end()) {
+      if (!it->second->failed.load()) return it->second;
+      // Broken: discarded, never reused.
+      close_ep(it->second->ep);
+      eps.erase(it);
+      eps_discarded.fetch_add(1);
+    }
+    auto e = std::make_shared<Ep>();
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(peer.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &Impl::on_ep_error;
+    ep.err_handler.arg = e.get();
+    const ucs_status_t s = ucp_ep_create(worker, &ep, &e->ep);
+    if (s != UCS_OK) return ucs_error("connecting to a peer", s);
+    eps.emplace(std::move(key), e);
+    return e;
+  }
+
+  // Post with a callback; wait for it until `deadline` (cancelling on timeout).
+  Status wait(ucs_status_ptr_t r, std::shared_ptr<Op>* holder, const std::shared_ptr<Op>& op, Deadline deadline,
+              const char* what) {
+    if (!UCS_PTR_IS_PTR(r)) {  // completed at once (or failed): no callback comes
+      delete holder;
+      const ucs_status_t s = UCS_PTR_STATUS(r);
+      return s == UCS_OK ? Status{} : Status(ucs_error(what, s));
+    }
+    ucp_worker_signal(worker);  // the progress thread may be asleep
+    std::unique_lock<std::mutex> l(op->mu);
+    if (!op->cv.wait_until(l, deadline, [&] { return op->done; })) {
+      l.unlock();
+      ucp_request_cancel(worker, r);
+      ucp_worker_signal(worker);
+      l.lock();
+      if (op->cv.wait_for(l, std::chrono::seconds(5), [&] { return op->done; })) ucp_request_free(r);
+      // else: UCX still owns it; leaking one request beats freeing one in flight
+      return make_error(Errc::timeout, std::string(what) + ": not complete before the deadline");
+    }
+    l.unlock();
+    ucp_request_free(r);
+    return op->status == UCS_OK ? Status{} : Status(ucs_error(what, op->status));
+  }
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() { close(); }
+void Engine::close() { impl_->shutdown(); }
+
+Result<std::shared_ptr<Engine>> Engine::create(const EngineOptions& o) {
+  if (o.protocol != "tcp" && o.protocol != "rdma" && o.protocol != "shm" && o.protocol != "any")
+    return make_error(Errc::invalid_argument, "protocol '" + o.protocol + "' is not one of tcp, rdma, shm, any");
+  if (o.pool_bytes == 0) return make_error(Errc::invalid_argument, "memory_pool_size must be positive");
+  auto impl = std::make_unique<Impl>();
+  impl->opts = o;
+  Status st = impl->init();
+  if (!st.ok()) {
+    impl->shutdown();
+    return std::move(st).error();
+  }
+  return std::shared_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+std::byte* Engine::pool_base() const { return impl_->base; }
+size_t Engine::pool_size() const { return impl_->size; }
+const std::vector<std::byte>& Engine::worker_address() const { return impl_->addr; }
+const std::vector<std::byte>& Engine::rkey() const { return impl_->rkey; }
+
+size_t Engine::pool_used() const {
+  std::lock_guard<std::mutex> l(impl_->pool_mu);
+  return impl_->alloc ? impl_->alloc->used() : 0;
+}
+
+Result<size_t> Engine::allocate(size_t n, Deadline deadline) {
+  std::unique_lock<std::mutex> l(impl_->pool_mu);
+  for (;;) {
+    if (impl_->closed) return make_error(Errc::closed, "transfer engine closed");
+    if (n > impl_->size)
+      return make_error(Errc::exhausted, "a payload of " + std::to_string(n) + " bytes exceeds the memory pool (" +
+                                             std::to_string(impl_->size) + " bytes; raise memory_pool_size)");
+    auto r = impl_->alloc->allocate(n);
+    if (r.ok()) return r;
+    if (impl_->pool_cv.wait_until(l, deadline) == std::cv_status::timeout)
+      return make_error(Errc::exhausted, "memory pool has no room for " + std::to_string(n) + " bytes (" +
+                                             std::to_string(impl_->alloc->used()) + " of " +
+                                             std::to_string(impl_->size) + " in use)");
+  }
+}
+
+void Engine::free(size_t offset, size_t n) {
+  {
+    std::lock_guard<std::mutex> l(impl_->pool_mu);
+    if (impl_->alloc) {
+      auto st = impl_->alloc->free(offset, n);
+      if (!st.ok()) SL_LOG_ERROR("pool free: %s", st.error().to_string().c_str());
+    }
+  }
+  impl_->pool_cv.notify_all();
+}
+
+Status Engine::write(std::span<const std::byte> peer, uint64_t remote_addr, std::span<const std::byte> rkey,
+                     std::span<const std::byte> src, Deadline deadline) {
+  if (impl_->closed) return make_error(Errc::closed, "transfer engine closed");
+  SL_ASSIGN(auto ep, impl_->endpoint(peer));
+  ucp_rkey_h rk = nullptr;
+  ucs_status_t s = ucp_ep_rkey_unpack(ep->ep, rkey.data(), &rk);
+  if (s != UCS_OK) return ucs_error("unpacking the receiver's remote key", s);
+  Status st;
+  if (!src.empty()) {
+    auto op = std::make_shared<Op>();
+    auto* holder = new std::shared_ptr<Op>(op);
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = op_done;
+    rp.user_data = holder;
+    st = impl_->wait(ucp_put_nbx(ep->ep, src.data(), src.size(), remote_addr, rk, &rp), holder, op, deadline,
+                     "writing to the receiver");
+  }
+  if (st.ok()) {  // done means the bytes are there: flush before saying so
+    auto op = std::make_shared<Op>();
+    auto* holder = new std::shared_ptr<Op>(op);
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = op_done;
+    rp.user_data = holder;
+    st = impl_->wait(ucp_ep_flush_nbx(ep->ep, &rp), holder, op, deadline, "flushing the write");
+  }
+  ucp_rkey_destroy(rk);
+  if (!st.ok() || ep->failed.load()) {
+    impl_->write_errors.fetch_add(1);
+    ep->failed.store(true);  // never reused after a failure
+    if (st.ok()) st = make_error(Errc::peer_dead, "the endpoint to the receiver failed during the write");
+    return st;
+  }
+  impl_->writes.fetch_add(1);
+  impl_->write_bytes.fetch_add(src.size());
+  return {};
+}
+
+Value Engine::info() const {
+  Value::Map m;
+  m.emplace_back("protocol", impl_->opts.protocol);
+  m.emplace_back("device", impl_->opts.device.empty() ? std::string("any") : impl_->opts.device);
+  std::string tls;
+  if (impl_->ctx) {
+    // What UCX selected: its context report, condensed to the transport/device lines.
+    char* buf = nullptr;
+    size_t len = 0;
+    FILE* f = open_memstream(&buf, &len);
+    if (f) {
+      ucp_context_print_info(impl_->ctx, f);
+      std::fclose(f);
+      std::string all(buf, len);
+      std::free(buf);
+      size_t pos = 0;
+      while ((pos = all.find("md ", pos)) != std::string::npos) {
+        size_t end = all.find('\n', pos);
+        std::string line = all.substr(pos, end - pos);
+        tls += (tls.empty() ? "" : "; ") + line;
+        pos = end;
+      }
+    }
+  }
+  m.emplace_back("transports", tls);
+  m.emplace_back("pool_bytes", uint64_t(impl_->size));
+  m.emplace_back("pool_used", uint64_t(pool_used()));
+  m.emplace_back("writes", uint64_t(impl_->writes.load()));
+  m.emplace_back("write_bytes", uint64_t(impl_->write_bytes.load()));
+  m.emplace_back("write_errors", uint64_t(impl_->write_errors.load()));
+  m.emplace_back("endpoints_discarded", uint64_t(impl_->eps_discarded.load()));
+  return Value(std::move(m));
+}
+
+}  // namespace stagelink::ucx

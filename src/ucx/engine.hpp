@@ -1,0 +1,57 @@
+// The UCX engine of the transfer-engine connector: one context and worker, a memory pool
+// registered once (ucp_mem_map) and carved by BufferAllocator, endpoints to peers by worker
+// address, and one progress thread woken by the worker's event file descriptor (never a busy
+// loop; a receiving worker is always progressed while data arrives).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "stagelink/connector.hpp"
+#include "stagelink/result.hpp"
+
+namespace stagelink::ucx {
+
+struct EngineOptions {
+  std::string protocol = "tcp";  // tcp | rdma | shm | any: which UCX transports may run
+  std::string device;            // a NIC (UCX_NET_DEVICES form, e.g. "eth0" or "mlx5_0:1"); empty: any
+  size_t pool_bytes = 256u << 20;
+};
+
+class Engine {
+ public:
+  // Errors: unsupported (no UCX transport for `protocol`/`device`), io, exhausted.
+  static Result<std::shared_ptr<Engine>> create(const EngineOptions& o);
+  ~Engine();
+  void close();  // stops the thread, closes endpoints, deregisters the pool. Idempotent.
+
+  std::byte* pool_base() const;
+  size_t pool_size() const;
+  // A region of the pool, waiting for room until `deadline`. Errors: exhausted, closed.
+  Result<size_t> allocate(size_t n, Deadline deadline);
+  void free(size_t offset, size_t n);
+  size_t pool_used() const;
+
+  const std::vector<std::byte>& worker_address() const;
+  const std::vector<std::byte>& rkey() const;  // packed remote key of the pool
+
+  // Write `src` (inside this engine's pool) to `remote_addr` of the peer whose worker address is
+  // `peer`, memory described by `rkey`, then flush: when it returns ok the bytes are at the
+  // destination. A failed endpoint is discarded (the next write makes a new one). Errors:
+  // timeout, peer_dead, io, closed.
+  Status write(std::span<const std::byte> peer, uint64_t remote_addr, std::span<const std::byte> rkey,
+               std::span<const std::byte> src, Deadline deadline);
+
+  // The transports and devices UCX actually runs for this context, and counters.
+  Value info() const;
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace stagelink::ucx
