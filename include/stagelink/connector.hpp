@@ -132,6 +132,12 @@ class Connector {
   // until it moves past `seen` or `deadline` passes. Returns false on the deadline.
   virtual uint64_t release_epoch() { return 0; }
   virtual bool wait_release_epoch(uint64_t seen, Deadline deadline) { (void)seen; (void)deadline; return false; }
+  // Transfer engines: where a get without metadata finds the sender (vLLM-Omni's
+  // update_sender_info(sender_host, sender_zmq_port)). Errors: unsupported, invalid_argument.
+  virtual Status update_sender_info(const std::string& host, int port) {
+    (void)host; (void)port;
+    return make_error(Errc::unsupported, name() + " has no sender to update");
+  }
   // Counters (puts, gets, bytes_transferred, errors, timeouts, ...) and transport state.
   virtual Value health() = 0;
   // Release everything this connector owns. Idempotent; also run by the destructor.

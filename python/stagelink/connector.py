@@ -157,6 +157,11 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         thread's) returns ``None`` at once. Returns how many were woken (0: none was waiting)."""
         return self._reported("abandon_get", self._abandon_get, str(get_key))
 
+    def update_sender_info(self, sender_host: str, sender_zmq_port: int) -> None:
+        """Transfer engines (vLLM-Omni's name): where a ``get`` without metadata asks for the key
+        (the sender's side-channel host and port). Other connectors raise UnsupportedError."""
+        self._update_sender_info(str(sender_host), int(sender_zmq_port))
+
     def reap_consumed(self) -> int:
         """Return the shared memory of puts that every reader has read (put also does this
         lazily). Returns how many puts were reclaimed."""

@@ -198,14 +198,28 @@ class TeConnector final : public Connector {
     return r;
   }
 
+  Status update_sender_info(const std::string& host, int port) override {
+    if (host.empty() || port <= 0 || port > 65535)
+      return make_error(Errc::invalid_argument, "update_sender_info: a host and a port in [1, 65535]");
+    std::lock_guard<std::mutex> l(mu_);
+    o_.sender_host = host;
+    o_.sender_port = port;
+    return {};
+  }
+
   Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key, const Value* md,
-                        Deadline, const GetOptions& go) override {
+                        Deadline deadline, const GetOptions& go) override {
     SL_TRY(validate_name("from_stage", from, 64));
     SL_TRY(validate_name("to_stage", to, 64));
     SL_TRY(validate_name("key", key, 160));
     const std::string ik = make_internal_key(key, from, to);
-    std::string host = o_.sender_host;
-    uint64_t port = uint64_t(o_.sender_port), size = 0;
+    std::string host;
+    uint64_t port = 0, size = 0;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      host = o_.sender_host;
+      port = uint64_t(o_.sender_port);
+    }
     bool have_size = false;
     if (md && md->is<Value::Map>()) {
       const Value* m = md;
@@ -225,14 +239,25 @@ class TeConnector final : public Connector {
                                          "sender_zmq_port)");
     const std::string peer = "tcp://" + (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" +
                              std::to_string(port);
-    if (!have_size) {  // ask the sender (query) first
-      Value::Map q;
-      q.emplace_back("op", "query");
-      q.emplace_back("key", ik);
-      SL_ASSIGN(Value rep, call(peer, std::move(q), o_.timeout_s));
-      SL_TRY(reply_status(rep, ik));
-      const Value* s = rep.find("size");
-      if (!s || !s->get_u64(size)) return make_error(Errc::corrupt, "query reply without a size");
+    if (!have_size) {  // ask the sender (query) first; until `deadline` while it has no such put
+      for (uint64_t backoff_us = 1000;; backoff_us = std::min<uint64_t>(backoff_us * 2, 50'000)) {
+        Value::Map q;
+        q.emplace_back("op", "query");
+        q.emplace_back("key", ik);
+        SL_ASSIGN(Value rep, call(peer, std::move(q), o_.timeout_s));
+        Status st = reply_status(rep, ik);
+        if (st.ok()) {
+          const Value* s = rep.find("size");
+          if (!s || !s->get_u64(size)) return make_error(Errc::corrupt, "query reply without a size");
+          break;
+        }
+        // The sender has no such put yet: ask again (backing off to 50 ms; the side channel has
+        // no notification) until the deadline.
+        if (st.error().code != Errc::not_found || deadline == kNoWait ||
+            Clock::now() + std::chrono::microseconds(backoff_us) >= deadline)
+          return std::move(st).error();
+        std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
+      }
     }
     if (size > engine_->pool_size())
       return make_error(Errc::exhausted, "'" + ik + "' holds " + std::to_string(size) +

@@ -983,7 +983,7 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   Result<GetResult> r = make_error(Errc::io, "");
   // Zero-copy, inline payloads viewing `md`, the tree left packed: the caller builds its objects.
   const GetOptions go{true, true, true};
-  if (!lookup && dl != kNoWait) {
+  if (!lookup) {  // may wait, or cross a network (a transfer engine's pull): without the GIL
     nb::gil_scoped_release nogil;
     r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
   } else {
@@ -1456,6 +1456,10 @@ NB_MODULE(_core, m) {
       .def("_cleanup", [](PyConnector& self, const std::string& rid) { return self.get().cleanup(rid); })
       .def("_abandon_get", [](PyConnector& self, const std::string& key) { return self.get().abandon_get(key); })
       .def("_reap_consumed", [](PyConnector& self) { return self.get().reap_consumed(); })
+      .def("_update_sender_info", [](PyConnector& self, const std::string& host, int port) {
+             auto st = self.get().update_sender_info(host, port);
+             if (!st.ok()) raise(st.error());
+           })
       .def_prop_ro("allow_pickle", [](PyConnector& self) { return self.allow_pickle; })
       .def("_health", [](PyConnector& self) {
              if (!self.c) return nb::object(nb::dict());

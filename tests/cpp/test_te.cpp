@@ -133,6 +133,27 @@ TEST(TransferEngine, FourHundredBackToBackAcrossProcessesNoneTorn) {
   ::close(fds[1]);
 }
 
+TEST(TransferEngine, GetWithoutMetadataAsksTheSenderGivenByUpdateSenderInfo) {
+  auto snd = te("sender");
+  auto rcv = te("receiver");
+  const uint64_t port = snd->health().find("zmq_port")->as<uint64_t>();
+  auto none = rcv->get("0", "1", "later", nullptr, kNoWait, {});
+  EXPECT_EQ(none.error().code, Errc::not_found);  // no sender known
+  ASSERT_TRUE(rcv->update_sender_info("127.0.0.1", int(port)).ok());
+  EXPECT_EQ(rcv->update_sender_info("", 0).error().code, Errc::invalid_argument);
+  const auto d = pattern(100000, 8);
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_TRUE(snd->put("0", "1", "later", payload_of(d)).ok());
+  });
+  auto g = rcv->get("0", "1", "later", nullptr, deadline_after(5), {});  // waits for the put
+  late.join();
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(d));
+  auto gone = rcv->get("0", "1", "never", nullptr, deadline_after(0.2), {});
+  EXPECT_EQ(gone.error().code, Errc::not_found);
+}
+
 TEST(TransferEngine, FanOutToThreeReadersThenGone) {
   auto snd = te("sender");
   auto rcv = te("receiver");

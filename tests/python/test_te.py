@@ -1,0 +1,124 @@
+"""The transfer-engine connector between two hosts: two network namespaces joined by a veth pair,
+the sender in one and the receiver in the other, over TCP, configured by the seed's YAML as a
+vLLM-Omni caller does (host: auto, zmq_port, role injected)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import stagelink
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
+                                reason="network namespaces need root and iproute2")
+
+SEED_YAML = """
+runtime:
+  connectors:
+    rdma_connector:
+      name: MooncakeTransferEngineConnector
+      extra:
+        host: "auto"
+        zmq_port: 50051
+        protocol: "tcp"
+        device_name: ""
+        memory_pool_size: 1073741824
+        memory_pool_device: "cpu"
+stage_args:
+  - {stage_id: 0, output_connectors: {to_stage_1: rdma_connector}}
+  - {stage_id: 1, input_connectors: {from_stage_0: rdma_connector}}
+"""
+
+SENDER = textwrap.dedent("""
+    import hashlib, json, sys, numpy as np, stagelink
+    cfg = stagelink.load_transfer_config(sys.argv[1])
+    spec = [d for d in cfg.stage_connectors(0) if d["direction"] == "output"][0]["connector"]
+    c = stagelink.create_connector(spec.name, spec.extra)          # role injected by the config
+    sizes = [0, 1, 4096, 1 << 20, 16 << 20, 512 << 20]
+    out = []
+    rng = np.random.default_rng(7)
+    for i, n in enumerate(sizes):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        ok, size, md = c.put(0, 1, f"req-{i}", data)
+        assert ok, c.last_error
+        out.append({"key": f"req-{i}", "md": md, "sum": hashlib.blake2b(data.tobytes()).hexdigest(), "n": n})
+        del data
+    for i in range(400):                                              # back to back
+        data = rng.integers(0, 256, 4096 + (i * 997) % 65536, dtype=np.uint8)
+        ok, size, md = c.put(0, 1, f"bb-{i}", data)
+        out.append({"key": f"bb-{i}", "md": md, "sum": hashlib.blake2b(data.tobytes()).hexdigest(), "n": data.size})
+    print(json.dumps(out), flush=True)
+    sys.stdin.readline()                                              # until the receiver is done
+    print(json.dumps(c.health()["pulls_served"]), flush=True)
+    c.close()
+""")
+
+RECEIVER = textwrap.dedent("""
+    import hashlib, json, sys, stagelink
+    cfg = stagelink.load_transfer_config(sys.argv[1])
+    spec = [d for d in cfg.stage_connectors(1) if d["direction"] == "input"][0]["connector"]
+    c = stagelink.create_connector(spec.name, spec.extra)
+    todo = json.load(open(sys.argv[2]))
+    bad = []
+    for t in todo:
+        got = c.get(0, 1, t["key"], t["md"])
+        if got is None:
+            bad.append((t["key"], "none", str(c.last_error)))
+            continue
+        data, size = got
+        if hashlib.blake2b(bytes(data)).hexdigest() != t["sum"] or len(bytes(data)) != t["n"]:
+            bad.append((t["key"], "torn"))
+    print(json.dumps({"checked": len(todo), "bad": bad}), flush=True)
+    c.close()
+""")
+
+
+@pytest.fixture
+def two_hosts():
+    tag = str(os.getpid() % 100000)
+    a, b = f"sla{tag}", f"slb{tag}"
+    va, vb = f"slva{tag}", f"slvb{tag}"
+    net = 200 + os.getpid() % 50
+    cmds = [["ip", "netns", "add", a], ["ip", "netns", "add", b],
+            ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
+            ["ip", "link", "set", va, "netns", a], ["ip", "link", "set", vb, "netns", b],
+            ["ip", "-n", a, "addr", "add", f"10.{net}.0.1/24", "dev", va],
+            ["ip", "-n", b, "addr", "add", f"10.{net}.0.2/24", "dev", vb],
+            ["ip", "-n", a, "link", "set", va, "up"], ["ip", "-n", b, "link", "set", vb, "up"],
+            ["ip", "-n", a, "link", "set", "lo", "up"], ["ip", "-n", b, "link", "set", "lo", "up"]]
+    try:
+        for c in cmds:
+            subprocess.run(c, check=True, capture_output=True)
+        yield a, b, f"10.{net}.0.1", f"10.{net}.0.2"
+    finally:
+        subprocess.run(["ip", "netns", "del", a], capture_output=True)
+        subprocess.run(["ip", "netns", "del", b], capture_output=True)
+
+
+def test_seed_config_across_two_namespaces_nothing_torn(tmp_path, two_hosts):
+    a, b, addr_a, _ = two_hosts
+    cfg = tmp_path / "seed.yaml"
+    cfg.write_text(SEED_YAML)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    snd = subprocess.Popen(["ip", "netns", "exec", a, sys.executable, "-c", SENDER, str(cfg)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = snd.stdout.readline()
+        assert line, snd.stderr.read()
+        todo = json.loads(line)
+        assert all(t["md"]["source_host"] == addr_a for t in todo)  # host: auto found the veth address
+        (tmp_path / "todo.json").write_text(line)
+        rcv = subprocess.run(["ip", "netns", "exec", b, sys.executable, "-c", RECEIVER, str(cfg),
+                              str(tmp_path / "todo.json")], capture_output=True, text=True, timeout=300, env=env)
+        assert rcv.returncode == 0, rcv.stderr
+        res = json.loads(rcv.stdout.strip().splitlines()[-1])
+        assert res["checked"] == 406 and res["bad"] == [], res["bad"][:5]
+        snd.stdin.write("done\n")
+        snd.stdin.flush()
+        assert int(snd.stdout.readline()) == 406
+    finally:
+        snd.kill() if snd.poll() is None else None
+        snd.wait(30)
