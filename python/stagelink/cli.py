@@ -76,8 +76,9 @@ def _cmd_bench(args):
     from .bench import parse_size, run_shm
     from .bench_mq import run_mq
     from .bench_relay import run_relay
-    if args.kind not in ("shm", "mq", "relay", "all"):
-        print(f"error: bench '{args.kind}' is not built yet; available: shm, mq, relay", file=sys.stderr)
+    from .bench_te import run_te
+    if args.kind not in ("shm", "mq", "relay", "te", "all"):
+        print(f"error: bench '{args.kind}' is not built yet; available: shm, mq, relay, te", file=sys.stderr)
         return 2
     def json_for(kind):
         if not args.json or args.kind != "all":
@@ -92,6 +93,9 @@ def _cmd_bench(args):
     if args.kind in ("relay", "all"):
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
         run_relay(sizes, args.iters, json_for("relay"), pipelines=not args.quick)
+    if args.kind in ("te", "all"):
+        sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
+        run_te(sizes, json_for("te"))
     return 0
 
 

@@ -52,6 +52,15 @@ void op_done(void*, ucs_status_t status, void* user_data) {
   delete holder;
 }
 
+// How long the progress thread keeps progressing after activity (STAGELINK_UCX_SPIN_US).
+uint64_t spin_us() {
+  static const uint64_t v = [] {
+    const char* e = std::getenv("STAGELINK_UCX_SPIN_US");
+    return e ? uint64_t(std::strtoull(e, nullptr, 10)) : uint64_t(100);
+  }();
+  return v;
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -144,11 +153,23 @@ struct Engine::Impl {
     return {};
   }
 
-  // Progress whenever the worker's fd says so; sleep otherwise.
+  // Progress whenever the worker's fd says so; sleep otherwise. After activity it keeps
+  // progressing for a short while (a transfer's next fragments arrive within microseconds; a
+  // wake-up per fragment would halve the rate), then arms the fd and sleeps.
   void run() {
     pollfd fds[2] = {{efd, POLLIN, 0}, {stopfd, POLLIN, 0}};
+    const uint64_t spin_ns = spin_us() * 1000;
     while (!stopping.load()) {
-      while (ucp_worker_progress(worker) != 0) {
+      uint64_t idle_since = 0;
+      for (;;) {
+        if (ucp_worker_progress(worker) != 0) {
+          idle_since = 0;
+          continue;
+        }
+        if (!spin_ns || stopping.load()) break;
+        const uint64_t now = mono_ns();
+        if (!idle_since) idle_since = now;
+        else if (now - idle_since > spin_ns) break;
       }
       const ucs_status_t s = ucp_worker_arm(worker);
       if (s == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
