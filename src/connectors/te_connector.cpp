@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -175,6 +176,7 @@ class TeConnector final : public Connector {
     e.rid = std::string(po.request_id);
     e.put_key = key;
     e.created_ns = mono_ns();
+    e.seq = next_seq_.fetch_add(1) + 1;
     const std::string ik = make_internal_key(key, from, to);
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -198,6 +200,8 @@ class TeConnector final : public Connector {
     md.emplace_back("source_port", uint64_t(port_));
     md.emplace_back("data_size", uint64_t(plan.total));
     md.emplace_back("is_fast_path", e.fast);
+    md.emplace_back("put_seq", e.seq);  // beyond the seed: lets this connector say when it was read
+    md.emplace_back("key", ik);
     r.metadata = Value(std::move(md));
     return r;
   }
@@ -298,6 +302,26 @@ class TeConnector final : public Connector {
     return g;
   }
 
+  // Relay support: a put is released when its entry is gone (read by every reader, cleaned up,
+  // expired) or replaced by a newer put of the key.
+  Result<bool> put_released(const Value& md) override {
+    const Value *k = md.find("key"), *sq = md.find("put_seq");
+    uint64_t seq = 0;
+    if (!k || !k->is<std::string>() || !sq || !sq->get_u64(seq))
+      return make_error(Errc::corrupt, "put_released: not this connector's put metadata");
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = entries_.find(k->as<std::string>());
+    return it == entries_.end() || it->second.seq != seq;
+  }
+  uint64_t release_epoch() override {
+    std::lock_guard<std::mutex> l(mu_);
+    return epoch_;
+  }
+  bool wait_release_epoch(uint64_t seen, Deadline deadline) override {
+    std::unique_lock<std::mutex> l(mu_);
+    return release_cv_.wait_until(l, deadline, [&] { return epoch_ != seen || closed_.load(); });
+  }
+
   size_t cleanup(const std::string& rid) override {
     std::lock_guard<std::mutex> l(mu_);
     size_t n = 0;
@@ -305,6 +329,7 @@ class TeConnector final : public Connector {
       if (it->second.in_flight == 0 && (it->second.put_key == rid || it->second.rid == rid)) {
         engine_->free(it->second.offset, it->second.size);
         it = entries_.erase(it);
+        released_locked();
         ++n;
       } else {
         ++it;
@@ -345,6 +370,7 @@ class TeConnector final : public Connector {
     {
       std::lock_guard<std::mutex> l(mu_);
       entries_.clear();  // their memory goes with the pool
+      released_locked();
     }
     if (engine_) engine_->close();
     ctx_.close();
@@ -358,6 +384,7 @@ class TeConnector final : public Connector {
     uint32_t in_flight = 0;
     std::string rid, put_key;
     uint64_t created_ns = 0;
+    uint64_t seq = 0;  // this put among the connector's (a replaced key's new put differs)
   };
   struct Peer {
     std::mutex mu;
@@ -504,6 +531,7 @@ class TeConnector final : public Connector {
         if (--it->second.readers_left == 0 && it->second.in_flight == 0) {
           engine_->free(it->second.offset, it->second.size);
           entries_.erase(it);
+          released_locked();
         }
         pulls_.fetch_add(1);
         return Value(std::move(m));
@@ -525,6 +553,7 @@ class TeConnector final : public Connector {
         if (st.ok() && --it->second.readers_left == 0 && it->second.in_flight == 0) {
           engine_->free(it->second.offset, it->second.size);
           entries_.erase(it);
+          released_locked();
         }
       }
     }
@@ -548,10 +577,16 @@ class TeConnector final : public Connector {
         SL_LOG_WARN("%s: put '%s' unclaimed after %.0f s (ttl_s): freed", name_.c_str(), it->first.c_str(), o_.ttl_s);
         engine_->free(it->second.offset, it->second.size);
         it = entries_.erase(it);
+        released_locked();
       } else {
         ++it;
       }
     }
+  }
+
+  void released_locked() {
+    ++epoch_;
+    release_cv_.notify_all();
   }
 
   TeOptions o_;
@@ -563,6 +598,9 @@ class TeConnector final : public Connector {
   std::thread server_;
   std::atomic<bool> stop_{false}, closed_{false};
   std::mutex mu_;
+  std::condition_variable release_cv_;
+  uint64_t epoch_ = 0;
+  std::atomic<uint64_t> next_seq_{0};
   std::map<std::string, Entry> entries_;
   std::mutex peers_mu_;
   std::map<std::string, std::shared_ptr<Peer>> peers_;

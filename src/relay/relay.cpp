@@ -97,10 +97,13 @@ Result<RelayConfig> RelayConfig::from_value(const Value& v) {
     if (!e->is<Value::Map>()) return make_error(Errc::invalid_argument, "relay config: 'extra' must be a map");
     c.extra = *e;
   }
+  if (c.backend == "ucx") {  // the transfer engine (UCX), extra: its keys (host, zmq_port, protocol, ...)
+    c.backend = "connector";
+    c.connector = "TransferEngineConnector";
+  }
   if (c.backend != "shm" && c.backend != "local" && c.backend != "connector")
     return make_error(Errc::invalid_argument, "relay config: backend '" + c.backend +
-                                                  "' is not one of shm, local, connector (the ucx backend comes with "
-                                                  "the transfer engine)");
+                                                  "' is not one of shm, ucx, local, connector");
   if (c.backend == "connector" && c.connector.empty())
     return make_error(Errc::invalid_argument, "relay config: backend 'connector' needs 'connector' (a class name)");
   if (c.device != "cpu")
@@ -136,6 +139,14 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       if (!has("arena_bytes"))
         extra.emplace_back("arena_bytes", uint64_t(std::max(1.0, cfg.slot_size_mb * cfg.credits) * (1 << 20)));
       if (!has("put_timeout_s")) extra.emplace_back("put_timeout_s", cfg.timeout_s);
+    } else if (name == "TransferEngineConnector") {
+      auto has = [&](const char* k) {
+        return std::any_of(extra.begin(), extra.end(), [&](auto& kv) { return kv.first == k; });
+      };
+      // Every relay serves its own side channel: a free port unless one is asked for (stage
+      // processes of one host would otherwise collide on the seed's default 50051).
+      if (!has("zmq_port")) extra.emplace_back("zmq_port", uint64_t(0));
+      if (!has("timeout_s")) extra.emplace_back("timeout_s", cfg.timeout_s);
     }
     SL_ASSIGN(conn, create_connector(name, Value(std::move(extra))));
     return {};

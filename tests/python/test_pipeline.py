@@ -151,6 +151,21 @@ def test_an_edge_uses_the_connector_the_config_names(ns):
         load_pipeline(d)
 
 
+def test_pipeline_over_the_ucx_relay(ns):
+    # Every payload and chunk through the transfer engine (UCX over TCP on loopback).
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b"},
+        {"name": "b", "factory": f"{S}:streamer", "stream_to": "c"},
+        {"name": "c", "factory": f"{S}:collector", "terminal": True},
+    ], relay={"backend": "ucx", "credits": 4, "extra": {"host": "127.0.0.1", "memory_pool_size": 64 << 20}},
+        settings={"inline_bytes": 0})
+    with Pipeline.from_config(d) as p:
+        futs = [p.submit(f"r{i}", {"x": np.arange(200_000) + i, "chunks": 6, "chunk_bytes": 100_000})
+                for i in range(4)]
+        for f in futs:
+            assert f.result(30)["ids"] == list(range(8))  # double() drops "chunks": the default 8
+
+
 def test_torch_tensors_through_the_pipeline(ns):
     torch = pytest.importorskip("torch")
     d = spec(ns, [
