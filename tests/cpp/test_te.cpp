@@ -290,3 +290,54 @@ TEST(TransferEngine, SenderKilledMidTransferIsAnErrorWithinTheTimeout) {
   close(fds[0]);
   close(fds[1]);
 }
+
+// A receiver killed in the middle of its pull: the sender survives, frees nothing it still owes
+// others, and serves the next receiver. The child is forked before this process starts UCX.
+TEST(TransferEngine, ReceiverKilledMidTransferLeavesTheSenderServing) {
+  int fds[2], ready[2];
+  ASSERT_EQ(pipe(fds), 0);
+  ASSERT_EQ(pipe(ready), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    ::close(fds[1]);
+    ::close(ready[0]);
+    uint32_t n = 0;
+    if (read(fds[0], &n, 4) != 4) _exit(2);
+    std::vector<std::byte> buf(n);
+    if (read(fds[0], buf.data(), n) != ssize_t(n)) _exit(3);
+    const Value md = value_from_msgpack(buf).value();
+    auto rcv = create_connector("TransferEngineConnector", te_extra("receiver", 0, 512u << 20));
+    if (!rcv.ok()) _exit(4);
+    const char go = 1;
+    if (write(ready[1], &go, 1) != 1) _exit(5);
+    (void)rcv.value()->get("0", "1", "huge", &md, kNoWait, {});  // killed during this
+    _exit(0);
+  }
+  ::close(fds[0]);
+  auto snd = te("sender", 0, 512u << 20);
+  ASSERT_TRUE(snd);
+  const auto d = pattern(200 << 20, 9);
+  PutOptions po;
+  po.readers = 2;
+  auto pr = snd->put("0", "1", "huge", payload_of(d), po);
+  ASSERT_TRUE(pr.ok());
+  const auto md = value_to_msgpack(pr->metadata);
+  const uint32_t n = uint32_t(md.size());
+  ASSERT_EQ(write(fds[1], &n, 4), 4);
+  ASSERT_EQ(write(fds[1], md.data(), n), ssize_t(n));
+  ::close(ready[1]);
+  char go = 0;
+  ASSERT_EQ(read(ready[0], &go, 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));  // its pull under way (200 MiB: ~100 ms)
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  ::close(fds[1]);
+  ::close(ready[0]);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  if (snd->health().find("pulls_served")->as<uint64_t>() != 0)
+    GTEST_SKIP() << "the pull completed before the kill landed";
+  auto rcv = te("receiver", 0, 512u << 20);
+  auto g = rcv->get("0", "1", "huge", &pr->metadata, kNoWait, {});
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(d));
+}
