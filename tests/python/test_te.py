@@ -122,3 +122,61 @@ def test_seed_config_across_two_namespaces_nothing_torn(tmp_path, two_hosts):
     finally:
         snd.kill() if snd.poll() is None else None
         snd.wait(30)
+
+
+LINK_SENDER = textwrap.dedent("""
+    import json, sys, numpy as np, stagelink
+    c = stagelink.create_connector("TransferEngineConnector", {"host": sys.argv[1], "zmq_port": 0, "role": "sender",
+        "memory_pool_size": 300 << 20, "timeout_s": 3})
+    ok, size, md = c.put(0, 1, "big", np.ones(256 << 20, np.uint8))
+    assert ok, c.last_error
+    print(json.dumps(md), flush=True)
+    sys.stdin.readline()
+    c.close()
+""")
+
+LINK_RECEIVER = textwrap.dedent("""
+    import json, sys, time, stagelink
+    md = json.loads(sys.argv[1])
+    c = stagelink.create_connector("TransferEngineConnector", {"host": "auto", "role": "receiver",
+        "memory_pool_size": 300 << 20, "timeout_s": 3})
+    print("pulling", flush=True)
+    t0 = time.monotonic()
+    got = c.get(0, 1, "big", md)
+    print(json.dumps({"got": got is not None, "s": time.monotonic() - t0, "err": str(c.last_error),
+                      "pool_used": c.health()["ucx"]["pool_used"]}), flush=True)
+    c.close()
+""")
+
+
+def test_link_set_down_mid_transfer_is_an_error_within_the_timeout(two_hosts):
+    a, b, addr_a, _ = two_hosts
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    snd = subprocess.Popen(["ip", "netns", "exec", a, sys.executable, "-c", LINK_SENDER, addr_a],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        md = snd.stdout.readline()
+        assert md, snd.stderr.read()
+        rcv = subprocess.Popen(["ip", "netns", "exec", b, sys.executable, "-c", LINK_RECEIVER, md.strip()],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert rcv.stdout.readline().strip() == "pulling"
+        import time
+        time.sleep(0.05)
+        link = subprocess.run(["ip", "-n", a, "-o", "link", "show", "type", "veth"], capture_output=True,
+                              text=True).stdout.split(":")[1].strip().split("@")[0]
+        subprocess.run(["ip", "-n", a, "link", "set", link, "down"], check=True)
+        out, err = rcv.communicate(timeout=60)
+        assert rcv.returncode == 0, err[-3000:]                    # no crash
+        res = json.loads(out.strip().splitlines()[-1])
+        if res["got"]:
+            pytest.skip(f"the transfer finished before the link went down ({res['s']:.2f} s)")
+        assert res["s"] < 3 + (256 << 20) / 50e6 + 3                 # within its timeout
+        assert res["pool_used"] == 0                                 # its pool region came back
+    finally:
+        if snd.poll() is None:
+            snd.stdin.write("x\n")
+            snd.stdin.flush()
+            try:
+                snd.wait(20)
+            except subprocess.TimeoutExpired:
+                snd.kill()
