@@ -273,6 +273,13 @@ class TeConnector final : public Connector {
     const double tmo = timeout_for(o_.timeout_s, size);
     SL_ASSIGN(size_t off, engine_->allocate(size, deadline_after(tmo)));
     auto region = std::shared_ptr<void>(nullptr, [eng = engine_, off, size](void*) { eng->free(off, size); });
+    const uint64_t token = (uint64_t(getpid()) << 40) ^ next_token_.fetch_add(1);
+    engine_->expect(token, engine_->pool_base() + off, size, region);
+    struct Forget {
+      ucx::Engine* e;
+      uint64_t t;
+      ~Forget() { e->forget(t); }
+    } forget{engine_.get(), token};
     Value::Map pull;
     pull.emplace_back("op", "pull");
     pull.emplace_back("key", ik);
@@ -281,6 +288,7 @@ class TeConnector final : public Connector {
     pull.emplace_back("rkey", Value::copy_bytes(engine_->rkey()));
     pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
     pull.emplace_back("inline_max", uint64_t(kInlineMax));
+    pull.emplace_back("token", token);
     SL_ASSIGN(Value rep, call(peer, std::move(pull), tmo));
     SL_TRY(reply_status(rep, ik));
     if (const Value* d = rep.find("data")) {  // a small payload came back in the reply itself
@@ -288,6 +296,8 @@ class TeConnector final : public Connector {
         return make_error(Errc::corrupt, "inline reply of " + std::to_string(d->is<Value::Bytes>() ? d->as<Value::Bytes>().size() : 0) +
                                              " bytes for a payload of " + std::to_string(size));
       std::memcpy(engine_->pool_base() + off, d->as<Value::Bytes>().data(), size);
+    } else if (rep.find("am")) {  // sent as an active message: wait until it has landed here
+      SL_TRY(engine_->wait_landed(token, deadline_after(tmo)));
     }
     const std::span<const std::byte> bytes(engine_->pool_base() + off, size);
     GetResult g;
@@ -542,9 +552,14 @@ class TeConnector final : public Connector {
       ++it->second.in_flight;
       e = it->second;
     }
-    Status st = engine_->write(w->as<Value::Bytes>(), addr, rk->as<Value::Bytes>(),
-                               std::span<const std::byte>(engine_->pool_base() + e.offset, e.size),
-                               deadline_after(timeout_for(o_.timeout_s, e.size)));
+    uint64_t token = 0;
+    const Value* tk = v->find("token");
+    const bool am = tk && tk->get_u64(token);
+    const std::span<const std::byte> src(engine_->pool_base() + e.offset, e.size);
+    const Deadline dl = deadline_after(timeout_for(o_.timeout_s, e.size));
+    // Active message when the receiver gave a token (this version's receivers do); else a write.
+    Status st = am ? engine_->send(w->as<Value::Bytes>(), token, src, dl)
+                   : engine_->write(w->as<Value::Bytes>(), addr, rk->as<Value::Bytes>(), src, dl);
     {
       std::lock_guard<std::mutex> l(mu_);
       auto it = entries_.find(ik);
@@ -565,6 +580,7 @@ class TeConnector final : public Connector {
     Value::Map m;
     m.emplace_back("ok", true);
     m.emplace_back("rq", rq);
+    if (am) m.emplace_back("am", true);
     return Value(std::move(m));
   }
 
@@ -600,7 +616,7 @@ class TeConnector final : public Connector {
   std::mutex mu_;
   std::condition_variable release_cv_;
   uint64_t epoch_ = 0;
-  std::atomic<uint64_t> next_seq_{0};
+  std::atomic<uint64_t> next_seq_{0}, next_token_{1};
   std::map<std::string, Entry> entries_;
   std::mutex peers_mu_;
   std::map<std::string, std::shared_ptr<Peer>> peers_;

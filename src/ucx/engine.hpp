@@ -45,6 +45,17 @@ class Engine {
   Status write(std::span<const std::byte> peer, uint64_t remote_addr, std::span<const std::byte> rkey,
                std::span<const std::byte> src, Deadline deadline);
 
+  // Active-message data path (the default; RMA emulated over TCP can abort a receiver whose
+  // sender dies mid-put). Receiving side: expect(token) names where the message tagged `token`
+  // lands; `keep` stays referenced until nothing can write there any more (a receive under way
+  // outlives a caller that gave up). wait_landed() then waits for it; forget() gives up.
+  void expect(uint64_t token, std::byte* dst, size_t len, std::shared_ptr<void> keep);
+  Status wait_landed(uint64_t token, Deadline deadline);
+  void forget(uint64_t token);
+  // Sending side: `src` to the peer's worker, tagged `token`, then flush: when it returns ok the
+  // peer's UCX has the bytes (rendezvous: in the destination). Errors as write().
+  Status send(std::span<const std::byte> peer, uint64_t token, std::span<const std::byte> src, Deadline deadline);
+
   // The transports and devices UCX actually runs for this context, and counters.
   Value info() const;
 
