@@ -85,9 +85,13 @@ class ControlOutbox {
  public:
   static Result<std::unique_ptr<ControlOutbox>> connect(const std::string& endpoint);
   virtual ~ControlOutbox() = default;
-  // Queue `m` for the inbox. Blocks while the peer's queue is full, up to timeout_s (< 0: forever).
-  // Errors: invalid_argument (a field over its limit), timeout (the peer takes nothing), closed.
-  virtual Status send(const ControlMessage& m, double timeout_s) = 0;
+  // Queue `m` for the inbox (encoded, then send_bytes). Blocks while the peer's queue is full, up
+  // to timeout_s (< 0: forever). Errors: invalid_argument (a field over its limit), timeout (the
+  // peer takes nothing), closed.
+  Status send(const ControlMessage& m, double timeout_s) {
+    SL_ASSIGN(auto bytes, encode_control(m));
+    return send_bytes(bytes, timeout_s);
+  }
   // Raw bytes, for tests of a peer that sends garbage.
   virtual Status send_bytes(std::span<const std::byte> bytes, double timeout_s) = 0;
   // Delivers what is queued (waiting at most 1 s for a peer that takes nothing), then releases

@@ -11,18 +11,13 @@ import time
 import uuid
 
 from . import _core
+from .bench import _fmt_size
 
 # SGLang-Omni 0.1.9 on this machine class (issue 10): e2e ms, requests/s with 8 in flight, start-up s.
 REFERENCE = {"1MiB+8x8KiB": (8.4, 180.0), "4KiB+8x1KiB": (4.4, 398.0), "startup_s": 4.0,
              "hop_64B_us": 171.0}
 
 
-def _fmt(n):
-    for u in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:g} {u}"
-        n /= 1024
-    return f"{n:g} TiB"
 
 
 def pipeline_figures(payload_bytes, chunk_bytes, sequential=60, concurrent=240, in_flight=8, progress=None):
@@ -47,7 +42,7 @@ def pipeline_figures(payload_bytes, chunk_bytes, sequential=60, concurrent=240, 
             assert p.submit(f"s{i}", payload).result(30) == 8
             lat.append((time.perf_counter() - t) * 1e3)
         if progress:
-            progress(f"pipeline {_fmt(payload_bytes)} + 8 x {_fmt(chunk_bytes)}: {in_flight} in flight")
+            progress(f"pipeline {_fmt_size(payload_bytes)} + 8 x {_fmt_size(chunk_bytes)}: {in_flight} in flight")
         futs, t = [], time.perf_counter()
         for i in range(concurrent):
             if len(futs) >= in_flight:
@@ -86,7 +81,7 @@ def run_relay(sizes=None, iters=2000, json_path=None, out=sys.stdout, pipelines=
         row["view_vs_memcpy"] = hop["rtt_view"] / mc
         row["zmq_vs_view"] = hop["rtt_zmq"] / hop["rtt_view"]
         table.append(row)
-        print(f"{_fmt(s):>9} {hop['rtt_copy']:>12.1f} us {hop['rtt_view']:>8.1f} us {hop['rtt_view_zmqctl']:>13.1f} us "
+        print(f"{_fmt_size(s):>9} {hop['rtt_copy']:>12.1f} us {hop['rtt_view']:>8.1f} us {hop['rtt_view_zmqctl']:>13.1f} us "
               f"{hop['rtt_zmq']:>8.1f} us "
               f"{mc:>6.1f} us {row['gbps_view']:>10.2f} {row['gbps_memcpy']:>11.2f} "
               f"{row['view_vs_memcpy']:>11.2f}x {row['zmq_vs_view']:>11.2f}x", file=out)

@@ -17,6 +17,8 @@ import sys
 import textwrap
 import time
 
+from .bench import _fmt_size
+
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 512 << 20]
 # Mooncake TE 0.3.13 over TCP across the namespaces (issue 11): GB/s at 1 MiB and at 16-186 MiB.
 MOONCAKE = {"1MiB": 2.9, "16MiB+": 1.67}
@@ -66,12 +68,6 @@ def _iters(size):
     return 400 if size <= 64 << 10 else 100 if size <= 1 << 20 else 20 if size <= 16 << 20 else 8 if size <= 64 << 20 else 4
 
 
-def _fmt(n):
-    for u in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:g} {u}"
-        n /= 1024
-    return f"{n:g} TiB"
 
 
 class _Hosts:
@@ -196,7 +192,7 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                   file=out)
             for r in rows:
                 pt = f"{r['ucx_perftest_gbps']:.2f}" if r["ucx_perftest_gbps"] else "-"
-                print(f"{_fmt(r['size']):>9} {r['median_us']:>7.0f} us {r['p99_us']:>7.0f} us {r['gbps']:>7.2f} "
+                print(f"{_fmt_size(r['size']):>9} {r['median_us']:>7.0f} us {r['p99_us']:>7.0f} us {r['gbps']:>7.2f} "
                       f"{pt:>12} {str(r['verified']):>8}", file=out)
             print(f"iperf3: {ip1:.2f} GB/s (1 stream), {ip4:.2f} GB/s (4 streams)" if ip1 and ip4 else
                   "iperf3: not available", file=out)

@@ -231,10 +231,6 @@ class ShmOutbox final : public ControlOutbox {
     name_ = seg_name(name);
     return {};
   }
-  Status send(const ControlMessage& m, double timeout_s) override {
-    SL_ASSIGN(auto bytes, encode_control(m));
-    return send_bytes(bytes, timeout_s);
-  }
   Status send_bytes(std::span<const std::byte> bytes, double timeout_s) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return make_error(Errc::closed, "control outbox is closed");

@@ -135,10 +135,6 @@ class ZmqOutbox final : public ControlOutbox {
     }
     return {};
   }
-  Status send(const ControlMessage& m, double timeout_s) override {
-    SL_ASSIGN(auto bytes, encode_control(m));
-    return send_bytes(bytes, timeout_s);
-  }
   Status send_bytes(std::span<const std::byte> bytes, double timeout_s) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (!sock_) return make_error(Errc::closed, "control outbox is closed");

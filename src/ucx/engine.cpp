@@ -397,6 +397,35 @@ struct Engine::Impl {
     ucp_request_free(r);
     return op->status == UCS_OK ? Status{} : Status(ucs_error(what, op->status));
   }
+
+  // One operation (posted by `post` with our completion callback; a put of 0 bytes is skipped,
+  // a message never is: the receiver waits for it), then a
+  // flush of the endpoint: when it returns ok the peer has the bytes. A failure marks the endpoint
+  // failed (never reused) and counts; a success counts the bytes.
+  template <class Post>
+  Status transfer(Ep& ep, size_t bytes, Post&& post, Deadline deadline, const char* what, bool skip_empty) {
+    auto one = [&](auto&& issue, const char* label) {
+      auto op = std::make_shared<Op>();
+      auto* holder = new std::shared_ptr<Op>(op);
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.send = op_done;
+      rp.user_data = holder;
+      return wait(issue(&rp), holder, op, deadline, label);
+    };
+    Status st;
+    if (bytes || !skip_empty) st = one(post, what);
+    if (st.ok()) st = one([&](const ucp_request_param_t* rp) { return ucp_ep_flush_nbx(ep.ep, rp); }, "flushing");
+    if (!st.ok() || ep.failed.load()) {
+      write_errors.fetch_add(1);
+      ep.failed.store(true);
+      if (st.ok()) st = make_error(Errc::peer_dead, std::string("the endpoint failed while ") + what);
+      return st;
+    }
+    writes.fetch_add(1);
+    write_bytes.fetch_add(bytes);
+    return {};
+  }
 };
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -461,36 +490,14 @@ Status Engine::write(std::span<const std::byte> peer, uint64_t remote_addr, std:
   ucp_rkey_h rk = nullptr;
   ucs_status_t s = ucp_ep_rkey_unpack(ep->ep, rkey.data(), &rk);
   if (s != UCS_OK) return ucs_error("unpacking the receiver's remote key", s);
-  Status st;
-  if (!src.empty()) {
-    auto op = std::make_shared<Op>();
-    auto* holder = new std::shared_ptr<Op>(op);
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = op_done;
-    rp.user_data = holder;
-    st = impl_->wait(ucp_put_nbx(ep->ep, src.data(), src.size(), remote_addr, rk, &rp), holder, op, deadline,
-                     "writing to the receiver");
-  }
-  if (st.ok()) {  // done means the bytes are there: flush before saying so
-    auto op = std::make_shared<Op>();
-    auto* holder = new std::shared_ptr<Op>(op);
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = op_done;
-    rp.user_data = holder;
-    st = impl_->wait(ucp_ep_flush_nbx(ep->ep, &rp), holder, op, deadline, "flushing the write");
-  }
+  Status st = impl_->transfer(
+      *ep, src.size(),
+      [&](const ucp_request_param_t* rp) {
+        return ucp_put_nbx(ep->ep, src.data(), src.size(), remote_addr, rk, rp);
+      },
+      deadline, "writing to the receiver", true);
   ucp_rkey_destroy(rk);
-  if (!st.ok() || ep->failed.load()) {
-    impl_->write_errors.fetch_add(1);
-    ep->failed.store(true);  // never reused after a failure
-    if (st.ok()) st = make_error(Errc::peer_dead, "the endpoint to the receiver failed during the write");
-    return st;
-  }
-  impl_->writes.fetch_add(1);
-  impl_->write_bytes.fetch_add(src.size());
-  return {};
+  return st;
 }
 
 void Engine::expect(uint64_t token, std::byte* dst, size_t len, std::shared_ptr<void> keep) {
@@ -531,36 +538,13 @@ Status Engine::send(std::span<const std::byte> peer, uint64_t token, std::span<c
                     Deadline deadline) {
   if (impl_->closed) return make_error(Errc::closed, "transfer engine closed");
   SL_ASSIGN(auto ep, impl_->endpoint(peer));
-  auto hdr = std::make_shared<uint64_t>(token);  // valid until the send completes
-  Status st;
-  {
-    auto op = std::make_shared<Op>();
-    auto* holder = new std::shared_ptr<Op>(op);
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = op_done;
-    rp.user_data = holder;
-    st = impl_->wait(ucp_am_send_nbx(ep->ep, Impl::kAmId, hdr.get(), sizeof(uint64_t), src.data(), src.size(), &rp),
-                     holder, op, deadline, "sending to the receiver");
-  }
-  if (st.ok()) {
-    auto op = std::make_shared<Op>();
-    auto* holder = new std::shared_ptr<Op>(op);
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = op_done;
-    rp.user_data = holder;
-    st = impl_->wait(ucp_ep_flush_nbx(ep->ep, &rp), holder, op, deadline, "flushing the send");
-  }
-  if (!st.ok() || ep->failed.load()) {
-    impl_->write_errors.fetch_add(1);
-    ep->failed.store(true);
-    if (st.ok()) st = make_error(Errc::peer_dead, "the endpoint to the receiver failed during the send");
-    return st;
-  }
-  impl_->writes.fetch_add(1);
-  impl_->write_bytes.fetch_add(src.size());
-  return {};
+  const uint64_t hdr = token;  // lives until transfer() returns, after the send completed
+  return impl_->transfer(
+      *ep, src.size(),
+      [&](const ucp_request_param_t* rp) {
+        return ucp_am_send_nbx(ep->ep, Impl::kAmId, &hdr, sizeof hdr, src.data(), src.size(), rp);
+      },
+      deadline, "sending to the receiver", false);
 }
 
 Value Engine::info() const {
