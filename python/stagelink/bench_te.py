@@ -70,8 +70,10 @@ def _iters(size):
 
 
 
-class _Hosts:
-    """Loopback, or two namespaces joined by a veth pair (removed on exit)."""
+class TwoHosts:
+    """Loopback, or two network namespaces joined by a veth pair (root; `close()` removes them):
+    `a`/`b` prefix a command to run it on either side, `addr_a` is side a's address, `va` its
+    veth. The transfer-engine tests use it too."""
 
     def __init__(self, namespaces: bool):
         self.ns = namespaces
@@ -80,7 +82,8 @@ class _Hosts:
             self.addr_a = "127.0.0.1"
             return
         tag = str(os.getpid() % 100000)
-        self.na, self.nb, va, vb = f"sbta{tag}", f"sbtb{tag}", f"sbva{tag}", f"sbvb{tag}"
+        self.na, self.nb, self.va, vb = f"sbta{tag}", f"sbtb{tag}", f"sbva{tag}", f"sbvb{tag}"
+        va = self.va
         net = 150 + os.getpid() % 50
         for c in (["ip", "netns", "add", self.na], ["ip", "netns", "add", self.nb],
                   ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
@@ -99,7 +102,7 @@ class _Hosts:
             subprocess.run(["ip", "netns", "del", self.nb], capture_output=True)
 
 
-def _stagelink(h: _Hosts, sizes):
+def _stagelink(h: TwoHosts, sizes):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     plan = [[s, _iters(s) + 2] for s in sizes]
     snd = subprocess.Popen(h.a + [sys.executable, "-c", _SENDER, h.addr_a, json.dumps(plan)], stdin=subprocess.PIPE,
@@ -130,7 +133,7 @@ def _stagelink(h: _Hosts, sizes):
     return out
 
 
-def _iperf(h: _Hosts, streams: int):
+def _iperf(h: TwoHosts, streams: int):
     if not shutil.which("iperf3"):
         return None
     port = str(5201 + os.getpid() % 1000)
@@ -149,7 +152,7 @@ def _iperf(h: _Hosts, streams: int):
         srv.wait()
 
 
-def _perftest(h: _Hosts, size: int):
+def _perftest(h: TwoHosts, size: int):
     if not shutil.which("ucx_perftest"):
         return None
     port = str(13000 + os.getpid() % 1000)
@@ -180,7 +183,7 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
           "zero-copy into the receiver's pool;\npeers in the same run: iperf3 (1 and 4 TCP streams) and "
           "ucx_perftest ucp_am_bw (UCX_TLS=tcp) over the same path. Medians.", file=out)
     for where in (["loopback"] + (["namespaces"] if namespaces else [])):
-        h = _Hosts(where == "namespaces")
+        h = TwoHosts(where == "namespaces")
         try:
             print(f"\n{where}{' (two network namespaces, veth, TCP)' if where == 'namespaces' else ' (TCP on lo)'}:",
                   file=out)

@@ -93,7 +93,9 @@ MessageQueueOptions small(size_t chunk, uint32_t chunks) {
 // The ring's protocol with threads: 1 writer, 3 readers, random sizes and delays. Under
 // -DSTAGELINK_TSAN=ON this is the ThreadSanitizer check of the memory orders.
 TEST(Ring, ThreadsSeeEveryMessageInOrderIntact) {
-  const std::string name = shm::user_prefix() + "mq.tring" + std::to_string(getpid());
+  // Named as the queue names its rings (".q<pid>.<n>"): if this process dies mid-test (a crashed
+  // sanitizer run), `stagelink shm reap` and the library's own sweep reclaim the ring.
+  const std::string name = shm::user_prefix() + "mq.q" + std::to_string(getpid()) + ".1";
   shm::RingOptions o;
   o.n_readers = 3;
   o.max_chunks = 4;
@@ -358,7 +360,7 @@ TEST(Mq, ReaderLearnsTheWriterDied) {
 // Regression: attach computed the ring's size from header fields before bounding them; 16 chunks
 // of 2^60 bytes wrap to 0 and passed the size check.
 TEST(Ring, AttachRejectsAHeaderWhoseSizeOverflows) {
-  const std::string name = shm::user_prefix() + "mq.tbad" + std::to_string(getpid());
+  const std::string name = shm::user_prefix() + "mq.q" + std::to_string(getpid()) + ".2";
   shm::RingOptions o;
   o.max_chunks = 16;
   o.chunk_bytes = 256;
