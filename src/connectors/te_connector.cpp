@@ -42,6 +42,8 @@ struct TeOptions {
   double put_timeout_s = 5;
   double ttl_s = 300;
   uint32_t readers = 1;
+  unsigned lanes = 1;  // endpoints one payload is split over (measured here: 1 fills a veth link best)
+  std::string pull_channel = "ucx";  // ucx: pulls after the first go as UCX messages; zmq: all by the side channel
 };
 
 bool get_str(const Value& e, const char* k, std::string& out) {
@@ -84,15 +86,16 @@ bool get_num(const Value& e, const char* k, double& out) {
 Result<TeOptions> te_options(const Value& e) {
   TeOptions o;
   double port = o.zmq_port, pool = double(o.pool_bytes), tmo = o.timeout_s, ptmo = o.put_timeout_s, ttl = o.ttl_s,
-         readers = o.readers, sport = 0;
+         readers = o.readers, sport = 0, lanes = o.lanes;
   if (!get_str(e, "host", o.host) || !get_num(e, "zmq_port", port) || !get_str(e, "protocol", o.protocol) ||
       !get_str(e, "device_name", o.device) || !get_num(e, "memory_pool_size", pool) || !get_str(e, "role", o.role) ||
       !get_str(e, "sender_host", o.sender_host) || !get_num(e, "sender_zmq_port", sport) ||
       !get_num(e, "timeout_s", tmo) || !get_num(e, "put_timeout_s", ptmo) || !get_num(e, "ttl_s", ttl) ||
-      !get_num(e, "readers", readers))
+      !get_num(e, "readers", readers) || !get_num(e, "lanes", lanes) || !get_str(e, "pull_channel", o.pull_channel))
     return make_error(Errc::invalid_argument,
                       "TransferEngineConnector extra: host, protocol, device_name, role, sender_host are strings; "
-                      "zmq_port, memory_pool_size (bytes or '4GB'), timeout_s, put_timeout_s, ttl_s, readers numbers");
+                      "zmq_port, memory_pool_size (bytes or '4GB'), timeout_s, put_timeout_s, ttl_s, readers, lanes numbers; "
+                      "pull_channel ucx or zmq");
   if (o.device.empty())
     if (const char* d = std::getenv("RDMA_DEVICE_NAME")) o.device = d;
   if (const Value* dev = e.find("memory_pool_device"); dev && dev->is<std::string>() && dev->as<std::string>() != "cpu")
@@ -101,6 +104,10 @@ Result<TeOptions> te_options(const Value& e) {
   if (port < 0 || port > 65535) return make_error(Errc::invalid_argument, "zmq_port must be in [0, 65535]");
   if (pool < 4096) return make_error(Errc::invalid_argument, "memory_pool_size must be at least 4096 bytes");
   if (readers < 1 || readers > 1024) return make_error(Errc::invalid_argument, "readers must be in [1, 1024]");
+  if (lanes < 1 || lanes > 16) return make_error(Errc::invalid_argument, "lanes must be in [1, 16]");
+  if (o.pull_channel != "ucx" && o.pull_channel != "zmq")
+    return make_error(Errc::invalid_argument, "pull_channel must be ucx or zmq, got '" + o.pull_channel + "'");
+  o.lanes = unsigned(lanes);
   if (o.protocol != "tcp" && o.protocol != "rdma")
     return make_error(Errc::invalid_argument, "protocol must be tcp or rdma, got '" + o.protocol + "'");
   o.zmq_port = int(port);
@@ -137,6 +144,7 @@ class TeConnector final : public Connector {
     eo.protocol = o_.protocol;
     eo.device = o_.device;
     eo.pool_bytes = o_.pool_bytes;
+    eo.lanes = o_.lanes;
     SL_ASSIGN(engine_, ucx::Engine::create(eo));
     advertised_ = o_.host == "auto" ? net::host_address() : o_.host;
     if (o_.role != "receiver") {  // a sender (or both): serve the side channel
@@ -152,6 +160,7 @@ class TeConnector final : public Connector {
                                         " (zmq_port): " + e.what() +
                                         (e.num() == EADDRINUSE ? " (the port is taken)" : ""));
       }
+      engine_->on_request([this](std::span<const std::byte> b) { serve_am_pull(b); });
       server_ = std::thread([this] { serve(); });
     }
     return {};
@@ -179,8 +188,15 @@ class TeConnector final : public Connector {
     e.seq = next_seq_.fetch_add(1) + 1;
     const std::string ik = make_internal_key(key, from, to);
     {
-      std::lock_guard<std::mutex> l(mu_);
+      std::unique_lock<std::mutex> l(mu_);
       sweep_locked();
+      // A transfer of the key's previous put still under way (its reader may already have the
+      // bytes while the sender's completion is on its way): waited for, up to put_timeout_s.
+      const Deadline dl = deadline_after(o_.put_timeout_s);
+      release_cv_.wait_until(l, dl, [&] {
+        auto i = entries_.find(ik);
+        return i == entries_.end() || i->second.in_flight == 0 || closed_.load();
+      });
       auto it = entries_.find(ik);
       if (it != entries_.end() && it->second.in_flight == 0) {  // an unread put of the key: replaced
         engine_->free(it->second.offset, it->second.size);
@@ -280,6 +296,34 @@ class TeConnector final : public Connector {
       uint64_t t;
       ~Forget() { e->forget(t); }
     } forget{engine_.get(), token};
+    // A sender met before is asked over UCX (one message each way, no side-channel thread hops);
+    // otherwise, or when that endpoint broke, over the side channel, whose reply says how to reach
+    // the sender's engine next time.
+    std::vector<std::byte> sender_worker;
+    if (o_.pull_channel == "ucx") {
+      std::lock_guard<std::mutex> l(peers_mu_);
+      if (auto it = workers_.find(peer); it != workers_.end()) sender_worker = it->second;
+    }
+    if (!sender_worker.empty()) {
+      Value::Map pull;
+      pull.emplace_back("key", ik);
+      pull.emplace_back("len", uint64_t(size));
+      pull.emplace_back("token", token);
+      pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+      const auto msg = value_to_msgpack(Value(std::move(pull)));
+      Status sent = engine_->request(sender_worker, msg, deadline_after(o_.timeout_s));
+      if (sent.ok()) {
+        Status st = engine_->wait_landed(token, deadline_after(tmo), sender_worker);
+        if (st.ok()) {
+          gets_ucx_.fetch_add(1);
+          return finish_get(off, size, region, go);
+        }
+        if (st.error().code != Errc::peer_dead) return make_error(st.error().code, "'" + ik + "': " + st.error().message);
+      }
+      std::lock_guard<std::mutex> l(peers_mu_);  // that engine is gone: back to the side channel
+      workers_.erase(peer);
+      engine_->expect(token, engine_->pool_base() + off, size, region);
+    }
     Value::Map pull;
     pull.emplace_back("op", "pull");
     pull.emplace_back("key", ik);
@@ -291,6 +335,12 @@ class TeConnector final : public Connector {
     pull.emplace_back("token", token);
     SL_ASSIGN(Value rep, call(peer, std::move(pull), tmo));
     SL_TRY(reply_status(rep, ik));
+    gets_side_.fetch_add(1);
+    if (const Value* w = rep.find("worker"); w && w->is<Value::Bytes>() && !w->as<Value::Bytes>().empty()) {
+      const auto& wb = w->as<Value::Bytes>();
+      std::lock_guard<std::mutex> l(peers_mu_);
+      workers_[peer].assign(wb.begin(), wb.end());
+    }
     if (const Value* d = rep.find("data")) {  // a small payload came back in the reply itself
       if (!d->is<Value::Bytes>() || d->as<Value::Bytes>().size() != size)
         return make_error(Errc::corrupt, "inline reply of " + std::to_string(d->is<Value::Bytes>() ? d->as<Value::Bytes>().size() : 0) +
@@ -299,6 +349,10 @@ class TeConnector final : public Connector {
     } else if (rep.find("am")) {  // sent as an active message: wait until it has landed here
       SL_TRY(engine_->wait_landed(token, deadline_after(tmo)));
     }
+    return finish_get(off, size, region, go);
+  }
+
+  Result<GetResult> finish_get(size_t off, size_t size, const std::shared_ptr<void>& region, const GetOptions& go) {
     const std::span<const std::byte> bytes(engine_->pool_base() + off, size);
     GetResult g;
     g.size = size;
@@ -359,6 +413,8 @@ class TeConnector final : public Connector {
     m.emplace_back("gets", uint64_t(gets_.load()));
     m.emplace_back("bytes_transferred", uint64_t(put_bytes_.load() + get_bytes_.load()));
     m.emplace_back("pulls_served", uint64_t(pulls_.load()));
+    m.emplace_back("gets_over_ucx", uint64_t(gets_ucx_.load()));  // pull request sent as a UCX message
+    m.emplace_back("gets_over_side_channel", uint64_t(gets_side_.load()));
     m.emplace_back("errors", uint64_t(errors_.load()));
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -510,12 +566,14 @@ class TeConnector final : public Connector {
     if (op->as<std::string>() == "query") {
       std::lock_guard<std::mutex> l(mu_);
       auto it = entries_.find(ik);
-      if (it == entries_.end()) return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
+      if (it == entries_.end() || it->second.readers_left == 0)
+        return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
       Value::Map m;
       m.emplace_back("ok", true);
       m.emplace_back("size", uint64_t(it->second.size));
       m.emplace_back("fast", it->second.fast);
       m.emplace_back("rq", rq);
+      m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
       return Value(std::move(m));
     }
     if (op->as<std::string>() != "pull") return fail(Errc::invalid_argument, "unknown op", rq);
@@ -530,12 +588,16 @@ class TeConnector final : public Connector {
     {
       std::lock_guard<std::mutex> l(mu_);
       auto it = entries_.find(ik);
-      if (it == entries_.end()) return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
+      // A reader is counted when its pull is accepted (given back if the transfer fails): a put
+      // for N readers is never read by N + 1.
+      if (it == entries_.end() || it->second.readers_left == 0)
+        return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
       if (it->second.size <= std::min<uint64_t>(inline_max, kInlineMax)) {
         // Small: the bytes go back in the reply (one round trip, no UCX write to wait for).
         Value::Map m;
         m.emplace_back("ok", true);
         m.emplace_back("rq", rq);
+        m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
         m.emplace_back("data", Value::copy_bytes(std::span<const std::byte>(engine_->pool_base() + it->second.offset,
                                                                             it->second.size)));
         if (--it->second.readers_left == 0 && it->second.in_flight == 0) {
@@ -549,6 +611,7 @@ class TeConnector final : public Connector {
       if (len < it->second.size)
         return fail(Errc::invalid_argument, "destination of " + std::to_string(len) + " bytes for a payload of " +
                                                 std::to_string(it->second.size), rq);
+      --it->second.readers_left;
       ++it->second.in_flight;
       e = it->second;
     }
@@ -560,28 +623,65 @@ class TeConnector final : public Connector {
     // Active message when the receiver gave a token (this version's receivers do); else a write.
     Status st = am ? engine_->send(w->as<Value::Bytes>(), token, src, dl)
                    : engine_->write(w->as<Value::Bytes>(), addr, rk->as<Value::Bytes>(), src, dl);
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      auto it = entries_.find(ik);
-      if (it != entries_.end()) {
-        --it->second.in_flight;
-        if (st.ok() && --it->second.readers_left == 0 && it->second.in_flight == 0) {
-          engine_->free(it->second.offset, it->second.size);
-          entries_.erase(it);
-          released_locked();
-        }
-      }
-    }
-    if (!st.ok()) {
-      errors_.fetch_add(1);
-      return fail(st.error().code, st.error().message, rq);
-    }
-    pulls_.fetch_add(1);
+    end_pull(ik, st);
+    if (!st.ok()) return fail(st.error().code, st.error().message, rq);
     Value::Map m;
     m.emplace_back("ok", true);
     m.emplace_back("rq", rq);
     if (am) m.emplace_back("am", true);
+    m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
     return Value(std::move(m));
+  }
+
+  // A pull is over: a failed one gives its reader back; the entry goes after its last reader.
+  void end_pull(const std::string& ik, const Status& st) {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = entries_.find(ik);
+    if (it != entries_.end()) {
+      --it->second.in_flight;
+      if (!st.ok()) ++it->second.readers_left;
+      if (it->second.readers_left == 0 && it->second.in_flight == 0) {
+        engine_->free(it->second.offset, it->second.size);
+        entries_.erase(it);
+        released_locked();
+      }
+    }
+    (st.ok() ? pulls_ : errors_).fetch_add(1);
+    release_cv_.notify_all();  // a put waiting for this key's transfer to end
+  }
+
+  // A pull that came as a UCX message (progress thread: nothing here waits). The payload goes
+  // back in parts over the lanes; errors go back as an error part.
+  void serve_am_pull(std::span<const std::byte> bytes) {
+    auto v = value_from_msgpack(bytes);
+    const Value *k = v.ok() ? v->find("key") : nullptr, *n = v.ok() ? v->find("len") : nullptr,
+                *t = v.ok() ? v->find("token") : nullptr, *w = v.ok() ? v->find("worker") : nullptr;
+    uint64_t len = 0, token = 0;
+    if (!k || !k->is<std::string>() || !n || !n->get_u64(len) || !t || !t->get_u64(token) || !w ||
+        !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty()) {
+      errors_.fetch_add(1);
+      if (t && t->get_u64(token) && w && w->is<Value::Bytes>() && !w->as<Value::Bytes>().empty())
+        engine_->send_error(w->as<Value::Bytes>(), token, make_error(Errc::corrupt, "malformed pull request"));
+      return;
+    }
+    const std::string& ik = k->as<std::string>();
+    const auto& worker = w->as<Value::Bytes>();
+    std::span<const std::byte> src;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = entries_.find(ik);
+      if (it == entries_.end() || it->second.readers_left == 0)
+        return engine_->send_error(worker, token, make_error(Errc::not_found, "no put of '" + ik + "' here"));
+      if (len != it->second.size)
+        return engine_->send_error(worker, token, make_error(Errc::invalid_argument,
+                                                             "destination of " + std::to_string(len) +
+                                                                 " bytes for a payload of " + std::to_string(it->second.size)));
+      --it->second.readers_left;
+      ++it->second.in_flight;
+      src = {engine_->pool_base() + it->second.offset, it->second.size};
+    }
+    engine_->send_async(worker, token, src, deadline_after(timeout_for(o_.timeout_s, src.size())),
+                        [this, ik](Status st) { end_pull(ik, st); });
   }
 
   // Unclaimed puts expire after ttl_s, never while a transfer is in flight.
@@ -620,7 +720,9 @@ class TeConnector final : public Connector {
   std::map<std::string, Entry> entries_;
   std::mutex peers_mu_;
   std::map<std::string, std::shared_ptr<Peer>> peers_;
-  std::atomic<uint64_t> puts_{0}, gets_{0}, put_bytes_{0}, get_bytes_{0}, pulls_{0}, errors_{0};
+  std::map<std::string, std::vector<std::byte>> workers_;  // side-channel address -> its engine's worker address
+  std::atomic<uint64_t> puts_{0}, gets_{0}, put_bytes_{0}, get_bytes_{0}, pulls_{0}, errors_{0}, gets_ucx_{0},
+      gets_side_{0};
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "ucx/engine.hpp"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
@@ -10,6 +11,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <vector>
 #include <mutex>
@@ -54,11 +56,11 @@ void op_done(void*, ucs_status_t status, void* user_data) {
   delete holder;
 }
 
-// How long the progress thread keeps progressing after activity (STAGELINK_UCX_SPIN_US).
+// How long an idle progress thread keeps progressing after activity (STAGELINK_UCX_SPIN_US).
 uint64_t spin_us() {
   static const uint64_t v = [] {
     const char* e = std::getenv("STAGELINK_UCX_SPIN_US");
-    return e ? uint64_t(std::strtoull(e, nullptr, 10)) : uint64_t(100);
+    return e ? uint64_t(std::strtoull(e, nullptr, 10)) : uint64_t(20);
   }();
   return v;
 }
@@ -89,14 +91,29 @@ struct Engine::Impl {
   std::map<std::vector<std::byte>, std::shared_ptr<Ep>> eps;
   std::atomic<uint64_t> writes{0}, write_bytes{0}, write_errors{0}, eps_discarded{0};
 
-  // Messages expected by this (receiving) side, by token.
-  static constexpr unsigned kAmId = 7;
+  // Messages expected by this (receiving) side, by token. A payload comes in one or more parts
+  // (one per lane), each tagged with a ChunkHdr; a part with offset kErrPart carries the sender's
+  // error instead ([errc byte][text]).
+  static constexpr unsigned kAmId = 7, kReqId = 8;
+  struct ChunkHdr {
+    uint64_t token, offset, total;
+  };
+  static constexpr uint64_t kErrPart = ~uint64_t(0);
   struct Pending {
     std::byte* dst = nullptr;
     size_t len = 0;
     std::shared_ptr<void> keep;  // the destination's owner: held while anything may write there
     std::shared_ptr<Op> op = std::make_shared<Op>();
+    size_t landed = 0;           // under op->mu
+    std::optional<Error> remote;  // the sender's error (under op->mu)
+    std::atomic<bool> awaited{true};  // counted in Impl::awaiting until done or forgotten
   };
+  // Work under way, which keeps the progress thread progressing: payloads expected and not yet
+  // complete, and batches of sends not yet complete.
+  std::atomic<int> awaiting{0}, sending{0};
+  void settle(Pending& p) {
+    if (p.awaited.exchange(false)) awaiting.fetch_sub(1);
+  }
   std::mutex pend_mu;
   std::map<uint64_t, std::shared_ptr<Pending>> pending;
 
@@ -108,15 +125,37 @@ struct Engine::Impl {
     }
     op->cv.notify_all();
   }
+  // `n` more bytes of `p` are in place (or a part failed): complete when all are. The caller's
+  // reference goes before the waiter is woken, so that the waiter's forget() is what frees the
+  // destination (it is free by the time get() returns).
+  void land(std::shared_ptr<Pending>&& p, size_t n, ucs_status_t s) {
+    std::shared_ptr<Op> op = p->op;
+    {
+      std::lock_guard<std::mutex> l(op->mu);
+      if (!op->done) {
+        if (s != UCS_OK) {
+          op->done = true;
+          op->status = s;
+        } else if ((p->landed += n) >= p->len) {
+          op->done = true;
+        }
+        if (op->done) settle(*p);
+      }
+      p.reset();
+      if (!op->done) return;
+    }
+    op->cv.notify_all();
+  }
   struct RecvHold {
     std::shared_ptr<Pending> p;
     Impl* self;
+    size_t n = 0;
     void* request = nullptr;
   };
   std::set<RecvHold*> receiving;  // rendezvous receives under way (under pend_mu); close cancels them
   static void on_recv_done(void* request, ucs_status_t status, size_t, void* user_data) {
     auto* h = static_cast<RecvHold*>(user_data);
-    complete(h->p->op, status);
+    h->self->land(std::move(h->p), h->n, status);
     {
       std::lock_guard<std::mutex> l(h->self->pend_mu);
       h->self->receiving.erase(h);
@@ -128,27 +167,38 @@ struct Engine::Impl {
   static ucs_status_t on_am(void* arg, const void* header, size_t header_len, void* data, size_t length,
                             const ucp_am_recv_param_t* param) {
     auto* self = static_cast<Impl*>(arg);
-    if (header_len != sizeof(uint64_t)) return UCS_OK;  // not ours: dropped
-    uint64_t token;
-    std::memcpy(&token, header, sizeof token);
+    const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
+    if (header_len != sizeof(ChunkHdr)) return rndv ? UCS_ERR_CANCELED : UCS_OK;  // not ours: dropped
+    ChunkHdr h;
+    std::memcpy(&h, header, sizeof h);
     std::shared_ptr<Pending> p;
     {
       std::lock_guard<std::mutex> l(self->pend_mu);
-      auto it = self->pending.find(token);
+      auto it = self->pending.find(h.token);
       if (it != self->pending.end()) p = it->second;
     }
-    const bool rndv = param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
     if (!p) return rndv ? UCS_ERR_CANCELED : UCS_OK;  // nobody waits any more: the sender is told
-    if (length > p->len) {
-      complete(p->op, UCS_ERR_MESSAGE_TRUNCATED);
+    if (h.offset == kErrPart) {
+      if (rndv || length == 0) return rndv ? UCS_ERR_CANCELED : UCS_OK;
+      const auto* b = static_cast<const unsigned char*>(data);
+      const Errc c = b[0] <= unsigned(Errc::exists) ? Errc(b[0]) : Errc::io;
+      {
+        std::lock_guard<std::mutex> l(p->op->mu);
+        if (!p->remote) p->remote = make_error(c, std::string(reinterpret_cast<const char*>(b + 1), length - 1));
+      }
+      self->land(std::move(p), 0, UCS_ERR_REJECTED);
+      return UCS_OK;
+    }
+    if (h.total != p->len || h.offset > p->len || length > p->len - h.offset) {  // never written past the region
+      self->land(std::move(p), 0, UCS_ERR_MESSAGE_TRUNCATED);
       return rndv ? UCS_ERR_MESSAGE_TRUNCATED : UCS_OK;
     }
     if (!rndv) {
-      std::memcpy(p->dst, data, length);
-      complete(p->op, UCS_OK);
+      std::memcpy(p->dst + h.offset, data, length);
+      self->land(std::move(p), length, UCS_OK);
       return UCS_OK;
     }
-    auto* hold = new RecvHold{p, self};
+    auto* hold = new RecvHold{p, self, length};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     rp.cb.recv_am = &Impl::on_recv_done;
@@ -157,19 +207,144 @@ struct Engine::Impl {
       std::lock_guard<std::mutex> l(self->pend_mu);  // before the call: its callback may run inside it
       self->receiving.insert(hold);
     }
-    ucs_status_ptr_t r = ucp_am_recv_data_nbx(self->worker, data, p->dst, length, &rp);
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(self->worker, data, p->dst + h.offset, length, &rp);
     if (!UCS_PTR_IS_PTR(r)) {
       {
         std::lock_guard<std::mutex> l(self->pend_mu);
         self->receiving.erase(hold);
       }
       delete hold;
-      complete(p->op, UCS_PTR_STATUS(r));
+      self->land(std::move(p), length, UCS_PTR_STATUS(r));
     } else {
       std::lock_guard<std::mutex> l(self->pend_mu);
       if (self->receiving.count(hold)) hold->request = r;
     }
     return UCS_INPROGRESS;
+  }
+
+  // Requests from peers (pulls): handed to the connector's handler on this thread.
+  std::function<void(std::span<const std::byte>)> req_handler;  // set before any request can come
+  static ucs_status_t on_req(void* arg, const void*, size_t, void* data, size_t length,
+                             const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<Impl*>(arg);
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return UCS_ERR_CANCELED;  // requests are small
+    if (self->req_handler) self->req_handler(std::span<const std::byte>(static_cast<const std::byte*>(data), length));
+    return UCS_OK;
+  }
+
+  // A group of posted operations (a payload's parts and the flushes after them) completing
+  // together. Requests are freed by the progress thread once the batch is finished (so a
+  // cancel at the deadline never touches a freed request); `done` runs once.
+  struct Batch {
+    std::mutex mu;
+    int left = 1;  // operations not complete, plus one while posting
+    ucs_status_t status = UCS_OK;
+    bool finished = false, cancelled = false;
+    Deadline deadline;
+    std::vector<void*> reqs;
+    std::vector<ChunkHdr> hdrs;   // stay put until the sends complete
+    std::vector<std::byte> body;  // an error's text
+    std::vector<std::shared_ptr<Ep>> eps;
+    std::function<void(Status)> done;
+    Impl* self = nullptr;
+    const char* what = "";
+    size_t bytes = 0;
+  };
+  std::mutex batch_mu;
+  std::vector<std::shared_ptr<Batch>> batches;
+
+  static void batch_cb(void*, ucs_status_t s, void* ud) {
+    auto* b = static_cast<Batch*>(ud);
+    b->self->op_finished(b, s);
+  }
+  void op_finished(Batch* b, ucs_status_t s) {
+    bool fin;
+    {
+      std::lock_guard<std::mutex> l(b->mu);
+      if (s != UCS_OK && b->status == UCS_OK) b->status = s;
+      fin = --b->left == 0;
+      if (fin) b->finished = true;
+    }
+    if (!fin) return;
+    sending.fetch_sub(1);
+    Status st;
+    bool failed = b->status != UCS_OK;
+    for (auto& e : b->eps) failed = failed || e->failed.load();
+    if (failed) {
+      write_errors.fetch_add(1);
+      for (auto& e : b->eps) e->failed.store(true);  // never reused
+      st = b->cancelled && b->status == UCS_ERR_CANCELED
+               ? Status(make_error(Errc::timeout, std::string(b->what) + ": not complete before the deadline"))
+           : b->status != UCS_OK ? Status(ucs_error(b->what, b->status))
+                                 : Status(make_error(Errc::peer_dead, std::string("the endpoint failed while ") + b->what));
+    } else if (b->bytes) {
+      writes.fetch_add(1);
+      write_bytes.fetch_add(b->bytes);
+    }
+    if (b->done) b->done(std::move(st));
+    ucp_worker_signal(worker);  // the progress thread frees the requests
+  }
+  void track(Batch* b, ucs_status_ptr_t r) {
+    if (UCS_PTR_IS_PTR(r)) {
+      std::lock_guard<std::mutex> l(b->mu);
+      b->reqs.push_back(r);
+    } else {
+      op_finished(b, UCS_PTR_STATUS(r));
+    }
+  }
+  // Frees finished batches' requests and cancels the operations of those past their deadline.
+  // Progress thread only (callbacks run inside ucp_worker_progress or ucp_request_cancel there).
+  void sweep_batches(bool cancel_all) {
+    std::vector<std::shared_ptr<Batch>> fin, late;
+    const auto now = Clock::now();
+    {
+      std::lock_guard<std::mutex> l(batch_mu);
+      for (auto it = batches.begin(); it != batches.end();) {
+        std::lock_guard<std::mutex> bl((*it)->mu);
+        if ((*it)->finished) {
+          fin.push_back(std::move(*it));
+          it = batches.erase(it);
+          continue;
+        }
+        if (!(*it)->cancelled && (cancel_all || (*it)->deadline < now)) {
+          (*it)->cancelled = true;
+          late.push_back(*it);
+        }
+        ++it;
+      }
+    }
+    for (auto& b : fin)
+      for (void* r : b->reqs) ucp_request_free(r);
+    for (auto& b : late) {
+      std::vector<void*> reqs;
+      {
+        std::lock_guard<std::mutex> l(b->mu);
+        reqs = b->reqs;
+      }
+      for (void* r : reqs) ucp_request_cancel(worker, r);
+    }
+  }
+  bool batches_pending() {
+    std::lock_guard<std::mutex> l(batch_mu);
+    return !batches.empty();
+  }
+  std::shared_ptr<Batch> new_batch(Deadline deadline, const char* what, std::function<void(Status)> done) {
+    auto b = std::make_shared<Batch>();
+    b->self = this;
+    b->deadline = deadline;
+    b->what = what;
+    b->done = std::move(done);
+    sending.fetch_add(1);
+    std::lock_guard<std::mutex> l(batch_mu);
+    batches.push_back(b);
+    return b;
+  }
+  ucp_request_param_t batch_param(Batch* b) {
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = batch_cb;
+    rp.user_data = b;
+    return rp;
   }
 
   static void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
@@ -221,6 +396,10 @@ struct Engine::Impl {
     ah.flags = UCP_AM_FLAG_WHOLE_MSG;
     s = ucp_worker_set_am_recv_handler(worker, &ah);
     if (s != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", s);
+    ah.id = kReqId;
+    ah.cb = &Impl::on_req;
+    s = ucp_worker_set_am_recv_handler(worker, &ah);
+    if (s != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", s);
     s = ucp_worker_get_address(worker, &a, &alen);
     if (s != UCS_OK) return ucs_error("ucp_worker_get_address", s);
     addr.assign(reinterpret_cast<std::byte*>(a), reinterpret_cast<std::byte*>(a) + alen);
@@ -254,12 +433,19 @@ struct Engine::Impl {
     return {};
   }
 
-  // Progress whenever the worker's fd says so; sleep otherwise. After activity it keeps
-  // progressing for a short while (a transfer's next fragments arrive within microseconds; a
-  // wake-up per fragment would halve the rate), then arms the fd and sleeps.
+  // Progress whenever the worker's fd says so; sleep otherwise. While this engine has work under
+  // way (a payload expected, a send not complete) it keeps progressing between events for up to
+  // 5 ms (a wake-up per fragment halves the rate, and a wake-up costs tens of microseconds on a
+  // loaded host); idle, only for a short tail (STAGELINK_UCX_SPIN_US, 20 us), then it arms the fd
+  // and sleeps: an idle engine uses no CPU.
+  bool busy() const { return awaiting.load(std::memory_order_relaxed) > 0 || sending.load(std::memory_order_relaxed) > 0; }
   void run() {
     pollfd fds[2] = {{efd, POLLIN, 0}, {stopfd, POLLIN, 0}};
-    const uint64_t spin_ns = spin_us() * 1000;
+    static const uint64_t busy_ns = [] {
+      const char* e = std::getenv("STAGELINK_UCX_BUSY_SPIN_US");
+      return (e ? uint64_t(std::strtoull(e, nullptr, 10)) : uint64_t(5000)) * 1000;
+    }();
+    const uint64_t tail_ns = spin_us() * 1000;
     while (!stopping.load()) {
       uint64_t idle_since = 0;
       for (;;) {
@@ -267,14 +453,18 @@ struct Engine::Impl {
           idle_since = 0;
           continue;
         }
-        if (!spin_ns || stopping.load()) break;
+        if (stopping.load()) break;
         const uint64_t now = mono_ns();
         if (!idle_since) idle_since = now;
-        else if (now - idle_since > spin_ns) break;
+        else if (now - idle_since > tail_ns && (now - idle_since > busy_ns || !busy())) break;
+        // Between events, the core goes to any thread that wants it (the one waiting for this
+        // payload, the peer process on a small host): spinning must never starve them.
+        sched_yield();
       }
+      sweep_batches(false);
       const ucs_status_t s = ucp_worker_arm(worker);
       if (s == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
-      ::poll(fds, 2, 1000);
+      ::poll(fds, 2, batches_pending() ? 50 : 1000);  // deadlines of operations under way are checked
       if (fds[1].revents & POLLIN) break;
     }
   }
@@ -288,6 +478,12 @@ struct Engine::Impl {
       }
     }
     if (progress.joinable()) progress.join();
+    // Sends still under way: cancelled and completed (their `done` runs) before the worker goes.
+    for (int round = 0; worker && round < 1000 && batches_pending(); ++round) {
+      sweep_batches(true);
+      ucp_worker_progress(worker);
+      if (round > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     // Receives still under way (a sender gone silent): cancelled and completed before the worker
     // goes, which UCX requires.
     for (int round = 0; worker && round < 1000; ++round) {
@@ -349,8 +545,17 @@ struct Engine::Impl {
     }
   }
 
-  Result<std::shared_ptr<Ep>> endpoint(std::span<const std::byte> peer) {
+  bool ep_failed(std::span<const std::byte> peer) {
     std::vector<std::byte> key(peer.begin(), peer.end());
+    key.push_back(std::byte(0));
+    std::lock_guard<std::mutex> l(ep_mu);
+    auto it = eps.find(key);
+    return it == eps.end() || it->second->failed.load();
+  }
+  // The endpoint to `peer` for `lane` (each lane its own connection).
+  Result<std::shared_ptr<Ep>> endpoint(std::span<const std::byte> peer, unsigned lane = 0) {
+    std::vector<std::byte> key(peer.begin(), peer.end());
+    key.push_back(std::byte(lane));
     std::lock_guard<std::mutex> l(ep_mu);
     auto it = eps.find(key);
     if (it != eps.end()) {
@@ -505,16 +710,22 @@ void Engine::expect(uint64_t token, std::byte* dst, size_t len, std::shared_ptr<
   p->dst = dst;
   p->len = len;
   p->keep = std::move(keep);
+  impl_->awaiting.fetch_add(1);
   std::lock_guard<std::mutex> l(impl_->pend_mu);
-  impl_->pending[token] = std::move(p);
+  auto& slot = impl_->pending[token];
+  if (slot) impl_->settle(*slot);
+  slot = std::move(p);
 }
 
 void Engine::forget(uint64_t token) {
   std::lock_guard<std::mutex> l(impl_->pend_mu);
-  impl_->pending.erase(token);  // a receive under way keeps its own reference (and the keep)
+  auto it = impl_->pending.find(token);
+  if (it == impl_->pending.end()) return;
+  impl_->settle(*it->second);
+  impl_->pending.erase(it);  // a receive under way keeps its own reference (and the keep)
 }
 
-Status Engine::wait_landed(uint64_t token, Deadline deadline) {
+Status Engine::wait_landed(uint64_t token, Deadline deadline, std::span<const std::byte> watch) {
   std::shared_ptr<Impl::Pending> p;
   {
     std::lock_guard<std::mutex> l(impl_->pend_mu);
@@ -525,8 +736,23 @@ Status Engine::wait_landed(uint64_t token, Deadline deadline) {
   Status st;
   {
     std::unique_lock<std::mutex> l(p->op->mu);
-    if (!p->op->cv.wait_until(l, deadline, [&] { return p->op->done; }))
+    bool dead = false;
+    while (!p->op->done && !dead && Clock::now() < deadline) {
+      // In slices while a peer is watched: its endpoint failing ends the wait.
+      const Deadline until = watch.empty() ? deadline : std::min(deadline, Clock::now() + std::chrono::milliseconds(20));
+      p->op->cv.wait_until(l, until, [&] { return p->op->done; });
+      if (!p->op->done && !watch.empty()) {
+        l.unlock();
+        dead = impl_->ep_failed(watch);
+        l.lock();
+      }
+    }
+    if (!p->op->done && dead)
+      st = make_error(Errc::peer_dead, "the sender's engine is unreachable");
+    else if (!p->op->done)
       st = make_error(Errc::timeout, "the payload did not arrive before the deadline");
+    else if (p->remote)
+      st = *p->remote;
     else if (p->op->status != UCS_OK)
       st = ucs_error("receiving the payload", p->op->status);
   }
@@ -534,17 +760,108 @@ Status Engine::wait_landed(uint64_t token, Deadline deadline) {
   return st;
 }
 
+void Engine::send_async(std::span<const std::byte> peer, uint64_t token, std::span<const std::byte> src,
+                        Deadline deadline, std::function<void(Status)> done) {
+  auto& I = *impl_;
+  if (I.closed) return done(make_error(Errc::closed, "transfer engine closed"));
+  // Parts: one per lane, each at least lane_min_bytes (a small payload goes whole on lane 0).
+  const size_t lanes = std::max<size_t>(1, std::min<size_t>(I.opts.lanes, src.size() / std::max<size_t>(1, I.opts.lane_min_bytes)));
+  const size_t part = (src.size() + lanes - 1) / lanes;
+  std::vector<std::shared_ptr<Impl::Ep>> eps;
+  for (size_t i = 0; i < lanes; ++i) {
+    auto ep = I.endpoint(peer, unsigned(i));
+    if (!ep.ok()) return done(std::move(ep).error());
+    eps.push_back(std::move(ep).value());
+  }
+  auto b = I.new_batch(deadline, "sending to the receiver", std::move(done));
+  b->bytes = src.size();
+  b->eps = eps;
+  b->hdrs.resize(lanes);
+  b->left += int(2 * lanes);  // a send and a flush per lane
+  ucp_request_param_t rp = I.batch_param(b.get());
+  for (size_t i = 0; i < lanes; ++i) {
+    const size_t off = std::min(src.size(), i * part), n = std::min(part, src.size() - off);
+    b->hdrs[i] = {token, off, src.size()};
+    I.track(b.get(), ucp_am_send_nbx(eps[i]->ep, Impl::kAmId, &b->hdrs[i], sizeof(Impl::ChunkHdr), src.data() + off,
+                                     n, &rp));
+  }
+  for (size_t i = 0; i < lanes; ++i) I.track(b.get(), ucp_ep_flush_nbx(eps[i]->ep, &rp));
+  I.op_finished(b.get(), UCS_OK);  // posted
+  ucp_worker_signal(I.worker);      // the progress thread may be asleep
+}
+
 Status Engine::send(std::span<const std::byte> peer, uint64_t token, std::span<const std::byte> src,
                     Deadline deadline) {
-  if (impl_->closed) return make_error(Errc::closed, "transfer engine closed");
-  SL_ASSIGN(auto ep, impl_->endpoint(peer));
-  const uint64_t hdr = token;  // lives until transfer() returns, after the send completed
-  return impl_->transfer(
-      *ep, src.size(),
-      [&](const ucp_request_param_t* rp) {
-        return ucp_am_send_nbx(ep->ep, Impl::kAmId, &hdr, sizeof hdr, src.data(), src.size(), rp);
-      },
-      deadline, "sending to the receiver", false);
+  struct Done {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    Status st;
+  };
+  auto d = std::make_shared<Done>();
+  send_async(peer, token, src, deadline, [d](Status st) {
+    {
+      std::lock_guard<std::mutex> l(d->mu);
+      d->done = true;
+      d->st = std::move(st);
+    }
+    d->cv.notify_all();
+  });
+  std::unique_lock<std::mutex> l(d->mu);
+  // At the deadline the progress thread cancels what is under way, which completes it.
+  if (!d->cv.wait_until(l, deadline + std::chrono::seconds(5), [&] { return d->done; }))
+    return make_error(Errc::timeout, "sending to the receiver: not complete before the deadline");
+  return d->st;
+}
+
+void Engine::send_error(std::span<const std::byte> peer, uint64_t token, const Error& e) {
+  auto& I = *impl_;
+  if (I.closed) return;
+  auto ep = I.endpoint(peer, 0);
+  if (!ep.ok()) return;
+  auto b = I.new_batch(deadline_after(5), "replying an error", nullptr);
+  b->eps = {ep.value()};
+  b->hdrs = {{token, Impl::kErrPart, 0}};
+  const std::string text = e.message.substr(0, 4000);
+  b->body.resize(1 + text.size());
+  b->body[0] = std::byte(uint8_t(e.code));
+  std::memcpy(b->body.data() + 1, text.data(), text.size());
+  b->left += 1;
+  ucp_request_param_t rp = I.batch_param(b.get());
+  I.track(b.get(), ucp_am_send_nbx(ep.value()->ep, Impl::kAmId, &b->hdrs[0], sizeof(Impl::ChunkHdr), b->body.data(),
+                                   b->body.size(), &rp));
+  I.op_finished(b.get(), UCS_OK);
+  ucp_worker_signal(I.worker);
+}
+
+void Engine::on_request(std::function<void(std::span<const std::byte>)> handler) {
+  impl_->req_handler = std::move(handler);
+}
+
+Status Engine::request(std::span<const std::byte> peer, std::span<const std::byte> msg, Deadline deadline) {
+  auto& I = *impl_;
+  if (I.closed) return make_error(Errc::closed, "transfer engine closed");
+  SL_ASSIGN(auto ep, I.endpoint(peer, 0));
+  auto op = std::make_shared<Op>();
+  auto b = I.new_batch(deadline, "sending a request", [op](Status st) {
+    Impl::complete(op, st.ok() ? UCS_OK : UCS_ERR_IO_ERROR);
+  });
+  b->eps = {ep};
+  b->body.assign(msg.begin(), msg.end());
+  b->left += 1;
+  ucp_request_param_t rp = I.batch_param(b.get());
+  rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER;
+  I.track(b.get(), ucp_am_send_nbx(ep->ep, Impl::kReqId, nullptr, 0, b->body.data(), b->body.size(), &rp));
+  I.op_finished(b.get(), UCS_OK);
+  std::unique_lock<std::mutex> l(op->mu);
+  if (!op->done) {
+    ucp_worker_signal(I.worker);
+    if (!op->cv.wait_until(l, deadline + std::chrono::seconds(5), [&] { return op->done; }))
+      return make_error(Errc::timeout, "sending a request: not complete before the deadline");
+  }
+  if (op->status != UCS_OK) return make_error(Errc::peer_dead, "sending a request to the peer failed");
+  return {};
 }
 
 Value Engine::info() const {

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -19,6 +20,10 @@ struct EngineOptions {
   std::string protocol = "tcp";  // tcp | rdma | shm | any: which UCX transports may run
   std::string device;            // a NIC (UCX_NET_DEVICES form, e.g. "eth0" or "mlx5_0:1"); empty: any
   size_t pool_bytes = 256u << 20;
+  // A payload is split over up to `lanes` endpoints (each its own connection on TCP) to the same
+  // peer, in parts of at least `lane_min_bytes`: one TCP stream does not fill a link, several do.
+  unsigned lanes = 1;
+  size_t lane_min_bytes = 256u << 10;
 };
 
 class Engine {
@@ -50,11 +55,25 @@ class Engine {
   // lands; `keep` stays referenced until nothing can write there any more (a receive under way
   // outlives a caller that gave up). wait_landed() then waits for it; forget() gives up.
   void expect(uint64_t token, std::byte* dst, size_t len, std::shared_ptr<void> keep);
-  Status wait_landed(uint64_t token, Deadline deadline);
+  // With `watch` (a peer's worker address): returns peer_dead early if the endpoint to it fails.
+  Status wait_landed(uint64_t token, Deadline deadline, std::span<const std::byte> watch = {});
   void forget(uint64_t token);
-  // Sending side: `src` to the peer's worker, tagged `token`, then flush: when it returns ok the
-  // peer's UCX has the bytes (rendezvous: in the destination). Errors as write().
+  // Sending side: `src` to the peer's worker, tagged `token`, split over the lanes, then flush:
+  // when it returns ok the peer's UCX has the bytes (rendezvous: in the destination). Errors as
+  // write().
   Status send(std::span<const std::byte> peer, uint64_t token, std::span<const std::byte> src, Deadline deadline);
+  // The same without waiting: `done` runs once, on the progress thread (or inline when everything
+  // completed at once). Operations still under way at `deadline` are cancelled (done: timeout).
+  // `src` must stay valid until `done` runs.
+  void send_async(std::span<const std::byte> peer, uint64_t token, std::span<const std::byte> src, Deadline deadline,
+                  std::function<void(Status)> done);
+  // Tell the peer that the transfer `token` failed: its wait_landed() returns `e` (code and text).
+  void send_error(std::span<const std::byte> peer, uint64_t token, const Error& e);
+
+  // Small requests between engines (a pull without the ZeroMQ side channel's thread hops): the
+  // handler runs on the progress thread and must not block; request() posts `msg` to the peer.
+  void on_request(std::function<void(std::span<const std::byte>)> handler);
+  Status request(std::span<const std::byte> peer, std::span<const std::byte> msg, Deadline deadline);
 
   // The transports and devices UCX actually runs for this context, and counters.
   Value info() const;

@@ -18,8 +18,9 @@ using testing_util::checksum;
 using testing_util::wait_child;
 
 namespace {
-Value te_extra(const std::string& role, int port = 0, size_t pool = 256u << 20) {
+Value te_extra(const std::string& role, int port = 0, size_t pool = 256u << 20, unsigned lanes = 1) {
   Value::Map m;
+  m.emplace_back("lanes", uint64_t(lanes));
   m.emplace_back("host", "127.0.0.1");
   m.emplace_back("zmq_port", uint64_t(port));
   m.emplace_back("protocol", "tcp");
@@ -28,8 +29,8 @@ Value te_extra(const std::string& role, int port = 0, size_t pool = 256u << 20) 
   m.emplace_back("timeout_s", 5.0);
   return Value(std::move(m));
 }
-std::unique_ptr<Connector> te(const std::string& role, int port = 0, size_t pool = 256u << 20) {
-  auto c = create_connector("TransferEngineConnector", te_extra(role, port, pool));
+std::unique_ptr<Connector> te(const std::string& role, int port = 0, size_t pool = 256u << 20, unsigned lanes = 1) {
+  auto c = create_connector("TransferEngineConnector", te_extra(role, port, pool, lanes));
   EXPECT_TRUE(c.ok()) << (c.ok() ? "" : c.error().message);
   return c.ok() ? std::move(c).value() : nullptr;
 }
@@ -246,6 +247,84 @@ TEST(TransferEngine, BadInputAndFailuresAreClearErrors) {
 // Regression: with the data moved by a put (RMA emulated over TCP), UCX 1.13 aborted the
 // receiving process in about 1 run in 4 when the sender died mid-put (ucp_put_handler: "Fatal:
 // unexpected error: Endpoint timeout"). Active messages complete the receive with an error.
+uint64_t counter(Connector& c, const char* k) { return c.health().find(k)->as<uint64_t>(); }
+
+// After the first pull from a sender (over the side channel, whose reply names the sender's
+// engine), pulls go as UCX messages; payloads split over several lanes arrive whole.
+TEST(TransferEngine, LaterPullsGoOverUcxAndLanesSplitPayloads) {
+  for (unsigned lanes : {1u, 4u}) {
+    auto snd = te("sender", 0, 256u << 20, lanes);
+    auto rcv = te("receiver");
+    ASSERT_TRUE(snd && rcv);
+    int n = 0;
+    for (size_t size : {size_t(3), size_t(4096), size_t(1 << 20) + 7, size_t(16 << 20) + 1, size_t(0), size_t(70000)}) {
+      const auto data = pattern(size, uint32_t(size + lanes));
+      const std::string key = "k" + std::to_string(n++);
+      auto pr = snd->put("0", "1", key, payload_of(data));
+      ASSERT_TRUE(pr.ok()) << pr.error().message;
+      auto g = rcv->get("0", "1", key, &pr->metadata, kNoWait, {});
+      ASSERT_TRUE(g.ok()) << lanes << " lanes, " << size << ": " << g.error().message;
+      EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(data)) << lanes << " lanes, " << size;
+    }
+    EXPECT_EQ(counter(*rcv, "gets_over_side_channel"), 1u) << lanes;
+    EXPECT_EQ(counter(*rcv, "gets_over_ucx"), 5u) << lanes;
+    // The sender's side of the last pull completes on its own thread, just after the receiver's.
+    for (int i = 0; i < 200 && counter(*snd, "outstanding") != 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_EQ(counter(*snd, "outstanding"), 0u);
+    // A key the sender no longer has: its error comes back over UCX at once, not a timeout.
+    auto pr = snd->put("0", "1", "once", payload_of(pattern(100, 1)));
+    ASSERT_TRUE(pr.ok());
+    ASSERT_TRUE(rcv->get("0", "1", "once", &pr->metadata, kNoWait, {}).ok());
+    const auto t0 = Clock::now();
+    auto again = rcv->get("0", "1", "once", &pr->metadata, kNoWait, {});
+    ASSERT_FALSE(again.ok());
+    EXPECT_EQ(again.error().code, Errc::not_found) << again.error().to_string();
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 1.0);
+    EXPECT_EQ(rcv->health().find("ucx")->find("pool_used")->as<uint64_t>(), 0u);
+  }
+}
+
+// A sender that restarts on the same port has a new engine: the receiver's UCX path to the old
+// one fails, and the pull goes by the side channel again (regression: it must not time out).
+TEST(TransferEngine, SenderRestartedOnTheSamePortIsReachedAgain) {
+  auto rcv = te("receiver");
+  int port = 0;
+  {
+    auto a = te("sender");
+    auto pr = a->put("0", "1", "x", payload_of(pattern(5000, 1)));
+    ASSERT_TRUE(pr.ok());
+    port = int(port_of(pr->metadata));
+    ASSERT_TRUE(rcv->get("0", "1", "x", &pr->metadata, kNoWait, {}).ok());
+  }
+  auto b = te("sender", port);
+  ASSERT_TRUE(b);
+  const auto data = pattern(300000, 2);
+  auto pr = b->put("0", "1", "y", payload_of(data));
+  ASSERT_TRUE(pr.ok());
+  const auto t0 = Clock::now();
+  auto g = rcv->get("0", "1", "y", &pr->metadata, kNoWait, {});
+  ASSERT_TRUE(g.ok()) << g.error().to_string();
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(data));
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 4.0);
+  EXPECT_EQ(counter(*rcv, "gets_over_side_channel"), 2u);
+}
+
+// A put of a key right after its previous put was read: the sender's completion of that pull may
+// still be on its way; the put waits for it instead of failing (regression: 'being transferred').
+TEST(TransferEngine, PutOfAKeyJustReadWaitsForItsTransferToEnd) {
+  auto snd = te("sender");
+  auto rcv = te("receiver");
+  for (int i = 0; i < 300; ++i) {
+    const auto data = pattern(i % 2 ? 4096 : 300000, uint32_t(i));
+    auto pr = snd->put("0", "1", "same", payload_of(data));
+    ASSERT_TRUE(pr.ok()) << i << ": " << pr.error().to_string();
+    auto g = rcv->get("0", "1", "same", &pr->metadata, kNoWait, {});
+    ASSERT_TRUE(g.ok()) << i << ": " << g.error().to_string();
+    ASSERT_EQ(checksum(g->payload.tensors[0].data), checksum(data)) << i;
+  }
+}
+
 TEST(TransferEngine, SenderKilledMidTransferIsAnErrorWithinTheTimeout) {
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
