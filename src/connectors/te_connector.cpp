@@ -5,6 +5,7 @@
 // (a pull request carrying its worker address, the destination address and its pool's remote key);
 // the sender writes with UCX, flushes, and only then replies done. Every message is a small msgpack
 // map checked on receipt; a request id pairs replies with requests.
+#include <pthread.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -288,7 +289,8 @@ class TeConnector final : public Connector {
                                              " bytes, more than this receiver's memory pool");
     const double tmo = timeout_for(o_.timeout_s, size);
     SL_ASSIGN(size_t off, engine_->allocate(size, deadline_after(tmo)));
-    auto region = std::shared_ptr<void>(nullptr, [eng = engine_, off, size](void*) { eng->free(off, size); });
+    // Non-null (views test their keepalive): the region's address, freed back to the pool.
+    auto region = std::shared_ptr<void>(engine_->pool_base() + off, [eng = engine_, off, size](void*) { eng->free(off, size); });
     const uint64_t token = (uint64_t(getpid()) << 40) ^ next_token_.fetch_add(1);
     engine_->expect(token, engine_->pool_base() + off, size, region);
     struct Forget {
@@ -514,6 +516,7 @@ class TeConnector final : public Connector {
 
   // The sender's side channel: one request at a time (each is a query or a whole pull).
   void serve() {
+    pthread_setname_np(pthread_self(), "sl-te-side");
     while (!stop_.load()) {
       zmq::pollitem_t it{router_->handle(), 0, ZMQ_POLLIN, 0};
       try {

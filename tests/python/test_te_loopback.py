@@ -1,0 +1,47 @@
+"""The transfer-engine connector on loopback (no namespaces needed): what the Python caller gets."""
+import numpy as np
+
+import stagelink
+
+
+def _pair():
+    s = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "zmq_port": 0, "role": "sender",
+                                                               "memory_pool_size": 64 << 20})
+    r = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "role": "receiver",
+                                                               "memory_pool_size": 64 << 20})
+    return s, r
+
+
+def test_zero_copy_get_is_a_view_of_the_receivers_pool_held_until_dropped():
+    # Regression: the pool region's keepalive held a null pointer, so every zero-copy get of a
+    # large payload was silently copied (16 MiB: a whole memcpy per get on the caller's thread).
+    s, r = _pair()
+    try:
+        for i in range(3):  # the first pull goes by the side channel, the others over UCX
+            data = np.arange(1 << 20, dtype=np.float32)
+            ok, _, md = s.put(0, 1, f"k{i}", data)
+            assert ok
+            x, size = r.get(0, 1, f"k{i}", md, zero_copy=True)
+            assert np.array_equal(x, data)
+            assert not x.flags.writeable and x.base is not None
+            assert r.health()["ucx"]["pool_used"] >= data.nbytes  # the region is held by the view
+            del x
+            assert r.health()["ucx"]["pool_used"] == 0
+        h = r.health()
+        assert h["gets_over_side_channel"] == 1 and h["gets_over_ucx"] == 2
+    finally:
+        s.close()
+        r.close()
+
+
+def test_copying_get_owns_its_array_and_frees_the_region_at_once():
+    s, r = _pair()
+    try:
+        data = np.arange(300000, dtype=np.int64)
+        ok, _, md = s.put(0, 1, "c", data)
+        x, _ = r.get(0, 1, "c", md)
+        assert np.array_equal(x, data) and x.flags.writeable  # its own memory (a capsule holds it)
+        assert r.health()["ucx"]["pool_used"] == 0
+    finally:
+        s.close()
+        r.close()
