@@ -97,6 +97,18 @@ _MOONCAKE = textwrap.dedent("""
 """)
 
 
+def release(proc, timeout=30):
+    """Let a peer process that waits on its stdin finish (one line), then reap it; kill it if it hangs."""
+    if proc.poll() is None:
+        proc.stdin.write("x\n")
+        proc.stdin.flush()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def mooncake_python():
     """An interpreter that can import Mooncake's transfer engine: STAGELINK_MOONCAKE_PYTHON, or this one."""
     for py in (os.environ.get("STAGELINK_MOONCAKE_PYTHON"), sys.executable):
@@ -126,13 +138,7 @@ def _mooncake(h: TwoHosts, sizes):
     except (subprocess.TimeoutExpired, ValueError):
         return None
     finally:
-        if tgt.poll() is None:
-            tgt.stdin.write("x\n")
-            tgt.stdin.flush()
-            try:
-                tgt.wait(30)
-            except subprocess.TimeoutExpired:
-                tgt.kill()
+        release(tgt)
 
 
 def _iters(size):
@@ -207,13 +213,7 @@ def _stagelink_once(h: TwoHosts, sizes):
             raise RuntimeError("bench te receiver failed: " + rcv.stderr[-2000:])
         rows = json.loads(rcv.stdout.strip().splitlines()[-1])
     finally:
-        if snd.poll() is None:
-            snd.stdin.write("x\n")
-            snd.stdin.flush()
-            try:
-                snd.wait(30)
-            except subprocess.TimeoutExpired:
-                snd.kill()
+        release(snd)
     out = []
     for r in rows:
         lat = sorted(r["lat_us"])

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 import stagelink
+from stagelink.bench_te import release
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
                                 reason="network namespaces need root and iproute2")
@@ -162,10 +163,4 @@ def test_link_set_down_mid_transfer_is_an_error_within_the_timeout(two_hosts):
         # write there); nothing else is held.
         assert res["pool_used"] <= (256 << 20) + 4096
     finally:
-        if snd.poll() is None:
-            snd.stdin.write("x\n")
-            snd.stdin.flush()
-            try:
-                snd.wait(20)
-            except subprocess.TimeoutExpired:
-                snd.kill()
+        release(snd, 20)
