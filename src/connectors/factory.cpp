@@ -4,6 +4,7 @@
 
 #include "connectors/internal_key.hpp"
 #include "connectors/shm_connector.hpp"
+#include "connectors/store_connector.hpp"
 #include "connectors/te_connector.hpp"
 #include "stagelink/connector.hpp"
 
@@ -66,7 +67,7 @@ Registry& registry() {
     };
     reg->creators["SharedMemoryConnector"] = shm;
     reg->creators["MooncakeStoreConnector"] = not_yet("MooncakeStoreConnector", "the Redis store connector");
-    reg->creators["StoreConnector"] = not_yet("StoreConnector", "the Redis store connector");
+    reg->creators["StoreConnector"] = [](const Value& extra) { return make_store_connector("StoreConnector", extra); };
     for (const char* n : {"MooncakeTransferEngineConnector", "TransferEngineConnector"}) {
       const std::string name = n;
       reg->creators[name] = [name](const Value& extra) { return make_te_connector(name, extra); };

@@ -19,6 +19,7 @@
 #include <thread>
 #include <zmq.hpp>
 
+#include "connectors/extra.hpp"
 #include "connectors/internal_key.hpp"
 #include "core/log.hpp"
 #include "core/net.hpp"
@@ -47,52 +48,15 @@ struct TeOptions {
   std::string pull_channel = "ucx";  // ucx: pulls after the first go as UCX messages; zmq: all by the side channel
 };
 
-bool get_str(const Value& e, const char* k, std::string& out) {
-  const Value* v = e.find(k);
-  if (!v || v->is_nil()) return true;
-  if (!v->is<std::string>()) return false;
-  out = v->as<std::string>();
-  return true;
-}
-bool get_num(const Value& e, const char* k, double& out) {
-  const Value* v = e.find(k);
-  if (!v || v->is_nil()) return true;
-  if (v->is<double>()) {
-    out = v->as<double>();
-    return true;
-  }
-  int64_t i;
-  if (v->get_i64(i)) {
-    out = double(i);
-    return true;
-  }
-  if (v->is<std::string>()) {  // "64GB"-style sizes are the seed's memory_pool_size form
-    const std::string& s = v->as<std::string>();
-    char* end = nullptr;
-    double d = std::strtod(s.c_str(), &end);
-    std::string unit(end ? end : "");
-    for (auto& c : unit) c = char(std::toupper(static_cast<unsigned char>(c)));
-    const double mul = unit == "" || unit == "B"       ? 1
-                       : unit == "KB" || unit == "KIB" ? 1024.0
-                       : unit == "MB" || unit == "MIB" ? 1048576.0
-                       : unit == "GB" || unit == "GIB" ? 1073741824.0
-                                                       : -1;
-    if (mul < 0 || end == s.c_str()) return false;
-    out = d * mul;
-    return true;
-  }
-  return false;
-}
-
 Result<TeOptions> te_options(const Value& e) {
   TeOptions o;
   double port = o.zmq_port, pool = double(o.pool_bytes), tmo = o.timeout_s, ptmo = o.put_timeout_s, ttl = o.ttl_s,
          readers = o.readers, sport = 0, lanes = o.lanes;
-  if (!get_str(e, "host", o.host) || !get_num(e, "zmq_port", port) || !get_str(e, "protocol", o.protocol) ||
-      !get_str(e, "device_name", o.device) || !get_num(e, "memory_pool_size", pool) || !get_str(e, "role", o.role) ||
-      !get_str(e, "sender_host", o.sender_host) || !get_num(e, "sender_zmq_port", sport) ||
-      !get_num(e, "timeout_s", tmo) || !get_num(e, "put_timeout_s", ptmo) || !get_num(e, "ttl_s", ttl) ||
-      !get_num(e, "readers", readers) || !get_num(e, "lanes", lanes) || !get_str(e, "pull_channel", o.pull_channel))
+  if (!extra_string(e, "host", o.host) || !extra_number(e, "zmq_port", port) || !extra_string(e, "protocol", o.protocol) ||
+      !extra_string(e, "device_name", o.device) || !extra_number(e, "memory_pool_size", pool) || !extra_string(e, "role", o.role) ||
+      !extra_string(e, "sender_host", o.sender_host) || !extra_number(e, "sender_zmq_port", sport) ||
+      !extra_number(e, "timeout_s", tmo) || !extra_number(e, "put_timeout_s", ptmo) || !extra_number(e, "ttl_s", ttl) ||
+      !extra_number(e, "readers", readers) || !extra_number(e, "lanes", lanes) || !extra_string(e, "pull_channel", o.pull_channel))
     return make_error(Errc::invalid_argument,
                       "TransferEngineConnector extra: host, protocol, device_name, role, sender_host are strings; "
                       "zmq_port, memory_pool_size (bytes or '4GB'), timeout_s, put_timeout_s, ttl_s, readers, lanes numbers; "

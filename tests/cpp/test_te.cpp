@@ -15,6 +15,7 @@
 
 using namespace stagelink;
 using testing_util::checksum;
+using testing_util::pattern;
 using testing_util::wait_child;
 
 namespace {
@@ -33,15 +34,6 @@ std::unique_ptr<Connector> te(const std::string& role, int port = 0, size_t pool
   auto c = create_connector("TransferEngineConnector", te_extra(role, port, pool, lanes));
   EXPECT_TRUE(c.ok()) << (c.ok() ? "" : c.error().message);
   return c.ok() ? std::move(c).value() : nullptr;
-}
-std::vector<std::byte> pattern(size_t n, uint32_t seed) {
-  std::vector<std::byte> v(n);
-  uint32_t x = seed * 2654435761u + 1;
-  for (size_t i = 0; i < n; ++i) {
-    x ^= x << 13; x ^= x >> 17; x ^= x << 5;
-    v[i] = std::byte(x);
-  }
-  return v;
 }
 Payload payload_of(const std::vector<std::byte>& d) {
   Payload p;

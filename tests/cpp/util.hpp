@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace stagelink::testing_util {
 // FNV-1a over the bytes.
@@ -17,5 +18,15 @@ inline int wait_child(pid_t pid) {
   int st = 0;
   waitpid(pid, &st, 0);
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+// Reproducible pseudo-random bytes (xorshift32).
+inline std::vector<std::byte> pattern(size_t n, uint32_t seed) {
+  std::vector<std::byte> v(n);
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; ++i) {
+    x ^= x << 13; x ^= x >> 17; x ^= x << 5;
+    v[i] = std::byte(x);
+  }
+  return v;
 }
 }  // namespace stagelink::testing_util

@@ -1,0 +1,541 @@
+// StoreConnector: payloads through Redis (one server or a Redis Cluster), the store as the
+// rendezvous (the seed's MooncakeStoreConnector design): a receiver needs only the key.
+//
+// Keys of one put share a hash tag, so that in a cluster they live in one slot:
+//   sl:{KEY@FROM_TO}:c:GEN:I   chunk I of the frame (GEN: this put's random generation)
+//   sl:{KEY@FROM_TO}:m         meta: magic, generation, size, chunks, chunk size, XXH3 of the frame,
+//                              request id
+//   sl:{KEY@FROM_TO}:r         readers still to come
+//   sl:{KEY@FROM_TO}:s         signal list: the generation, pushed after the last chunk and the meta
+//   sl:req:{REQUEST}           the puts of a request (for cleanup)
+// Everything carries the TTL (ttl_seconds). A get claims a reader atomically (a Lua script on the
+// meta and the counter), reads the chunks (pipelined, over several connections when large), checks
+// them against the meta (a chunk missing: the key was replaced meanwhile, read again; a length or
+// checksum wrong: corrupt), and the last reader deletes the put. A get that finds nothing blocks in
+// BLPOP on the signal list until the put's push or its deadline: no polling.
+#include "connectors/store_connector.hpp"
+
+#include <xxhash.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+
+#include "connectors/extra.hpp"
+#include "connectors/internal_key.hpp"
+#include "core/log.hpp"
+#include "core/proc.hpp"
+#include "stagelink/frame.hpp"
+#include "store/redis.hpp"
+
+namespace stagelink {
+namespace {
+
+using store::Cmd;
+using store::Redis;
+using store::Reply;
+
+struct StoreOptions {
+  store::RedisOptions redis;
+  double ttl_s = 600;
+  size_t chunk_bytes = 8u << 20;
+  uint32_t readers = 1;
+  double put_timeout_s = 30;
+};
+
+// "host", "host:port", "[v6]" or "[v6]:port".
+Result<std::pair<std::string, int>> host_port(const std::string& s, int default_port) {
+  std::string h = s, port_s;
+  if (!s.empty() && s[0] == '[') {
+    const size_t close = s.find(']');
+    if (close == std::string::npos) return make_error(Errc::invalid_argument, "'" + s + "': unclosed '['");
+    h = s.substr(1, close - 1);
+    if (close + 1 < s.size()) {
+      if (s[close + 1] != ':') return make_error(Errc::invalid_argument, "'" + s + "': expected [host]:port");
+      port_s = s.substr(close + 2);
+    }
+  } else if (const size_t colon = s.rfind(':'); colon != std::string::npos && s.find(':') == colon) {
+    h = s.substr(0, colon);
+    port_s = s.substr(colon + 1);
+  }
+  int port = default_port;
+  if (!port_s.empty() || (s.size() && s.back() == ':')) {
+    char* end = nullptr;
+    const long p = std::strtol(port_s.c_str(), &end, 10);
+    if (port_s.empty() || !end || *end || p <= 0 || p > 65535)
+      return make_error(Errc::invalid_argument, "'" + s + "': a port in [1, 65535]");
+    port = int(p);
+  }
+  if (h.empty()) return make_error(Errc::invalid_argument, "'" + s + "': no host");
+  return std::make_pair(h, port);
+}
+
+Result<StoreOptions> store_options(const Value& e) {
+  StoreOptions o;
+  std::string backend = "redis", url, host = "127.0.0.1", user, pass;
+  double port = 6379, ttl = o.ttl_s, chunk = double(o.chunk_bytes), tmo = 5000, conns = 2, db = 0, readers = 1,
+         put_tmo = o.put_timeout_s;
+  if (!extra_string(e, "backend", backend) || !extra_string(e, "url", url) || !extra_string(e, "host", host) || !extra_string(e, "username", user) ||
+      !extra_string(e, "password", pass) || !extra_number(e, "port", port) || !extra_number(e, "ttl_seconds", ttl) ||
+      !extra_number(e, "chunk_bytes", chunk) || !extra_number(e, "timeout_ms", tmo) || !extra_number(e, "connections", conns) ||
+      !extra_number(e, "db", db) || !extra_number(e, "readers", readers) || !extra_number(e, "put_timeout_s", put_tmo))
+    return make_error(Errc::invalid_argument,
+                      "StoreConnector extra: backend, url, host, username, password are strings; port, ttl_seconds, "
+                      "chunk_bytes, timeout_ms, connections, db, readers, put_timeout_s numbers");
+  if (backend != "redis")
+    return make_error(Errc::invalid_argument, "StoreConnector backend '" + backend + "': only 'redis' is built");
+  if (const Value* t = e.find("tls"); t && !t->is_nil() && !(t->is<bool>() && !t->as<bool>()))
+    return make_error(Errc::unsupported, "StoreConnector tls: Debian 12's hiredis (0.14) has no TLS; reach a TLS "
+                                         "Redis through a local TLS tunnel (e.g. stunnel) and give its address");
+  if (!url.empty()) {
+    // redis://[[user]:password@]host[:port][/db]
+    std::string rest;
+    if (url.rfind("redis://", 0) == 0) rest = url.substr(8);
+    else if (url.rfind("rediss://", 0) == 0)
+      return make_error(Errc::unsupported, "StoreConnector url '" + url + "': rediss:// (TLS) is not available "
+                                           "with Debian 12's hiredis; use a local TLS tunnel");
+    else return make_error(Errc::invalid_argument, "StoreConnector url '" + url + "': expected redis://host:port[/db]");
+    if (size_t at = rest.rfind('@'); at != std::string::npos) {
+      const std::string cred = rest.substr(0, at);
+      rest = rest.substr(at + 1);
+      if (size_t c = cred.find(':'); c != std::string::npos) {
+        user = cred.substr(0, c);
+        pass = cred.substr(c + 1);
+      } else {
+        pass = cred;
+      }
+    }
+    if (size_t slash = rest.find('/'); slash != std::string::npos) {
+      db = std::atof(rest.c_str() + slash + 1);
+      rest = rest.substr(0, slash);
+    }
+    SL_ASSIGN(auto hp, host_port(rest, 6379));
+    host = hp.first;
+    port = hp.second;
+  }
+  if (port <= 0 || port > 65535) return make_error(Errc::invalid_argument, "StoreConnector port must be in [1, 65535]");
+  if (ttl <= 0) return make_error(Errc::invalid_argument, "StoreConnector ttl_seconds must be positive");
+  if (chunk < 4096 || chunk > double(512u << 20))
+    return make_error(Errc::invalid_argument, "StoreConnector chunk_bytes must be in [4096, 512 MiB]");
+  if (tmo <= 0) return make_error(Errc::invalid_argument, "StoreConnector timeout_ms must be positive");
+  if (conns < 1 || conns > 64) return make_error(Errc::invalid_argument, "StoreConnector connections must be in [1, 64]");
+  if (readers < 1 || readers > 1e6) return make_error(Errc::invalid_argument, "StoreConnector readers must be in [1, 1000000]");
+  o.redis.username = user;
+  o.redis.password = pass;
+  o.redis.db = int(db);
+  o.redis.timeout_s = tmo / 1000.0;
+  o.redis.connections = unsigned(conns);
+  o.ttl_s = ttl;
+  o.chunk_bytes = size_t(chunk);
+  o.readers = uint32_t(readers);
+  o.put_timeout_s = put_tmo;
+  if (const Value* cl = e.find("cluster"); cl && !cl->is_nil() && !(cl->is<bool>() && !cl->as<bool>())) {
+    o.redis.cluster = true;
+    if (cl->is<Value::List>()) {
+      for (const Value& s : cl->as<Value::List>()) {
+        if (!s.is<std::string>()) return make_error(Errc::invalid_argument, "StoreConnector cluster: seed nodes as 'host:port'");
+        SL_ASSIGN(auto hp, host_port(s.as<std::string>(), 6379));
+        o.redis.nodes.push_back(hp);
+      }
+    } else if (cl->is<std::string>()) {
+      SL_ASSIGN(auto hp, host_port(cl->as<std::string>(), 6379));
+      o.redis.nodes.push_back(hp);
+    } else if (!cl->is<bool>()) {
+      return make_error(Errc::invalid_argument, "StoreConnector cluster: true, or a list of seed nodes 'host:port'");
+    }
+  }
+  if (o.redis.nodes.empty()) o.redis.nodes.emplace_back(host, int(port));
+  return o;
+}
+
+constexpr char kMagic[4] = {'S', 'L', 'S', '1'};
+struct Meta {
+  uint64_t gen = 0, size = 0, chunks = 0, chunk_bytes = 0, hash = 0;
+  std::string rid;
+};
+constexpr size_t kMetaFixed = 4 + 5 * 8;
+
+std::string encode_meta(const Meta& m) {
+  std::string s(kMetaFixed + m.rid.size(), '\0');
+  std::memcpy(s.data(), kMagic, 4);
+  const uint64_t f[5] = {m.gen, m.size, m.chunks, m.chunk_bytes, m.hash};
+  std::memcpy(s.data() + 4, f, sizeof f);
+  std::memcpy(s.data() + kMetaFixed, m.rid.data(), m.rid.size());
+  return s;
+}
+Result<Meta> decode_meta(std::string_view s) {
+  Meta m;
+  if (s.size() < kMetaFixed || std::memcmp(s.data(), kMagic, 4) != 0)
+    return make_error(Errc::corrupt, "store meta of " + std::to_string(s.size()) + " bytes is not stagelink's");
+  uint64_t f[5];
+  std::memcpy(f, s.data() + 4, sizeof f);
+  m.gen = f[0];
+  m.size = f[1];
+  m.chunks = f[2];
+  m.chunk_bytes = f[3];
+  m.hash = f[4];
+  m.rid = std::string(s.substr(kMetaFixed));
+  if (m.chunk_bytes == 0 || m.size > (uint64_t(1) << 40) || m.chunks != (m.size + m.chunk_bytes - 1) / m.chunk_bytes ||
+      (m.size == 0 && m.chunks != 0))
+    return make_error(Errc::corrupt, "store meta: " + std::to_string(m.chunks) + " chunks of " +
+                                         std::to_string(m.chunk_bytes) + " bytes for " + std::to_string(m.size));
+  return m;
+}
+
+// Claim one reader of a put: the meta and how many readers remain after this one, or nothing
+// (absent, or every reader already claimed).
+constexpr const char* kClaim =
+    "local m = redis.call('GET', KEYS[1]) "
+    "if not m then return nil end "
+    "local r = redis.call('DECR', KEYS[2]) "
+    "if r < 0 then redis.call('INCR', KEYS[2]) return nil end "
+    "return {m, r}";
+
+std::string hex(uint64_t v) {
+  char b[17];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+class StoreConnector final : public Connector {
+ public:
+  StoreConnector(std::string name, StoreOptions o, std::unique_ptr<Redis> r)
+      : name_(std::move(name)), o_(std::move(o)), redis_(std::move(r)) {
+    std::random_device rd;
+    rng_.seed((uint64_t(rd()) << 32) ^ rd() ^ uint64_t(getpid()) ^ mono_ns());
+    // Limits read once: the largest value the server takes, and its memory.
+    const std::string bulk = redis_->config_get("proto-max-bulk-len");
+    max_bulk_ = bulk.empty() ? (512u << 20) : std::strtoull(bulk.c_str(), nullptr, 10);
+    const std::string mm = redis_->config_get("maxmemory");
+    maxmemory_ = mm.empty() ? 0 : std::strtoull(mm.c_str(), nullptr, 10);
+  }
+  ~StoreConnector() override { close(); }
+
+  Status check_limits() const {
+    if (o_.chunk_bytes > max_bulk_)
+      return make_error(Errc::invalid_argument, "StoreConnector chunk_bytes " + std::to_string(o_.chunk_bytes) +
+                                                    " exceeds the server's proto-max-bulk-len " + std::to_string(max_bulk_));
+    return {};
+  }
+
+  const std::string& name() const override { return name_; }
+
+  Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key, const Payload& p,
+                        const PutOptions& po) override {
+    SL_TRY(open());
+    SL_TRY(validate_name("from_stage", from, 64));
+    SL_TRY(validate_name("to_stage", to, 64));
+    SL_TRY(validate_name("key", key, 160));
+    const std::string rid = po.request_id.empty() ? key : std::string(po.request_id);
+    SL_TRY(validate_name("request_id", rid, 160));
+    SL_ASSIGN(FramePlan plan, plan_frame(p));
+    if (maxmemory_ && plan.total > maxmemory_)
+      return fail(make_error(Errc::exhausted, "a payload of " + std::to_string(plan.total) +
+                                                  " bytes exceeds the store's maxmemory (" + std::to_string(maxmemory_) +
+                                                  "): refused, nothing written"));
+    // Frames up to 64 MiB are written into a buffer kept per thread (its pages stay faulted in);
+    // larger ones into one freed after the put.
+    thread_local std::vector<std::byte> kept;
+    std::vector<std::byte> once;
+    std::vector<std::byte>& frame = plan.total <= (64u << 20) ? kept : once;
+    if (frame.size() < plan.total) frame.resize(plan.total);
+    write_frame(plan, p.tensors, frame.data());
+    const std::span<const std::byte> bytes(frame.data(), plan.total);
+    Meta m;
+    {
+      std::lock_guard<std::mutex> l(rng_mu_);
+      m.gen = rng_() | 1;
+    }
+    m.size = plan.total;
+    m.chunk_bytes = o_.chunk_bytes;
+    m.chunks = (m.size + m.chunk_bytes - 1) / m.chunk_bytes;
+    m.hash = XXH3_64bits(bytes.data(), bytes.size());
+    m.rid = rid;
+    const std::string ik = make_internal_key(key, from, to), base = "sl:{" + ik + "}";
+    const std::string ttl = std::to_string(uint64_t(o_.ttl_s * 1000));
+    const Deadline dl = deadline_after(o_.put_timeout_s + double(m.size) / 50e6);
+    // The chunks, pipelined (over several connections when there are several).
+    std::vector<std::string> names(m.chunks);
+    std::vector<Cmd> cmds(m.chunks);
+    for (uint64_t i = 0; i < m.chunks; ++i) {
+      names[i] = chunk_name(base, m.gen, i);
+      const size_t off = size_t(i * m.chunk_bytes);
+      cmds[i].arg("SET").arg(names[i]).arg(bytes.subspan(off, std::min<size_t>(m.chunk_bytes, m.size - off)))
+          .arg("PX").arg(ttl);
+    }
+    if (!cmds.empty()) {
+      auto r = redis_->run_spread(base, cmds, o_.redis.connections, dl);
+      Status st = r.ok() ? all_ok(*r, "storing the payload") : Status(std::move(r).error());
+      if (!st.ok()) {
+        drop_chunks(base, m);  // nothing half-written stays
+        return fail(std::move(st).error());
+      }
+    }
+    // Then the meta, the reader count and the signal (one pipeline, the key's slot), then the
+    // request's index.
+    const std::string meta = encode_meta(m), gen = hex(m.gen),
+                      readers = std::to_string(po.readers ? po.readers : o_.readers);
+    std::vector<Cmd> fin(6);
+    fin[0].arg("GET").arg(base + ":m");
+    fin[1].arg("SET").arg(base + ":m").arg(meta).arg("PX").arg(ttl);
+    fin[2].arg("SET").arg(base + ":r").arg(readers).arg("PX").arg(ttl);
+    fin[3].arg("DEL").arg(base + ":s");
+    fin[4].arg("RPUSH").arg(base + ":s").arg(gen);
+    fin[5].arg("PEXPIRE").arg(base + ":s").arg(ttl);
+    auto r = redis_->run(base, fin, dl);
+    if (!r.ok()) return fail(std::move(r).error());
+    {
+      // Replies 1.. must be fine; reply 0 is the replaced put's meta (its chunks go now).
+      std::vector<Reply> rest;
+      for (size_t i = 1; i < r->size(); ++i) rest.push_back(std::move((*r)[i]));
+      SL_TRY(all_ok(rest, "publishing the payload"));
+      if (!store::is_nil((*r)[0]))
+        if (auto old = decode_meta(store::str((*r)[0])); old.ok() && old->gen != m.gen) drop_chunks(base, *old);
+    }
+    const std::string req = "sl:req:{" + rid + "}";
+    std::vector<Cmd> idx(2);
+    idx[0].arg("SADD").arg(req).arg(ik);
+    idx[1].arg("PEXPIRE").arg(req).arg(ttl);
+    if (auto ri = redis_->run(req, idx, dl); !ri.ok()) return fail(std::move(ri).error());
+    puts_.fetch_add(1);
+    bytes_.fetch_add(m.size);
+    PutResult out;
+    out.size = m.size;  // no metadata: the store is the rendezvous (the seed's contract)
+    return out;
+  }
+
+  Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key, const Value*,
+                        Deadline deadline, const GetOptions& go) override {
+    SL_TRY(open());
+    SL_TRY(validate_name("from_stage", from, 64));
+    SL_TRY(validate_name("to_stage", to, 64));
+    SL_TRY(validate_name("key", key, 160));
+    const std::string ik = make_internal_key(key, from, to), base = "sl:{" + ik + "}";
+    const Deadline cmd_dl = [&] { return std::max(deadline, deadline_after(o_.redis.timeout_s)); }();
+    for (;;) {
+      // Claim a reader of the put there is, if any.
+      std::vector<Cmd> claim(1);
+      claim[0].arg("EVAL").arg(kClaim).arg("2").arg(base + ":m").arg(base + ":r");
+      auto r = redis_->run(base, claim, cmd_dl);
+      if (!r.ok()) return fail(std::move(r).error());
+      const Reply& c = (*r)[0];
+      if (store::is_error(c)) return fail(make_error(Errc::io, "redis: claiming '" + ik + "': " + std::string(store::str(c))));
+      if (store::elements(c) == 2) {
+        SL_ASSIGN(Meta m, decode_meta(store::str(store::element(c, 0))));
+        const long long left = store::integer(store::element(c, 1));
+        auto got = read_payload(base, m, cmd_dl, go);
+        if (!got.ok() && got.error().code == Errc::not_found) continue;  // replaced while read: read the new one
+        if (!got.ok()) return fail(std::move(got).error());
+        if (left <= 0) drop_put(base, ik, m);  // the last reader deletes the put
+        else wake_next(base, m);               // more readers: the next waiter may go
+        gets_.fetch_add(1);
+        bytes_.fetch_add(m.size);
+        return got;
+      }
+      // Nothing yet: wait on the signal list until the put pushes (no polling).
+      if (deadline == kNoWait) return make_error(Errc::not_found, "no '" + ik + "' in the store");
+      const double left_s = std::chrono::duration<double>(deadline - Clock::now()).count();
+      if (left_s <= 0) {
+        timeouts_.fetch_add(1);
+        return make_error(Errc::timeout, "no '" + ik + "' in the store before the deadline");
+      }
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%.3f", std::max(0.001, left_s));
+      Cmd b;
+      b.arg("BLPOP").arg(base + ":s").arg(secs);
+      waits_.fetch_add(1);
+      auto w = redis_->blocking(base, b, deadline);
+      if (!w.ok()) return fail(std::move(w).error());
+      if (store::is_error(*w)) return fail(make_error(Errc::io, "redis: waiting for '" + ik + "': " + std::string(store::str(*w))));
+      // Popped (or the wait ended): claim again. A stale signal finds nothing and waits again.
+    }
+  }
+
+  size_t cleanup(const std::string& rid) override {
+    if (!redis_) return 0;
+    const std::string req = "sl:req:{" + rid + "}";
+    const Deadline dl = deadline_after(o_.redis.timeout_s);
+    std::vector<Cmd> q(1);
+    q[0].arg("SMEMBERS").arg(req);
+    auto r = redis_->run(req, q, dl);
+    if (!r.ok()) {
+      errors_.fetch_add(1);
+      SL_LOG_WARN("%s cleanup(%s): %s", name_.c_str(), rid.c_str(), r.error().message.c_str());
+      return 0;
+    }
+    size_t n = 0;
+    for (size_t i = 0; i < store::elements((*r)[0]); ++i) {
+      const std::string ik(store::str(store::element((*r)[0], i)));
+      const std::string base = "sl:{" + ik + "}";
+      std::vector<Cmd> g(1);
+      g[0].arg("GET").arg(base + ":m");
+      auto m = redis_->run(base, g, dl);
+      if (!m.ok() || store::is_nil((*m)[0])) continue;
+      auto meta = decode_meta(store::str((*m)[0]));
+      if (!meta.ok() || meta->rid != rid) continue;  // replaced by a put of another request: not ours
+      drop_put(base, ik, *meta);
+      ++n;
+    }
+    std::vector<Cmd> d(1);
+    d[0].arg("UNLINK").arg(req);
+    (void)redis_->run(req, d, dl);
+    return n;
+  }
+
+  Value health() override {
+    Value::Map m;
+    m.emplace_back("status", redis_ ? "healthy" : "closed");
+    m.emplace_back("connector", name_);
+    m.emplace_back("backend", "redis");
+    if (redis_) {
+      Value info = redis_->info();
+      if (const Value* ok = info.find("reachable"); ok && ok->is<bool>() && !ok->as<bool>()) m[0].second = "unreachable";
+      m.emplace_back("store", std::move(info));
+    }
+    m.emplace_back("puts", uint64_t(puts_.load()));
+    m.emplace_back("gets", uint64_t(gets_.load()));
+    m.emplace_back("bytes_transferred", uint64_t(bytes_.load()));
+    m.emplace_back("waits", uint64_t(waits_.load()));
+    m.emplace_back("timeouts", uint64_t(timeouts_.load()));
+    m.emplace_back("errors", uint64_t(errors_.load()));
+    m.emplace_back("ttl_seconds", o_.ttl_s);
+    m.emplace_back("chunk_bytes", uint64_t(o_.chunk_bytes));
+    m.emplace_back("connections", uint64_t(o_.redis.connections));
+    return Value(std::move(m));
+  }
+
+  void close() override { redis_.reset(); }
+
+ private:
+  Status open() const {
+    if (!redis_) return make_error(Errc::closed, name_ + " is closed");
+    return {};
+  }
+  template <class E>
+  E fail(E e) {
+    errors_.fetch_add(1);
+    return e;
+  }
+  static std::string chunk_name(const std::string& base, uint64_t gen, uint64_t i) {
+    return base + ":c:" + hex(gen) + ":" + std::to_string(i);
+  }
+  static Status all_ok(const std::vector<Reply>& rs, const char* what) {
+    for (const Reply& r : rs)
+      if (store::is_error(r)) {
+        const std::string e(store::str(r));
+        return make_error(e.rfind("OOM", 0) == 0 ? Errc::exhausted : Errc::io, std::string("redis: ") + what + ": " + e);
+      }
+    return {};
+  }
+
+  // The chunks, checked against the meta, as one frame. not_found: a chunk is gone (the key was
+  // replaced or cleaned up meanwhile).
+  Result<GetResult> read_payload(const std::string& base, const Meta& m, Deadline dl, const GetOptions& go) {
+    std::vector<std::string> names(m.chunks);
+    std::vector<Cmd> cmds(m.chunks);
+    for (uint64_t i = 0; i < m.chunks; ++i) {
+      names[i] = chunk_name(base, m.gen, i);
+      cmds[i].arg("GET").arg(names[i]);
+    }
+    std::vector<Reply> rs;
+    if (!cmds.empty()) {
+      SL_ASSIGN(rs, redis_->run_spread(base, cmds, o_.redis.connections, dl + std::chrono::duration_cast<Clock::duration>(
+                                                                                   std::chrono::duration<double>(double(m.size) / 50e6))));
+    }
+    for (uint64_t i = 0; i < m.chunks; ++i) {
+      if (store::is_nil(rs[i])) return make_error(Errc::not_found, "a chunk is gone (replaced meanwhile)");
+      if (store::is_error(rs[i])) return make_error(Errc::io, "redis: reading a chunk: " + std::string(store::str(rs[i])));
+      const size_t want = size_t(std::min<uint64_t>(m.chunk_bytes, m.size - i * m.chunk_bytes));
+      if (store::str(rs[i]).size() != want)
+        return make_error(Errc::corrupt, "chunk " + std::to_string(i) + " in the store holds " +
+                                             std::to_string(store::str(rs[i]).size()) + " bytes, " + std::to_string(want) +
+                                             " expected (truncated or overwritten)");
+    }
+    // One chunk: the reply's own buffer is the frame (no copy); several: gathered once.
+    std::shared_ptr<const void> keep;
+    std::span<const std::byte> frame;
+    if (m.chunks == 1) {
+      auto holder = std::make_shared<Reply>(std::move(rs[0]));
+      const std::string_view s = store::str(*holder);
+      frame = {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+      keep = holder;
+    } else if (m.chunks > 1) {
+      std::shared_ptr<std::byte[]> buf(new (std::nothrow) std::byte[m.size]);
+      if (!buf) return make_error(Errc::exhausted, "no memory for a payload of " + std::to_string(m.size) + " bytes");
+      for (uint64_t i = 0; i < m.chunks; ++i) {
+        const std::string_view s = store::str(rs[i]);
+        std::memcpy(buf.get() + i * m.chunk_bytes, s.data(), s.size());
+        rs[i].reset();
+      }
+      frame = {buf.get(), size_t(m.size)};
+      keep = buf;
+    }
+    if (XXH3_64bits(frame.data(), frame.size()) != m.hash)
+      return make_error(Errc::corrupt, "the payload in the store does not match its checksum (corrupted)");
+    GetResult g;
+    g.size = size_t(m.size);
+    if (go.zero_copy) {
+      SL_TRY(decode_frame_into(frame, keep, g.payload, !go.raw_tree));
+    } else {
+      SL_TRY(decode_frame_copy_into(frame, g.payload));
+    }
+    return g;
+  }
+
+  void drop_chunks(const std::string& base, const Meta& m) {
+    if (!m.chunks) return;
+    Cmd c;
+    c.arg("UNLINK");
+    std::vector<std::string> names(m.chunks);
+    for (uint64_t i = 0; i < m.chunks; ++i) {
+      names[i] = chunk_name(base, m.gen, i);
+      c.arg(names[i]);
+    }
+    (void)redis_->run(base, std::span<const Cmd>(&c, 1), deadline_after(o_.redis.timeout_s));
+  }
+  // Delete a put (only if the meta still names this generation: a newer put stays).
+  void drop_put(const std::string& base, const std::string& ik, const Meta& m) {
+    std::vector<Cmd> c(1);
+    c[0].arg("GET").arg(base + ":m");
+    auto r = redis_->run(base, c, deadline_after(o_.redis.timeout_s));
+    bool current = false;
+    if (r.ok() && !store::is_nil((*r)[0]))
+      if (auto now = decode_meta(store::str((*r)[0])); now.ok()) current = now->gen == m.gen;
+    if (current) {
+      std::vector<Cmd> d(1);
+      d[0].arg("UNLINK").arg(base + ":m").arg(base + ":r").arg(base + ":s");
+      (void)redis_->run(base, d, deadline_after(o_.redis.timeout_s));
+      const std::string req = "sl:req:{" + m.rid + "}";
+      std::vector<Cmd> s(1);
+      s[0].arg("SREM").arg(req).arg(ik);
+      (void)redis_->run(req, s, deadline_after(o_.redis.timeout_s));
+    }
+    drop_chunks(base, m);
+  }
+  // A reader took the signal and readers remain: put the signal back for the next waiter.
+  void wake_next(const std::string& base, const Meta& m) {
+    std::vector<Cmd> c(1);
+    c[0].arg("RPUSH").arg(base + ":s").arg(hex(m.gen));
+    (void)redis_->run(base, c, deadline_after(o_.redis.timeout_s));
+  }
+
+  std::string name_;
+  StoreOptions o_;
+  std::unique_ptr<Redis> redis_;
+  uint64_t max_bulk_ = 512u << 20, maxmemory_ = 0;
+  std::mutex rng_mu_;
+  std::mt19937_64 rng_;
+  std::atomic<uint64_t> puts_{0}, gets_{0}, bytes_{0}, waits_{0}, timeouts_{0}, errors_{0};
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Connector>> make_store_connector(const std::string& name, const Value& extra) {
+  SL_ASSIGN(StoreOptions o, store_options(extra));
+  SL_ASSIGN(auto r, Redis::connect(o.redis));
+  auto c = std::make_unique<StoreConnector>(name, std::move(o), std::move(r));
+  SL_TRY(c->check_limits());
+  return std::unique_ptr<Connector>(std::move(c));
+}
+
+}  // namespace stagelink

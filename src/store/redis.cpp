@@ -1,0 +1,449 @@
+// See redis.hpp.
+#include "store/redis.hpp"
+
+#include <hiredis/hiredis.h>
+#include <hiredis/sds.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/log.hpp"
+
+namespace stagelink::store {
+
+void ReplyDeleter::operator()(redisReply* r) const {
+  if (r) freeReplyObject(r);
+}
+bool is_nil(const Reply& r) { return !r || r->type == REDIS_REPLY_NIL; }
+bool is_error(const Reply& r) { return r && r->type == REDIS_REPLY_ERROR; }
+std::string_view str(const redisReply* r) {
+  if (!r || (r->type != REDIS_REPLY_STRING && r->type != REDIS_REPLY_STATUS && r->type != REDIS_REPLY_ERROR)) return {};
+  return {r->str, size_t(r->len)};
+}
+std::string_view str(const Reply& r) { return str(r.get()); }
+long long integer(const redisReply* r) { return r && r->type == REDIS_REPLY_INTEGER ? r->integer : 0; }
+long long integer(const Reply& r) { return integer(r.get()); }
+size_t elements(const Reply& r) { return r && r->type == REDIS_REPLY_ARRAY ? r->elements : 0; }
+const redisReply* element(const Reply& r, size_t i) { return i < elements(r) ? r->element[i] : nullptr; }
+
+// CRC16-CCITT (XMODEM: polynomial 0x1021, initial 0), the cluster specification's key hash.
+unsigned key_slot(std::string_view key) {
+  static const auto table = [] {
+    std::array<uint16_t, 256> t{};
+    for (unsigned i = 0; i < 256; ++i) {
+      uint16_t c = uint16_t(i << 8);
+      for (int b = 0; b < 8; ++b) c = (c & 0x8000) ? uint16_t((c << 1) ^ 0x1021) : uint16_t(c << 1);
+      t[i] = c;
+    }
+    return t;
+  }();
+  // The hash tag: what lies between the first '{' and the next '}', when not empty.
+  if (size_t open = key.find('{'); open != std::string_view::npos) {
+    size_t close = key.find('}', open + 1);
+    if (close != std::string_view::npos && close > open + 1) key = key.substr(open + 1, close - open - 1);
+  }
+  uint16_t crc = 0;
+  for (unsigned char ch : key) crc = uint16_t((crc << 8) ^ table[((crc >> 8) ^ ch) & 0xff]);
+  return crc & 16383;
+}
+
+namespace {
+
+timeval tv_until(Deadline deadline, double min_s = 0.001) {
+  double s = std::chrono::duration<double>(deadline - Clock::now()).count();
+  s = std::max(s, min_s);
+  timeval tv;
+  tv.tv_sec = time_t(s);
+  tv.tv_usec = suseconds_t((s - double(tv.tv_sec)) * 1e6);
+  return tv;
+}
+
+struct Conn {
+  redisContext* c = nullptr;
+  ~Conn() {
+    if (c) redisFree(c);
+  }
+};
+
+struct Node {
+  std::string host;
+  int port = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::unique_ptr<Conn>> idle, idle_blocking;
+  unsigned open = 0;  // pooled connections open or lent
+  std::string addr() const { return host + ":" + std::to_string(port); }
+};
+
+}  // namespace
+
+struct Redis::Impl {
+  RedisOptions o;
+  std::mutex nodes_mu;
+  std::map<std::string, std::unique_ptr<Node>> nodes;  // by host:port; never removed while open
+  std::vector<Node*> slots;                            // cluster: owner of each slot
+  Node* main = nullptr;                                // the one server, or any cluster node
+
+  Node* node(const std::string& host, int port) {
+    std::lock_guard<std::mutex> l(nodes_mu);
+    auto& n = nodes[host + ":" + std::to_string(port)];
+    if (!n) {
+      n = std::make_unique<Node>();
+      n->host = host;
+      n->port = port;
+    }
+    return n.get();
+  }
+
+  Result<std::unique_ptr<Conn>> dial(Node& n, Deadline deadline) {
+    auto conn = std::make_unique<Conn>();
+    const timeval ctv = tv_until(std::min(deadline, deadline_after(o.timeout_s)));
+    conn->c = redisConnectWithTimeout(n.host.c_str(), n.port, ctv);
+    if (!conn->c) return make_error(Errc::exhausted, "redis at " + n.addr() + ": no memory for a connection");
+    if (conn->c->err)
+      return make_error(conn->c->err == REDIS_ERR_IO && errno == EINPROGRESS ? Errc::timeout : Errc::io,
+                        "redis at " + n.addr() + ": " + conn->c->errstr);
+    redisSetTimeout(conn->c, tv_until(deadline_after(o.timeout_s)));
+    auto simple = [&](std::vector<std::string> args, const char* what) -> Status {
+      std::vector<const char*> av;
+      std::vector<size_t> al;
+      for (auto& a : args) {
+        av.push_back(a.data());
+        al.push_back(a.size());
+      }
+      Reply r(static_cast<redisReply*>(redisCommandArgv(conn->c, int(av.size()), av.data(), al.data())));
+      if (!r) return make_error(Errc::io, "redis at " + n.addr() + ": " + what + ": " + conn->c->errstr);
+      if (is_error(r)) {
+        const std::string e(str(r));
+        const bool auth = e.rfind("WRONGPASS", 0) == 0 || e.rfind("NOAUTH", 0) == 0 || e.find("password") != std::string::npos;
+        return make_error(auth ? Errc::invalid_argument : Errc::io, "redis at " + n.addr() + ": " + what + ": " + e);
+      }
+      return {};
+    };
+    if (!o.password.empty()) {
+      std::vector<std::string> a{"AUTH"};
+      if (!o.username.empty()) a.push_back(o.username);
+      a.push_back(o.password);
+      SL_TRY(simple(a, "AUTH"));
+    }
+    if (o.db != 0 && !o.cluster) SL_TRY(simple({"SELECT", std::to_string(o.db)}, "SELECT"));
+    return conn;
+  }
+
+  Result<std::unique_ptr<Conn>> acquire(Node& n, Deadline deadline, bool blocking) {
+    {
+      std::unique_lock<std::mutex> l(n.mu);
+      for (;;) {
+        auto& pool = blocking ? n.idle_blocking : n.idle;
+        if (!pool.empty()) {
+          auto c = std::move(pool.back());
+          pool.pop_back();
+          return c;
+        }
+        if (blocking || n.open < std::max(1u, o.connections)) {
+          if (!blocking) ++n.open;
+          break;
+        }
+        if (n.cv.wait_until(l, deadline) == std::cv_status::timeout)
+          return make_error(Errc::timeout, "redis at " + n.addr() + ": every connection busy until the deadline");
+      }
+    }
+    auto c = dial(n, deadline);
+    if (!c.ok() && !blocking) {
+      std::lock_guard<std::mutex> l(n.mu);
+      --n.open;
+      n.cv.notify_one();
+    }
+    return c;
+  }
+  void give_back(Node& n, std::unique_ptr<Conn> c, bool healthy, bool blocking) {
+    std::lock_guard<std::mutex> l(n.mu);
+    if (healthy) {
+      (blocking ? n.idle_blocking : n.idle).push_back(std::move(c));
+    } else if (!blocking) {
+      --n.open;  // dropped: the next call dials again
+    }
+    n.cv.notify_one();
+  }
+
+  // One batch on one connection. `io_ok` false: the connection is broken (dropped).
+  Result<std::vector<Reply>> pipeline(Node& n, Conn& c, std::span<const Cmd> cmds, Deadline deadline, bool& io_ok,
+                                      bool asking = false) {
+    io_ok = false;
+    redisSetTimeout(c.c, tv_until(deadline));
+    auto fail = [&](const char* what) -> Error {
+      const bool slow = c.c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK);
+      return make_error(slow ? Errc::timeout : Errc::io, "redis at " + n.addr() + ": " + what + ": " +
+                                                             (slow ? std::string("no reply before the deadline") : c.c->errstr));
+    };
+    std::vector<const char*> av;
+    std::vector<size_t> al;
+    if (asking) redisAppendCommand(c.c, "ASKING");
+    for (const Cmd& cmd : cmds) {
+      av.clear();
+      al.clear();
+      for (auto a : cmd.args) {
+        av.push_back(a.data());
+        al.push_back(a.size());
+      }
+      if (redisAppendCommandArgv(c.c, int(av.size()), av.data(), al.data()) != REDIS_OK) return fail("sending");
+      // Large batches go out as they are built (hiredis would hold all of them in memory).
+      if (sdslen(c.c->obuf) >= (4u << 20)) {
+        int done = 0;
+        while (!done)
+          if (redisBufferWrite(c.c, &done) != REDIS_OK) return fail("sending");
+      }
+    }
+    std::vector<Reply> out;
+    out.reserve(cmds.size());
+    if (asking) {
+      void* r = nullptr;
+      if (redisGetReply(c.c, &r) != REDIS_OK) return fail("receiving");
+      freeReplyObject(r);
+    }
+    for (size_t i = 0; i < cmds.size(); ++i) {
+      void* r = nullptr;
+      if (redisGetReply(c.c, &r) != REDIS_OK) return fail("receiving");
+      out.emplace_back(static_cast<redisReply*>(r));
+    }
+    io_ok = true;
+    return out;
+  }
+
+  Result<std::vector<Reply>> on_node(Node& n, std::span<const Cmd> cmds, Deadline deadline, bool asking = false) {
+    SL_ASSIGN(auto c, acquire(n, deadline, false));
+    bool ok = false;
+    auto r = pipeline(n, *c, cmds, deadline, ok, asking);
+    give_back(n, std::move(c), ok, false);
+    return r;
+  }
+
+  Status refresh_slots(Deadline deadline) {
+    std::vector<Node*> tried;
+    {
+      std::lock_guard<std::mutex> l(nodes_mu);
+      for (auto& [k, n] : nodes) tried.push_back(n.get());
+    }
+    std::string last = "no node answered";
+    for (Node* n : tried) {
+      Cmd cmd;
+      cmd.arg("CLUSTER").arg("SLOTS");
+      auto r = on_node(*n, std::span<const Cmd>(&cmd, 1), std::min(deadline, deadline_after(o.timeout_s)));
+      if (!r.ok()) {
+        last = r.error().message;
+        continue;
+      }
+      const Reply& rep = (*r)[0];
+      if (is_error(rep) || elements(rep) == 0) {
+        last = "redis at " + n->addr() + ": CLUSTER SLOTS: " + std::string(is_error(rep) ? str(rep) : "no slots");
+        continue;
+      }
+      std::vector<Node*> map(16384, nullptr);
+      for (size_t i = 0; i < elements(rep); ++i) {
+        const redisReply* e = element(rep, i);
+        if (!e || e->type != REDIS_REPLY_ARRAY || e->elements < 3 || e->element[2]->type != REDIS_REPLY_ARRAY ||
+            e->element[2]->elements < 2)
+          continue;
+        const long long a = e->element[0]->integer, b = e->element[1]->integer;
+        std::string host(str(e->element[2]->element[0]));
+        if (host.empty()) host = n->host;
+        Node* owner = node(host, int(e->element[2]->element[1]->integer));
+        for (long long s = std::max(0LL, a); s <= std::min(16383LL, b); ++s) map[size_t(s)] = owner;
+      }
+      std::lock_guard<std::mutex> l(nodes_mu);
+      slots = std::move(map);
+      return {};
+    }
+    return make_error(Errc::io, "redis cluster: reading the slot map: " + last);
+  }
+
+  Node* owner(std::string_view key) {
+    if (!o.cluster) return main;
+    std::lock_guard<std::mutex> l(nodes_mu);
+    Node* n = slots.empty() ? nullptr : slots[key_slot(key)];
+    return n ? n : main;
+  }
+
+  static bool settling(const std::vector<Reply>& rs) {
+    for (const Reply& r : rs)
+      if (is_error(r) && (str(r).rfind("CLUSTERDOWN", 0) == 0 || str(r).rfind("TRYAGAIN", 0) == 0)) return true;
+    return false;
+  }
+  // A redirection in the replies: MOVED (refresh, retry) or ASK (retry once on its node).
+  static bool redirect(const std::vector<Reply>& rs, bool& ask, std::string& host, int& port) {
+    for (const Reply& r : rs) {
+      if (!is_error(r)) continue;
+      const std::string_view e = str(r);
+      const bool moved = e.rfind("MOVED ", 0) == 0;
+      ask = e.rfind("ASK ", 0) == 0;
+      if (!moved && !ask) continue;
+      const std::string_view target = e.substr(e.rfind(' ') + 1);
+      const size_t colon = target.rfind(':');
+      if (colon == std::string_view::npos) return false;
+      host = std::string(target.substr(0, colon));
+      port = std::atoi(std::string(target.substr(colon + 1)).c_str());
+      return true;
+    }
+    return false;
+  }
+};
+
+Redis::Redis(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Redis::~Redis() = default;
+const RedisOptions& Redis::options() const { return impl_->o; }
+
+Result<std::unique_ptr<Redis>> Redis::connect(const RedisOptions& o) {
+  if (o.nodes.empty()) return make_error(Errc::invalid_argument, "redis: no server address");
+  auto impl = std::make_unique<Impl>();
+  impl->o = o;
+  std::string errs;
+  const Deadline dl = deadline_after(o.timeout_s);
+  for (auto& [h, p] : o.nodes) {
+    Node* n = impl->node(h, p);
+    auto c = impl->acquire(*n, dl, false);
+    if (!c.ok()) {
+      if (c.error().code == Errc::invalid_argument) return std::move(c).error();  // wrong password: say so
+      errs += (errs.empty() ? "" : "; ") + c.error().message;
+      continue;
+    }
+    impl->give_back(*n, std::move(c).value(), true, false);
+    if (!impl->main) impl->main = n;
+    if (!o.cluster) break;
+  }
+  if (!impl->main) return make_error(Errc::io, "cannot reach redis: " + errs);
+  if (o.cluster) SL_TRY(impl->refresh_slots(dl));
+  return std::unique_ptr<Redis>(new Redis(std::move(impl)));
+}
+
+Result<std::vector<Reply>> Redis::run(std::string_view slot_key, std::span<const Cmd> cmds, Deadline deadline) {
+  Node* n = impl_->owner(slot_key);
+  bool asking = false;
+  for (int attempt = 0;; ++attempt) {
+    SL_ASSIGN(auto rs, impl_->on_node(*n, cmds, deadline, asking));
+    bool ask = false;
+    std::string host;
+    int port = 0;
+    if (impl_->o.cluster && Impl::settling(rs) && Clock::now() + std::chrono::milliseconds(50) < deadline) {
+      // A cluster electing or resharding (CLUSTERDOWN, TRYAGAIN): ask again shortly, until the deadline.
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(200, 10 << std::min(attempt, 4))));
+      SL_TRY(impl_->refresh_slots(deadline));
+      n = impl_->owner(slot_key);
+      asking = false;
+      continue;
+    }
+    if (!impl_->o.cluster || attempt >= 50 || !Impl::redirect(rs, ask, host, port)) return rs;
+    if (!ask) SL_TRY(impl_->refresh_slots(deadline));
+    n = ask ? impl_->node(host, port) : impl_->owner(slot_key);
+    if (!ask && n == impl_->main && impl_->node(host, port) != n) n = impl_->node(host, port);
+    asking = ask;
+  }
+}
+
+Result<std::vector<Reply>> Redis::run_spread(std::string_view slot_key, std::span<const Cmd> cmds, unsigned ways,
+                                             Deadline deadline) {
+  ways = std::min<unsigned>({ways, std::max(1u, impl_->o.connections), unsigned(cmds.size())});
+  if (ways <= 1) return run(slot_key, cmds, deadline);
+  Node* n = impl_->owner(slot_key);
+  const size_t per = (cmds.size() + ways - 1) / ways;
+  std::vector<Result<std::vector<Reply>>> parts;
+  parts.reserve(ways);
+  for (unsigned w = 0; w < ways; ++w) parts.emplace_back(make_error(Errc::io, "not run"));
+  auto part = [&](unsigned w) {
+    const size_t a = std::min(cmds.size(), w * per), b = std::min(cmds.size(), a + per);
+    parts[w] = impl_->on_node(*n, cmds.subspan(a, b - a), deadline);
+  };
+  std::vector<std::thread> threads;
+  for (unsigned w = 1; w < ways; ++w) threads.emplace_back(part, w);
+  part(0);
+  for (auto& t : threads) t.join();
+  std::vector<Reply> out;
+  out.reserve(cmds.size());
+  for (auto& p : parts) {
+    if (!p.ok()) return std::move(p).error();
+    for (auto& r : *p) out.push_back(std::move(r));
+  }
+  bool ask = false;
+  std::string host;
+  int port = 0;
+  if (impl_->o.cluster && (Impl::redirect(out, ask, host, port) || Impl::settling(out)))
+    return run(slot_key, cmds, deadline);  // moved or settling meanwhile
+  return out;
+}
+
+Result<Reply> Redis::blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline) {
+  Node* n = impl_->owner(slot_key);
+  // The socket waits a little longer than the command, so that the server's own timeout answers.
+  const Deadline sock = deadline + std::chrono::milliseconds(int(impl_->o.timeout_s * 1000));
+  SL_ASSIGN(auto c, impl_->acquire(*n, sock, true));
+  bool ok = false;
+  auto r = impl_->pipeline(*n, *c, std::span<const Cmd>(&cmd, 1), sock, ok);
+  impl_->give_back(*n, std::move(c), ok, true);
+  if (!r.ok()) return std::move(r).error();
+  bool ask = false;
+  std::string host;
+  int port = 0;
+  if (impl_->o.cluster && Impl::redirect(*r, ask, host, port)) {
+    SL_TRY(impl_->refresh_slots(deadline));
+    Node* m = impl_->node(host, port);
+    SL_ASSIGN(auto c2, impl_->acquire(*m, sock, true));
+    auto r2 = impl_->pipeline(*m, *c2, std::span<const Cmd>(&cmd, 1), sock, ok, ask);
+    impl_->give_back(*m, std::move(c2), ok, true);
+    if (!r2.ok()) return std::move(r2).error();
+    return std::move((*r2)[0]);
+  }
+  return std::move((*r)[0]);
+}
+
+std::string Redis::config_get(const std::string& name) {
+  Cmd c;
+  c.arg("CONFIG").arg("GET").arg(name);
+  auto r = run("", std::span<const Cmd>(&c, 1), deadline_after(impl_->o.timeout_s));
+  if (!r.ok() || elements((*r)[0]) < 2) return {};
+  return std::string(str(element((*r)[0], 1)));
+}
+
+std::string Redis::describe() const {
+  if (!impl_->o.cluster) return "redis://" + impl_->main->addr();
+  std::string s = "redis cluster (seeds";
+  for (auto& [h, p] : impl_->o.nodes) s += " " + h + ":" + std::to_string(p);
+  return s + ")";
+}
+
+Value Redis::info() {
+  Value::Map m;
+  m.emplace_back("server", describe());
+  Cmd c;
+  c.arg("INFO");
+  auto r = impl_->on_node(*impl_->main, std::span<const Cmd>(&c, 1), deadline_after(impl_->o.timeout_s));
+  if (!r.ok()) {
+    m.emplace_back("reachable", false);
+    m.emplace_back("error", r.error().message);
+    return Value(std::move(m));
+  }
+  m.emplace_back("reachable", true);
+  const std::string text(str((*r)[0]));
+  for (const char* k : {"redis_version", "role", "used_memory", "used_memory_human", "maxmemory", "connected_clients",
+                        "cluster_enabled"}) {
+    const std::string pat = std::string("\n") + k + ":";
+    size_t at = ("\n" + text).find(pat);
+    if (at == std::string::npos) continue;
+    at += pat.size() - 1;
+    const size_t end = text.find_first_of("\r\n", at);
+    m.emplace_back(k, text.substr(at, end - at));
+  }
+  if (impl_->o.cluster) {
+    std::lock_guard<std::mutex> l(impl_->nodes_mu);
+    Value::List nodes;
+    for (auto& [k, n] : impl_->nodes) nodes.emplace_back(k);
+    m.emplace_back("nodes", Value(std::move(nodes)));
+  }
+  return Value(std::move(m));
+}
+
+}  // namespace stagelink::store

@@ -1,0 +1,111 @@
+// A small Redis client over hiredis (internal): connection pools per node, pipelined batches,
+// batches spread over several connections, blocking commands on their own connection, and Redis
+// Cluster routing (CLUSTER SLOTS, hash tags, MOVED and ASK followed). Every call has a deadline;
+// a connection that failed is dropped and made again by the next call (a restarted server is
+// reached again).
+#pragma once
+#include <cstddef>
+#include <deque>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "stagelink/connector.hpp"
+#include "stagelink/result.hpp"
+#include "stagelink/payload.hpp"
+
+struct redisReply;
+
+namespace stagelink::store {
+
+struct RedisOptions {
+  std::vector<std::pair<std::string, int>> nodes;  // one server, or a cluster's seed nodes
+  bool cluster = false;
+  std::string username, password;
+  int db = 0;
+  double timeout_s = 5;    // connect and each command
+  unsigned connections = 2;  // per node, for batches spread over connections
+};
+
+// One command: its arguments, viewing the caller's memory (nothing is copied before hiredis).
+// A temporary string argument is kept by the command itself.
+struct Cmd {
+  std::vector<std::span<const char>> args;
+  std::deque<std::string> owned;  // element addresses stay put, also when the Cmd moves
+  Cmd() = default;
+  Cmd(Cmd&&) = default;
+  Cmd& operator=(Cmd&&) = default;
+  Cmd(const Cmd&) = delete;
+  Cmd& operator=(const Cmd&) = delete;
+  Cmd& arg(const std::string& s) {
+    args.emplace_back(s.data(), s.size());
+    return *this;
+  }
+  Cmd& arg(const char* s) { return arg(std::string_view(s)); }
+  Cmd& arg(std::string_view s) {
+    args.emplace_back(s.data(), s.size());
+    return *this;
+  }
+  Cmd& arg(std::string&& s) {
+    const std::string& kept = owned.emplace_back(std::move(s));
+    args.emplace_back(kept.data(), kept.size());
+    return *this;
+  }
+  Cmd& arg(std::span<const std::byte> b) {
+    args.emplace_back(reinterpret_cast<const char*>(b.data()), b.size());
+    return *this;
+  }
+};
+
+struct ReplyDeleter {
+  void operator()(redisReply* r) const;
+};
+using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
+
+// Reply accessors (a null reply reads as nil).
+bool is_nil(const Reply& r);
+bool is_error(const Reply& r);
+std::string_view str(const Reply& r);  // string, status or error text
+long long integer(const Reply& r);
+size_t elements(const Reply& r);
+const redisReply* element(const Reply& r, size_t i);
+std::string_view str(const redisReply* r);
+long long integer(const redisReply* r);
+
+// The Redis cluster slot of a key (CRC16 of its hash tag, as the cluster specification defines).
+unsigned key_slot(std::string_view key);
+
+class Redis {
+ public:
+  // Connects to the first reachable node (a cluster: reads its slot map). Errors: io (no node
+  // reachable, named), invalid_argument (wrong password: the server's words), timeout.
+  static Result<std::unique_ptr<Redis>> connect(const RedisOptions& o);
+  ~Redis();
+
+  // `cmds` pipelined on one connection of the node that owns `slot_key`'s slot (every key of the
+  // batch shares that slot). Replies in order; a reply may be an error reply (the caller reads
+  // it). Errors: io, timeout (nothing from the server before `deadline`).
+  Result<std::vector<Reply>> run(std::string_view slot_key, std::span<const Cmd> cmds, Deadline deadline);
+  // The same, the batch split in up to `ways` parts each pipelined on its own connection at once.
+  Result<std::vector<Reply>> run_spread(std::string_view slot_key, std::span<const Cmd> cmds, unsigned ways,
+                                        Deadline deadline);
+  // A blocking command (BLPOP ...) that may wait until `deadline`, on a connection of its own.
+  Result<Reply> blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline);
+
+  // Address(es), role, memory (INFO of the node owning slot 0, or of the one server).
+  Value info();
+  std::string describe() const;  // "redis://host:port" or "redis cluster (seeds ...)"
+  const RedisOptions& options() const;
+  // A server setting (CONFIG GET), empty when the server refuses CONFIG.
+  std::string config_get(const std::string& name);
+
+ private:
+  struct Impl;
+  explicit Redis(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace stagelink::store

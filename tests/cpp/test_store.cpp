@@ -1,0 +1,355 @@
+// StoreConnector against redis-server instances the tests start (loopback ports they choose):
+// round trips verified, blocking gets woken by the put, fan-out, cleanup leaving no key, TTL,
+// corruption and truncation, wrong password, server down / killed / restarted, limits, cluster.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <thread>
+
+#include "redis_util.hpp"
+#include "stagelink/stagelink.hpp"
+#include "util.hpp"
+
+using namespace stagelink;
+using testing_util::checksum;
+using testing_util::pattern;
+using testing_util::RedisServer;
+
+namespace {
+Value store_extra(int port, Value::Map more = {}) {
+  Value::Map m;
+  m.emplace_back("host", "127.0.0.1");
+  m.emplace_back("port", uint64_t(port));
+  m.emplace_back("timeout_ms", uint64_t(2000));
+  m.emplace_back("chunk_bytes", uint64_t(4u << 20));
+  for (auto& kv : more) m.push_back(std::move(kv));
+  return Value(std::move(m));
+}
+std::unique_ptr<Connector> store_conn(int port, Value::Map more = {}) {
+  auto c = create_connector("StoreConnector", store_extra(port, std::move(more)));
+  EXPECT_TRUE(c.ok()) << (c.ok() ? "" : c.error().to_string());
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+Payload payload_of(const std::vector<std::byte>& d) {
+  Payload p;
+  p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(d)));
+  Value::Map m;
+  m.emplace_back("t", TensorRef{0});
+  p.tree = Value(std::move(m));
+  return p;
+}
+// A command on the server, for what the tests look at (DBSIZE, KEYS, SETRANGE, ...).
+store::Reply admin(int port, std::vector<std::string> args, const std::string& password = "") {
+  store::RedisOptions o;
+  o.nodes = {{"127.0.0.1", port}};
+  o.password = password;
+  auto r = store::Redis::connect(o);
+  if (!r.ok()) return nullptr;
+  store::Cmd c;
+  for (auto& a : args) c.arg(a);
+  auto rs = (*r)->run("", std::span<const store::Cmd>(&c, 1), deadline_after(5));
+  if (!rs.ok()) return nullptr;
+  return std::move((*rs)[0]);
+}
+long long dbsize(int port) { return store::integer(admin(port, {"DBSIZE"})); }
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+}  // namespace
+
+#define NEED_REDIS() \
+  if (!testing_util::have_redis_server()) GTEST_SKIP() << "redis-server is not installed (./scripts/setup installs it)"
+
+TEST(Store, RoundTripsVerifiedAcrossProcessesAndNothingLeftBehind) {
+  NEED_REDIS();
+  RedisServer srv;
+  const std::vector<size_t> sizes{0, 1, 4096, (1u << 20) + 3, (20u << 20) + 5};
+  pid_t pid = fork();
+  if (pid == 0) {  // the producer, in its own process
+    auto c = create_connector("StoreConnector", store_extra(srv.port()));
+    if (!c.ok()) _exit(2);
+    for (size_t s : sizes)
+      if (!c.value()->put("0", "1", "k" + std::to_string(s), payload_of(pattern(s, uint32_t(s)))).ok()) _exit(3);
+    _exit(0);
+  }
+  auto rcv = store_conn(srv.port());
+  ASSERT_TRUE(rcv);
+  for (size_t s : sizes) {
+    auto g = rcv->get("0", "1", "k" + std::to_string(s), nullptr, deadline_after(10), {});
+    ASSERT_TRUE(g.ok()) << s << ": " << g.error().to_string();
+    ASSERT_EQ(g->payload.tensors.size(), 1u);
+    EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(pattern(s, uint32_t(s)))) << s;
+  }
+  EXPECT_EQ(testing_util::wait_child(pid), 0);
+  // Read once (readers: 1): gone, chunks, meta, signal and the request index all.
+  EXPECT_EQ(rcv->get("0", "1", "k4096", nullptr, kNoWait, {}).error().code, Errc::not_found);
+  EXPECT_EQ(dbsize(srv.port()), 0);
+  // The put returns no metadata: the store is the rendezvous.
+  auto pr = rcv->put("0", "1", "x", payload_of(pattern(10, 1)));
+  ASSERT_TRUE(pr.ok());
+  EXPECT_TRUE(pr->metadata.is_nil());
+}
+
+TEST(Store, BlockingGetIsWokenByThePutNotByPolling) {
+  NEED_REDIS();
+  RedisServer srv;
+  auto rcv = store_conn(srv.port());
+  auto snd = store_conn(srv.port());
+  ASSERT_TRUE(rcv && snd);
+  Clock::time_point put_done;
+  std::thread producer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ASSERT_TRUE(snd->put("0", "1", "late", payload_of(pattern(5000, 3))).ok());
+    put_done = Clock::now();
+  });
+  const auto t0 = Clock::now();
+  auto g = rcv->get("0", "1", "late", nullptr, deadline_after(5), {});
+  const auto woke = Clock::now();
+  producer.join();
+  ASSERT_TRUE(g.ok()) << g.error().to_string();
+  EXPECT_GT(since(t0), 0.25);
+  EXPECT_LT(std::chrono::duration<double>(woke - put_done).count(), 0.1);  // woken, not a poll period later
+  EXPECT_EQ(rcv->health().find("waits")->as<uint64_t>(), 1u);             // one wait, no retries
+  // Nothing comes: the deadline, then timeout (None in Python).
+  const auto t1 = Clock::now();
+  auto none = rcv->get("0", "1", "never", nullptr, deadline_after(0.3), {});
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.error().code, Errc::timeout);
+  EXPECT_GT(since(t1), 0.28);
+  EXPECT_LT(since(t1), 1.5);
+}
+
+TEST(Store, FanOutToThreeReadersThenGoneAndWaitersAllWoken) {
+  NEED_REDIS();
+  RedisServer srv;
+  auto snd = store_conn(srv.port());
+  std::vector<std::unique_ptr<Connector>> rs;
+  for (int i = 0; i < 3; ++i) rs.push_back(store_conn(srv.port()));
+  const auto data = pattern(6u << 20, 9);
+  std::vector<std::thread> waiters;
+  std::atomic<int> ok{0};
+  for (auto& r : rs)
+    waiters.emplace_back([&, c = r.get()] {
+      auto g = c->get("0", "1", "fan", nullptr, deadline_after(5), {});
+      if (g.ok() && checksum(g->payload.tensors[0].data) == checksum(data)) ok.fetch_add(1);
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  PutOptions po;
+  po.readers = 3;
+  ASSERT_TRUE(snd->put("0", "1", "fan", payload_of(data), po).ok());
+  for (auto& t : waiters) t.join();
+  EXPECT_EQ(ok.load(), 3);
+  EXPECT_EQ(snd->get("0", "1", "fan", nullptr, kNoWait, {}).error().code, Errc::not_found);  // a 4th: none left
+  EXPECT_EQ(dbsize(srv.port()), 0);
+}
+
+TEST(Store, CleanupDeletesExactlyTheRequestsPuts) {
+  NEED_REDIS();
+  RedisServer srv;
+  auto c = store_conn(srv.port());
+  PutOptions tied;
+  tied.request_id = "R";
+  ASSERT_TRUE(c->put("0", "1", "R_chunk_0", payload_of(pattern(100, 1)), tied).ok());
+  ASSERT_TRUE(c->put("1", "2", "R_chunk_1", payload_of(pattern(9u << 20, 2)), tied).ok());
+  ASSERT_TRUE(c->put("0", "1", "R", payload_of(pattern(100, 3))).ok());
+  ASSERT_TRUE(c->put("0", "1", "R_1", payload_of(pattern(100, 4))).ok());  // not tied to R: stays
+  EXPECT_EQ(c->cleanup("R"), 3u);
+  auto keys = admin(srv.port(), {"KEYS", "*"});
+  for (size_t i = 0; i < store::elements(keys); ++i)
+    EXPECT_NE(std::string(store::str(store::element(keys, i))).find("R_1"), std::string::npos)
+        << store::str(store::element(keys, i));
+  EXPECT_TRUE(c->get("0", "1", "R_1", nullptr, kNoWait, {}).ok());
+  EXPECT_EQ(dbsize(srv.port()), 0);
+}
+
+TEST(Store, UnreadPutsExpireAfterTheirTtl) {
+  NEED_REDIS();
+  RedisServer srv;
+  Value::Map m;
+  m.emplace_back("ttl_seconds", 0.5);
+  auto c = store_conn(srv.port(), std::move(m));
+  ASSERT_TRUE(c->put("0", "1", "orphan", payload_of(pattern(5u << 20, 5))).ok());
+  EXPECT_GT(dbsize(srv.port()), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  EXPECT_EQ(dbsize(srv.port()), 0);
+}
+
+TEST(Store, ReplacedKeyReadsTheNewPutAndLeavesNoOldChunks) {
+  NEED_REDIS();
+  RedisServer srv;
+  auto c = store_conn(srv.port());
+  ASSERT_TRUE(c->put("0", "1", "k", payload_of(pattern(9u << 20, 1))).ok());
+  const auto second = pattern(3u << 20, 2);
+  ASSERT_TRUE(c->put("0", "1", "k", payload_of(second)).ok());
+  auto g = c->get("0", "1", "k", nullptr, kNoWait, {});
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(second));
+  EXPECT_EQ(dbsize(srv.port()), 0);
+}
+
+TEST(Store, CorruptedOrTruncatedDataInTheStoreIsAnErrorNotGarbage) {
+  NEED_REDIS();
+  RedisServer srv;
+  auto c = store_conn(srv.port());
+  auto chunk_of = [&](const std::string& key) {
+    auto keys = admin(srv.port(), {"KEYS", "sl:{" + key + "@0_1}:c:*"});
+    return store::elements(keys) ? std::string(store::str(store::element(keys, 0))) : std::string();
+  };
+  ASSERT_TRUE(c->put("0", "1", "flip", payload_of(pattern(100000, 1))).ok());
+  ASSERT_FALSE(chunk_of("flip").empty());
+  admin(srv.port(), {"SETRANGE", chunk_of("flip"), "5000", "X"});
+  auto g = c->get("0", "1", "flip", nullptr, kNoWait, {});
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.error().code, Errc::corrupt) << g.error().to_string();
+  ASSERT_TRUE(c->put("0", "1", "cut", payload_of(pattern(100000, 2))).ok());
+  admin(srv.port(), {"SET", chunk_of("cut"), "short"});
+  g = c->get("0", "1", "cut", nullptr, kNoWait, {});
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.error().code, Errc::corrupt) << g.error().to_string();
+  admin(srv.port(), {"SET", "sl:{bad@0_1}:m", "not a meta"});
+  admin(srv.port(), {"SET", "sl:{bad@0_1}:r", "1"});
+  g = c->get("0", "1", "bad", nullptr, kNoWait, {});
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.error().code, Errc::corrupt) << g.error().to_string();
+}
+
+TEST(Store, WrongPasswordBadConfigAndTlsAreClearErrors) {
+  NEED_REDIS();
+  RedisServer srv({"--requirepass", "s3cret"});
+  Value::Map bad;
+  bad.emplace_back("password", "nope");
+  auto c = create_connector("StoreConnector", store_extra(srv.port(), std::move(bad)));
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().code, Errc::invalid_argument);
+  EXPECT_NE(c.error().message.find("WRONGPASS"), std::string::npos) << c.error().message;
+  Value::Map url;
+  url.emplace_back("url", "redis://:s3cret@127.0.0.1:" + std::to_string(srv.port()) + "/2");
+  auto ok = create_connector("StoreConnector", Value(std::move(url)));
+  ASSERT_TRUE(ok.ok()) << ok.error().to_string();
+  ASSERT_TRUE(ok.value()->put("0", "1", "k", payload_of(pattern(10, 1))).ok());
+  EXPECT_EQ(store::integer(admin(srv.port(), {"DBSIZE"}, "s3cret")), 0);  // db 0 untouched: it went to db 2
+  for (auto [k, v] : std::vector<std::pair<std::string, Value>>{{"tls", Value(true)},
+                                                                 {"backend", Value("memcached")},
+                                                                 {"ttl_seconds", Value("lots")},
+                                                                 {"url", Value("rediss://127.0.0.1:1")}}) {
+    Value::Map m;
+    m.emplace_back(k, v);
+    auto e = create_connector("StoreConnector", store_extra(srv.port(), std::move(m)));
+    ASSERT_FALSE(e.ok()) << k;
+    EXPECT_TRUE(e.error().code == Errc::invalid_argument || e.error().code == Errc::unsupported) << k;
+  }
+}
+
+TEST(Store, ServerDownAtStartKilledAndRestartedMidRun) {
+  NEED_REDIS();
+  const int port = testing_util::free_port();
+  const auto t0 = Clock::now();
+  auto down = create_connector("StoreConnector", store_extra(port));
+  ASSERT_FALSE(down.ok());
+  EXPECT_EQ(down.error().code, Errc::io);
+  EXPECT_NE(down.error().message.find(std::to_string(port)), std::string::npos) << down.error().message;
+  EXPECT_LT(since(t0), 3.0);
+  RedisServer srv({}, port);
+  auto c = store_conn(port);
+  ASSERT_TRUE(c);
+  ASSERT_TRUE(c->put("0", "1", "a", payload_of(pattern(1000, 1))).ok());
+  srv.stop();
+  const auto t1 = Clock::now();
+  auto g = c->get("0", "1", "a", nullptr, deadline_after(1), {});
+  ASSERT_FALSE(g.ok());
+  EXPECT_TRUE(g.error().code == Errc::io || g.error().code == Errc::timeout) << g.error().to_string();
+  EXPECT_LT(since(t1), 4.0);
+  srv.start();  // the same port: the connector reconnects
+  ASSERT_TRUE(c->put("0", "1", "b", payload_of(pattern(1000, 2))).ok());
+  auto g2 = c->get("0", "1", "b", nullptr, kNoWait, {});
+  ASSERT_TRUE(g2.ok()) << g2.error().to_string();
+}
+
+TEST(Store, PayloadOverTheServersMemoryIsRefusedBeforeAnythingIsWritten) {
+  NEED_REDIS();
+  RedisServer srv({"--maxmemory", "8mb"});
+  auto c = store_conn(srv.port());
+  auto pr = c->put("0", "1", "big", payload_of(pattern(12u << 20, 1)));
+  ASSERT_FALSE(pr.ok());
+  EXPECT_EQ(pr.error().code, Errc::exhausted) << pr.error().to_string();
+  EXPECT_EQ(dbsize(srv.port()), 0);
+}
+
+// A 3-node Redis Cluster on loopback: payloads of keys in different slots, routed by the slot
+// map read from a single seed node; a slot moved to another node afterwards is followed (MOVED).
+TEST(Store, RedisClusterRoutesBySlotAndFollowsMoved) {
+  NEED_REDIS();
+  std::vector<std::unique_ptr<RedisServer>> nodes;
+  std::string create = "redis-cli --cluster create";
+  for (int i = 0; i < 3; ++i) {
+    nodes.push_back(std::make_unique<RedisServer>(std::vector<std::string>{"--cluster-enabled", "yes",
+                                                                          "--cluster-config-file", "nodes.conf"},
+                                                 testing_util::free_cluster_port()));
+    create += " 127.0.0.1:" + std::to_string(nodes.back()->port());
+  }
+  ASSERT_EQ(std::system((create + " --cluster-replicas 0 --cluster-yes >/tmp/sl-cluster-create.log 2>&1").c_str()), 0);
+  for (auto& n : nodes)  // every node sees the cluster up
+    for (int i = 0; i < 300; ++i) {
+      auto info = admin(n->port(), {"CLUSTER", "INFO"});
+      if (std::string(store::str(info)).find("cluster_state:ok") != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  Value::Map m;
+  m.emplace_back("cluster", Value(Value::List{Value("127.0.0.1:" + std::to_string(nodes[1]->port()))}));
+  auto c = store_conn(nodes[1]->port(), std::move(m));
+  ASSERT_TRUE(c);
+  for (int k = 0; k < 12; ++k) {
+    const auto d = pattern(k == 5 ? (9u << 20) : 1000u + k, k);
+    auto pr = c->put("0", "1", "ck" + std::to_string(k), payload_of(d));
+    ASSERT_TRUE(pr.ok()) << k << ": " << pr.error().to_string();
+    auto g = c->get("0", "1", "ck" + std::to_string(k), nullptr, kNoWait, {});
+    ASSERT_TRUE(g.ok()) << k << ": " << g.error().to_string();
+    EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(d));
+  }
+  long long total = 0, used = 0;
+  for (auto& n : nodes) {
+    const long long s = dbsize(n->port());
+    total += s;
+    used += s == 0 ? 0 : 1;
+  }
+  EXPECT_EQ(total, 0);
+  // Keys spread: put without reading, count nodes holding some.
+  for (int k = 0; k < 12; ++k) ASSERT_TRUE(c->put("0", "1", "spread" + std::to_string(k), payload_of(pattern(10, k))).ok());
+  for (auto& n : nodes) used += dbsize(n->port()) > 0 ? 1 : 0;
+  EXPECT_GE(used, 2);
+  for (int k = 0; k < 12; ++k) EXPECT_EQ(c->cleanup("spread" + std::to_string(k)), 1u);
+  // Move the slot of one key to another node behind the connector's back: it follows MOVED.
+  const std::string key = "moving@0_1";
+  const unsigned slot = store::key_slot("sl:{" + key + "}");
+  int src = -1, dst = -1;
+  std::string src_id, dst_id;
+  for (int i = 0; i < 3; ++i) {
+    const std::string id(store::str(admin(nodes[i]->port(), {"CLUSTER", "MYID"})));
+    auto r = admin(nodes[i]->port(), {"CLUSTER", "NODES"});
+    const std::string text(store::str(r));
+    // "myself" line carries its slot ranges.
+    const size_t me = text.find("myself");
+    const std::string line = text.substr(me, text.find('\n', me) - me);
+    bool owns = false;
+    for (size_t p = 0; (p = line.find(' ', p)) != std::string::npos; ++p) {
+      unsigned a = 0, b = 0;
+      if (std::sscanf(line.c_str() + p + 1, "%u-%u", &a, &b) == 2 && slot >= a && slot <= b) owns = true;
+    }
+    if (owns) {
+      src = i;
+      src_id = id;
+    } else if (dst < 0) {
+      dst = i;
+      dst_id = id;
+    }
+  }
+  ASSERT_GE(src, 0);
+  ASSERT_GE(dst, 0);
+  for (int i = 0; i < 3; ++i)  // the slot is empty: it may be handed over at once
+    admin(nodes[i]->port(), {"CLUSTER", "SETSLOT", std::to_string(slot), "NODE", dst_id});
+  const auto d = pattern(70000, 77);
+  auto pr = c->put("0", "1", "moving", payload_of(d));
+  ASSERT_TRUE(pr.ok()) << pr.error().to_string();
+  EXPECT_GT(dbsize(nodes[dst]->port()), 0);  // it went to the slot's new owner
+  auto g = c->get("0", "1", "moving", nullptr, kNoWait, {});
+  ASSERT_TRUE(g.ok()) << g.error().to_string();
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(d));
+}
