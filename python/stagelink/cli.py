@@ -77,9 +77,7 @@ def _cmd_bench(args):
     from .bench_mq import run_mq
     from .bench_relay import run_relay
     from .bench_te import run_te
-    if args.kind not in ("shm", "mq", "relay", "te", "all"):
-        print(f"error: bench '{args.kind}' is not built yet; available: shm, mq, relay, te", file=sys.stderr)
-        return 2
+    from .bench_store import run_store
     def json_for(kind):
         if not args.json or args.kind != "all":
             return args.json
@@ -96,6 +94,9 @@ def _cmd_bench(args):
     if args.kind in ("te", "all"):
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
         run_te(sizes, json_for("te"))
+    if args.kind in ("store", "all"):
+        sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
+        run_store(sizes, json_for("store"))
     return 0
 
 
@@ -138,7 +139,7 @@ def main(argv=None):
     b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "all"])
     b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
     b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
-    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json)")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json)")
     b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; relay: no pipeline figures (a smoke run)")
     b.set_defaults(fn=_cmd_bench)
 

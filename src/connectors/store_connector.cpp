@@ -148,18 +148,26 @@ Result<StoreOptions> store_options(const Value& e) {
   return o;
 }
 
-constexpr char kMagic[4] = {'S', 'L', 'S', '1'};
+constexpr char kMagic[4] = {'S', 'L', 'S', '2'};
 struct Meta {
-  uint64_t gen = 0, size = 0, chunks = 0, chunk_bytes = 0, hash = 0;
+  uint64_t gen = 0, size = 0, chunks = 0, chunk_bytes = 0, hash = 0, readers = 1;
   std::string rid;
 };
-constexpr size_t kMetaFixed = 4 + 5 * 8;
+// magic, the generation as 16 hex digits (the claim script names chunk 0 from it), then binary.
+constexpr size_t kMetaFixed = 4 + 16 + 5 * 8;
+
+std::string hex(uint64_t v) {
+  char b[17];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
 
 std::string encode_meta(const Meta& m) {
   std::string s(kMetaFixed + m.rid.size(), '\0');
   std::memcpy(s.data(), kMagic, 4);
-  const uint64_t f[5] = {m.gen, m.size, m.chunks, m.chunk_bytes, m.hash};
-  std::memcpy(s.data() + 4, f, sizeof f);
+  std::memcpy(s.data() + 4, hex(m.gen).data(), 16);
+  const uint64_t f[5] = {m.size, m.chunks, m.chunk_bytes, m.hash, m.readers};
+  std::memcpy(s.data() + 20, f, sizeof f);
   std::memcpy(s.data() + kMetaFixed, m.rid.data(), m.rid.size());
   return s;
 }
@@ -167,35 +175,43 @@ Result<Meta> decode_meta(std::string_view s) {
   Meta m;
   if (s.size() < kMetaFixed || std::memcmp(s.data(), kMagic, 4) != 0)
     return make_error(Errc::corrupt, "store meta of " + std::to_string(s.size()) + " bytes is not stagelink's");
+  char* end = nullptr;
+  const std::string g(s.substr(4, 16));
+  m.gen = std::strtoull(g.c_str(), &end, 16);
   uint64_t f[5];
-  std::memcpy(f, s.data() + 4, sizeof f);
-  m.gen = f[0];
-  m.size = f[1];
-  m.chunks = f[2];
-  m.chunk_bytes = f[3];
-  m.hash = f[4];
+  std::memcpy(f, s.data() + 20, sizeof f);
+  m.size = f[0];
+  m.chunks = f[1];
+  m.chunk_bytes = f[2];
+  m.hash = f[3];
+  m.readers = f[4];
   m.rid = std::string(s.substr(kMetaFixed));
-  if (m.chunk_bytes == 0 || m.size > (uint64_t(1) << 40) || m.chunks != (m.size + m.chunk_bytes - 1) / m.chunk_bytes ||
-      (m.size == 0 && m.chunks != 0))
+  if (!end || *end || m.chunk_bytes == 0 || m.size > (uint64_t(1) << 40) ||
+      m.chunks != (m.size + m.chunk_bytes - 1) / m.chunk_bytes || m.readers == 0)
     return make_error(Errc::corrupt, "store meta: " + std::to_string(m.chunks) + " chunks of " +
                                          std::to_string(m.chunk_bytes) + " bytes for " + std::to_string(m.size));
   return m;
 }
 
-// Claim one reader of a put: the meta and how many readers remain after this one, or nothing
-// (absent, or every reader already claimed).
+// One round trip for a get: claim a reader of the put (DECR of its counter; never below zero),
+// and return its meta, how many readers remain, and chunk 0. The last reader of a put read by one
+// reader takes the put away here (meta, counter, signal, chunk 0); the caller the other chunks.
+// KEYS: meta, counter, signal; ARGV: the chunk name prefix, '1' to take the put out of its request's
+// index too (one server: any key is reachable; a cluster's index lives in another slot: the caller
+// does it), the internal key.
 constexpr const char* kClaim =
     "local m = redis.call('GET', KEYS[1]) "
     "if not m then return nil end "
     "local r = redis.call('DECR', KEYS[2]) "
     "if r < 0 then redis.call('INCR', KEYS[2]) return nil end "
-    "return {m, r}";
+    "local c0 = ARGV[1] .. string.sub(m, 5, 20) .. ':0' "
+    "local d = redis.call('GET', c0) "
+    "if r == 0 then redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3]) end "
+    "if r == 0 and string.byte(m, 53) == 1 and string.sub(m, 54, 60) == '\\0\\0\\0\\0\\0\\0\\0' then "
+    "redis.call('UNLINK', c0) end "
+    "if r == 0 and ARGV[2] == '1' then redis.call('SREM', 'sl:req:{' .. string.sub(m, 61) .. '}', ARGV[3]) end "
+    "return {m, r, d}";
 
-std::string hex(uint64_t v) {
-  char b[17];
-  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-  return b;
-}
 
 class StoreConnector final : public Connector {
  public:
@@ -254,49 +270,51 @@ class StoreConnector final : public Connector {
     const std::string ik = make_internal_key(key, from, to), base = "sl:{" + ik + "}";
     const std::string ttl = std::to_string(uint64_t(o_.ttl_s * 1000));
     const Deadline dl = deadline_after(o_.put_timeout_s + double(m.size) / 50e6);
-    // The chunks, pipelined (over several connections when there are several).
+    m.readers = po.readers ? po.readers : o_.readers;
+    // The chunks; then the meta, the reader count and the signal; then the request's index. One
+    // connection runs them in order, so a single-chunk put is one round trip (a cluster's index
+    // lives in another slot: a second); chunks spread over several connections complete first.
     std::vector<std::string> names(m.chunks);
-    std::vector<Cmd> cmds(m.chunks);
+    std::vector<Cmd> chunks;
     for (uint64_t i = 0; i < m.chunks; ++i) {
       names[i] = chunk_name(base, m.gen, i);
       const size_t off = size_t(i * m.chunk_bytes);
-      cmds[i].arg("SET").arg(names[i]).arg(bytes.subspan(off, std::min<size_t>(m.chunk_bytes, m.size - off)))
+      chunks.emplace_back().arg("SET").arg(names[i]).arg(bytes.subspan(off, std::min<size_t>(m.chunk_bytes, m.size - off)))
           .arg("PX").arg(ttl);
     }
-    if (!cmds.empty()) {
-      auto r = redis_->run_spread(base, cmds, o_.redis.connections, dl);
+    const bool spread = m.chunks > 1 && o_.redis.connections > 1;
+    if (spread) {
+      auto r = redis_->run_spread(base, chunks, o_.redis.connections, dl);
       Status st = r.ok() ? all_ok(*r, "storing the payload") : Status(std::move(r).error());
       if (!st.ok()) {
         drop_chunks(base, m);  // nothing half-written stays
         return fail(std::move(st).error());
       }
+      chunks.clear();
     }
-    // Then the meta, the reader count and the signal (one pipeline, the key's slot), then the
-    // request's index.
-    const std::string meta = encode_meta(m), gen = hex(m.gen),
-                      readers = std::to_string(po.readers ? po.readers : o_.readers);
-    std::vector<Cmd> fin(6);
-    fin[0].arg("GET").arg(base + ":m");
-    fin[1].arg("SET").arg(base + ":m").arg(meta).arg("PX").arg(ttl);
-    fin[2].arg("SET").arg(base + ":r").arg(readers).arg("PX").arg(ttl);
-    fin[3].arg("DEL").arg(base + ":s");
-    fin[4].arg("RPUSH").arg(base + ":s").arg(gen);
-    fin[5].arg("PEXPIRE").arg(base + ":s").arg(ttl);
-    auto r = redis_->run(base, fin, dl);
-    if (!r.ok()) return fail(std::move(r).error());
-    {
-      // Replies 1.. must be fine; reply 0 is the replaced put's meta (its chunks go now).
-      std::vector<Reply> rest;
-      for (size_t i = 1; i < r->size(); ++i) rest.push_back(std::move((*r)[i]));
-      SL_TRY(all_ok(rest, "publishing the payload"));
-      if (!store::is_nil((*r)[0]))
-        if (auto old = decode_meta(store::str((*r)[0])); old.ok() && old->gen != m.gen) drop_chunks(base, *old);
-    }
+    const size_t first_fin = chunks.size();
+    std::vector<Cmd>& cmds = chunks;
+    cmds.emplace_back().arg("GET").arg(base + ":m");  // the replaced put's meta, if any
+    cmds.emplace_back().arg("SET").arg(base + ":m").arg(encode_meta(m)).arg("PX").arg(ttl);
+    cmds.emplace_back().arg("SET").arg(base + ":r").arg(std::to_string(m.readers)).arg("PX").arg(ttl);
+    cmds.emplace_back().arg("DEL").arg(base + ":s");
+    cmds.emplace_back().arg("RPUSH").arg(base + ":s").arg(hex(m.gen));
+    cmds.emplace_back().arg("PEXPIRE").arg(base + ":s").arg(ttl);
     const std::string req = "sl:req:{" + rid + "}";
-    std::vector<Cmd> idx(2);
-    idx[0].arg("SADD").arg(req).arg(ik);
-    idx[1].arg("PEXPIRE").arg(req).arg(ttl);
-    if (auto ri = redis_->run(req, idx, dl); !ri.ok()) return fail(std::move(ri).error());
+    std::vector<Cmd> idx;
+    std::vector<Cmd>& idx_to = o_.redis.cluster ? idx : cmds;
+    idx_to.emplace_back().arg("SADD").arg(req).arg(ik);
+    idx_to.emplace_back().arg("PEXPIRE").arg(req).arg(ttl);
+    auto r = redis_->run(base, cmds, dl);
+    Status st = r.ok() ? all_ok(*r, "storing the payload") : Status(std::move(r).error());
+    if (!st.ok()) {
+      drop_chunks(base, m);
+      return fail(std::move(st).error());
+    }
+    if (const Reply& old = (*r)[first_fin]; !store::is_nil(old))
+      if (auto om = decode_meta(store::str(old)); om.ok() && om->gen != m.gen) drop_chunks(base, *om);  // replaced
+    if (!idx.empty())
+      if (auto ri = redis_->run(req, idx, dl); !ri.ok()) return fail(std::move(ri).error());
     puts_.fetch_add(1);
     bytes_.fetch_add(m.size);
     PutResult out;
@@ -311,23 +329,29 @@ class StoreConnector final : public Connector {
     SL_TRY(validate_name("to_stage", to, 64));
     SL_TRY(validate_name("key", key, 160));
     const std::string ik = make_internal_key(key, from, to), base = "sl:{" + ik + "}";
-    const Deadline cmd_dl = [&] { return std::max(deadline, deadline_after(o_.redis.timeout_s)); }();
+    const Deadline cmd_dl = std::max(deadline, deadline_after(o_.redis.timeout_s));
     for (;;) {
-      // Claim a reader of the put there is, if any.
-      std::vector<Cmd> claim(1);
-      claim[0].arg("EVAL").arg(kClaim).arg("2").arg(base + ":m").arg(base + ":r");
-      auto r = redis_->run(base, claim, cmd_dl);
+      // Claim a reader of the put there is, if any (with its first chunk).
+      Cmd claim;
+      claim.arg("EVAL").arg(kClaim).arg("3").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":c:")
+          .arg(o_.redis.cluster ? "0" : "1").arg(ik);
+      auto r = redis_->run(base, std::span<const Cmd>(&claim, 1), cmd_dl);
       if (!r.ok()) return fail(std::move(r).error());
-      const Reply& c = (*r)[0];
+      Reply& c = (*r)[0];
       if (store::is_error(c)) return fail(make_error(Errc::io, "redis: claiming '" + ik + "': " + std::string(store::str(c))));
-      if (store::elements(c) == 2) {
+      if (store::elements(c) >= 2) {
         SL_ASSIGN(Meta m, decode_meta(store::str(store::element(c, 0))));
         const long long left = store::integer(store::element(c, 1));
-        auto got = read_payload(base, m, cmd_dl, go);
+        auto got = read_payload(base, m, std::move(c), left, cmd_dl, go);
+        if (left <= 0 && o_.redis.cluster) {  // the index of the put's request, in its own slot
+          const std::string req = "sl:req:{" + m.rid + "}";
+          Cmd srem;
+          srem.arg("SREM").arg(req).arg(ik);
+          (void)redis_->run(req, std::span<const Cmd>(&srem, 1), cmd_dl);
+        }
         if (!got.ok() && got.error().code == Errc::not_found) continue;  // replaced while read: read the new one
         if (!got.ok()) return fail(std::move(got).error());
-        if (left <= 0) drop_put(base, ik, m);  // the last reader deletes the put
-        else wake_next(base, m);               // more readers: the next waiter may go
+        if (left > 0) wake_next(base, m);  // more readers: the next waiter may go
         gets_.fetch_add(1);
         bytes_.fetch_add(m.size);
         return got;
@@ -342,7 +366,7 @@ class StoreConnector final : public Connector {
       char secs[32];
       std::snprintf(secs, sizeof secs, "%.3f", std::max(0.001, left_s));
       Cmd b;
-      b.arg("BLPOP").arg(base + ":s").arg(secs);
+      b.arg("BLPOP").arg(base + ":s").arg(std::string(secs));
       waits_.fetch_add(1);
       auto w = redis_->blocking(base, b, deadline);
       if (!w.ok()) return fail(std::move(w).error());
@@ -428,44 +452,65 @@ class StoreConnector final : public Connector {
     return {};
   }
 
-  // The chunks, checked against the meta, as one frame. not_found: a chunk is gone (the key was
+  // The chunks, checked against the meta, as one frame: chunk 0 came with the claim, the others
+  // are read now (and taken away by the put's last reader). not_found: a chunk is gone (the key was
   // replaced or cleaned up meanwhile).
-  Result<GetResult> read_payload(const std::string& base, const Meta& m, Deadline dl, const GetOptions& go) {
+  Result<GetResult> read_payload(const std::string& base, const Meta& m, Reply claim, long long left, Deadline dl,
+                                 const GetOptions& go) {
+    const bool last = left <= 0;
     std::vector<std::string> names(m.chunks);
-    std::vector<Cmd> cmds(m.chunks);
-    for (uint64_t i = 0; i < m.chunks; ++i) {
+    std::vector<Cmd> cmds;
+    for (uint64_t i = 1; i < m.chunks; ++i) {
       names[i] = chunk_name(base, m.gen, i);
-      cmds[i].arg("GET").arg(names[i]);
+      // The only reader takes each chunk as it reads it (GETDEL, Redis 6.2+).
+      cmds.emplace_back().arg(m.readers == 1 && last ? "GETDEL" : "GET").arg(names[i]);
     }
     std::vector<Reply> rs;
     if (!cmds.empty()) {
-      SL_ASSIGN(rs, redis_->run_spread(base, cmds, o_.redis.connections, dl + std::chrono::duration_cast<Clock::duration>(
-                                                                                   std::chrono::duration<double>(double(m.size) / 50e6))));
+      const Deadline big = dl + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(double(m.size) / 50e6));
+      SL_ASSIGN(rs, redis_->run_spread(base, cmds, o_.redis.connections, big));
     }
+    // Several readers: each counts itself done after reading, and the one that completes the count
+    // takes the chunks (a reader that claimed earlier may still be reading when the last claims).
+    if (m.readers > 1) {
+      std::vector<Cmd> done(2);
+      done[0].arg("INCR").arg(base + ":d:" + hex(m.gen));
+      done[1].arg("PEXPIRE").arg(base + ":d:" + hex(m.gen)).arg(std::to_string(uint64_t(o_.ttl_s * 1000)));
+      auto d = redis_->run(base, done, dl);
+      if (d.ok() && uint64_t(store::integer((*d)[0])) >= m.readers) {
+        drop_chunks(base, m);
+        Cmd u;
+        u.arg("UNLINK").arg(base + ":d:" + hex(m.gen));
+        (void)redis_->run(base, std::span<const Cmd>(&u, 1), dl);
+      }
+    }
+    auto chunk = [&](uint64_t i) -> std::string_view {
+      return i == 0 ? store::str(store::element(claim, 2)) : store::str(rs[i - 1]);
+    };
     for (uint64_t i = 0; i < m.chunks; ++i) {
-      if (store::is_nil(rs[i])) return make_error(Errc::not_found, "a chunk is gone (replaced meanwhile)");
-      if (store::is_error(rs[i])) return make_error(Errc::io, "redis: reading a chunk: " + std::string(store::str(rs[i])));
+      const redisReply* e = i == 0 ? store::element(claim, 2) : rs[i - 1].get();
+      if (!e || store::str(e).data() == nullptr) return make_error(Errc::not_found, "a chunk is gone (replaced meanwhile)");
       const size_t want = size_t(std::min<uint64_t>(m.chunk_bytes, m.size - i * m.chunk_bytes));
-      if (store::str(rs[i]).size() != want)
+      if (chunk(i).size() != want)
         return make_error(Errc::corrupt, "chunk " + std::to_string(i) + " in the store holds " +
-                                             std::to_string(store::str(rs[i]).size()) + " bytes, " + std::to_string(want) +
+                                             std::to_string(chunk(i).size()) + " bytes, " + std::to_string(want) +
                                              " expected (truncated or overwritten)");
     }
     // One chunk: the reply's own buffer is the frame (no copy); several: gathered once.
     std::shared_ptr<const void> keep;
     std::span<const std::byte> frame;
     if (m.chunks == 1) {
-      auto holder = std::make_shared<Reply>(std::move(rs[0]));
-      const std::string_view s = store::str(*holder);
-      frame = {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+      auto holder = std::make_shared<Reply>(std::move(claim));
+      const std::string_view s0 = store::str(store::element(*holder, 2));
+      frame = {reinterpret_cast<const std::byte*>(s0.data()), s0.size()};
       keep = holder;
     } else if (m.chunks > 1) {
       std::shared_ptr<std::byte[]> buf(new (std::nothrow) std::byte[m.size]);
       if (!buf) return make_error(Errc::exhausted, "no memory for a payload of " + std::to_string(m.size) + " bytes");
       for (uint64_t i = 0; i < m.chunks; ++i) {
-        const std::string_view s = store::str(rs[i]);
-        std::memcpy(buf.get() + i * m.chunk_bytes, s.data(), s.size());
-        rs[i].reset();
+        const std::string_view c = chunk(i);
+        std::memcpy(buf.get() + i * m.chunk_bytes, c.data(), c.size());
+        if (i) rs[i - 1].reset();
       }
       frame = {buf.get(), size_t(m.size)};
       keep = buf;

@@ -13,6 +13,7 @@
 using namespace stagelink;
 using testing_util::checksum;
 using testing_util::pattern;
+using testing_util::payload_of;
 using testing_util::RedisServer;
 
 namespace {
@@ -29,14 +30,6 @@ std::unique_ptr<Connector> store_conn(int port, Value::Map more = {}) {
   auto c = create_connector("StoreConnector", store_extra(port, std::move(more)));
   EXPECT_TRUE(c.ok()) << (c.ok() ? "" : c.error().to_string());
   return c.ok() ? std::move(c).value() : nullptr;
-}
-Payload payload_of(const std::vector<std::byte>& d) {
-  Payload p;
-  p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(d)));
-  Value::Map m;
-  m.emplace_back("t", TensorRef{0});
-  p.tree = Value(std::move(m));
-  return p;
 }
 // A command on the server, for what the tests look at (DBSIZE, KEYS, SETRANGE, ...).
 store::Reply admin(int port, std::vector<std::string> args, const std::string& password = "") {

@@ -16,6 +16,7 @@
 using namespace stagelink;
 using testing_util::checksum;
 using testing_util::pattern;
+using testing_util::payload_of;
 using testing_util::wait_child;
 
 namespace {
@@ -34,15 +35,6 @@ std::unique_ptr<Connector> te(const std::string& role, int port = 0, size_t pool
   auto c = create_connector("TransferEngineConnector", te_extra(role, port, pool, lanes));
   EXPECT_TRUE(c.ok()) << (c.ok() ? "" : c.error().message);
   return c.ok() ? std::move(c).value() : nullptr;
-}
-Payload payload_of(const std::vector<std::byte>& d) {
-  Payload p;
-  p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(d)));
-  Value::Map m;
-  m.emplace_back("t", TensorRef{0});
-  m.emplace_back("n", uint64_t(d.size()));
-  p.tree = Value(std::move(m));
-  return p;
 }
 uint64_t port_of(const Value& md) {
   uint64_t p = 0;

@@ -6,6 +6,8 @@
 #include <span>
 #include <vector>
 
+#include "stagelink/payload.hpp"
+
 namespace stagelink::testing_util {
 // FNV-1a over the bytes.
 inline uint64_t checksum(std::span<const std::byte> s) {
@@ -28,5 +30,15 @@ inline std::vector<std::byte> pattern(size_t n, uint32_t seed) {
     v[i] = std::byte(x);
   }
   return v;
+}
+// A payload of one tensor viewing `d` (the tree: {"t": tensor 0, "n": its size}).
+inline Payload payload_of(const std::vector<std::byte>& d) {
+  Payload p;
+  p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(d)));
+  Value::Map m;
+  m.emplace_back("t", TensorRef{0});
+  m.emplace_back("n", uint64_t(d.size()));
+  p.tree = Value(std::move(m));
+  return p;
 }
 }  // namespace stagelink::testing_util
