@@ -18,6 +18,8 @@
 #include <xxhash.h>
 
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <cstring>
 #include <random>
 
@@ -41,6 +43,7 @@ struct StoreOptions {
   size_t chunk_bytes = 8u << 20;
   uint32_t readers = 1;
   double put_timeout_s = 30;
+  size_t cache_bytes = 512u << 20;  // frame buffers kept for reuse
 };
 
 // "host", "host:port", "[v6]" or "[v6]:port".
@@ -74,11 +77,12 @@ Result<StoreOptions> store_options(const Value& e) {
   StoreOptions o;
   std::string backend = "redis", url, host = "127.0.0.1", user, pass;
   double port = 6379, ttl = o.ttl_s, chunk = double(o.chunk_bytes), tmo = 5000, conns = 2, db = 0, readers = 1,
-         put_tmo = o.put_timeout_s;
+         put_tmo = o.put_timeout_s, cache = double(o.cache_bytes);
   if (!extra_string(e, "backend", backend) || !extra_string(e, "url", url) || !extra_string(e, "host", host) || !extra_string(e, "username", user) ||
       !extra_string(e, "password", pass) || !extra_number(e, "port", port) || !extra_number(e, "ttl_seconds", ttl) ||
       !extra_number(e, "chunk_bytes", chunk) || !extra_number(e, "timeout_ms", tmo) || !extra_number(e, "connections", conns) ||
-      !extra_number(e, "db", db) || !extra_number(e, "readers", readers) || !extra_number(e, "put_timeout_s", put_tmo))
+      !extra_number(e, "db", db) || !extra_number(e, "readers", readers) || !extra_number(e, "put_timeout_s", put_tmo) ||
+      !extra_number(e, "buffer_cache_bytes", cache))
     return make_error(Errc::invalid_argument,
                       "StoreConnector extra: backend, url, host, username, password are strings; port, ttl_seconds, "
                       "chunk_bytes, timeout_ms, connections, db, readers, put_timeout_s numbers");
@@ -129,6 +133,7 @@ Result<StoreOptions> store_options(const Value& e) {
   o.chunk_bytes = size_t(chunk);
   o.readers = uint32_t(readers);
   o.put_timeout_s = put_tmo;
+  o.cache_bytes = size_t(std::max(0.0, cache));
   if (const Value* cl = e.find("cluster"); cl && !cl->is_nil() && !(cl->is<bool>() && !cl->as<bool>())) {
     o.redis.cluster = true;
     if (cl->is<Value::List>()) {
@@ -198,25 +203,81 @@ Result<Meta> decode_meta(std::string_view s) {
 // reader takes the put away here (meta, counter, signal, chunk 0); the caller the other chunks.
 // KEYS: meta, counter, signal; ARGV: the chunk name prefix, '1' to take the put out of its request's
 // index too (one server: any key is reachable; a cluster's index lives in another slot: the caller
-// does it), the internal key.
+// does it), the internal key, and the largest chunk 0 returned here (larger ones are read by the
+// caller straight into their place).
 constexpr const char* kClaim =
     "local m = redis.call('GET', KEYS[1]) "
     "if not m then return nil end "
     "local r = redis.call('DECR', KEYS[2]) "
     "if r < 0 then redis.call('INCR', KEYS[2]) return nil end "
     "local c0 = ARGV[1] .. string.sub(m, 5, 20) .. ':0' "
-    "local d = redis.call('GET', c0) "
+    "local d = false "
+    "if redis.call('STRLEN', c0) <= tonumber(ARGV[4]) then d = redis.call('GET', c0) end "
     "if r == 0 then redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3]) end "
-    "if r == 0 and string.byte(m, 53) == 1 and string.sub(m, 54, 60) == '\\0\\0\\0\\0\\0\\0\\0' then "
+    "if d and r == 0 and string.byte(m, 53) == 1 and string.sub(m, 54, 60) == '\\0\\0\\0\\0\\0\\0\\0' then "
     "redis.call('UNLINK', c0) end "
     "if r == 0 and ARGV[2] == '1' then redis.call('SREM', 'sl:req:{' .. string.sub(m, 61) .. '}', ARGV[3]) end "
     "return {m, r, d}";
 
 
+// Values up to this size travel inside the pipelines (the claim returns chunk 0 of this size or
+// less); larger ones are written from and read into their place on the socket.
+constexpr size_t kInlineChunk = 64u << 10;
+
+// Frame buffers kept for reuse once their last view is dropped (up to `cap` bytes in all): a
+// large payload's pages are faulted in once, not per get. Buffers outlive the cache safely.
+class BufferCache : public std::enable_shared_from_this<BufferCache> {
+ public:
+  explicit BufferCache(size_t cap) : cap_(cap) {}
+  ~BufferCache() {
+    for (auto& [n, p] : free_) ::operator delete[](p);
+  }
+  std::shared_ptr<std::byte> take(size_t n) {
+    std::byte* p = nullptr;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = free_.lower_bound(n);
+      if (it != free_.end() && it->first <= 2 * n + (1u << 20)) {  // not much larger than asked
+        n = it->first;
+        p = it->second;
+        cached_ -= n;
+        free_.erase(it);
+      }
+    }
+    if (!p) p = static_cast<std::byte*>(::operator new[](n, std::nothrow));
+    if (!p) return nullptr;
+    std::weak_ptr<BufferCache> home = weak_from_this();
+    return std::shared_ptr<std::byte>(p, [home, n](std::byte* q) {
+      if (auto c = home.lock()) c->give(q, n);
+      else ::operator delete[](q);
+    });
+  }
+
+ private:
+  void give(std::byte* p, size_t n) {
+    std::lock_guard<std::mutex> l(mu_);
+    while (cached_ + n > cap_ && !free_.empty()) {  // the smallest go first
+      cached_ -= free_.begin()->first;
+      ::operator delete[](free_.begin()->second);
+      free_.erase(free_.begin());
+    }
+    if (cached_ + n > cap_) {
+      ::operator delete[](p);
+      return;
+    }
+    free_.emplace(n, p);
+    cached_ += n;
+  }
+  std::mutex mu_;
+  std::multimap<size_t, std::byte*> free_;
+  size_t cached_ = 0, cap_;
+};
+
 class StoreConnector final : public Connector {
  public:
   StoreConnector(std::string name, StoreOptions o, std::unique_ptr<Redis> r)
-      : name_(std::move(name)), o_(std::move(o)), redis_(std::move(r)) {
+      : name_(std::move(name)), o_(std::move(o)), redis_(std::move(r)),
+        cache_(std::make_shared<BufferCache>(o_.cache_bytes)) {
     std::random_device rd;
     rng_.seed((uint64_t(rd()) << 32) ^ rd() ^ uint64_t(getpid()) ^ mono_ns());
     // Limits read once: the largest value the server takes, and its memory.
@@ -249,14 +310,11 @@ class StoreConnector final : public Connector {
       return fail(make_error(Errc::exhausted, "a payload of " + std::to_string(plan.total) +
                                                   " bytes exceeds the store's maxmemory (" + std::to_string(maxmemory_) +
                                                   "): refused, nothing written"));
-    // Frames up to 64 MiB are written into a buffer kept per thread (its pages stay faulted in);
-    // larger ones into one freed after the put.
-    thread_local std::vector<std::byte> kept;
-    std::vector<std::byte> once;
-    std::vector<std::byte>& frame = plan.total <= (64u << 20) ? kept : once;
-    if (frame.size() < plan.total) frame.resize(plan.total);
-    write_frame(plan, p.tensors, frame.data());
-    const std::span<const std::byte> bytes(frame.data(), plan.total);
+    // The frame is written once, into a buffer from the cache (its pages already faulted in).
+    std::shared_ptr<std::byte> frame = cache_->take(std::max<size_t>(plan.total, 1));
+    if (!frame) return fail(make_error(Errc::exhausted, "no memory for a frame of " + std::to_string(plan.total) + " bytes"));
+    write_frame(plan, p.tensors, frame.get());
+    const std::span<const std::byte> bytes(frame.get(), plan.total);
     Meta m;
     {
       std::lock_guard<std::mutex> l(rng_mu_);
@@ -274,23 +332,21 @@ class StoreConnector final : public Connector {
     // The chunks; then the meta, the reader count and the signal; then the request's index. One
     // connection runs them in order, so a single-chunk put is one round trip (a cluster's index
     // lives in another slot: a second); chunks spread over several connections complete first.
-    std::vector<std::string> names(m.chunks);
     std::vector<Cmd> chunks;
-    for (uint64_t i = 0; i < m.chunks; ++i) {
-      names[i] = chunk_name(base, m.gen, i);
-      const size_t off = size_t(i * m.chunk_bytes);
-      chunks.emplace_back().arg("SET").arg(names[i]).arg(bytes.subspan(off, std::min<size_t>(m.chunk_bytes, m.size - off)))
-          .arg("PX").arg(ttl);
-    }
-    const bool spread = m.chunks > 1 && o_.redis.connections > 1;
-    if (spread) {
-      auto r = redis_->run_spread(base, chunks, o_.redis.connections, dl);
-      Status st = r.ok() ? all_ok(*r, "storing the payload") : Status(std::move(r).error());
+    if (m.size <= kInlineChunk) {  // small: in the one pipeline below
+      for (uint64_t i = 0; i < m.chunks; ++i)
+        chunks.emplace_back().arg("SET").arg(chunk_name(base, m.gen, i)).arg(bytes).arg("PX").arg(ttl);
+    } else {  // large: written from the frame to the sockets, over several connections
+      std::vector<Redis::SetItem> items(m.chunks);
+      for (uint64_t i = 0; i < m.chunks; ++i) {
+        const size_t off = size_t(i * m.chunk_bytes);
+        items[i] = {chunk_name(base, m.gen, i), bytes.subspan(off, std::min<size_t>(m.chunk_bytes, m.size - off))};
+      }
+      Status st = redis_->set_values(base, items, ttl, o_.redis.connections, dl);
       if (!st.ok()) {
         drop_chunks(base, m);  // nothing half-written stays
         return fail(std::move(st).error());
       }
-      chunks.clear();
     }
     const size_t first_fin = chunks.size();
     std::vector<Cmd>& cmds = chunks;
@@ -334,7 +390,7 @@ class StoreConnector final : public Connector {
       // Claim a reader of the put there is, if any (with its first chunk).
       Cmd claim;
       claim.arg("EVAL").arg(kClaim).arg("3").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":c:")
-          .arg(o_.redis.cluster ? "0" : "1").arg(ik);
+          .arg(o_.redis.cluster ? "0" : "1").arg(ik).arg(std::to_string(kInlineChunk));
       auto r = redis_->run(base, std::span<const Cmd>(&claim, 1), cmd_dl);
       if (!r.ok()) return fail(std::move(r).error());
       Reply& c = (*r)[0];
@@ -458,6 +514,7 @@ class StoreConnector final : public Connector {
   Result<GetResult> read_payload(const std::string& base, const Meta& m, Reply claim, long long left, Deadline dl,
                                  const GetOptions& go) {
     const bool last = left <= 0;
+    if (m.chunks && store::str(store::element(claim, 2)).data() == nullptr) return read_large(base, m, last, dl, go);
     std::vector<std::string> names(m.chunks);
     std::vector<Cmd> cmds;
     for (uint64_t i = 1; i < m.chunks; ++i) {
@@ -470,20 +527,7 @@ class StoreConnector final : public Connector {
       const Deadline big = dl + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(double(m.size) / 50e6));
       SL_ASSIGN(rs, redis_->run_spread(base, cmds, o_.redis.connections, big));
     }
-    // Several readers: each counts itself done after reading, and the one that completes the count
-    // takes the chunks (a reader that claimed earlier may still be reading when the last claims).
-    if (m.readers > 1) {
-      std::vector<Cmd> done(2);
-      done[0].arg("INCR").arg(base + ":d:" + hex(m.gen));
-      done[1].arg("PEXPIRE").arg(base + ":d:" + hex(m.gen)).arg(std::to_string(uint64_t(o_.ttl_s * 1000)));
-      auto d = redis_->run(base, done, dl);
-      if (d.ok() && uint64_t(store::integer((*d)[0])) >= m.readers) {
-        drop_chunks(base, m);
-        Cmd u;
-        u.arg("UNLINK").arg(base + ":d:" + hex(m.gen));
-        (void)redis_->run(base, std::span<const Cmd>(&u, 1), dl);
-      }
-    }
+    count_done(base, m, dl);
     auto chunk = [&](uint64_t i) -> std::string_view {
       return i == 0 ? store::str(store::element(claim, 2)) : store::str(rs[i - 1]);
     };
@@ -525,6 +569,48 @@ class StoreConnector final : public Connector {
       SL_TRY(decode_frame_copy_into(frame, g.payload));
     }
     return g;
+  }
+
+  // A payload whose chunks were not in the claim's reply: every chunk read from the socket straight
+  // into its place in one buffer (from the cache), over several connections.
+  Result<GetResult> read_large(const std::string& base, const Meta& m, bool last, Deadline dl, const GetOptions& go) {
+    std::shared_ptr<std::byte> buf = cache_->take(size_t(m.size));
+    if (!buf) return make_error(Errc::exhausted, "no memory for a payload of " + std::to_string(m.size) + " bytes");
+    std::vector<Redis::GetItem> items(m.chunks);
+    for (uint64_t i = 0; i < m.chunks; ++i) {
+      const size_t off = size_t(i * m.chunk_bytes);
+      items[i] = {chunk_name(base, m.gen, i), {buf.get() + off, size_t(std::min<uint64_t>(m.chunk_bytes, m.size - off))}};
+    }
+    const Deadline big = dl + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(double(m.size) / 50e6));
+    SL_TRY(redis_->get_values(base, items, m.readers == 1 && last, o_.redis.connections, big));  // the only reader takes them
+    count_done(base, m, dl);
+    const std::span<const std::byte> frame(buf.get(), size_t(m.size));
+    if (XXH3_64bits(frame.data(), frame.size()) != m.hash)
+      return make_error(Errc::corrupt, "the payload in the store does not match its checksum (corrupted)");
+    GetResult g;
+    g.size = size_t(m.size);
+    if (go.zero_copy) {
+      SL_TRY(decode_frame_into(frame, std::shared_ptr<const void>(buf, buf.get()), g.payload, !go.raw_tree));
+    } else {
+      SL_TRY(decode_frame_copy_into(frame, g.payload));
+    }
+    return g;
+  }
+
+  // Several readers: each counts itself done after reading, and the one that completes the count
+  // takes the chunks (a reader that claimed earlier may still be reading when the last claims).
+  void count_done(const std::string& base, const Meta& m, Deadline dl) {
+    if (m.readers <= 1) return;
+    std::vector<Cmd> done(2);
+    done[0].arg("INCR").arg(base + ":d:" + hex(m.gen));
+    done[1].arg("PEXPIRE").arg(base + ":d:" + hex(m.gen)).arg(std::to_string(uint64_t(o_.ttl_s * 1000)));
+    auto d = redis_->run(base, done, dl);
+    if (d.ok() && uint64_t(store::integer((*d)[0])) >= m.readers) {
+      drop_chunks(base, m);
+      Cmd u;
+      u.arg("UNLINK").arg(base + ":d:" + hex(m.gen));
+      (void)redis_->run(base, std::span<const Cmd>(&u, 1), dl);
+    }
   }
 
   void drop_chunks(const std::string& base, const Meta& m) {
@@ -570,6 +656,7 @@ class StoreConnector final : public Connector {
   uint64_t max_bulk_ = 512u << 20, maxmemory_ = 0;
   std::mutex rng_mu_;
   std::mt19937_64 rng_;
+  std::shared_ptr<BufferCache> cache_;
   std::atomic<uint64_t> puts_{0}, gets_{0}, bytes_{0}, waits_{0}, timeouts_{0}, errors_{0};
 };
 

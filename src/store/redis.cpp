@@ -3,6 +3,9 @@
 
 #include <hiredis/hiredis.h>
 #include <hiredis/sds.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -294,6 +297,134 @@ struct Redis::Impl {
   }
 };
 
+namespace {
+
+// Raw I/O on a connection whose hiredis buffers are empty (between complete pipelines).
+bool quiet(redisContext* c) {
+  return sdslen(c->obuf) == 0 && (!c->reader->buf || c->reader->pos >= sdslen(c->reader->buf));
+}
+
+Error sock_error(const std::string& addr, const char* what, int err) {
+  const bool slow = err == EAGAIN || err == EWOULDBLOCK;
+  return make_error(slow ? Errc::timeout : Errc::io,
+                    "redis at " + addr + ": " + what + ": " + (slow ? std::string("no progress before the deadline")
+                                                                    : std::string(std::strerror(err))));
+}
+
+Status write_all(int fd, std::vector<iovec> iov, const std::string& addr) {
+  size_t i = 0;
+  while (i < iov.size()) {
+    const ssize_t n = ::writev(fd, iov.data() + i, int(std::min<size_t>(iov.size() - i, 512)));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return sock_error(addr, "sending", errno);
+    }
+    size_t left = size_t(n);
+    while (i < iov.size() && left >= iov[i].iov_len) left -= iov[i++].iov_len;
+    if (i < iov.size()) {
+      iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + left;
+      iov[i].iov_len -= left;
+    }
+  }
+  return {};
+}
+
+// Reads replies of a pipeline from the socket: bulk strings straight into their destinations.
+class RawReader {
+ public:
+  RawReader(int fd, std::string addr) : fd_(fd), addr_(std::move(addr)) {}
+  // One reply: a bulk string of exactly dst.size() bytes into dst. `err` gets an error reply's text.
+  Status bulk_into(std::span<std::byte> dst, std::string& err) {
+    std::string line;
+    SL_TRY(read_line(line));
+    if (line.empty()) return make_error(Errc::corrupt, "redis at " + addr_ + ": empty reply line");
+    if (line[0] == '-') {
+      err = line.substr(1);
+      return {};
+    }
+    if (line[0] != '$') return make_error(Errc::corrupt, "redis at " + addr_ + ": unexpected reply '" + line.substr(0, 40) + "'");
+    const long long n = std::atoll(line.c_str() + 1);
+    if (n < 0) return make_error(Errc::not_found, "a value is gone");
+    if (size_t(n) != dst.size()) {
+      // Read it away to keep the connection usable, then say what it was.
+      SL_TRY(skip(size_t(n) + 2));
+      return make_error(Errc::corrupt, "a value in the store holds " + std::to_string(n) + " bytes, " +
+                                           std::to_string(dst.size()) + " expected (truncated or overwritten)");
+    }
+    SL_TRY(read_exact(dst.data(), dst.size()));
+    char crlf[2];
+    SL_TRY(read_exact(reinterpret_cast<std::byte*>(crlf), 2));
+    return {};
+  }
+  // One short reply (+OK, :1, -ERR): its line.
+  Status line(std::string& out) { return read_line(out); }
+  bool drained() const { return pos_ == len_; }
+
+ private:
+  Status fill() {
+    pos_ = 0;
+    for (;;) {
+      const ssize_t n = ::recv(fd_, buf_, sizeof buf_, 0);
+      if (n > 0) {
+        len_ = size_t(n);
+        return {};
+      }
+      if (n == 0) return make_error(Errc::io, "redis at " + addr_ + ": connection closed");
+      if (errno != EINTR) return sock_error(addr_, "receiving", errno);
+    }
+  }
+  Status read_line(std::string& out) {
+    out.clear();
+    for (;;) {
+      if (pos_ == len_) SL_TRY(fill());
+      const char* s = buf_ + pos_;
+      const char* nl = static_cast<const char*>(std::memchr(s, '\n', len_ - pos_));
+      if (!nl) {
+        out.append(s, len_ - pos_);
+        pos_ = len_;
+        continue;
+      }
+      out.append(s, size_t(nl - s));
+      pos_ = size_t(nl - buf_) + 1;
+      if (!out.empty() && out.back() == '\r') out.pop_back();
+      return {};
+    }
+  }
+  Status read_exact(std::byte* dst, size_t n) {
+    const size_t have = std::min(n, len_ - pos_);
+    std::memcpy(dst, buf_ + pos_, have);
+    pos_ += have;
+    size_t got = have;
+    while (got < n) {  // the rest straight from the socket into its place
+      const ssize_t r = ::recv(fd_, dst + got, n - got, 0);
+      if (r > 0) got += size_t(r);
+      else if (r == 0) return make_error(Errc::io, "redis at " + addr_ + ": connection closed");
+      else if (errno != EINTR) return sock_error(addr_, "receiving", errno);
+    }
+    return {};
+  }
+  Status skip(size_t n) {
+    std::vector<std::byte> sink(std::min<size_t>(n, 1u << 20));
+    while (n) {
+      const size_t k = std::min(n, sink.size());
+      SL_TRY(read_exact(sink.data(), k));
+      n -= k;
+    }
+    return {};
+  }
+  int fd_;
+  std::string addr_;
+  char buf_[64 << 10];
+  size_t pos_ = 0, len_ = 0;
+};
+
+bool redirect_text(const std::string& e) {
+  return e.rfind("MOVED ", 0) == 0 || e.rfind("ASK ", 0) == 0 || e.rfind("CLUSTERDOWN", 0) == 0 ||
+         e.rfind("TRYAGAIN", 0) == 0;
+}
+
+}  // namespace
+
 Redis::Redis(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Redis::~Redis() = default;
 const RedisOptions& Redis::options() const { return impl_->o; }
@@ -374,6 +505,123 @@ Result<std::vector<Reply>> Redis::run_spread(std::string_view slot_key, std::spa
   if (impl_->o.cluster && (Impl::redirect(out, ask, host, port) || Impl::settling(out)))
     return run(slot_key, cmds, deadline);  // moved or settling meanwhile
   return out;
+}
+
+// Runs `part(w, conn)` for each of `ways` parts on its own connection of the node, at once.
+// `redirected`: a part met a cluster redirection (the caller falls back to run()).
+template <class Part>
+static Status spread_raw(Redis::Impl& I, Node& n, unsigned ways, Deadline deadline, bool& redirected, Part&& part) {
+  std::vector<Status> st(ways);
+  std::vector<char> redir(ways, 0);
+  auto one = [&](unsigned w) {
+    auto c = I.acquire(n, deadline, false);
+    if (!c.ok()) {
+      st[w] = std::move(c).error();
+      return;
+    }
+    redisSetTimeout((*c)->c, tv_until(deadline));
+    bool healthy = false, r = false;
+    st[w] = quiet((*c)->c) ? part(w, (*c)->c, healthy, r) : make_error(Errc::io, "connection not idle");
+    redir[w] = r;
+    I.give_back(n, std::move(c).value(), healthy, false);
+  };
+  std::vector<std::thread> ts;
+  for (unsigned w = 1; w < ways; ++w) ts.emplace_back(one, w);
+  one(0);
+  for (auto& t : ts) t.join();
+  redirected = false;
+  for (unsigned w = 0; w < ways; ++w) redirected = redirected || redir[w];
+  for (auto& s : st)
+    if (!s.ok()) return s;
+  return {};
+}
+
+Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> items, const std::string& px,
+                         unsigned ways, Deadline deadline) {
+  if (items.empty()) return {};
+  ways = std::min<unsigned>({std::max(1u, ways), std::max(1u, impl_->o.connections), unsigned(items.size())});
+  Node* n = impl_->owner(slot_key);
+  const size_t per = (items.size() + ways - 1) / ways;
+  bool redirected = false;
+  Status st = spread_raw(*impl_, *n, ways, deadline, redirected, [&](unsigned w, redisContext* c, bool& healthy, bool& redir) -> Status {
+    const size_t a = std::min(items.size(), w * per), b = std::min(items.size(), a + per);
+    std::vector<std::string> heads(b - a);
+    const std::string tail = "\r\n$2\r\nPX\r\n$" + std::to_string(px.size()) + "\r\n" + px + "\r\n";
+    std::vector<iovec> iov;
+    for (size_t i = a; i < b; ++i) {
+      const SetItem& it = items[i];
+      heads[i - a] = "*5\r\n$3\r\nSET\r\n$" + std::to_string(it.key.size()) + "\r\n" + it.key + "\r\n$" +
+                     std::to_string(it.value.size()) + "\r\n";
+      iov.push_back({heads[i - a].data(), heads[i - a].size()});
+      if (!it.value.empty()) iov.push_back({const_cast<std::byte*>(it.value.data()), it.value.size()});
+      iov.push_back({const_cast<char*>(tail.data()), tail.size()});
+    }
+    SL_TRY(write_all(c->fd, std::move(iov), n->addr()));
+    RawReader rd(c->fd, n->addr());
+    std::string line, err;
+    for (size_t i = a; i < b; ++i) {
+      SL_TRY(rd.line(line));
+      if (!line.empty() && line[0] == '-' && err.empty()) err = line.substr(1);
+    }
+    healthy = rd.drained();
+    if (!err.empty()) {
+      redir = impl_->o.cluster && redirect_text(err);
+      if (redir) return {};
+      return make_error(err.rfind("OOM", 0) == 0 ? Errc::exhausted : Errc::io, "redis at " + n->addr() + ": SET: " + err);
+    }
+    return {};
+  });
+  if (!redirected || !st.ok()) return st;
+  std::vector<Cmd> cmds(items.size());
+  for (size_t i = 0; i < items.size(); ++i) cmds[i].arg(items[i].key).arg(items[i].value).arg("PX").arg(px);
+  for (auto& c : cmds) c.args.insert(c.args.begin(), std::span<const char>("SET", 3));
+  SL_ASSIGN(auto rs, run(slot_key, cmds, deadline));
+  for (auto& r : rs)
+    if (is_error(r)) return make_error(Errc::io, "redis: SET: " + std::string(str(r)));
+  return {};
+}
+
+Status Redis::get_values(std::string_view slot_key, std::span<const GetItem> items, bool del, unsigned ways,
+                         Deadline deadline) {
+  if (items.empty()) return {};
+  ways = std::min<unsigned>({std::max(1u, ways), std::max(1u, impl_->o.connections), unsigned(items.size())});
+  Node* n = impl_->owner(slot_key);
+  const size_t per = (items.size() + ways - 1) / ways;
+  const char* verb = del ? "GETDEL" : "GET";
+  bool redirected = false;
+  Status st = spread_raw(*impl_, *n, ways, deadline, redirected, [&](unsigned w, redisContext* c, bool& healthy, bool& redir) -> Status {
+    const size_t a = std::min(items.size(), w * per), b = std::min(items.size(), a + per);
+    std::string req;
+    for (size_t i = a; i < b; ++i)
+      req += "*2\r\n$" + std::to_string(std::strlen(verb)) + "\r\n" + verb + "\r\n$" + std::to_string(items[i].key.size()) +
+             "\r\n" + items[i].key + "\r\n";
+    SL_TRY(write_all(c->fd, {iovec{req.data(), req.size()}}, n->addr()));
+    RawReader rd(c->fd, n->addr());
+    Status first;
+    for (size_t i = a; i < b; ++i) {
+      std::string err;
+      Status s = rd.bulk_into(items[i].dst, err);
+      if (s.ok() && !err.empty()) {
+        if (impl_->o.cluster && redirect_text(err)) redir = true;
+        else s = make_error(Errc::io, "redis at " + n->addr() + ": " + verb + ": " + err);
+      }
+      if (!s.ok() && s.error().code != Errc::not_found && s.error().code != Errc::corrupt) return s;  // broken
+      if (!s.ok() && first.ok()) first = s;
+    }
+    healthy = rd.drained();
+    return redir ? Status{} : first;
+  });
+  if (!redirected || !st.ok()) return st;
+  for (const GetItem& it : items) {  // redirected: the slow path, one value at a time
+    Cmd c;
+    c.arg(verb).arg(it.key);
+    SL_ASSIGN(auto rs, run(slot_key, std::span<const Cmd>(&c, 1), deadline));
+    if (is_nil(rs[0])) return make_error(Errc::not_found, "a value is gone");
+    if (is_error(rs[0])) return make_error(Errc::io, "redis: " + std::string(str(rs[0])));
+    if (str(rs[0]).size() != it.dst.size()) return make_error(Errc::corrupt, "a value in the store has another size");
+    std::memcpy(it.dst.data(), str(rs[0]).data(), it.dst.size());
+  }
+  return {};
 }
 
 Result<Reply> Redis::blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline) {

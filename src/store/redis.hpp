@@ -92,6 +92,23 @@ class Redis {
   // The same, the batch split in up to `ways` parts each pipelined on its own connection at once.
   Result<std::vector<Reply>> run_spread(std::string_view slot_key, std::span<const Cmd> cmds, unsigned ways,
                                         Deadline deadline);
+  // Large values without copies: SET key value PX px for each item, written to the socket from
+  // the caller's memory, and GET (GETDEL with `del`) of values whose sizes the caller knows, read
+  // from the socket straight into the caller's memory; pipelined, spread over up to `ways`
+  // connections. Errors: not_found (a value missing), corrupt (a value of another size),
+  // exhausted (the server's OOM), io, timeout. In a cluster, a redirection falls back to run().
+  struct SetItem {
+    std::string key;
+    std::span<const std::byte> value;
+  };
+  struct GetItem {
+    std::string key;
+    std::span<std::byte> dst;
+  };
+  Status set_values(std::string_view slot_key, std::span<const SetItem> items, const std::string& px, unsigned ways,
+                    Deadline deadline);
+  Status get_values(std::string_view slot_key, std::span<const GetItem> items, bool del, unsigned ways,
+                    Deadline deadline);
   // A blocking command (BLPOP ...) that may wait until `deadline`, on a connection of its own.
   Result<Reply> blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline);
 
@@ -102,8 +119,9 @@ class Redis {
   // A server setting (CONFIG GET), empty when the server refuses CONFIG.
   std::string config_get(const std::string& name);
 
+  struct Impl;  // opaque (public for this file's helpers)
+
  private:
-  struct Impl;
   explicit Redis(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
