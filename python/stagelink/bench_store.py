@@ -82,7 +82,7 @@ _MOONCAKE_STORE = textwrap.dedent("""
     host, meta, master, sizes = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     big = max(s for s, n in sizes)
     s = MooncakeDistributedStore()
-    rc = s.setup(host, meta, 2 * big + (256 << 20), 64 << 20, "tcp", "", master)
+    rc = s.setup(host, meta, 2 * big + (256 << 20), big + (64 << 20), "tcp", "", master)
     assert rc == 0, f"mooncake store setup: {rc}"
     out = {}
     for size, n in sizes:
@@ -92,11 +92,14 @@ _MOONCAKE_STORE = textwrap.dedent("""
             k = f"b{size}_{i}"
             t0 = time.perf_counter(); rc = s.put(k, data); t1 = time.perf_counter()
             got = s.get(k); t2 = time.perf_counter()
-            assert rc == 0 and len(got) == size, (rc, len(got))
+            if rc != 0 or len(got) != size:              # this size does not run: say so, go on
+                print(f"mooncake store {size} B: put {rc}, got {len(got)} bytes", file=sys.stderr)
+                break
             s.remove(k)
             if i:
                 put.append(t1 - t0); get.append(t2 - t1)
-        out[size] = {"put_s": statistics.median(put), "get_s": statistics.median(get)}
+        if put:
+            out[size] = {"put_s": statistics.median(put), "get_s": statistics.median(get)}
     print(json.dumps(out), flush=True)
     s.close()
 """)

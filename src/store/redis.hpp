@@ -27,7 +27,7 @@ struct RedisOptions {
   std::string username, password;
   int db = 0;
   double timeout_s = 5;    // connect and each command
-  unsigned connections = 2;  // per node, for batches spread over connections
+  unsigned connections = 1;  // per node, for batches spread over connections
 };
 
 // One command: its arguments, viewing the caller's memory (nothing is copied before hiredis).
