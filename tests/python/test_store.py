@@ -1,0 +1,151 @@
+"""StoreConnector through redis-server instances this file starts: a producer process and a
+consumer process with nothing but the key in common (the seed's contract), up to 256 MiB verified;
+cleanup and consumption leave no key; a missing key is None after the timeout; pickle is off; a
+server in another network namespace (root)."""
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import stagelink
+
+pytestmark = pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not installed")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(prefix=(), bind="127.0.0.1"):
+    port = _free_port()
+    p = subprocess.Popen(list(prefix) + ["redis-server", "--port", str(port), "--bind", bind, "--save", "",
+                                         "--appendonly", "no", "--protected-mode", "no"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        r = subprocess.run(list(prefix) + ["redis-cli", "-h", bind, "-p", str(port), "PING"], capture_output=True, text=True)
+        if r.stdout.strip() == "PONG":
+            return p, port
+        time.sleep(0.02)
+    p.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+@pytest.fixture
+def redis():
+    p, port = _start()
+    yield port
+    p.kill()
+    p.wait()
+
+
+def _dbsize(port, prefix=(), host="127.0.0.1"):
+    return int(subprocess.run(list(prefix) + ["redis-cli", "-h", host, "-p", str(port), "DBSIZE"], capture_output=True,
+                              text=True).stdout.strip())
+
+
+PRODUCER = textwrap.dedent("""
+    import hashlib, json, sys, numpy as np, stagelink
+    cfg = stagelink.load_transfer_config(sys.argv[1])
+    spec = [d for d in cfg.stage_connectors(0) if d["direction"] == "output"][0]["connector"]
+    c = stagelink.create_connector(spec.name, spec.extra)
+    out, rng = [], np.random.default_rng(5)
+    for i, n in enumerate(json.loads(sys.argv[2])):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        ok, size, md = c.put(0, 1, f"req-{i}", {"hidden": data, "step": i})
+        assert ok and md is None, (ok, md)                  # the store is the rendezvous: no metadata
+        out.append(hashlib.blake2b(data.tobytes()).hexdigest())
+    print(json.dumps(out), flush=True)
+""")
+
+YAML = """
+runtime:
+  connectors:
+    store:
+      name: StoreConnector
+      extra: {{backend: redis, host: "127.0.0.1", port: "${{SL_TEST_REDIS_PORT}}", ttl_seconds: 60, timeout_ms: 5000}}
+stage_args:
+  - {{stage_id: 0, output_connectors: {{to_stage_1: store}}}}
+  - {{stage_id: 1, input_connectors: {{from_stage_0: store}}}}
+"""
+
+
+def test_round_trips_across_processes_up_to_256_mib_and_nothing_left(redis, tmp_path):
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(YAML.format())
+    sizes = [0, 1, 4096, (1 << 20) + 3, 16 << 20, 256 << 20]
+    env = dict(os.environ, SL_TEST_REDIS_PORT=str(redis), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    prod = subprocess.Popen([sys.executable, "-c", PRODUCER, str(cfg), json.dumps(sizes)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    c = stagelink.create_connector("StoreConnector", {"port": redis, "strict": True})
+    got = []
+    for i in range(len(sizes)):                               # each get waits for its put: no metadata needed
+        obj, size = c.get(0, 1, f"req-{i}", timeout=60)
+        assert obj["step"] == i
+        got.append(hashlib.blake2b(np.asarray(obj["hidden"]).tobytes()).hexdigest())
+        del obj
+    out, err = prod.communicate(timeout=120)
+    assert prod.returncode == 0, err[-2000:]
+    assert got == json.loads(out)
+    assert _dbsize(redis) == 0                                # read once: every key gone
+    c.close()
+
+
+def test_missing_key_is_none_after_the_timeout_and_cleanup_leaves_no_key(redis):
+    c = stagelink.create_connector("StoreConnector", {"port": redis})
+    t0 = time.monotonic()
+    assert c.get(0, 1, "never", timeout=0.3) is None
+    assert 0.25 < time.monotonic() - t0 < 2
+    for i in range(3):
+        c.put(0, 1, f"r7_chunk_{i}", np.arange(100000 * (i + 1)), request_id="r7")
+    c.put(0, 1, "r8", b"other request")
+    assert c.cleanup("r7") == 3
+    assert c.get(0, 1, "r8")[0] == b"other request"
+    assert _dbsize(redis) == 0
+    h = c.health()
+    assert h["status"] == "healthy" and h["store"]["role"] == "master" and h["puts"] == 4
+    c.close()
+
+
+def test_pickle_is_off_by_default_for_the_store(redis):
+    c = stagelink.create_connector("StoreConnector", {"port": redis})
+    ok, _, _ = c.put(0, 1, "obj", {"x": {1, 2, 3}})          # a set needs pickle: refused
+    assert not ok
+    assert _dbsize(redis) == 0
+    c.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="network namespaces need root and iproute2")
+def test_server_in_another_network_namespace():
+    from stagelink.bench_te import TwoHosts
+    h = TwoHosts(True)
+    try:
+        p, port = _start(h.a, h.addr_a)
+        try:
+            code = textwrap.dedent(f"""
+                import numpy as np, stagelink
+                c = stagelink.create_connector("StoreConnector", {{"url": "redis://{h.addr_a}:{port}", "strict": True}})
+                d = np.random.default_rng(1).integers(0, 256, 20 << 20, dtype=np.uint8)
+                c.put(0, 1, "x", d)
+                got, _ = c.get(0, 1, "x", timeout=10)
+                assert np.array_equal(got, d)
+                print("ok")
+            """)
+            r = subprocess.run(h.b + [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(q for q in sys.path if q)))
+            assert r.stdout.strip() == "ok", r.stderr[-2000:]
+            assert _dbsize(port, h.a, h.addr_a) == 0
+        finally:
+            p.kill()
+            p.wait()
+    finally:
+        h.close()
