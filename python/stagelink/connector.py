@@ -203,10 +203,13 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         return self._health()
 
 
-def create_connector(name: str, extra: Optional[dict] = None, **injected) -> Connector:
+def create_connector(name: str, extra: Optional[dict] = None, **injected):
     """Create a connector by class name (``SharedMemoryConnector``, ...). ``injected`` fields
     (``role``, ``stage_id``, ...) are merged into ``extra`` as vLLM-Omni's orchestrator does.
     An unknown name raises :class:`stagelink.NotFoundError`, which is also a ``ValueError``."""
     merged = dict(extra or {})
     merged.update(injected)
+    if name == "MooncakeStoreConnector":  # Python: it drives Mooncake's Python client
+        from .mooncake_store import MooncakeStoreConnector
+        return MooncakeStoreConnector(merged, name)
     return Connector(name, merged)

@@ -51,12 +51,6 @@ struct Registry {
   std::map<std::string, ConnectorCreator> creators;
 };
 
-ConnectorCreator not_yet(const std::string& name, const std::string& what) {
-  return [name, what](const Value&) -> Result<std::unique_ptr<Connector>> {
-    return make_error(Errc::unsupported, name + " is recognised but not built yet (" + what +
-                                             "); use SharedMemoryConnector on one host for now");
-  };
-}
 
 Registry& registry() {
   static Registry* r = [] {
@@ -66,7 +60,11 @@ Registry& registry() {
       return make_shm_connector(opts);
     };
     reg->creators["SharedMemoryConnector"] = shm;
-    reg->creators["MooncakeStoreConnector"] = not_yet("MooncakeStoreConnector", "the Redis store connector");
+    reg->creators["MooncakeStoreConnector"] = [](const Value&) -> Result<std::unique_ptr<Connector>> {
+      return make_error(Errc::unsupported,
+                        "MooncakeStoreConnector drives Mooncake's Python client: create it from Python "
+                        "(stagelink.create_connector), or use StoreConnector (Redis) from C++");
+    };
     reg->creators["StoreConnector"] = [](const Value& extra) { return make_store_connector("StoreConnector", extra); };
     for (const char* n : {"MooncakeTransferEngineConnector", "TransferEngineConnector"}) {
       const std::string name = n;
