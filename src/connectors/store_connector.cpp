@@ -222,6 +222,25 @@ constexpr const char* kClaim =
     "return {m, r, d}";
 
 
+// A frame as the spans it is made of: the header, zero padding, and each tensor's own memory.
+std::vector<std::span<const std::byte>> frame_segments(const FramePlan& plan, std::span<const Tensor> tensors) {
+  static const std::byte zeros[4096] = {};
+  std::vector<std::span<const std::byte>> out;
+  auto pad = [&](size_t n) {
+    for (; n; n -= std::min(n, sizeof zeros)) out.emplace_back(zeros, std::min(n, sizeof zeros));
+  };
+  out.emplace_back(plan.head.data(), plan.head.size());
+  size_t pos = plan.head.size();
+  for (size_t i = 0; i < plan.offsets.size(); ++i) {
+    pad(plan.offsets[i] - pos);
+    if (plan.lengths[i]) out.emplace_back(tensors[i].data.data(), plan.lengths[i]);
+    pos = plan.offsets[i] + plan.lengths[i];
+  }
+  pad(plan.total - pos);
+  std::erase_if(out, [](auto s) { return s.empty(); });
+  return out;
+}
+
 // Values up to this size travel inside the pipelines (the claim returns chunk 0 of this size or
 // less); larger ones are written from and read into their place on the socket.
 constexpr size_t kInlineChunk = 64u << 10;
@@ -312,11 +331,17 @@ class StoreConnector final : public Connector {
       return fail(make_error(Errc::exhausted, "a payload of " + std::to_string(plan.total) +
                                                   " bytes exceeds the store's maxmemory (" + std::to_string(maxmemory_) +
                                                   "): refused, nothing written"));
-    // The frame is written once, into a buffer from the cache (its pages already faulted in).
-    std::shared_ptr<std::byte> frame = cache_->take(std::max<size_t>(plan.total, 1));
-    if (!frame) return fail(make_error(Errc::exhausted, "no memory for a frame of " + std::to_string(plan.total) + " bytes"));
-    write_frame(plan, p.tensors, frame.get());
-    const std::span<const std::byte> bytes(frame.get(), plan.total);
+    // A small frame is written once into a buffer; a large one is never assembled: its segments
+    // (header, padding, the tensors' own memory) go to the socket as they are.
+    std::vector<std::span<const std::byte>> segs = frame_segments(plan, p.tensors);
+    std::shared_ptr<std::byte> frame;
+    std::span<const std::byte> bytes;
+    if (plan.total <= kInlineChunk) {
+      frame = cache_->take(std::max<size_t>(plan.total, 1));
+      if (!frame) return fail(make_error(Errc::exhausted, "no memory for a frame of " + std::to_string(plan.total) + " bytes"));
+      write_frame(plan, p.tensors, frame.get());
+      bytes = {frame.get(), plan.total};
+    }
     Meta m;
     {
       std::lock_guard<std::mutex> l(rng_mu_);
@@ -327,7 +352,13 @@ class StoreConnector final : public Connector {
     // 1 MiB and a sliver that costs a value of its own).
     m.chunks = (m.size + o_.chunk_bytes - 1) / o_.chunk_bytes;
     m.chunk_bytes = m.chunks ? (m.size + m.chunks - 1) / m.chunks : o_.chunk_bytes;
-    m.hash = XXH3_64bits(bytes.data(), bytes.size());
+    {
+      XXH3_state_t* st = XXH3_createState();
+      XXH3_64bits_reset(st);
+      for (auto sg : segs) XXH3_64bits_update(st, sg.data(), sg.size());
+      m.hash = XXH3_64bits_digest(st);
+      XXH3_freeState(st);
+    }
     m.rid = rid;
     const std::string ik = make_internal_key(key, from, to), base = "sl:{" + ik + "}";
     const std::string ttl = std::to_string(uint64_t(o_.ttl_s * 1000));
@@ -337,19 +368,26 @@ class StoreConnector final : public Connector {
     // connection runs them in order, so a single-chunk put is one round trip (a cluster's index
     // lives in another slot: a second); chunks spread over several connections complete first.
     std::vector<Cmd> chunks;
+    std::vector<Redis::SetItem> items;
     if (m.size <= kInlineChunk) {  // small: in the one pipeline below
       for (uint64_t i = 0; i < m.chunks; ++i)
         chunks.emplace_back().arg("SET").arg(chunk_name(base, m.gen, i)).arg(bytes).arg("PX").arg(ttl);
-    } else {  // large: written from the frame to the sockets, over several connections
-      std::vector<Redis::SetItem> items(m.chunks);
+    } else {  // large: written from the frame to the sockets
+      items.resize(m.chunks);
+      size_t seg = 0, seg_off = 0;  // cut the segments into chunks
       for (uint64_t i = 0; i < m.chunks; ++i) {
-        const size_t off = size_t(i * m.chunk_bytes);
-        items[i] = {chunk_name(base, m.gen, i), bytes.subspan(off, std::min<size_t>(m.chunk_bytes, m.size - off))};
-      }
-      Status st = redis_->set_values(base, items, ttl, o_.redis.connections, dl);
-      if (!st.ok()) {
-        drop_chunks(base, m);  // nothing half-written stays
-        return fail(std::move(st).error());
+        items[i].key = chunk_name(base, m.gen, i);
+        size_t want = std::min<size_t>(m.chunk_bytes, m.size - size_t(i * m.chunk_bytes));
+        while (want) {
+          const size_t k = std::min(want, segs[seg].size() - seg_off);
+          items[i].value.push_back(segs[seg].subspan(seg_off, k));
+          want -= k;
+          seg_off += k;
+          if (seg_off == segs[seg].size()) {
+            ++seg;
+            seg_off = 0;
+          }
+        }
       }
     }
     const size_t first_fin = chunks.size();
@@ -365,13 +403,29 @@ class StoreConnector final : public Connector {
     std::vector<Cmd>& idx_to = o_.redis.cluster ? idx : cmds;
     idx_to.emplace_back().arg("SADD").arg(req).arg(ik);
     idx_to.emplace_back().arg("PEXPIRE").arg(req).arg(ttl);
-    auto r = redis_->run(base, cmds, dl);
-    Status st = r.ok() ? all_ok(*r, "storing the payload") : Status(std::move(r).error());
+    // Large values first; on one connection the rest follows on the same write (one round trip).
+    std::vector<Reply> replies;
+    if (!items.empty()) {
+      Status st = redis_->set_values(base, items, ttl, o_.redis.connections, dl, cmds, &replies);
+      if (!st.ok()) {
+        drop_chunks(base, m);  // nothing half-written stays
+        return fail(std::move(st).error());
+      }
+    }
+    if (replies.empty()) {
+      auto r = redis_->run(base, cmds, dl);
+      if (!r.ok()) {
+        drop_chunks(base, m);
+        return fail(std::move(r).error());
+      }
+      replies = std::move(r).value();
+    }
+    Status st = all_ok(replies, "storing the payload");
     if (!st.ok()) {
       drop_chunks(base, m);
       return fail(std::move(st).error());
     }
-    if (const Reply& old = (*r)[first_fin]; !store::is_nil(old))
+    if (const Reply& old = replies[first_fin]; !store::is_nil(old))
       if (auto om = decode_meta(store::str(old)); om.ok() && om->gen != m.gen) drop_chunks(base, *om);  // replaced
     if (!idx.empty())
       if (auto ri = redis_->run(req, idx, dl); !ri.ok()) return fail(std::move(ri).error());

@@ -359,6 +359,8 @@ class RawReader {
   // One short reply (+OK, :1, -ERR): its line.
   Status line(std::string& out) { return read_line(out); }
   bool drained() const { return pos_ == len_; }
+  // What was read past the last reply taken (handed to hiredis's reader for the replies after).
+  std::string_view rest() const { return {buf_ + pos_, len_ - pos_}; }
 
  private:
   Status fill() {
@@ -537,9 +539,10 @@ static Status spread_raw(Redis::Impl& I, Node& n, unsigned ways, Deadline deadli
 }
 
 Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> items, const std::string& px,
-                         unsigned ways, Deadline deadline) {
+                         unsigned ways, Deadline deadline, std::span<const Cmd> then, std::vector<Reply>* then_replies) {
   if (items.empty()) return {};
   ways = std::min<unsigned>({std::max(1u, ways), std::max(1u, impl_->o.connections), unsigned(items.size())});
+  const bool follow = ways == 1 && !then.empty() && then_replies;  // `then` rides on the same write
   Node* n = impl_->owner(slot_key);
   const size_t per = (items.size() + ways - 1) / ways;
   bool redirected = false;
@@ -550,11 +553,32 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
     std::vector<iovec> iov;
     for (size_t i = a; i < b; ++i) {
       const SetItem& it = items[i];
+      size_t vlen = 0;
+      for (auto part : it.value) vlen += part.size();
       heads[i - a] = "*5\r\n$3\r\nSET\r\n$" + std::to_string(it.key.size()) + "\r\n" + it.key + "\r\n$" +
-                     std::to_string(it.value.size()) + "\r\n";
+                     std::to_string(vlen) + "\r\n";
       iov.push_back({heads[i - a].data(), heads[i - a].size()});
-      if (!it.value.empty()) iov.push_back({const_cast<std::byte*>(it.value.data()), it.value.size()});
+      for (auto part : it.value)
+        if (!part.empty()) iov.push_back({const_cast<std::byte*>(part.data()), part.size()});
       iov.push_back({const_cast<char*>(tail.data()), tail.size()});
+    }
+    std::vector<std::unique_ptr<char, void (*)(char*)>> formatted;
+    if (follow) {
+      std::vector<const char*> av;
+      std::vector<size_t> al;
+      for (const Cmd& cmd : then) {
+        av.clear();
+        al.clear();
+        for (auto x : cmd.args) {
+          av.push_back(x.data());
+          al.push_back(x.size());
+        }
+        char* out = nullptr;
+        const int len = redisFormatCommandArgv(&out, int(av.size()), av.data(), al.data());
+        if (len < 0) return make_error(Errc::exhausted, "formatting a command");
+        formatted.emplace_back(out, [](char* q) { redisFreeCommand(q); });
+        iov.push_back({out, size_t(len)});
+      }
     }
     SL_TRY(write_all(c->fd, std::move(iov), n->addr()));
     RawReader rd(c->fd, n->addr());
@@ -564,6 +588,18 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
       if (!line.empty() && line[0] == '-' && err.empty()) err = line.substr(1);
     }
     healthy = rd.drained();
+    if (follow) {  // the rest through hiredis's reader, fed what was read already
+      const std::string_view rest = rd.rest();
+      if (!rest.empty() && redisReaderFeed(c->reader, rest.data(), rest.size()) != REDIS_OK)
+        return make_error(Errc::io, "redis at " + n->addr() + ": reading replies");
+      then_replies->clear();
+      for (size_t i = 0; i < then.size(); ++i) {
+        void* r = nullptr;
+        if (redisGetReply(c, &r) != REDIS_OK) return make_error(Errc::io, "redis at " + n->addr() + ": " + c->errstr);
+        then_replies->emplace_back(static_cast<redisReply*>(r));
+      }
+      healthy = quiet(c);
+    }
     if (!err.empty()) {
       redir = impl_->o.cluster && redirect_text(err);
       if (redir) return {};
@@ -571,9 +607,16 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
     }
     return {};
   });
+  if (!st.ok() || redirected) {
+    if (then_replies) then_replies->clear();
+  }
   if (!redirected || !st.ok()) return st;
   std::vector<Cmd> cmds(items.size());
-  for (size_t i = 0; i < items.size(); ++i) cmds[i].arg(items[i].key).arg(items[i].value).arg("PX").arg(px);
+  for (size_t i = 0; i < items.size(); ++i) {
+    std::string v;
+    for (auto part : items[i].value) v.append(reinterpret_cast<const char*>(part.data()), part.size());
+    cmds[i].arg(items[i].key).arg(std::move(v)).arg("PX").arg(px);
+  }
   for (auto& c : cmds) c.args.insert(c.args.begin(), std::span<const char>("SET", 3));
   SL_ASSIGN(auto rs, run(slot_key, cmds, deadline));
   for (auto& r : rs)

@@ -99,14 +99,17 @@ class Redis {
   // exhausted (the server's OOM), io, timeout. In a cluster, a redirection falls back to run().
   struct SetItem {
     std::string key;
-    std::span<const std::byte> value;
+    std::vector<std::span<const std::byte>> value;  // its parts, in order (gathered on the way out)
   };
   struct GetItem {
     std::string key;
     std::span<std::byte> dst;
   };
+  // `then` (commands of the same slot) follow the values on the same connection when the values
+  // go over one; their replies land in `then_replies` (else the caller runs them itself: they
+  // are left unrun and `then_replies` empty).
   Status set_values(std::string_view slot_key, std::span<const SetItem> items, const std::string& px, unsigned ways,
-                    Deadline deadline);
+                    Deadline deadline, std::span<const Cmd> then = {}, std::vector<Reply>* then_replies = nullptr);
   Status get_values(std::string_view slot_key, std::span<const GetItem> items, bool del, unsigned ways,
                     Deadline deadline);
   // A blocking command (BLPOP ...) that may wait until `deadline`, on a connection of its own.
