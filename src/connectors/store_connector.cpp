@@ -15,6 +15,7 @@
 // BLPOP on the signal list until the put's push or its deadline: no polling.
 #include "connectors/store_connector.hpp"
 
+#include <sys/socket.h>
 #include <xxhash.h>
 
 #include <atomic>
@@ -482,7 +483,22 @@ class StoreConnector final : public Connector {
       Cmd b;
       b.arg("BLPOP").arg(base + ":s").arg(std::string(secs));
       waits_.fetch_add(1);
-      auto w = redis_->blocking(base, b, deadline);
+      Waiter me;
+      {
+        std::lock_guard<std::mutex> l(wait_mu_);
+        if (closed_.load()) return make_error(Errc::cancelled, name_ + " closed while '" + ik + "' was awaited");
+        waiters_.emplace(key, &me);
+      }
+      auto w = redis_->blocking(base, b, deadline, &me.fd);
+      {
+        std::lock_guard<std::mutex> l(wait_mu_);
+        for (auto it = waiters_.lower_bound(key); it != waiters_.end() && it->first == key; ++it)
+          if (it->second == &me) {
+            waiters_.erase(it);
+            break;
+          }
+      }
+      if (me.abandoned.load()) return make_error(Errc::cancelled, "the get of '" + ik + "' was abandoned");
       if (!w.ok()) return fail(std::move(w).error());
       if (store::is_error(*w)) return fail(make_error(Errc::io, "redis: waiting for '" + ik + "': " + std::string(store::str(*w))));
       // Popped (or the wait ended): claim again. A stale signal finds nothing and waits again.
@@ -522,7 +538,7 @@ class StoreConnector final : public Connector {
 
   Value health() override {
     Value::Map m;
-    m.emplace_back("status", redis_ ? "healthy" : "closed");
+    m.emplace_back("status", closed_.load() ? "closed" : "healthy");
     m.emplace_back("connector", name_);
     m.emplace_back("backend", "redis");
     if (redis_) {
@@ -542,12 +558,40 @@ class StoreConnector final : public Connector {
     return Value(std::move(m));
   }
 
-  void close() override { redis_.reset(); }
+  // Every get of `key` blocked in this connector returns `cancelled` at once: its waiting
+  // connection is shut down (and dialled again by the next call).
+  size_t abandon_get(const std::string& key) override {
+    std::lock_guard<std::mutex> l(wait_mu_);
+    size_t n = 0;
+    for (auto it = waiters_.lower_bound(key); it != waiters_.end() && it->first == key; ++it, ++n) wake(*it->second);
+    return n;
+  }
+
+  // Wakes blocked gets (cancelled) and closes idle connections; calls under way finish (or fail)
+  // and their connections close as they come back. The client itself goes with the connector.
+  void close() override {
+    if (closed_.exchange(true)) return;
+    {
+      std::lock_guard<std::mutex> l(wait_mu_);
+      for (auto& [k, w] : waiters_) wake(*w);
+    }
+    if (redis_) redis_->close_idle();
+  }
 
  private:
   Status open() const {
-    if (!redis_) return make_error(Errc::closed, name_ + " is closed");
+    if (closed_.load() || !redis_) return make_error(Errc::closed, name_ + " is closed");
     return {};
+  }
+  struct Waiter {
+    std::atomic<int> fd{-1};
+    std::atomic<bool> abandoned{false};
+  };
+  static void wake(Waiter& w) {  // the protocol of Redis::blocking's fd_slot
+    w.abandoned.store(true);
+    const int fd = w.fd.exchange(-2);
+    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+    w.fd.store(-3);
   }
   template <class E>
   E fail(E e) {
@@ -715,6 +759,9 @@ class StoreConnector final : public Connector {
   std::mutex rng_mu_;
   std::mt19937_64 rng_;
   std::shared_ptr<BufferCache> cache_;
+  std::atomic<bool> closed_{false};
+  std::mutex wait_mu_;
+  std::multimap<std::string, Waiter*> waiters_;  // gets blocked in BLPOP, by key
   std::atomic<uint64_t> puts_{0}, gets_{0}, bytes_{0}, waits_{0}, timeouts_{0}, errors_{0};
 };
 

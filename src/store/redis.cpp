@@ -165,9 +165,10 @@ struct Redis::Impl {
     }
     return c;
   }
+  std::atomic<bool> closing{false};
   void give_back(Node& n, std::unique_ptr<Conn> c, bool healthy, bool blocking) {
     std::lock_guard<std::mutex> l(n.mu);
-    if (healthy) {
+    if (healthy && !closing.load()) {
       (blocking ? n.idle_blocking : n.idle).push_back(std::move(c));
     } else if (!blocking) {
       --n.open;  // dropped: the next call dials again
@@ -667,13 +668,35 @@ Status Redis::get_values(std::string_view slot_key, std::span<const GetItem> ite
   return {};
 }
 
-Result<Reply> Redis::blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline) {
+void Redis::close_idle() {
+  std::lock_guard<std::mutex> l(impl_->nodes_mu);
+  impl_->closing = true;
+  for (auto& [k, n] : impl_->nodes) {
+    std::lock_guard<std::mutex> nl(n->mu);
+    n->open -= unsigned(n->idle.size());
+    n->idle.clear();
+    n->idle_blocking.clear();
+  }
+}
+
+Result<Reply> Redis::blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline, std::atomic<int>* fd_slot) {
   Node* n = impl_->owner(slot_key);
   // The socket waits a little longer than the command, so that the server's own timeout answers.
   const Deadline sock = deadline + std::chrono::milliseconds(int(impl_->o.timeout_s * 1000));
   SL_ASSIGN(auto c, impl_->acquire(*n, sock, true));
   bool ok = false;
+  if (fd_slot) {
+    int idle = -1;
+    if (!fd_slot->compare_exchange_strong(idle, (*c).c->fd)) {  // woken before it began
+      impl_->give_back(*n, std::move(c), true, true);
+      return make_error(Errc::cancelled, "the wait was ended before it began");
+    }
+  }
   auto r = impl_->pipeline(*n, *c, std::span<const Cmd>(&cmd, 1), sock, ok);
+  // A waker that took the socket (-2) is let finish its shutdown() (-3) before the connection
+  // can close: it never touches a socket number reused meanwhile.
+  if (fd_slot && fd_slot->exchange(-1) == -2)
+    while (fd_slot->load() != -3) std::this_thread::yield();
   impl_->give_back(*n, std::move(c), ok, true);
   if (!r.ok()) return std::move(r).error();
   bool ask = false;

@@ -4,6 +4,7 @@
 // a connection that failed is dropped and made again by the next call (a restarted server is
 // reached again).
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <deque>
 #include <memory>
@@ -113,7 +114,13 @@ class Redis {
   Status get_values(std::string_view slot_key, std::span<const GetItem> items, bool del, unsigned ways,
                     Deadline deadline);
   // A blocking command (BLPOP ...) that may wait until `deadline`, on a connection of its own.
-  Result<Reply> blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline);
+  // `fd_slot` (optional) holds the connection's socket while it waits: another thread may end the
+  // wait at once by taking it (exchange(-2)), shutdown() of it, then store(-3) (the call then fails
+  // with io; the connection is dropped).
+  Result<Reply> blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline,
+                         std::atomic<int>* fd_slot = nullptr);
+  // Close the connections nobody is using (those in use close when they come back).
+  void close_idle();
 
   // Address(es), role, memory (INFO of the node owning slot 0, or of the one server).
   Value info();

@@ -346,3 +346,36 @@ TEST(Store, RedisClusterRoutesBySlotAndFollowsMoved) {
   ASSERT_TRUE(g.ok()) << g.error().to_string();
   EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(d));
 }
+
+// abandon_get wakes a get blocked on its key at once (cancelled); close() wakes every blocked get
+// and later calls say closed; the connector keeps working for other keys after an abandon.
+TEST(Store, AbandonGetAndCloseWakeBlockedGets) {
+  NEED_REDIS();
+  RedisServer srv;
+  auto c = store_conn(srv.port());
+  ASSERT_TRUE(c);
+  Result<GetResult> got = make_error(Errc::io, "not run");
+  std::thread waiter([&] { got = c->get("0", "1", "slow", nullptr, deadline_after(10), {}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto t0 = Clock::now();
+  EXPECT_EQ(c->abandon_get("slow"), 1u);
+  waiter.join();
+  EXPECT_LT(since(t0), 1.0);
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.error().code, Errc::cancelled) << got.error().to_string();
+  EXPECT_EQ(c->abandon_get("nobody"), 0u);
+  ASSERT_TRUE(c->put("0", "1", "after", payload_of(pattern(100, 1))).ok());
+  ASSERT_TRUE(c->get("0", "1", "after", nullptr, kNoWait, {}).ok());
+  std::thread waiter2([&] { got = c->get("0", "1", "slow2", nullptr, deadline_after(10), {}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto t1 = Clock::now();
+  c->close();
+  waiter2.join();
+  EXPECT_LT(since(t1), 1.0);
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.error().code, Errc::cancelled);
+  auto late = c->put("0", "1", "x", payload_of(pattern(10, 1)));
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.error().code, Errc::closed);
+  EXPECT_EQ(c->health().find("status")->as<std::string>(), "closed");
+}
