@@ -445,6 +445,7 @@ class StoreConnector final : public Connector {
     SL_TRY(validate_name("key", key, 160));
     const std::string ik = make_internal_key(key, from, to), base = "sl:{" + ik + "}";
     const Deadline cmd_dl = std::max(deadline, deadline_after(o_.redis.timeout_s));
+    bool popped = false;  // this get took a signal off the list (then hands it on if readers remain)
     for (;;) {
       // Claim a reader of the put there is, if any (with its first chunk).
       Cmd claim;
@@ -466,7 +467,7 @@ class StoreConnector final : public Connector {
         }
         if (!got.ok() && got.error().code == Errc::not_found) continue;  // replaced while read: read the new one
         if (!got.ok()) return fail(std::move(got).error());
-        if (left > 0) wake_next(base, m);  // more readers: the next waiter may go
+        if (left > 0 && popped) wake_next(base, m);  // more readers: the next waiter may go
         gets_.fetch_add(1);
         bytes_.fetch_add(m.size);
         return got;
@@ -500,6 +501,7 @@ class StoreConnector final : public Connector {
       }
       if (me.abandoned.load()) return make_error(Errc::cancelled, "the get of '" + ik + "' was abandoned");
       if (!w.ok()) return fail(std::move(w).error());
+      popped = popped || store::elements(*w) == 2;
       if (store::is_error(*w)) return fail(make_error(Errc::io, "redis: waiting for '" + ik + "': " + std::string(store::str(*w))));
       // Popped (or the wait ended): claim again. A stale signal finds nothing and waits again.
     }
@@ -610,89 +612,51 @@ class StoreConnector final : public Connector {
     return {};
   }
 
-  // The chunks, checked against the meta, as one frame: chunk 0 came with the claim, the others
-  // are read now (and taken away by the put's last reader). not_found: a chunk is gone (the key was
-  // replaced or cleaned up meanwhile).
+  // The chunks, checked against the meta, as one frame. A single chunk that came with the claim is
+  // the frame itself (the reply's buffer, no copy); otherwise every chunk not in the claim is read
+  // from the socket straight into its place in one buffer from the cache (the only reader takes
+  // them: GETDEL). not_found: a chunk is gone (the key was replaced or cleaned up meanwhile).
   Result<GetResult> read_payload(const std::string& base, const Meta& m, Reply claim, long long left, Deadline dl,
                                  const GetOptions& go) {
-    const bool last = left <= 0;
-    if (m.chunks && store::str(store::element(claim, 2)).data() == nullptr) return read_large(base, m, last, dl, go);
-    std::vector<std::string> names(m.chunks);
-    std::vector<Cmd> cmds;
-    for (uint64_t i = 1; i < m.chunks; ++i) {
-      names[i] = chunk_name(base, m.gen, i);
-      // The only reader takes each chunk as it reads it (GETDEL, Redis 6.2+).
-      cmds.emplace_back().arg(m.readers == 1 && last ? "GETDEL" : "GET").arg(names[i]);
-    }
-    std::vector<Reply> rs;
-    if (!cmds.empty()) {
-      const Deadline big = dl + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(double(m.size) / 50e6));
-      SL_ASSIGN(rs, redis_->run_spread(base, cmds, o_.redis.connections, big));
-    }
-    count_done(base, m, dl);
-    auto chunk = [&](uint64_t i) -> std::string_view {
-      return i == 0 ? store::str(store::element(claim, 2)) : store::str(rs[i - 1]);
-    };
-    for (uint64_t i = 0; i < m.chunks; ++i) {
-      const redisReply* e = i == 0 ? store::element(claim, 2) : rs[i - 1].get();
-      if (!e || store::str(e).data() == nullptr) return make_error(Errc::not_found, "a chunk is gone (replaced meanwhile)");
-      const size_t want = size_t(std::min<uint64_t>(m.chunk_bytes, m.size - i * m.chunk_bytes));
-      if (chunk(i).size() != want)
-        return make_error(Errc::corrupt, "chunk " + std::to_string(i) + " in the store holds " +
-                                             std::to_string(chunk(i).size()) + " bytes, " + std::to_string(want) +
-                                             " expected (truncated or overwritten)");
-    }
-    // One chunk: the reply's own buffer is the frame (no copy); several: gathered once.
-    std::shared_ptr<const void> keep;
-    std::span<const std::byte> frame;
-    if (m.chunks == 1) {
+    const std::string_view first = store::str(store::element(claim, 2));  // chunk 0, when small enough
+    if (m.chunks == 1 && first.data()) {
+      if (first.size() != m.size)
+        return make_error(Errc::corrupt, "chunk 0 in the store holds " + std::to_string(first.size()) + " bytes, " +
+                                             std::to_string(m.size) + " expected (truncated or overwritten)");
       auto holder = std::make_shared<Reply>(std::move(claim));
       const std::string_view s0 = store::str(store::element(*holder, 2));
-      frame = {reinterpret_cast<const std::byte*>(s0.data()), s0.size()};
-      keep = holder;
-    } else if (m.chunks > 1) {
-      std::shared_ptr<std::byte[]> buf(new (std::nothrow) std::byte[m.size]);
-      if (!buf) return make_error(Errc::exhausted, "no memory for a payload of " + std::to_string(m.size) + " bytes");
-      for (uint64_t i = 0; i < m.chunks; ++i) {
-        const std::string_view c = chunk(i);
-        std::memcpy(buf.get() + i * m.chunk_bytes, c.data(), c.size());
-        if (i) rs[i - 1].reset();
-      }
-      frame = {buf.get(), size_t(m.size)};
-      keep = buf;
+      count_done(base, m, dl);
+      return finish({reinterpret_cast<const std::byte*>(s0.data()), s0.size()}, holder, m, go);
     }
-    if (XXH3_64bits(frame.data(), frame.size()) != m.hash)
-      return make_error(Errc::corrupt, "the payload in the store does not match its checksum (corrupted)");
-    GetResult g;
-    g.size = size_t(m.size);
-    if (go.zero_copy) {
-      SL_TRY(decode_frame_into(frame, keep, g.payload, !go.raw_tree));
-    } else {
-      SL_TRY(decode_frame_copy_into(frame, g.payload));
-    }
-    return g;
-  }
-
-  // A payload whose chunks were not in the claim's reply: every chunk read from the socket straight
-  // into its place in one buffer (from the cache), over several connections.
-  Result<GetResult> read_large(const std::string& base, const Meta& m, bool last, Deadline dl, const GetOptions& go) {
-    std::shared_ptr<std::byte> buf = cache_->take(size_t(m.size));
+    std::shared_ptr<std::byte> buf = cache_->take(std::max<size_t>(size_t(m.size), 1));
     if (!buf) return make_error(Errc::exhausted, "no memory for a payload of " + std::to_string(m.size) + " bytes");
-    std::vector<Redis::GetItem> items(m.chunks);
+    std::vector<Redis::GetItem> items;
     for (uint64_t i = 0; i < m.chunks; ++i) {
-      const size_t off = size_t(i * m.chunk_bytes);
-      items[i] = {chunk_name(base, m.gen, i), {buf.get() + off, size_t(std::min<uint64_t>(m.chunk_bytes, m.size - off))}};
+      const size_t off = size_t(i * m.chunk_bytes), n = size_t(std::min<uint64_t>(m.chunk_bytes, m.size - off));
+      if (i == 0 && first.data()) {  // came with the claim (and the claim took it away if this is the last reader)
+        if (first.size() != n)
+          return make_error(Errc::corrupt, "chunk 0 in the store holds " + std::to_string(first.size()) + " bytes, " +
+                                               std::to_string(n) + " expected (truncated or overwritten)");
+        std::memcpy(buf.get(), first.data(), n);
+        continue;
+      }
+      items.push_back({chunk_name(base, m.gen, i), {buf.get() + off, n}});
     }
     const Deadline big = dl + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(double(m.size) / 50e6));
-    SL_TRY(redis_->get_values(base, items, m.readers == 1 && last, o_.redis.connections, big));  // the only reader takes them
+    SL_TRY(redis_->get_values(base, items, m.readers == 1 && left <= 0, o_.redis.connections, big));
     count_done(base, m, dl);
-    const std::span<const std::byte> frame(buf.get(), size_t(m.size));
+    return finish({buf.get(), size_t(m.size)}, std::shared_ptr<const void>(buf, buf.get()), m, go);
+  }
+
+  // The frame's checksum, then the payload (views that hold `keep`, or a copy).
+  static Result<GetResult> finish(std::span<const std::byte> frame, std::shared_ptr<const void> keep, const Meta& m,
+                                  const GetOptions& go) {
     if (XXH3_64bits(frame.data(), frame.size()) != m.hash)
       return make_error(Errc::corrupt, "the payload in the store does not match its checksum (corrupted)");
     GetResult g;
     g.size = size_t(m.size);
     if (go.zero_copy) {
-      SL_TRY(decode_frame_into(frame, std::shared_ptr<const void>(buf, buf.get()), g.payload, !go.raw_tree));
+      SL_TRY(decode_frame_into(frame, std::move(keep), g.payload, !go.raw_tree));
     } else {
       SL_TRY(decode_frame_copy_into(frame, g.payload));
     }

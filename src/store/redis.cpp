@@ -479,36 +479,6 @@ Result<std::vector<Reply>> Redis::run(std::string_view slot_key, std::span<const
   }
 }
 
-Result<std::vector<Reply>> Redis::run_spread(std::string_view slot_key, std::span<const Cmd> cmds, unsigned ways,
-                                             Deadline deadline) {
-  ways = std::min<unsigned>({ways, std::max(1u, impl_->o.connections), unsigned(cmds.size())});
-  if (ways <= 1) return run(slot_key, cmds, deadline);
-  Node* n = impl_->owner(slot_key);
-  const size_t per = (cmds.size() + ways - 1) / ways;
-  std::vector<Result<std::vector<Reply>>> parts;
-  parts.reserve(ways);
-  for (unsigned w = 0; w < ways; ++w) parts.emplace_back(make_error(Errc::io, "not run"));
-  auto part = [&](unsigned w) {
-    const size_t a = std::min(cmds.size(), w * per), b = std::min(cmds.size(), a + per);
-    parts[w] = impl_->on_node(*n, cmds.subspan(a, b - a), deadline);
-  };
-  std::vector<std::thread> threads;
-  for (unsigned w = 1; w < ways; ++w) threads.emplace_back(part, w);
-  part(0);
-  for (auto& t : threads) t.join();
-  std::vector<Reply> out;
-  out.reserve(cmds.size());
-  for (auto& p : parts) {
-    if (!p.ok()) return std::move(p).error();
-    for (auto& r : *p) out.push_back(std::move(r));
-  }
-  bool ask = false;
-  std::string host;
-  int port = 0;
-  if (impl_->o.cluster && (Impl::redirect(out, ask, host, port) || Impl::settling(out)))
-    return run(slot_key, cmds, deadline);  // moved or settling meanwhile
-  return out;
-}
 
 // Runs `part(w, conn)` for each of `ways` parts on its own connection of the node, at once.
 // `redirected`: a part met a cluster redirection (the caller falls back to run()).

@@ -90,9 +90,6 @@ class Redis {
   // batch shares that slot). Replies in order; a reply may be an error reply (the caller reads
   // it). Errors: io, timeout (nothing from the server before `deadline`).
   Result<std::vector<Reply>> run(std::string_view slot_key, std::span<const Cmd> cmds, Deadline deadline);
-  // The same, the batch split in up to `ways` parts each pipelined on its own connection at once.
-  Result<std::vector<Reply>> run_spread(std::string_view slot_key, std::span<const Cmd> cmds, unsigned ways,
-                                        Deadline deadline);
   // Large values without copies: SET key value PX px for each item, written to the socket from
   // the caller's memory, and GET (GETDEL with `del`) of values whose sizes the caller knows, read
   // from the socket straight into the caller's memory; pipelined, spread over up to `ways`

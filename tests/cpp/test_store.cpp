@@ -379,3 +379,26 @@ TEST(Store, AbandonGetAndCloseWakeBlockedGets) {
   EXPECT_EQ(late.error().code, Errc::closed);
   EXPECT_EQ(c->health().find("status")->as<std::string>(), "closed");
 }
+
+// Small chunks (chunk 0 comes with the claim, the rest from the socket), one reader and two.
+TEST(Store, SmallChunksWithTheFirstInTheClaimOneReaderAndTwo) {
+  NEED_REDIS();
+  RedisServer srv;
+  Value::Map m;
+  m.emplace_back("chunk_bytes", uint64_t(4096));
+  auto c = store_conn(srv.port(), std::move(m));
+  ASSERT_TRUE(c);
+  for (uint32_t readers : {1u, 2u}) {
+    const auto d = pattern(50000 + readers, readers);
+    PutOptions po;
+    po.readers = readers;
+    ASSERT_TRUE(c->put("0", "1", "small", payload_of(d), po).ok());
+    for (uint32_t r = 0; r < readers; ++r) {
+      auto g = c->get("0", "1", "small", nullptr, kNoWait, {});
+      ASSERT_TRUE(g.ok()) << readers << "/" << r << ": " << g.error().to_string();
+      EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(d));
+    }
+    EXPECT_EQ(c->get("0", "1", "small", nullptr, kNoWait, {}).error().code, Errc::not_found);
+    EXPECT_EQ(dbsize(srv.port()), 0) << readers;
+  }
+}
