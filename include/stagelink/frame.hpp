@@ -59,6 +59,7 @@ struct FramePlan {
     size_t nbytes = 0;
     std::string device;
     Value ext;
+    std::vector<std::byte> packed_ext;
   } single;
 };
 

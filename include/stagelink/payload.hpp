@@ -100,6 +100,11 @@ struct Payload {
   // not to build the tree (decode_frame_into's build_tree, GetOptions::raw_tree) it views the
   // frame's bytes and lives as long as they do. Nobody else needs it.
   std::span<const std::byte> packed_tree;
+  // `ext` as msgpack bytes (a map), the same way: written instead of `ext` when not empty, and
+  // left packed here (ext nil) by a decode that leaves the tree packed.
+  std::span<const std::byte> packed_ext;
+  // Whether ext, packed or not, is a map holding `key`.
+  bool ext_has(std::string_view key) const;
   // Total bytes of the tensor regions.
   size_t tensor_bytes() const;
 };

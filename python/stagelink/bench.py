@@ -164,47 +164,69 @@ def _payload_cases():
     return cases
 
 
-def bench_payloads(ns, iters=3000, big=186 << 20, progress=None):
+def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     """Python put+get per payload kind, native frames against the pickle path (what stagelink did
-    before, and what vLLM-Omni's connector does) in the same run; then a get of ``big`` bytes."""
+    before, and what vLLM-Omni's connector does) in the same run; then a get of ``big`` bytes.
+
+    The kinds are measured interleaved, ``rounds`` blocks each, so that a machine whose speed
+    drifts (a VM's neighbours, frequency) weighs on every kind alike; "vs numpy" is the median of
+    the per-round ratios to the numpy array of the same round."""
     from . import _serde
 
     c = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": max(64 << 20, 2 * big + (8 << 20))})
     r = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
-    rows = []
+    seq = iter(range(1 << 62))
 
-    def timed(put, n, zero_copy=False):
-        tp, tg = [], []
-        for i in range(-20, n):
+    def timed(put, n, zero_copy=False, tp=None, tg=None):
+        tp = [] if tp is None else tp
+        tg = [] if tg is None else tg
+        for i in range(-min(20, n), n):
+            k = f"pk{next(seq)}"
             t0 = time.perf_counter()
-            ok, _, meta = put(f"pk{i}")
+            ok, _, meta = put(k)
             t1 = time.perf_counter()
-            got = r.get(0, 1, f"pk{i}", meta, zero_copy=zero_copy)
+            got = r.get(0, 1, k, meta, zero_copy=zero_copy)
             t2 = time.perf_counter()
             assert ok and got is not None
             del got
             if i >= 0:
                 tp.append((t1 - t0) * 1e6)
                 tg.append((t2 - t1) * 1e6)
-        return _stat(tp), _stat(tg)
+        return tp, tg
 
     def pickled(key, obj):
         kind, regions = _serde.encode(obj)
         size, meta = c._put_parts(0, 1, key, kind, regions, 0)
         return True, size, meta
 
-    for name, obj in _payload_cases():
-        nat_p, nat_g = timed(lambda k: c.put(0, 1, k, obj), iters)
-        pk_p, pk_g = timed(lambda k: pickled(k, obj), iters)
-        rows.append({"payload": name, "native_put": nat_p, "native_get": nat_g, "pickle_put": pk_p, "pickle_get": pk_g})
+    def med(v):
+        return sorted(v)[len(v) // 2]
+
+    cases = _payload_cases()
+    samples = {name: {"np": [], "ng": [], "pp": [], "pg": [], "ratio": []} for name, _ in cases}
+    block = max(20, iters // rounds)
+    for rnd in range(rounds):
+        ref = None
+        for name, obj in cases:
+            d = samples[name]
+            tp, tg = timed(lambda k: c.put(0, 1, k, obj), block)
+            d["np"] += tp
+            d["ng"] += tg
+            pg = med([a + b for a, b in zip(tp, tg)])
+            ref = pg if ref is None else ref
+            d["ratio"].append(pg / ref)
+            timed(lambda k: pickled(k, obj), block, tp=d["pp"], tg=d["pg"])
         if progress:
-            progress(f"payload {name} done")
+            progress(f"payload kinds: round {rnd + 1} of {rounds} done")
+    rows = [{"payload": name, "native_put": _stat(samples[name]["np"]), "native_get": _stat(samples[name]["ng"]),
+             "pickle_put": _stat(samples[name]["pp"]), "pickle_get": _stat(samples[name]["pg"]),
+             "vs_numpy": med(samples[name]["ratio"])} for name, _ in cases]
     arr = np.full(big, 7, np.uint8)
     data = arr.tobytes()
     n = 7
     rows_big = {}
     for label, obj, zc in (("numpy", arr, False), ("bytes", data, False), ("bytes zero_copy", data, True)):
-        rows_big[label] = timed(lambda k: c.put(0, 1, k, obj), n, zero_copy=zc)[1]
+        rows_big[label] = _stat(timed(lambda k: c.put(0, 1, k, obj), n, zero_copy=zc)[1])
     del data
     rows.append({"payload": f"get of {big >> 20} MiB", "big_get": rows_big})
     c.close()
@@ -216,7 +238,8 @@ def print_payloads(rows, out=sys.stdout):
     m = lambda d: d["median_us"]  # noqa: E731
     ref = None
     print("\npayload kinds, Python put+get in one process (medians, us); pickle = the same object through "
-          "pickle-5 (stagelink's old path, vLLM-Omni's design)", file=out)
+          "pickle-5 (stagelink's old path, vLLM-Omni's design); kinds interleaved, 'vs numpy' = median "
+          "of per-round ratios", file=out)
     hdr = f"{'payload':<46} | {'put':>7} {'get':>7} {'p+g':>7} {'vs numpy':>8} | {'pickle p+g':>10} {'speed-up':>8}"
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
@@ -231,8 +254,9 @@ def print_payloads(rows, out=sys.stdout):
         if ref is None:
             ref = pg
         pk = m(row["pickle_put"]) + m(row["pickle_get"])
+        ratio = row.get("vs_numpy", pg / ref)
         print(f"{row['payload']:<46} | {m(row['native_put']):7.2f} {m(row['native_get']):7.2f} {pg:7.2f} "
-              f"{pg / ref:7.2f}x | {pk:10.2f} {pk / pg:7.1f}x", file=out)
+              f"{ratio:7.2f}x | {pk:10.2f} {pk / pg:7.1f}x", file=out)
 
 
 def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):

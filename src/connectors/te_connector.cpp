@@ -145,7 +145,7 @@ class TeConnector final : public Connector {
     Entry e;
     e.offset = off;
     e.size = plan.total;
-    e.fast = p.ext.find("pickle") == nullptr;
+    e.fast = !p.ext_has("pickle");
     e.readers_left = po.readers ? po.readers : o_.readers;
     e.rid = std::string(po.request_id);
     e.put_key = key;

@@ -15,22 +15,24 @@ constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 // Fills `plan`, reusing its vectors' capacity (a caller that keeps one plan allocates nothing).
 template <class SpecAt>
 Status plan_impl(FramePlan& plan, const Value& tree, std::span<const std::byte> packed_tree, const Value& ext,
-                 size_t n, SpecAt spec) {
+                 std::span<const std::byte> packed_ext, size_t n, SpecAt spec) {
   if (n > kFrameMaxTensors)
     return make_error(Errc::invalid_argument, "payload has " + std::to_string(n) +
                                                   " tensors; the frame holds at most 65536");
-  plan.head.resize(kFrameHeaderBytes + 128 + 40 * n + packed_tree.size());  // room for a typical header; grows if not
+  plan.head.resize(kFrameHeaderBytes + 128 + 40 * n + packed_tree.size() + packed_ext.size());  // room for a typical header; grows if not
   plan.offsets.resize(n);
   plan.lengths.resize(n);
   detail::ByteSink sink(&plan.head, kFrameHeaderBytes);
   detail::Packer pk(sink);
   // The tree goes last: a reader that builds its own objects from the packed tree takes the rest
   // of the header as it is, without a pass to find its end.
-  pk.pack_map(ext.is_nil() ? 2 : 3);
-  if (!ext.is_nil()) {
+  const bool has_ext = !packed_ext.empty() || !ext.is_nil();
+  pk.pack_map(has_ext ? 3 : 2);
+  if (has_ext) {
     pk.pack_str(1);
     pk.pack_str_body("p", 1);
-    detail::pack_value(pk, ext);
+    if (packed_ext.empty()) detail::pack_value(pk, ext);
+    else sink.write(reinterpret_cast<const char*>(packed_ext.data()), packed_ext.size());
   }
   pk.pack_str(1);
   pk.pack_str_body("x", 1);
@@ -97,7 +99,7 @@ struct SpecView {
 
 Result<FramePlan> plan_frame(const Value& tree, std::span<const TensorSpec> specs) {
   FramePlan plan;
-  SL_TRY(plan_impl(plan, tree, {}, Value(), specs.size(), [&](size_t i) {
+  SL_TRY(plan_impl(plan, tree, {}, Value(), {}, specs.size(), [&](size_t i) {
     auto& s = specs[i];
     return SpecView{s.dtype, s.shape, s.nbytes, s.device};
   }));
@@ -117,7 +119,8 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
     const Tensor& t = p.tensors[0];
     const FramePlan::Single& s = plan.single;
     if (s.valid && s.dtype == t.dtype && s.nbytes == t.nbytes() && s.shape == t.shape && s.device == t.device &&
-        (s.ext.is_nil() ? p.ext.is_nil() : s.ext == p.ext))
+        (s.ext.is_nil() ? p.ext.is_nil() : s.ext == p.ext) && s.packed_ext.size() == p.packed_ext.size() &&
+        (p.packed_ext.empty() || std::memcmp(s.packed_ext.data(), p.packed_ext.data(), p.packed_ext.size()) == 0))
       return {};  // this layout was checked and planned last time
   }
   plan.single.valid = false;
@@ -132,7 +135,7 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
       return make_error(Errc::invalid_argument, "tensor shape holds " + std::to_string(n) +
                                                     " bytes but data has " + std::to_string(t.nbytes()));
   }
-  SL_TRY(plan_impl(plan, p.tree, p.packed_tree, p.ext, p.tensors.size(), [&](size_t i) {
+  SL_TRY(plan_impl(plan, p.tree, p.packed_tree, p.ext, p.packed_ext, p.tensors.size(), [&](size_t i) {
     auto& t = p.tensors[i];
     return SpecView{t.dtype, t.shape, t.nbytes(), t.device};
   }));
@@ -144,6 +147,7 @@ Status plan_frame_into(FramePlan& plan, const Payload& p) {
     s.nbytes = t.nbytes();
     s.device.assign(t.device);
     if (!(s.ext.is_nil() && p.ext.is_nil())) s.ext = p.ext;
+    s.packed_ext.assign(p.packed_ext.begin(), p.packed_ext.end());
     s.valid = true;
   }
   return {};
@@ -220,6 +224,7 @@ Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const v
   p.tree = Value();
   if (!p.ext.is_nil()) p.ext = Value();
   p.packed_tree = {};
+  p.packed_ext = {};
   p.tensors.clear();
   if (buf.size() < kFrameHeaderBytes)
     return make_error(Errc::corrupt, "frame of " + std::to_string(buf.size()) +
@@ -261,7 +266,13 @@ Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const v
       continue;
     }
     if (key == "p") {
-      if (!rd.read_value(p.ext)) return bad_header();
+      if (build_tree) {
+        if (!rd.read_value(p.ext)) return bad_header();
+      } else {  // left packed, as the tree: the binding reads what it needs from the bytes
+        const size_t at = rd.pos();
+        if (!rd.skip()) return bad_header();
+        p.packed_ext = buf.subspan(kFrameHeaderBytes + at, rd.pos() - at);
+      }
       continue;
     }
     if (key != "x") {

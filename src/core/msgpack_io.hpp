@@ -36,7 +36,15 @@ struct ByteSink {
   // An integer in its shortest msgpack form, written in place (msgpack-c's packer takes a call
   // and a memcpy per value: this is what lists of token ids are made of).
   void write_int(int64_t v) {
-    if (9 > out->size() - len) out->resize(std::max(out->size() * 2, len + 64));
+    reserve(9);
+    write_int_reserved(v);
+  }
+  // Room for n more bytes: the *_reserved writes then need no check of their own.
+  void reserve(size_t n) {
+    if (n > out->size() - len) out->resize(std::max(out->size() * 2, len + n + 64));
+  }
+  // write_int after reserve(9) (a list of n ids: one reserve(9 * n), then n of these).
+  [[gnu::always_inline]] void write_int_reserved(int64_t v) {
     auto* d = reinterpret_cast<uint8_t*>(out->data() + len);
     if (v >= 0 && v <= 0x7f) { d[0] = uint8_t(v); len += 1; return; }
     if (v < 0 && v >= -32) { d[0] = uint8_t(int8_t(v)); len += 1; return; }
@@ -134,13 +142,19 @@ class MpReader {
   }
   bool skip(int depth = 0);
   void skip_rest() { p_ = end_; }
-  // The next value when it is a non-negative integer in a short form (fixint, uint8, uint16);
-  // false, consuming nothing, otherwise. Lets builders take lists of ids without a call per item.
+  // The next value when it is a non-negative integer of at most 32 bits (fixint, uint8, uint16,
+  // uint32); false, consuming nothing, otherwise. Lets builders take lists of ids without a call
+  // per item.
   bool try_small_uint(uint64_t& v) {
     if (p_ == end_) return false;
     if (*p_ <= 0x7f) { v = *p_++; return true; }
     if (*p_ == 0xcc && left() >= 2) { v = p_[1]; p_ += 2; return true; }
     if (*p_ == 0xcd && left() >= 3) { v = uint64_t(p_[1]) << 8 | p_[2]; p_ += 3; return true; }
+    if (*p_ == 0xce && left() >= 5) {
+      v = uint64_t(p_[1]) << 24 | uint64_t(p_[2]) << 16 | uint64_t(p_[3]) << 8 | p_[4];
+      p_ += 5;
+      return true;
+    }
     return false;
   }
   bool fail(const char* why);

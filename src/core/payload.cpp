@@ -81,6 +81,20 @@ bool Value::get_i64(int64_t& out) const {
   return false;
 }
 
+bool Payload::ext_has(std::string_view key) const {
+  if (packed_ext.empty()) return ext.find(key) != nullptr;
+  detail::MpReader rd(packed_ext.data(), packed_ext.size());
+  uint32_t n = 0;
+  if (!rd.read_map(n)) return false;
+  for (uint32_t i = 0; i < n; ++i) {
+    std::string_view k;
+    if (!rd.read_str(k)) return false;
+    if (k == key) return true;
+    if (!rd.skip()) return false;
+  }
+  return false;
+}
+
 size_t Payload::tensor_bytes() const {
   size_t n = 0;
   for (auto& t : tensors) n += t.nbytes();

@@ -239,6 +239,21 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     std::string edge = !o.edge.empty() ? std::string(o.edge)
                        : o.dst_rank    ? "rank" + std::to_string(*o.dst_rank)
                                        : std::string("any");
+    // A local item outlives the call: a packed tree and ext (views of the caller's memory) are
+    // kept as Values, read before a credit is taken.
+    Value local_tree, local_ext;
+    if (is_local()) {
+      if (!p.packed_tree.empty()) {
+        SL_ASSIGN(local_tree, value_from_msgpack(p.packed_tree));
+      } else {
+        local_tree = p.tree;
+      }
+      if (!p.packed_ext.empty()) {
+        SL_ASSIGN(local_ext, value_from_msgpack(p.packed_ext));
+      } else {
+        local_ext = p.ext;
+      }
+    }
     SL_ASSIGN(auto rec, take_credit(edge, o.request_id, deadline_after(cfg.timeout_s)));
     auto st = std::make_shared<RelayOp::State>();
     if (is_local()) {
@@ -246,9 +261,9 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       std::lock_guard<std::mutex> l(t.mu);
       const uint64_t key = t.next_id++;
       LocalItem it;
-      it.payload.tree = p.tree;
+      it.payload.tree = std::move(local_tree);
+      it.payload.ext = std::move(local_ext);
       it.payload.tensors = p.tensors;
-      it.payload.ext = p.ext;
       it.size = p.tensor_bytes();
       it.readers_left = o.readers;
       it.relay = id;

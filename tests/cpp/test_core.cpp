@@ -117,6 +117,14 @@ TEST(Frame, ReusedPlanMatchesAFreshPlanForEveryLayoutChange) {
   std::vector<std::byte> two_a(800), two_b(3);
   seq.push_back(sample_payload(two_a, two_b));  // two tensors: planned afresh
   seq.push_back(single(DType::u8, {}, 101));
+  // A packed ext (as the Python binding writes it) is part of the layout: kept only when equal.
+  const auto ext_a = value_to_msgpack(Value(Value::Map{{"tk", Value::List{Value(int64_t(1))}}}));
+  const auto ext_b = value_to_msgpack(Value(Value::Map{{"tk", Value::List{Value(int64_t(9))}}}));
+  for (const auto* e : {&ext_a, &ext_a, &ext_b, &ext_a}) {
+    seq.push_back(single(DType::u8, {}, 101));
+    seq.back().packed_ext = *e;
+  }
+  seq.push_back(single(DType::u8, {}, 101));  // and none again
   FramePlan kept;
   for (size_t i = 0; i < seq.size(); ++i) {
     ASSERT_TRUE(plan_frame_into(kept, seq[i]).ok()) << i;
@@ -134,6 +142,19 @@ TEST(Frame, ReusedPlanMatchesAFreshPlanForEveryLayoutChange) {
     EXPECT_EQ(d->tensors[0].dtype, seq[i].tensors[0].dtype) << i;
     EXPECT_EQ(d->tensors[0].device, seq[i].tensors[0].device) << i;
     EXPECT_EQ(d->tensors[0].nbytes(), seq[i].tensors[0].nbytes()) << i;
+    // The ext reads back the same whether the decode builds it or leaves it packed.
+    Payload raw;
+    ASSERT_TRUE(decode_frame_into(frame, nullptr, raw, false).ok()) << i;
+    const bool has = !seq[i].packed_ext.empty();
+    EXPECT_EQ(raw.packed_ext.empty(), !has) << i;
+    EXPECT_TRUE(raw.ext.is_nil()) << i;
+    EXPECT_EQ(d->ext_has("tk"), has) << i;
+    EXPECT_EQ(raw.ext_has("tk"), has) << i;
+    if (has) {
+      EXPECT_TRUE(std::equal(raw.packed_ext.begin(), raw.packed_ext.end(), seq[i].packed_ext.begin(),
+                             seq[i].packed_ext.end())) << i;
+      EXPECT_EQ(value_to_msgpack(d->ext), std::vector<std::byte>(raw.packed_ext.begin(), raw.packed_ext.end())) << i;
+    }
   }
   // A payload that fails to plan leaves nothing to keep.
   Payload bad = single(DType::f32, {3}, 1024);

@@ -226,6 +226,42 @@ TEST(Relay, LocalBackendPassesByReference) {
   EXPECT_EQ(again.error().code, Errc::not_found);
 }
 
+TEST(Relay, LocalBackendKeepsAPackedTreeAndExt) {
+  // Regression: a payload whose tree and ext came packed (as the Python binding puts them) lost
+  // both on the local backend, which kept only the Value fields; the packed bytes are the
+  // caller's and die with the call.
+  auto a = make(cfg(2, 0.2, "local"));
+  auto b = make(cfg(2, 0.2, "local"));
+  ASSERT_TRUE(a && b);
+  const auto data = pattern(4096, 3);
+  Payload p = bytes_payload(data);
+  Value::Map tree;
+  tree.emplace_back("hidden", TensorRef{0});
+  tree.emplace_back("ids", Value::List{Value(uint64_t(7)), Value(uint64_t(70000))});
+  Value::Map ext;
+  ext.emplace_back("tk", Value::List{Value(int64_t(1))});
+  auto packed_tree = std::make_unique<std::vector<std::byte>>(value_to_msgpack(Value(std::move(tree))));
+  auto packed_ext = std::make_unique<std::vector<std::byte>>(value_to_msgpack(Value(std::move(ext))));
+  p.tree = Value();
+  p.packed_tree = *packed_tree;
+  p.packed_ext = *packed_ext;
+  auto op = a->put_async(p, {.request_id = "r", .edge = "e"});
+  ASSERT_TRUE(op.ok()) << op.error().message;
+  std::fill(packed_tree->begin(), packed_tree->end(), std::byte{0xc1});  // the caller's bytes are gone
+  std::fill(packed_ext->begin(), packed_ext->end(), std::byte{0xc1});
+  auto g = b->get_async(op->metadata());
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  const Payload& got = g->payload();
+  ASSERT_TRUE(got.tree.is<Value::Map>());
+  const Value* ids = got.tree.find("ids");
+  ASSERT_TRUE(ids && ids->is<Value::List>());
+  uint64_t v = 0;
+  EXPECT_TRUE(ids->as<Value::List>()[1].get_u64(v));
+  EXPECT_EQ(v, 70000u);
+  EXPECT_TRUE(got.ext_has("tk"));
+  EXPECT_FALSE(got.ext_has("pickle"));
+}
+
 TEST(Relay, BadInputIsAClearError) {
   auto relay = make(cfg());
   ASSERT_TRUE(relay);

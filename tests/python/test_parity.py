@@ -247,6 +247,59 @@ def test_torch_tensors_keep_what_they_are(ns):
         assert torch.equal(got["hidden"], big) and got["ids"] == list(range(300))
 
 
+def test_torch_through_dlpack_every_dtype_shape_and_a_held_slot(ns):
+    """Tensors travel through DLPack both ways (torch's C exchange API where it has one): every
+    dtype a frame carries, empty and 0-d shapes, inline and shared-memory sizes; a zero-copy torch
+    view holds its slot until it is dropped, exactly as a numpy view does."""
+    torch = pytest.importorskip("torch")
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
+              torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+    dtypes += [d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64")) if d is not None]
+    with shm(ns, allow_pickle=False) as c:
+        for dt in dtypes:
+            for shape in ((0, 4), (5, 0), (1,), (2, 1, 3, 1, 2), (300, 257)):  # the last one is past inline size
+                n = int(np.prod(shape))
+                src = torch.arange(n) % (2 if dt is torch.bool else 100)
+                t = src.to(dt).reshape(shape)
+                for zc in (False, True):
+                    got, _ = roundtrip(c, t, zero_copy=zc)
+                    assert type(got) is torch.Tensor and got.dtype == dt and got.shape == t.shape, (dt, shape)
+                    assert torch.equal(got, t), (dt, shape, zc)
+    with shm(ns, arena_bytes=4 << 20, put_timeout_s=0.2) as c, shm(ns) as r:
+        t = torch.full((3 << 20,), 9, dtype=torch.uint8)
+        ok, _, meta = c.put(0, 1, "a", t)
+        view, _ = r.get(0, 1, "a", meta, zero_copy=True)
+        assert view[123] == 9
+        ok, _, _ = c.put(0, 1, "b", t)  # the arena is still held by the view
+        assert not ok and isinstance(c.last_error, stagelink.ExhaustedError)
+        del view
+        assert c.put(0, 1, "b", t)[0], c.last_error
+
+
+def test_lists_of_ids_of_every_size_and_sign(ns):
+    """Lists of ints are packed and rebuilt without a call per item (ids up to 2^18 share one int
+    object per value): every width and sign still comes back as the same values."""
+    ids = list(range(-40, 300)) + [65535, 65536, 70000, (1 << 18) - 1, 1 << 18, 1 << 31, (1 << 32) - 1, 1 << 32,
+                                   (1 << 63) - 1, -(1 << 63), -129, -32769, -(1 << 31) - 1]
+    with shm(ns, allow_pickle=False) as c:
+        for data in (ids, tuple(ids), {"ids": ids, "nested": [ids[:5], (7, [8, 1 << 40])]}):
+            got, _ = roundtrip(c, data)
+            assert got == data and type(got) is type(data)
+        ok, _, _ = c.put(0, 1, "huge", [1 << 64])  # beyond 64 bits: needs pickle, refused here
+        assert not ok and isinstance(c.last_error, stagelink.InvalidArgumentError)
+
+
+def test_a_malformed_ext_is_corrupt(ns):
+    """The frame's ext (what a Python object was: torch, tuples, flags) is read from its bytes as
+    they are: anything malformed there is CorruptError, never a wrong object."""
+    with shm(ns, strict=True) as c:
+        ok, _, meta = c.put(0, 1, "k", (1, 2))
+        assert ok and b"\x81\xa2tu\x91\x00" in meta["inline"]  # ext {"tu": [0]}
+        forged = dict(meta, inline=meta["inline"].replace(b"\x81\xa2tu\x91\x00", b"\x81\xa2tu\x91\xc0"))
+        with pytest.raises(stagelink.CorruptError, match="ext"):
+            c.get(0, 1, "k", forged)
+
+
 def test_the_queue_keeps_types_too(mq_clean):
     torch = pytest.importorskip("torch")
     w = stagelink.MessageQueue(1, 1)
