@@ -68,12 +68,13 @@ _PUTTER = textwrap.dedent("""
     import json, sys, time, numpy as np, stagelink
     extra, n = json.loads(sys.argv[1]), int(sys.argv[2])
     c = stagelink.create_connector("StoreConnector", dict(extra, strict=True))
-    done, data = [], np.zeros(1024, np.uint8)
+    began, done, data = [], [], np.zeros(1024, np.uint8)
     for i in range(n):
         time.sleep(0.03)                      # the waiter is blocked by now
+        began.append(time.monotonic())
         c.put(0, 1, f"w{i}", data)
         done.append(time.monotonic())
-    print(json.dumps(done), flush=True)
+    print(json.dumps([began, done]), flush=True)
 """)
 
 _MOONCAKE_STORE = textwrap.dedent("""
@@ -155,8 +156,11 @@ def _wake(h: TwoHosts, extra, n=40):
         p = subprocess.run(h.b + [sys.executable, "-c", _PUTTER, json.dumps(extra), str(n)], capture_output=True,
                            text=True, timeout=120, env=_env())
         woke = json.loads(w.stdout.readline())
-        done = json.loads(p.stdout.strip().splitlines()[-1])
-        return statistics.median((a - b) * 1e6 for a, b in zip(woke, done))
+        began, done = json.loads(p.stdout.strip().splitlines()[-1])
+        # (after the put returned, after it began): the first is negative when the waiter has
+        # the payload before the putter has its own reply (the server serves both in one pass).
+        return (statistics.median((a - b) * 1e6 for a, b in zip(woke, done)),
+                statistics.median((a - b) * 1e6 for a, b in zip(woke, began)))
     finally:
         if w.poll() is None:
             w.kill()
@@ -201,7 +205,7 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
     result = {"kind": "store", "machine": os.uname().nodename, "cpus": os.cpu_count(), "paths": {}}
     print("stagelink bench store: StoreConnector put + get (Redis 7, one connector, medians) against "
           "redis-benchmark -c 1 SET + GET of the same sizes\nand Mooncake Store where installed, in the same run; "
-          "wake = a blocked get's return after the put's.", file=out)
+          "wake = a blocked get's return after the put's return (and after its start).", file=out)
     for where in (["loopback"] + (["namespaces"] if namespaces else [])):
         h = TwoHosts(where == "namespaces")
         port = _free_port()
@@ -223,7 +227,7 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                 row["redis_benchmark"] = rb
                 row["mooncake"] = mc.get(row["size"]) if mc else None
             ping = _ping_rtt(h, host, port)
-            wake = _wake(h, extra)
+            wake, wake_from_begin = _wake(h, extra) or (None, None)
             print(f"{'size':>9} {'put':>10} {'get':>10} {'GB/s':>9} {'redis GB/s':>11} {'ratio':>6} "
                   f"{'mooncake':>9} {'verified':>8}", file=out)
             for row in rows:
@@ -239,15 +243,20 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                 rat = f"{ratio:.2f}x" if ratio else "-"
                 print(f"{_fmt_size(row['size']):>9} {row['put_s'] * 1e3:>7.2f} ms {row['get_s'] * 1e3:>7.2f} ms "
                       f"{row['gbps']:>9.2f} {rbg:>11} {rat:>6} {mkg:>9} {str(row['verified']):>8}", file=out)
-            print(f"PING round trip {ping:.0f} us; a blocked get returns {wake:.0f} us after the put "
-                  f"({wake / ping:.2f}x PING, aim 2x)" if ping and wake else "wake: not measured", file=out)
+            if ping and wake is not None:
+                print(f"PING round trip {ping:.0f} us; a blocked get returns {wake:.0f} us after the put returns "
+                      f"({wake / ping:.2f}x PING, aim 2x; below 0: before it), {wake_from_begin:.0f} us after "
+                      f"it began ({wake_from_begin / ping:.2f}x PING)", file=out)
+            else:
+                print("wake: not measured", file=out)
             big = [r["gbps"] / r["redis_benchmark_gbps"] for r in rows if r["size"] >= 1 << 20 and r["redis_benchmark_gbps"]]
             if big:
                 print(f"1 MiB and above: {min(big):.2f}-{max(big):.2f}x redis-benchmark (aim 0.8x)", file=out)
             mcx = [r["gbps"] / r["mooncake_gbps"] for r in rows if r["size"] >= 16 << 20 and r["mooncake_gbps"]]
             print(f"16 MiB and above: {min(mcx):.2f}-{max(mcx):.2f}x Mooncake Store (aim above 1x)" if mcx else
                   "Mooncake Store: not installed or did not run here", file=out)
-            result["paths"][where] = {"rows": rows, "ping_rtt_us": ping, "wake_us": wake, "mooncake_ran": bool(mc)}
+            result["paths"][where] = {"rows": rows, "ping_rtt_us": ping, "wake_us": wake,
+                                      "wake_from_put_begin_us": wake_from_begin, "mooncake_ran": bool(mc)}
         finally:
             srv.kill()
             srv.wait()

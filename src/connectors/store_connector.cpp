@@ -446,12 +446,21 @@ class StoreConnector final : public Connector {
     const std::string ik = make_internal_key(key, from, to), base = "sl:{" + ik + "}";
     const Deadline cmd_dl = std::max(deadline, deadline_after(o_.redis.timeout_s));
     bool popped = false;  // this get took a signal off the list (then hands it on if readers remain)
+    // [BLPOP, claim]: the claim rides behind the wait (see below).
+    std::vector<Cmd> wait_then_claim(2);
+    Cmd& claim = wait_then_claim[1];
+    claim.arg("EVAL").arg(kClaim).arg("3").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":c:")
+        .arg(o_.redis.cluster ? "0" : "1").arg(ik).arg(std::to_string(kInlineChunk));
+    std::optional<Reply> woken_claim;  // the claim that ran the moment the wait returned
     for (;;) {
       // Claim a reader of the put there is, if any (with its first chunk).
-      Cmd claim;
-      claim.arg("EVAL").arg(kClaim).arg("3").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":c:")
-          .arg(o_.redis.cluster ? "0" : "1").arg(ik).arg(std::to_string(kInlineChunk));
-      auto r = redis_->run(base, std::span<const Cmd>(&claim, 1), cmd_dl);
+      Result<std::vector<Reply>> r = std::vector<Reply>{};
+      if (woken_claim) {
+        r->push_back(std::move(*woken_claim));
+        woken_claim.reset();
+      } else {
+        r = redis_->run(base, std::span<const Cmd>(&claim, 1), cmd_dl);
+      }
       if (!r.ok()) return fail(std::move(r).error());
       Reply& c = (*r)[0];
       if (store::is_error(c)) return fail(make_error(Errc::io, "redis: claiming '" + ik + "': " + std::string(store::str(c))));
@@ -481,7 +490,10 @@ class StoreConnector final : public Connector {
       }
       char secs[32];
       std::snprintf(secs, sizeof secs, "%.3f", std::max(0.001, left_s));
-      Cmd b;
+      // The claim follows the BLPOP in one pipeline: the server runs it the moment the pop
+      // returns, so a woken get has its meta and first chunk without another round trip.
+      Cmd& b = wait_then_claim[0];
+      b = Cmd();
       b.arg("BLPOP").arg(base + ":s").arg(std::string(secs));
       waits_.fetch_add(1);
       Waiter me;
@@ -490,7 +502,7 @@ class StoreConnector final : public Connector {
         if (closed_.load()) return make_error(Errc::cancelled, name_ + " closed while '" + ik + "' was awaited");
         waiters_.emplace(key, &me);
       }
-      auto w = redis_->blocking(base, b, deadline, &me.fd);
+      auto w = redis_->blocking(base, wait_then_claim, deadline, &me.fd);
       {
         std::lock_guard<std::mutex> l(wait_mu_);
         for (auto it = waiters_.lower_bound(key); it != waiters_.end() && it->first == key; ++it)
@@ -501,9 +513,13 @@ class StoreConnector final : public Connector {
       }
       if (me.abandoned.load()) return make_error(Errc::cancelled, "the get of '" + ik + "' was abandoned");
       if (!w.ok()) return fail(std::move(w).error());
-      popped = popped || store::elements(*w) == 2;
-      if (store::is_error(*w)) return fail(make_error(Errc::io, "redis: waiting for '" + ik + "': " + std::string(store::str(*w))));
-      // Popped (or the wait ended): claim again. A stale signal finds nothing and waits again.
+      const Reply& popped_reply = (*w)[0];
+      popped = popped || store::elements(popped_reply) == 2;
+      if (store::is_error(popped_reply))
+        return fail(make_error(Errc::io, "redis: waiting for '" + ik + "': " + std::string(store::str(popped_reply))));
+      // Popped (or the wait ended): the claim that followed says what there is. A stale signal
+      // finds nothing and waits again; a claim the cluster redirected is run again, routed.
+      if (w->size() == 2 && !store::is_error((*w)[1])) woken_claim = std::move((*w)[1]);
     }
   }
 

@@ -1211,11 +1211,17 @@ struct PyLoan {
 };
 
 struct PyConnector {
-  std::unique_ptr<Connector> c;
+  // shared: a call running without the GIL holds its own reference, so a close() from another
+  // thread never destroys the connector under it (the call then ends with closed/cancelled).
+  std::shared_ptr<Connector> c;
   bool allow_pickle = true;  // extra.allow_pickle: refuse frames holding a pickle when false
-  Connector& get() {
+  // A connector whose calls wait on a network (store, transfer engine): every call runs without
+  // the GIL, however small, so the process's other Python threads run during its round trips.
+  // Shared memory's calls take microseconds and keep it below kGilReleaseBytes.
+  bool networked = false;
+  std::shared_ptr<Connector> get() {
     if (!c) raise(make_error(Errc::closed, "connector is closed"));
-    return *c;
+    return c;
   }
 };
 
@@ -1255,9 +1261,10 @@ PutResult put_payload(PyConnector& self, nb::handle from, nb::handle to, const s
                       size_t total, uint32_t readers, nb::handle request_id) {
   std::string f = stage_str(from), t = stage_str(to);
   const std::string rid = rid_str(request_id);
-  Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
+  const std::shared_ptr<Connector> keep = self.get();  // raises ClosedError: must run while holding the GIL
+  Connector& conn = *keep;
   Result<PutResult> r = make_error(Errc::io, "");
-  if (total > kGilReleaseBytes) {
+  if (total > kGilReleaseBytes || self.networked) {  // the caller pinned the memory for this
     nb::gil_scoped_release nogil;
     r = conn.put(f, t, key, p, PutOptions{readers, rid});
   } else {
@@ -1297,15 +1304,15 @@ nb::object connector_put(nb::handle self_h, nb::handle from, nb::handle to, nb::
     Payload p;
     BufferViews bv;
     size_t total = 0;
-    if (array_payload(data, bv, p, true)) {
+    PyConnector& self = *nb::inst_ptr<PyConnector>(self_h);
+    if (array_payload(data, bv, p, !self.networked)) {  // pinned when the GIL will be let go
       total = p.tensors[0].nbytes();
     } else {
       PyEncoder enc{p, bv};
       if (!enc.run(data)) return self_h.attr("_put_slow")(from, to, key, data, readers, request_id, enc.why);
       total = enc.total;
     }
-    const PutResult pr =
-        put_payload(*nb::inst_ptr<PyConnector>(self_h), from, to, utf8(key.ptr()), p, total, rd, request_id);
+    const PutResult pr = put_payload(self, from, to, utf8(key.ptr()), p, total, rd, request_id);
     return nb::make_tuple(true, pr.size, to_py(pr.metadata));
   } catch (nb::python_error& e) {
     report_or_rethrow(self_h, "put", e);
@@ -1342,11 +1349,12 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
     if (secs == -1.0 && PyErr_Occurred()) throw nb::python_error();
     dl = deadline_after(std::max(0.0, secs));
   }
-  Connector& conn = self.get();  // raises ClosedError: must run while holding the GIL
+  const std::shared_ptr<Connector> keep = self.get();  // raises ClosedError: must run while holding the GIL
+  Connector& conn = *keep;
   Result<GetResult> r = make_error(Errc::io, "");
   // Zero-copy, inline payloads viewing `md`, the tree left packed: the caller builds its objects.
   const GetOptions go{true, true, true};
-  if (!lookup) {  // may wait, or cross a network (a transfer engine's pull): without the GIL
+  if (!lookup || self.networked) {  // may wait, or cross a network (a transfer engine's pull): without the GIL
     nb::gil_scoped_release nogil;
     r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
   } else {
@@ -1763,8 +1771,14 @@ NB_MODULE(_core, m) {
   nb::class_<PyConnector>(m, "_Connector")
       .def("__init__", [](PyConnector* self, const std::string& name, nb::handle extra, bool allow_pickle) {
              Value e = extra.is_none() ? Value(Value::Map{}) : from_py(extra);
-             auto c = unwrap(create_connector(name, e));
-             new (self) PyConnector{std::move(c), allow_pickle};
+             Result<std::unique_ptr<Connector>> made = make_error(Errc::io, "");
+             {
+               nb::gil_scoped_release nogil;  // a network connector connects (and asks its server) here
+               made = create_connector(name, e);
+             }
+             auto c = unwrap(std::move(made));
+             const bool networked = c->name() != "SharedMemoryConnector";
+             new (self) PyConnector{std::move(c), allow_pickle, networked};
            }, nb::arg("name"), nb::arg("extra").none(), nb::arg("allow_pickle") = true)
       .def("put", [](nb::handle self, nb::handle from, nb::handle to, nb::handle key, nb::handle data,
                      nb::handle readers, nb::handle request_id) {
@@ -1806,34 +1820,47 @@ NB_MODULE(_core, m) {
              }
              spec.nbytes = n;
              spec.shape = std::move(shape);
-             return PyLoan{unwrap(self.get().loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1)))};
+             return PyLoan{unwrap(self.get()->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1)))};
            })
       .def("_put_loan", [](PyConnector& self, nb::handle from, nb::handle to, const std::string& key, PyLoan& loan,
                            uint32_t readers, nb::handle request_id) {
              const std::string rid = rid_str(request_id);
              PutResult pr =
-                 unwrap(self.get().put_loan(stage_str(from), stage_str(to), key, std::move(loan.loan), PutOptions{readers, rid}));
+                 unwrap(self.get()->put_loan(stage_str(from), stage_str(to), key, std::move(loan.loan), PutOptions{readers, rid}));
              return nb::make_tuple(pr.size, to_py(pr.metadata));
            }, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("loan"), nb::arg("readers") = 0,
            nb::arg("request_id").none() = nb::none())
-      .def("_cleanup", [](PyConnector& self, const std::string& rid) { return self.get().cleanup(rid); })
-      .def("_abandon_get", [](PyConnector& self, const std::string& key) { return self.get().abandon_get(key); })
-      .def("_reap_consumed", [](PyConnector& self) { return self.get().reap_consumed(); })
+      .def("_cleanup", [](PyConnector& self, const std::string& rid) {
+             auto c = self.get();
+             if (!self.networked) return c->cleanup(rid);
+             nb::gil_scoped_release nogil;  // a store's cleanup is a few round trips
+             return c->cleanup(rid);
+           })
+      .def("_abandon_get", [](PyConnector& self, const std::string& key) { return self.get()->abandon_get(key); })
+      .def("_reap_consumed", [](PyConnector& self) { return self.get()->reap_consumed(); })
       .def("_update_sender_info", [](PyConnector& self, const std::string& host, int port) {
-             auto st = self.get().update_sender_info(host, port);
+             auto st = self.get()->update_sender_info(host, port);
              if (!st.ok()) raise(st.error());
            })
       .def_prop_ro("allow_pickle", [](PyConnector& self) { return self.allow_pickle; })
       .def("_health", [](PyConnector& self) {
              if (!self.c) return nb::object(nb::dict());
-             return to_py(self.c->health());
+             const std::shared_ptr<Connector> c = self.c;
+             Value h;
+             if (self.networked) {
+               nb::gil_scoped_release nogil;  // asks the server (INFO)
+               h = c->health();
+             } else {
+               h = c->health();
+             }
+             return to_py(h);
            })
       .def("close", [](PyConnector& self) {
              if (self.c) {
+               const std::shared_ptr<Connector> c = std::move(self.c);  // later calls say closed
                nb::gil_scoped_release nogil;
-               self.c->close();
+               c->close();  // wakes calls in flight; they hold their own references
              }
-             self.c.reset();
            }, "Release everything this connector owns. Safe to call twice.")
       .def_prop_ro("closed", [](PyConnector& self) { return !self.c; });
 

@@ -280,7 +280,7 @@ struct Redis::Impl {
     return false;
   }
   // A redirection in the replies: MOVED (refresh, retry) or ASK (retry once on its node).
-  static bool redirect(const std::vector<Reply>& rs, bool& ask, std::string& host, int& port) {
+  static bool redirect(std::span<const Reply> rs, bool& ask, std::string& host, int& port) {
     for (const Reply& r : rs) {
       if (!is_error(r)) continue;
       const std::string_view e = str(r);
@@ -649,7 +649,9 @@ void Redis::close_idle() {
   }
 }
 
-Result<Reply> Redis::blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline, std::atomic<int>* fd_slot) {
+Result<std::vector<Reply>> Redis::blocking(std::string_view slot_key, std::span<const Cmd> cmds, Deadline deadline,
+                                           std::atomic<int>* fd_slot) {
+  if (cmds.empty()) return make_error(Errc::invalid_argument, "redis: blocking() of no command");
   Node* n = impl_->owner(slot_key);
   // The socket waits a little longer than the command, so that the server's own timeout answers.
   const Deadline sock = deadline + std::chrono::milliseconds(int(impl_->o.timeout_s * 1000));
@@ -662,7 +664,7 @@ Result<Reply> Redis::blocking(std::string_view slot_key, const Cmd& cmd, Deadlin
       return make_error(Errc::cancelled, "the wait was ended before it began");
     }
   }
-  auto r = impl_->pipeline(*n, *c, std::span<const Cmd>(&cmd, 1), sock, ok);
+  auto r = impl_->pipeline(*n, *c, cmds, sock, ok);
   // A waker that took the socket (-2) is let finish its shutdown() (-3) before the connection
   // can close: it never touches a socket number reused meanwhile.
   if (fd_slot && fd_slot->exchange(-1) == -2)
@@ -672,16 +674,17 @@ Result<Reply> Redis::blocking(std::string_view slot_key, const Cmd& cmd, Deadlin
   bool ask = false;
   std::string host;
   int port = 0;
-  if (impl_->o.cluster && Impl::redirect(*r, ask, host, port)) {
+  // The slot moved before the wait began: all of it goes there. (A follow-up redirected after the
+  // wait is left to the caller: its replies say so, and the wait is not run twice.)
+  if (impl_->o.cluster && Impl::redirect(std::span<const Reply>(r->data(), 1), ask, host, port)) {
     SL_TRY(impl_->refresh_slots(deadline));
     Node* m = impl_->node(host, port);
     SL_ASSIGN(auto c2, impl_->acquire(*m, sock, true));
-    auto r2 = impl_->pipeline(*m, *c2, std::span<const Cmd>(&cmd, 1), sock, ok, ask);
+    auto r2 = impl_->pipeline(*m, *c2, cmds, sock, ok, ask);
     impl_->give_back(*m, std::move(c2), ok, true);
-    if (!r2.ok()) return std::move(r2).error();
-    return std::move((*r2)[0]);
+    return r2;
   }
-  return std::move((*r)[0]);
+  return r;
 }
 
 std::string Redis::config_get(const std::string& name) {

@@ -110,12 +110,15 @@ class Redis {
                     Deadline deadline, std::span<const Cmd> then = {}, std::vector<Reply>* then_replies = nullptr);
   Status get_values(std::string_view slot_key, std::span<const GetItem> items, bool del, unsigned ways,
                     Deadline deadline);
-  // A blocking command (BLPOP ...) that may wait until `deadline`, on a connection of its own.
+  // A blocking command (BLPOP ...) that may wait until `deadline`, on a connection of its own,
+  // followed by `cmds[1..]` (same slot) in the same pipeline: the server holds those back while
+  // the first blocks and runs them the moment it returns, so what the waiter does next (claim
+  // what it was woken for) costs no round trip. Returns every reply, in order.
   // `fd_slot` (optional) holds the connection's socket while it waits: another thread may end the
   // wait at once by taking it (exchange(-2)), shutdown() of it, then store(-3) (the call then fails
   // with io; the connection is dropped).
-  Result<Reply> blocking(std::string_view slot_key, const Cmd& cmd, Deadline deadline,
-                         std::atomic<int>* fd_slot = nullptr);
+  Result<std::vector<Reply>> blocking(std::string_view slot_key, std::span<const Cmd> cmds, Deadline deadline,
+                                      std::atomic<int>* fd_slot = nullptr);
   // Close the connections nobody is using (those in use close when they come back).
   void close_idle();
 

@@ -149,3 +149,100 @@ def test_server_in_another_network_namespace():
             p.wait()
     finally:
         h.close()
+
+
+class _SlowReplies:
+    """A TCP proxy to a redis-server that delays every byte the server sends by `delay` seconds
+    (order kept): a link with a long way back, to count a client's round trips by its latency."""
+
+    def __init__(self, port, delay):
+        import asyncio
+        import threading
+        self.delay, self.target = delay, port
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def pump(reader, writer, delay):
+            q = asyncio.Queue()
+
+            async def sender():
+                while True:
+                    due, data = await q.get()
+                    if data is None:
+                        break
+                    await asyncio.sleep(max(0.0, due - self.loop.time()))
+                    writer.write(data)
+                    await writer.drain()
+                writer.close()
+
+            task = asyncio.ensure_future(sender())
+            try:
+                while data := await reader.read(1 << 16):
+                    q.put_nowait((self.loop.time() + delay, data))
+            finally:
+                q.put_nowait((0, None))
+                await task
+
+        async def handle(cr, cw):
+            sr, sw = await asyncio.open_connection("127.0.0.1", self.target)
+            await asyncio.gather(pump(cr, sw, 0.0), pump(sr, cw, self.delay), return_exceptions=True)
+
+        async def main():
+            self.stop = asyncio.Event()
+            server = await asyncio.start_server(handle, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+            ready.set()
+            await self.stop.wait()
+            server.close()
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+            await server.wait_closed()
+
+        def run():
+            self.loop.run_until_complete(main())
+            self.loop.close()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(5)
+
+
+def test_a_woken_get_has_its_payload_without_another_round_trip(redis):
+    """The claim rides behind the BLPOP in one pipeline: the server runs it the moment the put's
+    signal wakes the wait, so a blocked get returns with the putter's own reply, not one round trip
+    later. Measured over a link whose replies take 60 ms: without that, the get came 60 ms after
+    the put returned."""
+    import threading
+    delay = 0.06
+    proxy = _SlowReplies(redis, delay)
+    try:
+        extra = {"host": "127.0.0.1", "port": proxy.port, "strict": True, "timeout_ms": 5000}
+        with stagelink.create_connector("StoreConnector", extra) as waiter, \
+                stagelink.create_connector("StoreConnector", extra) as putter:
+            lags = []
+            for i in range(3):
+                woke = {}
+
+                def wait(i=i, woke=woke):
+                    got = waiter.get(0, 1, f"w{i}", timeout=10)
+                    woke["t"] = time.monotonic()
+                    woke["got"] = got
+
+                t = threading.Thread(target=wait)
+                t.start()
+                time.sleep(0.4)  # blocked by now
+                putter.put(0, 1, f"w{i}", np.arange(100, dtype=np.int32))
+                put_done = time.monotonic()
+                t.join(10)
+                assert woke["got"] is not None and np.array_equal(woke["got"][0], np.arange(100, dtype=np.int32))
+                lags.append(woke["t"] - put_done)
+            assert sorted(lags)[1] < delay / 2, lags
+    finally:
+        proxy.close()
+    assert _dbsize(redis) == 0
