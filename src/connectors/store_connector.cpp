@@ -91,17 +91,40 @@ Result<StoreOptions> store_options(const Value& e) {
                       "chunk_bytes, timeout_ms, connections, db, readers, put_timeout_s numbers");
   if (backend != "redis")
     return make_error(Errc::invalid_argument, "StoreConnector backend '" + backend + "': only 'redis' is built");
-  if (const Value* t = e.find("tls"); t && !t->is_nil() && !(t->is<bool>() && !t->as<bool>()))
-    return make_error(Errc::unsupported, "StoreConnector tls: Debian 12's hiredis (0.14) has no TLS; reach a TLS "
-                                         "Redis through a local TLS tunnel (e.g. stunnel) and give its address");
+  // tls: true, or {ca_file, cert_file, key_file, server_name, verify}; a rediss:// url turns it on.
+  if (const Value* t = e.find("tls"); t && !t->is_nil()) {
+    if (t->is<bool>()) {
+      o.redis.tls.on = t->as<bool>();
+    } else if (t->is<Value::Map>()) {
+      o.redis.tls.on = true;
+      auto& tl = o.redis.tls;
+      for (const auto& [k, v] : t->as<Value::Map>()) {
+        std::string* dst = k == "ca_file" ? &tl.ca_file : k == "cert_file" ? &tl.cert_file : k == "key_file" ? &tl.key_file
+                           : k == "server_name" ? &tl.server_name : nullptr;
+        if (dst && v.is<std::string>()) *dst = v.as<std::string>();
+        else if (k == "verify" && v.is<bool>()) tl.verify = v.as<bool>();
+        else if (k == "enabled" && v.is<bool>()) tl.on = v.as<bool>();
+        else
+          return make_error(Errc::invalid_argument, "StoreConnector tls." + k + ": expected ca_file, cert_file, key_file, "
+                                                    "server_name (strings), verify or enabled (booleans)");
+      }
+      if (tl.cert_file.empty() != tl.key_file.empty())
+        return make_error(Errc::invalid_argument, "StoreConnector tls: cert_file and key_file go together");
+    } else {
+      return make_error(Errc::invalid_argument, "StoreConnector tls: true, false, or a map of TLS settings");
+    }
+  }
   if (!url.empty()) {
-    // redis://[[user]:password@]host[:port][/db]
+    // redis://[[user]:password@]host[:port][/db]; rediss:// the same over TLS
     std::string rest;
-    if (url.rfind("redis://", 0) == 0) rest = url.substr(8);
-    else if (url.rfind("rediss://", 0) == 0)
-      return make_error(Errc::unsupported, "StoreConnector url '" + url + "': rediss:// (TLS) is not available "
-                                           "with Debian 12's hiredis; use a local TLS tunnel");
-    else return make_error(Errc::invalid_argument, "StoreConnector url '" + url + "': expected redis://host:port[/db]");
+    if (url.rfind("redis://", 0) == 0) {
+      rest = url.substr(8);
+    } else if (url.rfind("rediss://", 0) == 0) {
+      rest = url.substr(9);
+      o.redis.tls.on = true;
+    } else {
+      return make_error(Errc::invalid_argument, "StoreConnector url '" + url + "': expected redis[s]://host:port[/db]");
+    }
     if (size_t at = rest.rfind('@'); at != std::string::npos) {
       const std::string cred = rest.substr(0, at);
       rest = rest.substr(at + 1);
@@ -371,8 +394,11 @@ class StoreConnector final : public Connector {
     std::vector<Cmd> chunks;
     std::vector<Redis::SetItem> items;
     if (m.size <= kInlineChunk) {  // small: in the one pipeline below
-      for (uint64_t i = 0; i < m.chunks; ++i)
-        chunks.emplace_back().arg("SET").arg(chunk_name(base, m.gen, i)).arg(bytes).arg("PX").arg(ttl);
+      for (uint64_t i = 0; i < m.chunks; ++i) {  // each chunk its own slice of the frame
+        const size_t at = size_t(i * m.chunk_bytes);
+        chunks.emplace_back().arg("SET").arg(chunk_name(base, m.gen, i))
+            .arg(bytes.subspan(at, std::min<size_t>(m.chunk_bytes, m.size - at))).arg("PX").arg(ttl);
+      }
     } else {  // large: written from the frame to the sockets
       items.resize(m.chunks);
       size_t seg = 0, seg_off = 0;  // cut the segments into chunks

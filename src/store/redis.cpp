@@ -1,8 +1,14 @@
 // See redis.hpp.
 #include "store/redis.hpp"
 
+#include <arpa/inet.h>
+extern "C" {  // hiredis 0.14's sds.h declares without C linkage what its library exports as C
 #include <hiredis/hiredis.h>
 #include <hiredis/sds.h>
+}
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -67,12 +73,83 @@ timeval tv_until(Deadline deadline, double min_s = 0.001) {
   return tv;
 }
 
+// A connection: hiredis builds commands and parses replies; the bytes go through here, in the
+// clear or through TLS (OpenSSL over the same socket).
 struct Conn {
   redisContext* c = nullptr;
+  SSL* ssl = nullptr;
   ~Conn() {
+    if (ssl) SSL_free(ssl);  // no close_notify: the socket may be broken; the server sees it close
     if (c) redisFree(c);
   }
+  int fd() const { return c->fd; }
 };
+
+// OpenSSL's reason for the last failure of this thread (its error queue), or `fallback`.
+std::string tls_reason(const char* fallback) {
+  const unsigned long e = ERR_get_error();
+  ERR_clear_error();
+  if (!e) return fallback;
+  char buf[256];
+  ERR_error_string_n(e, buf, sizeof buf);
+  return buf;
+}
+
+// recv() on the connection: bytes read, 0 when the server closed it, -1 with `err` (EAGAIN: the
+// socket's timeout ran out).
+ssize_t conn_read(Conn& c, void* buf, size_t n, int& err) {
+  for (;;) {
+    if (!c.ssl) {
+      const ssize_t r = ::recv(c.fd(), buf, n, 0);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) err = errno;
+      return r;
+    }
+    ERR_clear_error();
+    errno = 0;
+    const int r = SSL_read(c.ssl, buf, int(std::min<size_t>(n, 1u << 30)));
+    if (r > 0) return r;
+    const int e = SSL_get_error(c.ssl, r);
+    if (e == SSL_ERROR_ZERO_RETURN) return 0;
+    if ((e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) && errno == EINTR) continue;
+    if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) err = EAGAIN;
+    else if (e == SSL_ERROR_SYSCALL) err = errno ? errno : ECONNRESET;
+    else err = EPROTO;
+    ERR_clear_error();
+    return -1;
+  }
+}
+
+Error sock_error(const std::string& addr, const char* what, int err) {
+  const bool slow = err == EAGAIN || err == EWOULDBLOCK;
+  return make_error(slow ? Errc::timeout : Errc::io,
+                    "redis at " + addr + ": " + what + ": " + (slow ? std::string("no progress before the deadline")
+                                                                    : std::string(std::strerror(err))));
+}
+
+// The command hiredis formatted into the context's output buffer, written out.
+Status flush_out(Conn& c, const std::string& addr);
+
+// The next reply of a pipeline: parsed by hiredis's reader from bytes read here.
+Status next_reply(Conn& c, const std::string& addr, void** out) {
+  *out = nullptr;
+  for (;;) {
+    if (redisReaderGetReply(c.c->reader, out) != REDIS_OK)
+      return make_error(Errc::corrupt, "redis at " + addr + ": unreadable reply: " + c.c->reader->errstr);
+    if (*out) return {};
+    char buf[16 << 10];
+    int err = 0;
+    const ssize_t n = conn_read(c, buf, sizeof buf, err);
+    if (n == 0) return make_error(Errc::io, "redis at " + addr + ": connection closed");
+    if (n < 0) {
+      Error e = sock_error(addr, "receiving", err);
+      if (e.code == Errc::timeout) e.message = "redis at " + addr + ": receiving: no reply before the deadline";
+      return e;
+    }
+    if (redisReaderFeed(c.c->reader, buf, size_t(n)) != REDIS_OK)
+      return make_error(Errc::corrupt, "redis at " + addr + ": unreadable reply: " + c.c->reader->errstr);
+  }
+}
 
 struct Node {
   std::string host;
@@ -88,6 +165,62 @@ struct Node {
 
 struct Redis::Impl {
   RedisOptions o;
+  SSL_CTX* tls_ctx = nullptr;  // set when o.tls.on
+  ~Impl() {
+    if (tls_ctx) SSL_CTX_free(tls_ctx);
+  }
+
+  // The TLS context of every connection: verification, client certificate.
+  Status make_tls() {
+    const auto& t = o.tls;
+    tls_ctx = SSL_CTX_new(TLS_client_method());
+    if (!tls_ctx) return make_error(Errc::exhausted, "redis TLS: " + tls_reason("no context"));
+    SSL_CTX_set_min_proto_version(tls_ctx, TLS1_2_VERSION);
+    SSL_CTX_set_mode(tls_ctx, SSL_MODE_AUTO_RETRY);
+    auto bad = [&](const std::string& what) {
+      return make_error(Errc::invalid_argument, "redis TLS: " + what + ": " + tls_reason("failed"));
+    };
+    if (t.verify) {
+      SSL_CTX_set_verify(tls_ctx, SSL_VERIFY_PEER, nullptr);
+      if (!t.ca_file.empty() ? SSL_CTX_load_verify_locations(tls_ctx, t.ca_file.c_str(), nullptr) != 1
+                             : SSL_CTX_set_default_verify_paths(tls_ctx) != 1)
+        return bad(t.ca_file.empty() ? "the system's trust store" : "ca_file '" + t.ca_file + "'");
+    }
+    if (!t.cert_file.empty() && SSL_CTX_use_certificate_chain_file(tls_ctx, t.cert_file.c_str()) != 1)
+      return bad("cert_file '" + t.cert_file + "'");
+    if (!t.key_file.empty() && (SSL_CTX_use_PrivateKey_file(tls_ctx, t.key_file.c_str(), SSL_FILETYPE_PEM) != 1 ||
+                                SSL_CTX_check_private_key(tls_ctx) != 1))
+      return bad("key_file '" + t.key_file + "'");
+    return {};
+  }
+
+  // TLS over a connected socket: the server's certificate checked against its name.
+  Status handshake(Conn& c, const Node& n) {
+    c.ssl = SSL_new(tls_ctx);
+    if (!c.ssl) return make_error(Errc::exhausted, "redis at " + n.addr() + ": TLS: " + tls_reason("no session"));
+    SSL_set_fd(c.ssl, c.fd());
+    const std::string& name = o.tls.server_name.empty() ? n.host : o.tls.server_name;
+    in6_addr a6;
+    in_addr a4;
+    const bool ip = inet_pton(AF_INET, name.c_str(), &a4) == 1 || inet_pton(AF_INET6, name.c_str(), &a6) == 1;
+    if (!ip) SSL_set_tlsext_host_name(c.ssl, name.c_str());
+    if (o.tls.verify) {
+      X509_VERIFY_PARAM* param = SSL_get0_param(c.ssl);
+      if (ip ? X509_VERIFY_PARAM_set1_ip_asc(param, name.c_str()) != 1 : SSL_set1_host(c.ssl, name.c_str()) != 1)
+        return make_error(Errc::invalid_argument, "redis at " + n.addr() + ": TLS: cannot check the name '" + name + "'");
+    }
+    ERR_clear_error();
+    errno = 0;
+    if (SSL_connect(c.ssl) == 1) return {};
+    const long v = SSL_get_verify_result(c.ssl);
+    if (o.tls.verify && v != X509_V_OK)  // a server that is not who it should be: never retried as a network error
+      return make_error(Errc::invalid_argument, "redis at " + n.addr() + ": TLS: the server's certificate is refused: " +
+                                                    X509_verify_cert_error_string(v));
+    const int err = errno;
+    const std::string why = tls_reason(err == EAGAIN ? "no answer before the deadline" : err ? std::strerror(err) : "failed");
+    return make_error(err == EAGAIN ? Errc::timeout : Errc::io,
+                      "redis at " + n.addr() + ": TLS handshake: " + why + " (is the server speaking TLS?)");
+  }
   std::mutex nodes_mu;
   std::map<std::string, std::unique_ptr<Node>> nodes;  // by host:port; never removed while open
   std::vector<Node*> slots;                            // cluster: owner of each slot
@@ -113,6 +246,7 @@ struct Redis::Impl {
       return make_error(conn->c->err == REDIS_ERR_IO && errno == EINPROGRESS ? Errc::timeout : Errc::io,
                         "redis at " + n.addr() + ": " + conn->c->errstr);
     redisSetTimeout(conn->c, tv_until(deadline_after(o.timeout_s)));
+    if (tls_ctx) SL_TRY(handshake(*conn, n));
     auto simple = [&](std::vector<std::string> args, const char* what) -> Status {
       std::vector<const char*> av;
       std::vector<size_t> al;
@@ -120,8 +254,12 @@ struct Redis::Impl {
         av.push_back(a.data());
         al.push_back(a.size());
       }
-      Reply r(static_cast<redisReply*>(redisCommandArgv(conn->c, int(av.size()), av.data(), al.data())));
-      if (!r) return make_error(Errc::io, "redis at " + n.addr() + ": " + what + ": " + conn->c->errstr);
+      if (redisAppendCommandArgv(conn->c, int(av.size()), av.data(), al.data()) != REDIS_OK)
+        return make_error(Errc::exhausted, "redis at " + n.addr() + ": " + what + ": " + conn->c->errstr);
+      SL_TRY(flush_out(*conn, n.addr()));
+      void* raw = nullptr;
+      SL_TRY(next_reply(*conn, n.addr(), &raw));
+      Reply r(static_cast<redisReply*>(raw));
       if (is_error(r)) {
         const std::string e(str(r));
         const bool auth = e.rfind("WRONGPASS", 0) == 0 || e.rfind("NOAUTH", 0) == 0 || e.find("password") != std::string::npos;
@@ -181,11 +319,6 @@ struct Redis::Impl {
                                       bool asking = false) {
     io_ok = false;
     redisSetTimeout(c.c, tv_until(deadline));
-    auto fail = [&](const char* what) -> Error {
-      const bool slow = c.c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK);
-      return make_error(slow ? Errc::timeout : Errc::io, "redis at " + n.addr() + ": " + what + ": " +
-                                                             (slow ? std::string("no reply before the deadline") : c.c->errstr));
-    };
     std::vector<const char*> av;
     std::vector<size_t> al;
     if (asking) redisAppendCommand(c.c, "ASKING");
@@ -196,24 +329,22 @@ struct Redis::Impl {
         av.push_back(a.data());
         al.push_back(a.size());
       }
-      if (redisAppendCommandArgv(c.c, int(av.size()), av.data(), al.data()) != REDIS_OK) return fail("sending");
+      if (redisAppendCommandArgv(c.c, int(av.size()), av.data(), al.data()) != REDIS_OK)
+        return make_error(Errc::exhausted, "redis at " + n.addr() + ": formatting a command: " + c.c->errstr);
       // Large batches go out as they are built (hiredis would hold all of them in memory).
-      if (sdslen(c.c->obuf) >= (4u << 20)) {
-        int done = 0;
-        while (!done)
-          if (redisBufferWrite(c.c, &done) != REDIS_OK) return fail("sending");
-      }
+      if (sdslen(c.c->obuf) >= (4u << 20)) SL_TRY(flush_out(c, n.addr()));
     }
+    SL_TRY(flush_out(c, n.addr()));
     std::vector<Reply> out;
     out.reserve(cmds.size());
     if (asking) {
       void* r = nullptr;
-      if (redisGetReply(c.c, &r) != REDIS_OK) return fail("receiving");
+      SL_TRY(next_reply(c, n.addr(), &r));
       freeReplyObject(r);
     }
     for (size_t i = 0; i < cmds.size(); ++i) {
       void* r = nullptr;
-      if (redisGetReply(c.c, &r) != REDIS_OK) return fail("receiving");
+      SL_TRY(next_reply(c, n.addr(), &r));
       out.emplace_back(static_cast<redisReply*>(r));
     }
     io_ok = true;
@@ -300,19 +431,52 @@ struct Redis::Impl {
 
 namespace {
 
-// Raw I/O on a connection whose hiredis buffers are empty (between complete pipelines).
-bool quiet(redisContext* c) {
-  return sdslen(c->obuf) == 0 && (!c->reader->buf || c->reader->pos >= sdslen(c->reader->buf));
+// Raw I/O on a connection whose hiredis buffers are empty (between complete pipelines), and no
+// decrypted bytes wait in its TLS session.
+bool quiet(Conn& conn) {
+  redisContext* c = conn.c;
+  return sdslen(c->obuf) == 0 && (!c->reader->buf || c->reader->pos >= sdslen(c->reader->buf)) &&
+         (!conn.ssl || SSL_pending(conn.ssl) == 0);
 }
 
-Error sock_error(const std::string& addr, const char* what, int err) {
-  const bool slow = err == EAGAIN || err == EWOULDBLOCK;
-  return make_error(slow ? Errc::timeout : Errc::io,
-                    "redis at " + addr + ": " + what + ": " + (slow ? std::string("no progress before the deadline")
-                                                                    : std::string(std::strerror(err))));
+
+// TLS: small pieces are gathered into records of up to 64 KiB; large ones go as they are
+// (OpenSSL cuts them into records without a copy of ours).
+Status tls_write_all(Conn& c, const std::vector<iovec>& iov, const std::string& addr) {
+  std::string stage;
+  auto put = [&](const void* p, size_t n) -> Status {
+    ERR_clear_error();
+    errno = 0;
+    size_t done = 0;
+    if (n && !SSL_write_ex(c.ssl, p, n, &done)) {
+      const int e = SSL_get_error(c.ssl, 0);
+      const int err = e == SSL_ERROR_WANT_WRITE || e == SSL_ERROR_WANT_READ ? EAGAIN : (errno ? errno : EPROTO);
+      if (err == EPROTO) return make_error(Errc::io, "redis at " + addr + ": sending over TLS: " + tls_reason("failed"));
+      return sock_error(addr, "sending", err);
+    }
+    return {};
+  };
+  for (const iovec& v : iov) {
+    if (v.iov_len < (16u << 10)) {
+      stage.append(static_cast<const char*>(v.iov_base), v.iov_len);
+      if (stage.size() >= (64u << 10)) {
+        SL_TRY(put(stage.data(), stage.size()));
+        stage.clear();
+      }
+      continue;
+    }
+    if (!stage.empty()) {
+      SL_TRY(put(stage.data(), stage.size()));
+      stage.clear();
+    }
+    SL_TRY(put(v.iov_base, v.iov_len));
+  }
+  return put(stage.data(), stage.size());
 }
 
-Status write_all(int fd, std::vector<iovec> iov, const std::string& addr) {
+Status write_all(Conn& c, std::vector<iovec> iov, const std::string& addr) {
+  if (c.ssl) return tls_write_all(c, iov, addr);
+  const int fd = c.fd();
   size_t i = 0;
   while (i < iov.size()) {
     const ssize_t n = ::writev(fd, iov.data() + i, int(std::min<size_t>(iov.size() - i, 512)));
@@ -330,10 +494,18 @@ Status write_all(int fd, std::vector<iovec> iov, const std::string& addr) {
   return {};
 }
 
+Status flush_out(Conn& c, const std::string& addr) {
+  const size_t n = sdslen(c.c->obuf);
+  if (!n) return {};
+  SL_TRY(write_all(c, {iovec{c.c->obuf, n}}, addr));
+  sdsclear(c.c->obuf);
+  return {};
+}
+
 // Reads replies of a pipeline from the socket: bulk strings straight into their destinations.
 class RawReader {
  public:
-  RawReader(int fd, std::string addr) : fd_(fd), addr_(std::move(addr)) {}
+  RawReader(Conn& c, std::string addr) : c_(c), addr_(std::move(addr)) {}
   // One reply: a bulk string of exactly dst.size() bytes into dst. `err` gets an error reply's text.
   Status bulk_into(std::span<std::byte> dst, std::string& err) {
     std::string line;
@@ -366,15 +538,14 @@ class RawReader {
  private:
   Status fill() {
     pos_ = 0;
-    for (;;) {
-      const ssize_t n = ::recv(fd_, buf_, sizeof buf_, 0);
-      if (n > 0) {
-        len_ = size_t(n);
-        return {};
-      }
-      if (n == 0) return make_error(Errc::io, "redis at " + addr_ + ": connection closed");
-      if (errno != EINTR) return sock_error(addr_, "receiving", errno);
+    int err = 0;
+    const ssize_t n = conn_read(c_, buf_, sizeof buf_, err);
+    if (n > 0) {
+      len_ = size_t(n);
+      return {};
     }
+    if (n == 0) return make_error(Errc::io, "redis at " + addr_ + ": connection closed");
+    return sock_error(addr_, "receiving", err);
   }
   Status read_line(std::string& out) {
     out.clear();
@@ -399,10 +570,11 @@ class RawReader {
     pos_ += have;
     size_t got = have;
     while (got < n) {  // the rest straight from the socket into its place
-      const ssize_t r = ::recv(fd_, dst + got, n - got, 0);
+      int err = 0;
+      const ssize_t r = conn_read(c_, dst + got, n - got, err);
       if (r > 0) got += size_t(r);
       else if (r == 0) return make_error(Errc::io, "redis at " + addr_ + ": connection closed");
-      else if (errno != EINTR) return sock_error(addr_, "receiving", errno);
+      else return sock_error(addr_, "receiving", err);
     }
     return {};
   }
@@ -415,7 +587,7 @@ class RawReader {
     }
     return {};
   }
-  int fd_;
+  Conn& c_;
   std::string addr_;
   char buf_[64 << 10];
   size_t pos_ = 0, len_ = 0;
@@ -436,6 +608,7 @@ Result<std::unique_ptr<Redis>> Redis::connect(const RedisOptions& o) {
   if (o.nodes.empty()) return make_error(Errc::invalid_argument, "redis: no server address");
   auto impl = std::make_unique<Impl>();
   impl->o = o;
+  if (o.tls.on) SL_TRY(impl->make_tls());
   std::string errs;
   const Deadline dl = deadline_after(o.timeout_s);
   for (auto& [h, p] : o.nodes) {
@@ -494,7 +667,7 @@ static Status spread_raw(Redis::Impl& I, Node& n, unsigned ways, Deadline deadli
     }
     redisSetTimeout((*c)->c, tv_until(deadline));
     bool healthy = false, r = false;
-    st[w] = quiet((*c)->c) ? part(w, (*c)->c, healthy, r) : make_error(Errc::io, "connection not idle");
+    st[w] = quiet(**c) ? part(w, **c, healthy, r) : make_error(Errc::io, "connection not idle");
     redir[w] = r;
     I.give_back(n, std::move(c).value(), healthy, false);
   };
@@ -517,7 +690,8 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
   Node* n = impl_->owner(slot_key);
   const size_t per = (items.size() + ways - 1) / ways;
   bool redirected = false;
-  Status st = spread_raw(*impl_, *n, ways, deadline, redirected, [&](unsigned w, redisContext* c, bool& healthy, bool& redir) -> Status {
+  Status st = spread_raw(*impl_, *n, ways, deadline, redirected, [&](unsigned w, Conn& conn, bool& healthy, bool& redir) -> Status {
+    redisContext* c = conn.c;
     const size_t a = std::min(items.size(), w * per), b = std::min(items.size(), a + per);
     std::vector<std::string> heads(b - a);
     const std::string tail = "\r\n$2\r\nPX\r\n$" + std::to_string(px.size()) + "\r\n" + px + "\r\n";
@@ -551,8 +725,8 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
         iov.push_back({out, size_t(len)});
       }
     }
-    SL_TRY(write_all(c->fd, std::move(iov), n->addr()));
-    RawReader rd(c->fd, n->addr());
+    SL_TRY(write_all(conn, std::move(iov), n->addr()));
+    RawReader rd(conn, n->addr());
     std::string line, err;
     for (size_t i = a; i < b; ++i) {
       SL_TRY(rd.line(line));
@@ -566,10 +740,10 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
       then_replies->clear();
       for (size_t i = 0; i < then.size(); ++i) {
         void* r = nullptr;
-        if (redisGetReply(c, &r) != REDIS_OK) return make_error(Errc::io, "redis at " + n->addr() + ": " + c->errstr);
+        SL_TRY(next_reply(conn, n->addr(), &r));
         then_replies->emplace_back(static_cast<redisReply*>(r));
       }
-      healthy = quiet(c);
+      healthy = quiet(conn);
     }
     if (!err.empty()) {
       redir = impl_->o.cluster && redirect_text(err);
@@ -603,14 +777,14 @@ Status Redis::get_values(std::string_view slot_key, std::span<const GetItem> ite
   const size_t per = (items.size() + ways - 1) / ways;
   const char* verb = del ? "GETDEL" : "GET";
   bool redirected = false;
-  Status st = spread_raw(*impl_, *n, ways, deadline, redirected, [&](unsigned w, redisContext* c, bool& healthy, bool& redir) -> Status {
+  Status st = spread_raw(*impl_, *n, ways, deadline, redirected, [&](unsigned w, Conn& conn, bool& healthy, bool& redir) -> Status {
     const size_t a = std::min(items.size(), w * per), b = std::min(items.size(), a + per);
     std::string req;
     for (size_t i = a; i < b; ++i)
       req += "*2\r\n$" + std::to_string(std::strlen(verb)) + "\r\n" + verb + "\r\n$" + std::to_string(items[i].key.size()) +
              "\r\n" + items[i].key + "\r\n";
-    SL_TRY(write_all(c->fd, {iovec{req.data(), req.size()}}, n->addr()));
-    RawReader rd(c->fd, n->addr());
+    SL_TRY(write_all(conn, {iovec{req.data(), req.size()}}, n->addr()));
+    RawReader rd(conn, n->addr());
     Status first;
     for (size_t i = a; i < b; ++i) {
       std::string err;

@@ -29,6 +29,13 @@ struct RedisOptions {
   int db = 0;
   double timeout_s = 5;    // connect and each command
   unsigned connections = 1;  // per node, for batches spread over connections
+  // TLS (OpenSSL) on every connection when `tls`: the server's certificate is verified against
+  // `ca_file` (else the system's trust store) and its name against `server_name` (else the host)
+  // unless `verify` is off; `cert_file`/`key_file` present a client certificate.
+  struct Tls {
+    bool on = false, verify = true;
+    std::string ca_file, cert_file, key_file, server_name;
+  } tls;
 };
 
 // One command: its arguments, viewing the caller's memory (nothing is copied before hiredis).
