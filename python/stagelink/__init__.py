@@ -24,6 +24,14 @@ def registered_connectors():
     return list(_core.registered_connectors())
 
 
+def cuda_status() -> dict:
+    """Whether stagelink can use CUDA here. The driver (libcuda.so.1) is loaded at run time, so
+    stagelink installs and runs without it. Returns ``{"available": False, "reason": ...}`` or
+    ``{"available": True, "driver_version": 12040, "devices": [{"ordinal", "name", "uuid",
+    "total_bytes"}]}``. ``STAGELINK_CUDA=0`` turns CUDA off."""
+    return _core.cuda_status()
+
+
 def transfer_engine_port(base: int, purpose: str, from_stage: int, dp_index: int = 0, tp_size: int = 1,
                          tp_rank: int = 0) -> int:
     """Side-channel port of vLLM-Omni's transfer engine: base + purpose offset

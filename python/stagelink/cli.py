@@ -97,6 +97,10 @@ def _cmd_bench(args):
     if args.kind in ("store", "all"):
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
         run_store(sizes, json_for("store"))
+    if args.kind in ("cuda", "all"):
+        from .bench_cuda import run_cuda
+        sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
+        run_cuda(sizes, json_for("cuda"))
     return 0
 
 
@@ -136,10 +140,10 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("bench", help="measure a transport against its peers in the same run")
-    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "all"])
+    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "cuda", "all"])
     b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
     b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
-    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json)")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-cuda.json)")
     b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; relay: no pipeline figures (a smoke run)")
     b.set_defaults(fn=_cmd_bench)
 

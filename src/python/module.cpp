@@ -15,6 +15,7 @@
 
 #include "bench/mq_bench.hpp"
 #include "core/host_pool.hpp"
+#include "cuda/driver.hpp"
 #include "core/msgpack_io.hpp"
 #include "core/net.hpp"
 #include "bench/shm_bench.hpp"
@@ -1936,6 +1937,9 @@ NB_MODULE(_core, m) {
     d["ext"] = to_py(p.ext);
     return d;
   });
+  m.def("cuda_status", [] { return to_py(cuda::status()); },
+        "Whether this process can use CUDA (the driver is loaded at run time): {'available': bool, "
+        "'reason': why not, or 'driver_version' and 'devices' [{ordinal, name, uuid, total_bytes}]}.");
   m.def("mq_handle_info", [](nb::bytes handle) {
     auto h = unwrap(MessageQueueHandle::from_msgpack(
         std::span<const std::byte>(reinterpret_cast<const std::byte*>(handle.c_str()), handle.size())));

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "core/host_pool.hpp"
+#include "cuda/driver.hpp"
 #include "stagelink/stagelink.hpp"
 
 using namespace stagelink;
@@ -403,4 +404,40 @@ TEST(HostPool, DroppedLargeBuffersAreReusedAndBounded) {
   d.reset();
   host_pool::trim();
   EXPECT_EQ(host_pool::stats().cached_bytes, 0u);
+}
+
+// The CUDA driver is loaded at run time: where there is none (CI, this machine) every answer is
+// "unsupported" with the reason, never a crash; where there is one, its devices have UUIDs.
+TEST(Cuda, DriverLoadsOrSaysWhy) {
+  auto d = cuda::driver();
+  const Value st = cuda::status();
+  const Value* avail = st.find("available");
+  ASSERT_TRUE(avail && avail->is<bool>());
+  EXPECT_EQ(avail->as<bool>(), d.ok());
+  if (!d.ok()) {
+    EXPECT_EQ(d.error().code, Errc::unsupported);
+    EXPECT_FALSE(d.error().message.empty());
+    const Value* why = st.find("reason");
+    ASSERT_TRUE(why && why->is<std::string>());
+    EXPECT_EQ(why->as<std::string>(), d.error().message);
+    EXPECT_TRUE(cuda::devices().empty());
+    auto again = cuda::driver();  // the same answer, without loading again
+    ASSERT_FALSE(again.ok());
+    EXPECT_EQ(again.error().message, d.error().message);
+    GTEST_SKIP() << "no GPU here: " << d.error().message;
+  }
+  EXPECT_GT((*d)->device_count, 0);
+  EXPECT_GT((*d)->version, 0);
+  const auto devs = cuda::devices();
+  ASSERT_EQ(int(devs.size()), (*d)->device_count);
+  for (auto& i : devs) {
+    EXPECT_EQ(i.uuid.rfind("GPU-", 0), 0u) << i.uuid;
+    EXPECT_EQ(i.uuid.size(), 40u) << i.uuid;
+    EXPECT_GT(i.total_bytes, 0u);
+  }
+  EXPECT_TRUE(cuda::check(cuda::kSuccess, "nothing").ok());
+  const Status oom = cuda::check(2, "cuMemAlloc of 1 PiB");
+  ASSERT_FALSE(oom.ok());
+  EXPECT_EQ(oom.error().code, Errc::exhausted);
+  EXPECT_NE(oom.error().message.find("CUDA_ERROR_OUT_OF_MEMORY"), std::string::npos) << oom.error().message;
 }
