@@ -647,14 +647,37 @@ PyObject* id_int(uint64_t v) {
   return slot;
 }
 
+// This process's GPUs as the CUDA driver sees them (empty without one), read once: a frame names
+// the GPU a tensor came from by UUID, which holds across processes whose CUDA_VISIBLE_DEVICES
+// number the same GPU differently.
+const std::vector<cuda::DeviceInfo>& local_gpus() {
+  static const std::vector<cuda::DeviceInfo> g = cuda::devices();
+  return g;
+}
+// "cuda:N" -> the UUID of that device here ("" when unknown).
+std::string gpu_uuid_of(const std::string& dev) {
+  if (dev.rfind("cuda:", 0) != 0) return {};
+  const int n = std::atoi(dev.c_str() + 5);
+  for (auto& g : local_gpus())
+    if (g.ordinal == n) return g.uuid;
+  return {};
+}
+// The device here holding `uuid` as "cuda:N" ("" when this process has no such GPU).
+std::string gpu_by_uuid(const std::string& uuid) {
+  for (auto& g : local_gpus())
+    if (g.uuid == uuid) return "cuda:" + std::to_string(g.ordinal);
+  return {};
+}
+
 // What a frame's ext says (the keys above), read once from Payload::ext or, as gets leave it, its
 // msgpack bytes (no Value tree). Malformed: corrupt.
 struct ExtInfo {
   std::vector<int64_t> kinds;        // "tk"
   std::vector<uint64_t> tuples;      // "tu"
   std::vector<std::string> devices;  // "td"
+  std::vector<std::string> gpus;     // "tg": the UUID of the GPU of each device tensor ("" if unknown)
   std::optional<int64_t> pickle;     // "pickle"
-  bool plain() const { return kinds.empty() && tuples.empty() && devices.empty() && !pickle; }
+  bool plain() const { return kinds.empty() && tuples.empty() && devices.empty() && gpus.empty() && !pickle; }
 
   static ExtInfo of(const Payload& p) {
     ExtInfo e;
@@ -675,7 +698,7 @@ struct ExtInfo {
       std::string_view k;
       if (!rd.read_str(k)) bad("a key that is not a string");
       uint32_t m = 0;
-      if (k == "tk" || k == "tu" || k == "td") {
+      if (k == "tk" || k == "tu" || k == "td" || k == "tg") {
         if (!rd.read_array(m) || m > rd.left()) bad("a list that is not one");
         if (k == "tk") {
           e.kinds.resize(m);
@@ -686,10 +709,11 @@ struct ExtInfo {
           for (auto& x : e.tuples)
             if (!rd.read_u64(x)) bad("tu");
         } else {
-          e.devices.resize(m);
-          for (auto& x : e.devices) {
+          auto& v = k == "td" ? e.devices : e.gpus;
+          v.resize(m);
+          for (auto& x : v) {
             std::string_view d;
-            if (!rd.read_str(d)) bad("td");
+            if (!rd.read_str(d)) bad(k == "td" ? "td" : "tg");
             x.assign(d);
           }
         }
@@ -714,6 +738,7 @@ struct PyEncoder {
   bool any_kind = false;
   std::vector<uint64_t> tuples;
   std::vector<std::string> devices;  // per tensor, where a torch tensor lived ("" for the host)
+  std::vector<std::string> gpus;     // per tensor, the UUID of that GPU ("" where unknown)
   uint32_t lists = 0;
   size_t total = 0;
   std::string why;
@@ -831,6 +856,10 @@ struct PyEncoder {
     if (!truthy(ok(attr(T.s_is_cpu)))) {  // a device tensor: staged through the host (CUDA IPC: later)
       devices.resize(kinds.size());
       devices.emplace_back(nb::cast<std::string>(nb::str(ok(attr(T.s_device)))));
+      if (std::string u = gpu_uuid_of(devices.back()); !u.empty()) {
+        gpus.resize(kinds.size());
+        gpus.push_back(std::move(u));
+      }
       t = ok(call(T.s_cpu));
     }
     nb::object dto = ok(attr(T.s_dtype));
@@ -958,7 +987,8 @@ struct PyEncoder {
     else
       p.packed_tree = std::span<const std::byte>(buf.data(), sink.len);
     // ext packed straight into msgpack too (no Value tree), after the tree: its buffer is separate.
-    const uint32_t entries = uint32_t(any_kind) + uint32_t(!tuples.empty()) + uint32_t(!devices.empty());
+    const uint32_t entries =
+        uint32_t(any_kind) + uint32_t(!tuples.empty()) + uint32_t(!devices.empty()) + uint32_t(!gpus.empty());
     if (entries) {
       std::vector<std::byte>& eb = ext_scratch();
       detail::ByteSink es{&eb, 0};
@@ -984,6 +1014,16 @@ struct PyEncoder {
         for (auto& d : devices) {
           ep.pack_str(uint32_t(d.size()));
           ep.pack_str_body(d.data(), uint32_t(d.size()));
+        }
+      }
+      if (!gpus.empty()) {
+        gpus.resize(kinds.size());
+        ep.pack_str(2);
+        ep.pack_str_body("tg", 2);
+        ep.pack_array(uint32_t(gpus.size()));
+        for (auto& g : gpus) {
+          ep.pack_str(uint32_t(g.size()));
+          ep.pack_str_body(g.data(), uint32_t(g.size()));
         }
       }
       p.packed_ext = std::span<const std::byte>(eb.data(), es.len);
@@ -1084,8 +1124,11 @@ struct PyDecoder {
       if (bf16) out = out.attr(nb::handle(T->s_view))(nb::handle(T->bfloat16));
     }
     if (i < ext.devices.size() && !ext.devices[i].empty()) {
-      // Put from a device: back to a device of that name where this process has one, else on the host.
-      const std::string& dev = ext.devices[i];
+      // Put from a device: back to that GPU where this process has it (found by UUID: ordinals
+      // differ between processes), else to a device of that name, else on the host.
+      std::string dev = ext.devices[i];
+      if (i < ext.gpus.size() && !ext.gpus[i].empty())
+        if (std::string here = gpu_by_uuid(ext.gpus[i]); !here.empty()) dev = std::move(here);
       if (T->device_usable(dev)) out = out.attr(nb::handle(T->s_to))(dev);
     }
     const bool rg = k & kFlagRequiresGrad;

@@ -67,3 +67,21 @@ def test_a_cuda_tensor_round_trips_through_the_connector(ns):
             got, _ = c.get(0, 1, f"k{dt}", meta)
             assert got.device == t.device and got.dtype == dt
             assert torch.equal(got, t)  # compared on the device
+
+
+def test_a_frame_names_the_gpu_by_uuid(ns):
+    """Ordinals differ between processes (CUDA_VISIBLE_DEVICES); the frame carries the GPU's UUID
+    ("tg") beside its name, and a reader that has that GPU puts the tensor back on it."""
+    torch = pytest.importorskip("torch")
+    st = stagelink.cuda_status()
+    if not torch.cuda.is_available() or not st["available"]:
+        pytest.skip("no CUDA device here (runs on the GPU machine)")
+    from stagelink import _core
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        t = torch.arange(100, device="cuda:0")
+        ok, _, meta = c.put(0, 1, "small", t)
+        assert ok, c.last_error
+        ext = _core._frame_as_cpp_sees_it(meta["inline"])["ext"]
+        assert ext["td"] == ["cuda:0"] and ext["tg"] == [st["devices"][0]["uuid"]]
+        got, _ = c.get(0, 1, "small", meta)
+        assert got.device == t.device and torch.equal(got, t)
