@@ -1006,26 +1006,20 @@ struct PyEncoder {
         ep.pack_array(uint32_t(tuples.size()));
         for (uint64_t t : tuples) ep.pack_uint64(t);
       }
-      if (!devices.empty()) {
-        devices.resize(kinds.size());
+      // Per-tensor strings, one per tensor ("" for those without).
+      auto strings = [&](const char* key, std::vector<std::string>& v) {
+        if (v.empty()) return;
+        v.resize(kinds.size());
         ep.pack_str(2);
-        ep.pack_str_body("td", 2);
-        ep.pack_array(uint32_t(devices.size()));
-        for (auto& d : devices) {
-          ep.pack_str(uint32_t(d.size()));
-          ep.pack_str_body(d.data(), uint32_t(d.size()));
+        ep.pack_str_body(key, 2);
+        ep.pack_array(uint32_t(v.size()));
+        for (auto& x : v) {
+          ep.pack_str(uint32_t(x.size()));
+          ep.pack_str_body(x.data(), uint32_t(x.size()));
         }
-      }
-      if (!gpus.empty()) {
-        gpus.resize(kinds.size());
-        ep.pack_str(2);
-        ep.pack_str_body("tg", 2);
-        ep.pack_array(uint32_t(gpus.size()));
-        for (auto& g : gpus) {
-          ep.pack_str(uint32_t(g.size()));
-          ep.pack_str_body(g.data(), uint32_t(g.size()));
-        }
-      }
+      };
+      strings("td", devices);
+      strings("tg", gpus);
       p.packed_ext = std::span<const std::byte>(eb.data(), es.len);
     }
     return true;
