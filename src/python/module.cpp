@@ -1106,25 +1106,29 @@ struct PyDecoder {
     const bool bf16 = t.dtype == DType::bf16;
     const int type = bf16 ? NPY_INT16 : npy_type(t.dtype);
     if (type < 0) raise(make_error(Errc::corrupt, "torch tensor of an unknown dtype"));
-    // A zero-copy view is documented as not to be written (torch has no read-only tensors).
-    nb::object out = torch_via_dlpack(*T, t, dims, zero_copy && t.keepalive);
+    // Put from a device: back to that GPU where this process has it (found by UUID: ordinals
+    // differ between processes), else to a device of that name, else on the host.
+    std::string dev;
+    if (i < ext.devices.size() && !ext.devices[i].empty()) {
+      dev = ext.devices[i];
+      if (i < ext.gpus.size() && !ext.gpus[i].empty())
+        if (std::string here = gpu_by_uuid(ext.gpus[i]); !here.empty()) dev = std::move(here);
+      if (!T->device_usable(dev)) dev.clear();
+    }
+    // A zero-copy view is documented as not to be written (torch has no read-only tensors). A
+    // tensor bound for a device is read from shared memory as a view too: the copy to the device
+    // is then the only one (a pageable source: .to() returns once it is read).
+    const bool view = (zero_copy || !dev.empty()) && t.keepalive;
+    nb::object out = torch_via_dlpack(*T, t, dims, view);
     if (!out.is_valid()) {  // the numpy route: an array, then torch.from_numpy
-      nb::object arr = zero_copy && t.keepalive ? array_over(t.data.data(), type, dims, t.keepalive, false)
-                                                : copied_array(t.data, type, dims);
+      nb::object arr = view ? array_over(t.data.data(), type, dims, t.keepalive, false) : copied_array(t.data, type, dims);
       // torch warns for each read-only array.
       PyArray_ENABLEFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
       out = nb::steal(PyObject_CallOneArg(T->from_numpy, arr.ptr()));
       if (!out.is_valid()) throw nb::python_error();
       if (bf16) out = out.attr(nb::handle(T->s_view))(nb::handle(T->bfloat16));
     }
-    if (i < ext.devices.size() && !ext.devices[i].empty()) {
-      // Put from a device: back to that GPU where this process has it (found by UUID: ordinals
-      // differ between processes), else to a device of that name, else on the host.
-      std::string dev = ext.devices[i];
-      if (i < ext.gpus.size() && !ext.gpus[i].empty())
-        if (std::string here = gpu_by_uuid(ext.gpus[i]); !here.empty()) dev = std::move(here);
-      if (T->device_usable(dev)) out = out.attr(nb::handle(T->s_to))(dev);
-    }
+    if (!dev.empty()) out = out.attr(nb::handle(T->s_to))(dev);
     const bool rg = k & kFlagRequiresGrad;
     if (k & kFlagParameter) return nb::handle(T->param_type)(out, nb::arg("requires_grad") = rg);
     if (rg) out.attr(nb::handle(T->s_requires_grad_))(true);
