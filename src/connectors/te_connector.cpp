@@ -24,6 +24,7 @@
 #include "core/log.hpp"
 #include "core/net.hpp"
 #include "core/proc.hpp"
+#include "cuda/driver.hpp"
 #include "stagelink/connector.hpp"
 #include "stagelink/frame.hpp"
 #include "ucx/engine.hpp"
@@ -63,9 +64,15 @@ Result<TeOptions> te_options(const Value& e) {
                       "pull_channel ucx or zmq");
   if (o.device.empty())
     if (const char* d = std::getenv("RDMA_DEVICE_NAME")) o.device = d;
-  if (const Value* dev = e.find("memory_pool_device"); dev && dev->is<std::string>() && dev->as<std::string>() != "cpu")
-    return make_error(Errc::unsupported, "memory_pool_device '" + dev->as<std::string>() +
-                                             "': GPU pools come with the GPU issue; use cpu");
+  if (const Value* dev = e.find("memory_pool_device"); dev && dev->is<std::string>() && dev->as<std::string>() != "cpu") {
+    const std::string& d = dev->as<std::string>();
+    if (d.rfind("cuda", 0) != 0)
+      return make_error(Errc::invalid_argument, "memory_pool_device '" + d + "': cpu or cuda");
+    auto drv = cuda::driver();  // say first what this host lacks, if anything
+    return make_error(Errc::unsupported, "memory_pool_device '" + d + "': " +
+                                             (drv.ok() ? std::string("GPU pools are not built yet (docs/cuda.md)")
+                                                       : drv.error().message) + "; use cpu");
+  }
   if (port < 0 || port > 65535) return make_error(Errc::invalid_argument, "zmq_port must be in [0, 65535]");
   if (pool < 4096) return make_error(Errc::invalid_argument, "memory_pool_size must be at least 4096 bytes");
   if (readers < 1 || readers > 1024) return make_error(Errc::invalid_argument, "readers must be in [1, 1024]");

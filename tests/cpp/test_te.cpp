@@ -12,6 +12,7 @@
 
 #include "stagelink/stagelink.hpp"
 #include "util.hpp"
+#include "cuda/driver.hpp"
 
 using namespace stagelink;
 using testing_util::checksum;
@@ -184,6 +185,18 @@ TEST(TransferEngine, BadInputAndFailuresAreClearErrors) {
   auto dup = create_connector("TransferEngineConnector", te_extra("sender", int(port)));
   ASSERT_FALSE(dup.ok());
   EXPECT_NE(dup.error().message.find(std::to_string(port)), std::string::npos) << dup.error().message;
+  // A GPU pool: unsupported, saying why (no CUDA here, or not built yet); an unknown device: invalid.
+  for (const char* dev : {"cuda", "tpu"}) {
+    Value e = te_extra("sender");
+    e.as<Value::Map>().emplace_back("memory_pool_device", dev);
+    auto g = create_connector("TransferEngineConnector", e);
+    ASSERT_FALSE(g.ok()) << dev;
+    EXPECT_EQ(g.error().code, std::string(dev) == "cuda" ? Errc::unsupported : Errc::invalid_argument) << g.error().message;
+    if (std::string(dev) == "cuda") {
+      auto drv = cuda::driver();
+      EXPECT_NE(g.error().message.find(drv.ok() ? "not built" : drv.error().message), std::string::npos) << g.error().message;
+    }
+  }
   // Pool exhaustion: a payload over the pool.
   const auto big = pattern(2 << 20, 5);
   auto pb = snd->put("0", "1", "big", payload_of(big));
