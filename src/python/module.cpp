@@ -930,15 +930,20 @@ struct PyEncoder {
       const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
       pk.pack_array(uint32_t(n));
       PyObject** items = PySequence_Fast_ITEMS(o);
-      sink.reserve(9 * size_t(n));  // ids below take no bounds check, nor a call each
+      size_t room = 0;  // ints that may still be written without a bounds check (nor a call each)
       for (Py_ssize_t i = 0; i < n; ++i) {
+        if (room == 0) {  // room for the next ones, 4096 at a time (a huge list reserves no more)
+          room = std::min<size_t>(4096, size_t(n - i));
+          sink.reserve(9 * room);
+        }
         long long v;
         if (Py_IS_TYPE(items[i], &PyLong_Type) && compact_int(items[i], v)) {
           sink.write_int_reserved(v);
+          --room;
           continue;
         }
+        room = 0;  // what that item writes may use the room
         if (!encode(items[i], depth + 1)) return false;
-        sink.reserve(9 * size_t(n - i));  // what that item wrote may have used the room
         // A torch leaf runs Python code: a list it changed (resized: items moved) is not read on.
         if (PyList_CheckExact(o) && (PyList_GET_SIZE(o) != n || PySequence_Fast_ITEMS(o) != items))
           return fail(h, " that changed while it was being put");
