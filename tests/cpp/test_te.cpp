@@ -215,7 +215,8 @@ TEST(TransferEngine, BadInputAndFailuresAreClearErrors) {
   Value::Map bad;
   bad.emplace_back("source_host", uint64_t(3));
   bad.emplace_back("source_port", uint64_t(1));
-  auto corrupt = rcv->get("0", "1", "k", &*new Value(bad), kNoWait, {});
+  const Value bad_md(std::move(bad));
+  auto corrupt = rcv->get("0", "1", "k", &bad_md, kNoWait, {});
   EXPECT_EQ(corrupt.error().code, Errc::corrupt);
   // Malformed side-channel messages: answered with errors; the sender goes on.
   zmq::context_t ctx(1);
