@@ -246,3 +246,18 @@ def test_a_woken_get_has_its_payload_without_another_round_trip(redis):
     finally:
         proxy.close()
     assert _dbsize(redis) == 0
+
+
+def test_a_blocked_get_burns_no_cpu(redis):
+    """Reads spin briefly for a reply (STAGELINK_REDIS_SPIN_US) before sleeping; a get blocked
+    for a second spins once and then sleeps: well under a tenth of a core."""
+    import resource
+    with stagelink.create_connector("StoreConnector", {"host": "127.0.0.1", "port": redis}) as c:
+        c.get(0, 1, "warm", timeout=0.05)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.monotonic()
+        assert c.get(0, 1, "never", timeout=1.0) is None
+        wall = time.monotonic() - t0
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert wall >= 0.9 and cpu < 0.1 * wall, (cpu, wall)
