@@ -167,7 +167,23 @@ def _wake(h: TwoHosts, extra, n=40):
         w.wait()
 
 
-def _mooncake_store(h: TwoHosts, sizes):
+# A Mooncake Store client that only lends its memory as a segment (a storage node), until stdin closes.
+_MOONCAKE_HOLDER = textwrap.dedent("""
+    import sys
+    from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    rc = s.setup(sys.argv[1], sys.argv[2], int(sys.argv[4]), 64 << 20, "tcp", "", sys.argv[3])
+    print("ready" if rc == 0 else f"setup {rc}", flush=True)
+    sys.stdin.read()
+    s.close()
+""")
+
+
+def _mooncake_store(h: TwoHosts, sizes, server_segment=False):
+    """Mooncake Store's put + get per size. Its data lives in segments that clients lend: by
+    default the measuring client lends the only one, so its data never leaves it (a local copy
+    plus metadata calls to the master); with `server_segment` a second client beside the master
+    lends it and the measuring client none, so every byte crosses the link as it does to Redis."""
     py = mooncake_python()
     master_bin = shutil.which("mooncake_master") or (os.path.join(os.path.dirname(py), "mooncake_master") if py else None)
     if not py or not master_bin or not os.path.exists(master_bin):
@@ -179,18 +195,32 @@ def _mooncake_store(h: TwoHosts, sizes):
                                 f"--http_metadata_server_port={http}", "--http_metadata_server_host=0.0.0.0",
                                 f"--rpc_address={host_a}"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    holder = None
+    meta = f"http://{host_a}:{http}/metadata"
+    env = dict(_env(), GLOG_minloglevel="3")
     try:
         time.sleep(1.0)
         plan = [[s, _iters(s)] for s in sizes]
-        r = subprocess.run(h.b + [py, "-c", _MOONCAKE_STORE, host_b, f"http://{host_a}:{http}/metadata",
-                                  f"{host_a}:{rpc}", json.dumps(plan)], capture_output=True, text=True, timeout=900,
-                           env=dict(_env(), GLOG_minloglevel="3"))
+        script = _MOONCAKE_STORE
+        if server_segment:
+            seg = 2 * max(sizes) + (256 << 20)
+            holder = subprocess.Popen(h.a + [py, "-c", _MOONCAKE_HOLDER, host_a, meta, f"{host_a}:{rpc}", str(seg)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True, env=env)
+            if holder.stdout.readline().strip() != "ready":
+                return None
+            script = script.replace("s.setup(host, meta, 2 * big + (256 << 20),", "s.setup(host, meta, 0,")
+        r = subprocess.run(h.b + [py, "-c", script, host_b, meta, f"{host_a}:{rpc}", json.dumps(plan)],
+                           capture_output=True, text=True, timeout=900, env=env)
         if r.returncode != 0:
             return None
         return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
     except (subprocess.TimeoutExpired, ValueError):
         return None
     finally:
+        if holder:
+            holder.kill()
+            holder.wait()
         m.kill()
         m.wait()
 
@@ -222,14 +252,16 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                 raise RuntimeError("bench store client failed: " + r.stderr[-2000:])
             rows = json.loads(r.stdout.strip().splitlines()[-1])
             mc = _mooncake_store(h, sizes)
+            mcr = _mooncake_store(h, sizes, server_segment=True) if h.ns else None
             for row in rows:
                 rb = _redis_benchmark(h, host, port, row["size"], max(3, _iters(row["size"])))
                 row["redis_benchmark"] = rb
                 row["mooncake"] = mc.get(row["size"]) if mc else None
+                row["mooncake_server_segment"] = mcr.get(row["size"]) if mcr else None
             ping = _ping_rtt(h, host, port)
             wake, wake_from_begin = _wake(h, extra) or (None, None)
             print(f"{'size':>9} {'put':>10} {'get':>10} {'GB/s':>9} {'redis GB/s':>11} {'ratio':>6} "
-                  f"{'mooncake':>9} {'verified':>8}", file=out)
+                  f"{'mooncake':>9} {'mc remote':>9} {'verified':>8}", file=out)
             for row in rows:
                 both = row["put_s"] + row["get_s"]
                 row["gbps"] = row["size"] / both / 1e9
@@ -237,12 +269,15 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                 row["redis_benchmark_gbps"] = row["size"] / (rb["set_s"] + rb["get_s"]) / 1e9 if rb else None
                 mk = row["mooncake"]
                 row["mooncake_gbps"] = row["size"] / (mk["put_s"] + mk["get_s"]) / 1e9 if mk else None
+                mr = row["mooncake_server_segment"]
+                row["mooncake_server_segment_gbps"] = row["size"] / (mr["put_s"] + mr["get_s"]) / 1e9 if mr else None
+                mrg = f"{row['mooncake_server_segment_gbps']:.2f}" if mr else "-"
                 ratio = row["gbps"] / row["redis_benchmark_gbps"] if row["redis_benchmark_gbps"] else None
                 rbg = f"{row['redis_benchmark_gbps']:.2f}" if rb else "-"
                 mkg = f"{row['mooncake_gbps']:.2f}" if mk else "-"
                 rat = f"{ratio:.2f}x" if ratio else "-"
                 print(f"{_fmt_size(row['size']):>9} {row['put_s'] * 1e3:>7.2f} ms {row['get_s'] * 1e3:>7.2f} ms "
-                      f"{row['gbps']:>9.2f} {rbg:>11} {rat:>6} {mkg:>9} {str(row['verified']):>8}", file=out)
+                      f"{row['gbps']:>9.2f} {rbg:>11} {rat:>6} {mkg:>9} {mrg:>9} {str(row['verified']):>8}", file=out)
             if ping and wake is not None:
                 print(f"PING round trip {ping:.0f} us; a blocked get returns {wake:.0f} us after the put returns "
                       f"({wake / ping:.2f}x PING, aim 2x; below 0: before it), {wake_from_begin:.0f} us after "
@@ -255,6 +290,11 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
             mcx = [r["gbps"] / r["mooncake_gbps"] for r in rows if r["size"] >= 16 << 20 and r["mooncake_gbps"]]
             print(f"16 MiB and above: {min(mcx):.2f}-{max(mcx):.2f}x Mooncake Store (aim above 1x)" if mcx else
                   "Mooncake Store: not installed or did not run here", file=out)
+            mrx = [r["gbps"] / r["mooncake_server_segment_gbps"] for r in rows
+                   if r["size"] >= 16 << 20 and r.get("mooncake_server_segment_gbps")]
+            if mrx:
+                print(f"16 MiB and above: {min(mrx):.2f}-{max(mrx):.2f}x Mooncake Store with its segment on the server "
+                      "side (mc remote: its data crosses the link too)", file=out)
             result["paths"][where] = {"rows": rows, "ping_rtt_us": ping, "wake_us": wake,
                                       "wake_from_put_begin_us": wake_from_begin, "mooncake_ran": bool(mc)}
         finally:
