@@ -225,7 +225,7 @@ def _mooncake_store(h: TwoHosts, sizes, server_segment=False):
         m.wait()
 
 
-def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
+def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None, rounds=3):
     sizes = sizes or SIZES
     if not shutil.which("redis-server"):
         print("bench store: redis-server is not installed (./scripts/setup installs it)", file=out)
@@ -233,7 +233,7 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
     if namespaces is None:
         namespaces = os.geteuid() == 0 and shutil.which("ip") is not None
     result = {"kind": "store", "machine": os.uname().nodename, "cpus": os.cpu_count(), "paths": {}}
-    print("stagelink bench store: StoreConnector put + get (Redis 7, one connector, medians) against "
+    print(f"stagelink bench store: StoreConnector put + get (Redis 7, one connector, medians of {rounds} rounds) against "
           "redis-benchmark -c 1 SET + GET of the same sizes\nand Mooncake Store where installed, in the same run; "
           "wake = a blocked get's return after the put's return (and after its start).", file=out)
     for where in (["loopback"] + (["namespaces"] if namespaces else [])):
@@ -246,18 +246,38 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
             print(f"\n{where}{' (redis in one namespace, clients in the other, veth)' if h.ns else ' (TCP on lo)'}:",
                   file=out)
             plan = [[s, _iters(s)] for s in sizes]
-            r = subprocess.run(h.b + [sys.executable, "-c", _CLIENT, json.dumps(extra), json.dumps(plan)],
-                               capture_output=True, text=True, timeout=1800, env=_env())
-            if r.returncode != 0:
-                raise RuntimeError("bench store client failed: " + r.stderr[-2000:])
-            rows = json.loads(r.stdout.strip().splitlines()[-1])
-            mc = _mooncake_store(h, sizes)
-            mcr = _mooncake_store(h, sizes, server_segment=True) if h.ns else None
+            # Rounds of every peer in turn: this VM's speed drifts 2x between minutes, and a peer
+            # measured only in a slow minute would look twice as slow. Each figure is the median
+            # of its rounds' medians.
+            per = {k: [] for k in ("stagelink", "redis", "mc", "mcr")}
+            for _ in range(rounds):
+                r = subprocess.run(h.b + [sys.executable, "-c", _CLIENT, json.dumps(extra), json.dumps(plan)],
+                                   capture_output=True, text=True, timeout=1800, env=_env())
+                if r.returncode != 0:
+                    raise RuntimeError("bench store client failed: " + r.stderr[-2000:])
+                per["stagelink"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+                # small sizes: enough requests that redis-benchmark's start does not weigh
+                per["redis"].append({s: _redis_benchmark(h, host, port, s, max(3, _iters(s) * (20 if s <= 64 << 10 else 1)))
+                                     for s in sizes})
+                per["mc"].append(_mooncake_store(h, sizes) or {})
+                per["mcr"].append((_mooncake_store(h, sizes, server_segment=True) if h.ns else None) or {})
+
+            def med(runs, size, a, b):  # {a, b}: medians over the rounds that ran this size
+                got = [x for x in (run.get(size) for run in runs) if x]
+                if not got:
+                    return None
+                return {a: statistics.median(x[a] for x in got), b: statistics.median(x[b] for x in got)}
+            rows = []
+            for i, size in enumerate(sizes):
+                runs = [run[i] for run in per["stagelink"]]
+                rows.append({"size": size, "put_s": statistics.median(x["put_s"] for x in runs),
+                             "get_s": statistics.median(x["get_s"] for x in runs),
+                             "verified": all(x["verified"] for x in runs), "rounds": rounds})
+            mc = any(per["mc"])
             for row in rows:
-                rb = _redis_benchmark(h, host, port, row["size"], max(3, _iters(row["size"])))
-                row["redis_benchmark"] = rb
-                row["mooncake"] = mc.get(row["size"]) if mc else None
-                row["mooncake_server_segment"] = mcr.get(row["size"]) if mcr else None
+                row["redis_benchmark"] = med(per["redis"], row["size"], "set_s", "get_s")
+                row["mooncake"] = med(per["mc"], row["size"], "put_s", "get_s")
+                row["mooncake_server_segment"] = med(per["mcr"], row["size"], "put_s", "get_s")
             ping = _ping_rtt(h, host, port)
             wake, wake_from_begin = _wake(h, extra) or (None, None)
             print(f"{'size':>9} {'put':>10} {'get':>10} {'GB/s':>9} {'redis GB/s':>11} {'ratio':>6} "
