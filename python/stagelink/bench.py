@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fcntl
 import multiprocessing as mp
+import json
 import os
 import pickle
 import statistics
@@ -297,6 +298,15 @@ def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
                        "payload_kinds": kinds}, f, indent=1)
         print(f"\nwrote {json_path}", file=out)
     return rows
+
+
+def write_json(result, json_path, out=sys.stdout):
+    """Every bench's last step: its result as indented JSON at `json_path` (if given), said on `out`."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {json_path}", file=out)
+    return result
 
 
 def _fmt_size(n):

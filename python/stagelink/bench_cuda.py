@@ -8,14 +8,13 @@ Without a GPU it says why and measures nothing; ``device="cpu"`` runs the same h
 tensors (what the tests do, to keep it working where no GPU is)."""
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import time
 
 from . import _core
-from .bench import _fmt_size, _seed_get, _seed_put
+from .bench import _fmt_size, _seed_get, _seed_put, write_json
 from .connector import create_connector
 
 SIZES = [1 << 20, 16 << 20, 186 << 20]
@@ -152,8 +151,4 @@ def run_cuda(sizes=None, json_path=None, out=sys.stdout, device=None):
         for row in result["rows"]:
             print(f"{_fmt_size(row['size'])}: stagelink {row['seed_design'] / row['stagelink_staged']:.1f}x the seed's "
                   f"design; {row['stagelink_staged'] / row['d2d_copy']:.0f}x one device copy", file=out)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {json_path}", file=out)
-    return result
+    return write_json(result, json_path, out)

@@ -3,7 +3,6 @@ ZeroMQ, then the reference's two model-free 3-stage pipelines through the pipeli
 in the same run. Reference figures (SGLang-Omni 0.1.9, this machine class) are printed beside."""
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -11,7 +10,7 @@ import time
 import uuid
 
 from . import _core
-from .bench import _fmt_size
+from .bench import _fmt_size, write_json
 
 # SGLang-Omni 0.1.9 on this machine class (issue 10): e2e ms, requests/s with 8 in flight, start-up s.
 REFERENCE = {"1MiB+8x8KiB": (8.4, 180.0), "4KiB+8x1KiB": (4.4, 398.0), "startup_s": 4.0,
@@ -104,8 +103,4 @@ def run_relay(sizes=None, iters=2000, json_path=None, out=sys.stdout, pipelines=
                   f"{f['startup_s']:>7.2f} s   {ref_e2e:>8.1f} ms / {ref_rps:>5.0f}  "
                   f"{f['e2e_vs_reference']:>8.2f}x / {f['rps_vs_reference']:>5.1f}x", file=out)
         print("aims: e2e at most 0.2x and req/s at least 10x the reference; start-up under 1 s", file=out)
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(result, fh, indent=2)
-        print(f"\nwrote {json_path}", file=out)
-    return result
+    return write_json(result, json_path, out)

@@ -16,7 +16,7 @@ import sys
 import textwrap
 import time
 
-from .bench import _fmt_size
+from .bench import _fmt_size, write_json
 from .bench_te import TwoHosts, mooncake_python
 
 SIZES = [1 << 10, 64 << 10, 1 << 20, 16 << 20, 186 << 20]
@@ -321,8 +321,4 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None, round
             srv.kill()
             srv.wait()
             h.close()
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {json_path}", file=out)
-    return result
+    return write_json(result, json_path, out)

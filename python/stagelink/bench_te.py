@@ -21,7 +21,7 @@ import sys
 import textwrap
 import time
 
-from .bench import _fmt_size
+from .bench import _fmt_size, write_json
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 512 << 20]
 # Mooncake TE 0.3.13 over TCP across the namespaces (issue 11): GB/s at 1 MiB and at 16-186 MiB.
@@ -313,8 +313,4 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                                       "mooncake_ran": bool(mc)}
         finally:
             h.close()
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {json_path}", file=out)
-    return result
+    return write_json(result, json_path, out)
