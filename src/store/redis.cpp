@@ -107,7 +107,7 @@ const int64_t kSpinNs = [] {
   return int64_t((e ? std::max(0.0, std::atof(e)) : 100.0) * 1000);
 }();
 
-// Spins until the socket has bytes to read (or the spin ends).
+// Spins until the socket has bytes to read (or the spin ends): TLS only, whose reads block.
 void spin_until_readable(int fd) {
   if (kSpinNs <= 0) return;
   const auto until = Clock::now() + std::chrono::nanoseconds(kSpinNs);
@@ -119,16 +119,28 @@ void spin_until_readable(int fd) {
 }
 
 // recv() on the connection: bytes read, 0 when the server closed it, -1 with `err` (EAGAIN: the
-// socket's timeout ran out).
+// socket's timeout ran out). In the clear, the read itself spins (MSG_DONTWAIT) before it blocks:
+// no extra call when the bytes are already there.
 ssize_t conn_read(Conn& c, void* buf, size_t n, int& err) {
-  if (!c.ssl || SSL_pending(c.ssl) == 0) spin_until_readable(c.fd());
-  for (;;) {
-    if (!c.ssl) {
-      const ssize_t r = ::recv(c.fd(), buf, n, 0);
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) err = errno;
-      return r;
+  if (!c.ssl) {
+    bool spin = kSpinNs > 0;
+    Clock::time_point until{};
+    for (;;) {
+      const ssize_t r = ::recv(c.fd(), buf, n, spin ? MSG_DONTWAIT : 0);
+      if (r >= 0) return r;
+      if (errno == EINTR) continue;
+      if (spin && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        const auto now = Clock::now();
+        if (until == Clock::time_point{}) until = now + std::chrono::nanoseconds(kSpinNs);
+        if (now >= until) spin = false;  // then block, up to the socket's timeout
+        continue;
+      }
+      err = errno;
+      return -1;
     }
+  }
+  if (SSL_pending(c.ssl) == 0) spin_until_readable(c.fd());
+  for (;;) {
     ERR_clear_error();
     errno = 0;
     const int r = SSL_read(c.ssl, buf, int(std::min<size_t>(n, 1u << 30)));
@@ -149,6 +161,16 @@ Error sock_error(const std::string& addr, const char* what, int err) {
   return make_error(slow ? Errc::timeout : Errc::io,
                     "redis at " + addr + ": " + what + ": " + (slow ? std::string("no progress before the deadline")
                                                                     : std::string(std::strerror(err))));
+}
+
+// A command's arguments as hiredis takes them (into vectors the caller reuses).
+void argv_of(const Cmd& cmd, std::vector<const char*>& av, std::vector<size_t>& al) {
+  av.clear();
+  al.clear();
+  for (auto a : cmd.args) {
+    av.push_back(a.data());
+    al.push_back(a.size());
+  }
 }
 
 // The command hiredis formatted into the context's output buffer, written out.
@@ -272,20 +294,12 @@ struct Redis::Impl {
     redisSetTimeout(conn->c, tv_until(deadline_after(o.timeout_s)));
     if (tls_ctx) SL_TRY(handshake(*conn, n));
     auto simple = [&](std::vector<std::string> args, const char* what) -> Status {
-      std::vector<const char*> av;
-      std::vector<size_t> al;
-      for (auto& a : args) {
-        av.push_back(a.data());
-        al.push_back(a.size());
-      }
-      if (redisAppendCommandArgv(conn->c, int(av.size()), av.data(), al.data()) != REDIS_OK)
-        return make_error(Errc::exhausted, "redis at " + n.addr() + ": " + what + ": " + conn->c->errstr);
-      SL_TRY(flush_out(*conn, n.addr()));
-      void* raw = nullptr;
-      SL_TRY(next_reply(*conn, n.addr(), &raw));
-      Reply r(static_cast<redisReply*>(raw));
-      if (is_error(r)) {
-        const std::string e(str(r));
+      Cmd cmd;
+      for (auto& a : args) cmd.arg(std::move(a));
+      bool ok = false;
+      SL_ASSIGN(auto rs, pipeline(n, *conn, std::span<const Cmd>(&cmd, 1), deadline_after(o.timeout_s), ok));
+      if (is_error(rs[0])) {
+        const std::string e(str(rs[0]));
         const bool auth = e.rfind("WRONGPASS", 0) == 0 || e.rfind("NOAUTH", 0) == 0 || e.find("password") != std::string::npos;
         return make_error(auth ? Errc::invalid_argument : Errc::io, "redis at " + n.addr() + ": " + what + ": " + e);
       }
@@ -347,12 +361,7 @@ struct Redis::Impl {
     std::vector<size_t> al;
     if (asking) redisAppendCommand(c.c, "ASKING");
     for (const Cmd& cmd : cmds) {
-      av.clear();
-      al.clear();
-      for (auto a : cmd.args) {
-        av.push_back(a.data());
-        al.push_back(a.size());
-      }
+      argv_of(cmd, av, al);
       if (redisAppendCommandArgv(c.c, int(av.size()), av.data(), al.data()) != REDIS_OK)
         return make_error(Errc::exhausted, "redis at " + n.addr() + ": formatting a command: " + c.c->errstr);
       // Large batches go out as they are built (hiredis would hold all of them in memory).
@@ -736,12 +745,7 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
       std::vector<const char*> av;
       std::vector<size_t> al;
       for (const Cmd& cmd : then) {
-        av.clear();
-        al.clear();
-        for (auto x : cmd.args) {
-          av.push_back(x.data());
-          al.push_back(x.size());
-        }
+        argv_of(cmd, av, al);
         char* out = nullptr;
         const int len = redisFormatCommandArgv(&out, int(av.size()), av.data(), al.data());
         if (len < 0) return make_error(Errc::exhausted, "formatting a command");
