@@ -70,7 +70,7 @@ class MessageQueue {
   virtual MessageQueueHandle export_handle() const = 0;
   virtual bool is_writer() const = 0;
   virtual int64_t rank() const = 0;  // readers: their rank (the writer: 0)
-  // Whether shutdown() was called here or (readers) by the writer.
+  // Whether shutdown() was called here or (readers) the writer ended the queue.
   virtual bool shutting_down() const = 0;
   // Writer: until every local reader attached and every remote reader subscribed (then the ring's
   // name is unlinked: nothing is left in /dev/shm even if a process crashes). Readers: until the
@@ -88,9 +88,11 @@ class MessageQueue {
 
   // Writer: stop waiting for local reader `rank`.
   virtual Status drop_reader(uint32_t rank) = 0;
-  // Wake every blocked reader and writer with `cancelled` (the writer's shutdown reaches all
-  // readers; a reader's only itself). Idempotent.
-  virtual void shutdown() = 0;
+  // This side's blocked calls, and its later ones, end with `cancelled` (vLLM's semantics: a
+  // reader's or the writer's shutdown is its own). `everyone` (writer): the queue ends for every
+  // reader too, once it has read what was enqueued before; destroying the writer does this.
+  // Idempotent.
+  virtual void shutdown(bool everyone = false) = 0;
   // Counters: messages, bytes, overflow and dedicated messages, readers attached, ...
   virtual Value stats() = 0;
 };

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 from typing import Any, Optional, Sequence
 
 
@@ -120,20 +121,17 @@ class MessageQueue(NativeOwner):
                                   **kwargs) -> "MessageQueue":
         """vLLM's: the group's ``writer_rank`` writes, every other rank reads (through shared memory
         on the writer's host, over TCP elsewhere). Every rank of ``pg`` calls it; it returns once
-        every reader is attached. Needs ``torch.distributed``."""
-        dist = _torch_distributed()
-        rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        global_ranks = dist.get_process_group_ranks(pg)
-        hosts = [None] * world
-        dist.all_gather_object(hosts, _host_id(), group=pg)
-        local = [r for r in range(world) if r != writer_rank and hosts[r] == hosts[writer_rank]]
-        if rank == writer_rank:
-            q = MessageQueue(world - 1, len(local), local, max_chunk_bytes, max_chunks, **kwargs)
-            dist.broadcast_object_list([q.export_handle()], src=global_ranks[writer_rank], group=pg)
+        every reader is attached. ``pg``: a ``torch.distributed`` process group, or an object with
+        vLLM's ``StatelessProcessGroup`` interface (``rank``, ``world_size``, ``broadcast_obj``,
+        ``all_gather_obj``), which needs no ``torch.distributed``."""
+        g = _Group(pg)
+        hosts = g.all_gather(_host_id())
+        local = [r for r in range(g.world) if r != writer_rank and hosts[r] == hosts[writer_rank]]
+        if g.rank == writer_rank:
+            q = MessageQueue(g.world - 1, len(local), local, max_chunk_bytes, max_chunks, **kwargs)
+            g.broadcast(q.export_handle(), writer_rank)
         else:
-            got = [None]
-            dist.broadcast_object_list(got, src=global_ranks[writer_rank], group=pg)
-            q = MessageQueue.create_from_handle(got[0], rank)
+            q = MessageQueue.create_from_handle(g.broadcast(None, writer_rank), g.rank)
         q.wait_until_ready()
         return q
 
@@ -143,23 +141,20 @@ class MessageQueue(NativeOwner):
         """The other direction: every rank but ``reader_rank`` writes a queue of its own with one
         reader, ``reader_rank``. Returns ``(queue, handles)``: on a writer its queue, on the reader
         a list with one reader queue per writer rank (``None`` at its own index); ``handles`` is
-        every writer's handle by group rank. Needs ``torch.distributed``."""
-        dist = _torch_distributed()
-        rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        hosts = [None] * world
-        dist.all_gather_object(hosts, _host_id(), group=pg)
+        every writer's handle by group rank. ``pg`` as for :meth:`create_from_process_group`."""
+        g = _Group(pg)
+        hosts = g.all_gather(_host_id())
         mine = None
-        if rank != reader_rank:
-            same = hosts[rank] == hosts[reader_rank]
+        if g.rank != reader_rank:
+            same = hosts[g.rank] == hosts[reader_rank]
             mine = MessageQueue(1, 1 if same else 0, [reader_rank] if same else [], max_chunk_bytes, max_chunks,
                                 **kwargs)
-        handles = [None] * world
-        dist.all_gather_object(handles, mine.export_handle() if mine else None, group=pg)
-        if rank == reader_rank:
+        handles = g.all_gather(mine.export_handle() if mine else None)
+        if g.rank == reader_rank:
             readers = [None if h is None else MessageQueue.create_from_handle(h, reader_rank) for h in handles]
-            dist.barrier(group=pg)
+            g.barrier()
             return readers, handles
-        dist.barrier(group=pg)
+        g.barrier()
         mine.wait_until_ready()
         return mine, handles
 
@@ -223,8 +218,19 @@ class MessageQueue(NativeOwner):
 
     @property
     def shutting_down(self) -> bool:
-        """True once :meth:`shutdown` ran here or (readers) the writer shut the queue down."""
+        """True once :meth:`shutdown` ran here or (readers) the writer ended the queue."""
         return self._q.shutting_down
+
+    @property
+    def _spin_condition(self) -> "_SpinCondition":
+        """vLLM's reader-side ``SpinCondition``, for callers and tests that reach for it (vLLM's own
+        shutdown test sets ``_spin_condition.last_read = 0`` to put a reader into idle mode). Here a
+        waiting reader spins ``spin_us`` and then sleeps on a futex by itself, so its fields are
+        kept but steer nothing."""
+        sc = self.__dict__.get("_sc")
+        if sc is None:
+            sc = self.__dict__["_sc"] = _SpinCondition(not self.is_writer)
+        return sc
 
     def broadcast_object(self, obj: Any = None, timeout: Optional[float] = None) -> Any:
         """vLLM's helper: the writer enqueues ``obj`` and returns it; a reader returns what it dequeues."""
@@ -237,10 +243,13 @@ class MessageQueue(NativeOwner):
         """Writer: stop waiting for local reader ``rank`` (dead or too slow)."""
         self._q.drop_reader(int(rank))
 
-    def shutdown(self) -> None:
-        """Wake every blocked reader and writer with CancelledError (a reader: only itself).
-        Messages already enqueued are still delivered."""
-        self._q.shutdown()
+    def shutdown(self, everyone: bool = False) -> None:
+        """vLLM's: this side's blocked call, and its later ones, end with
+        :class:`stagelink.CancelledError` ("cancelled"); the other side is not touched (a reader
+        shut down by its own monitor thread, as vLLM's workers do). ``everyone`` (writer): the
+        queue ends for every reader too, once each has read what was enqueued before; closing the
+        writer (or losing it) does the same."""
+        self._q.shutdown(bool(everyone))
 
     def stats(self) -> dict:
         return self._q.stats()
@@ -261,6 +270,60 @@ def _torch_distributed():
         raise _core.InvalidArgumentError("create_from_process_group: torch.distributed is not initialized "
                                          "(call torch.distributed.init_process_group first)")
     return dist
+
+
+class _SpinCondition:
+    """The fields and calls of vLLM's ``SpinCondition``. Nothing here needs them: readers wake on
+    the writer's futex, and :meth:`MessageQueue.shutdown` wakes a blocked reader."""
+
+    def __init__(self, is_reader: bool):
+        self.is_reader = is_reader
+        self.last_read = time.monotonic() if is_reader else 0
+        self.busy_loop_s = 1 if is_reader else 0
+
+    def record_read(self) -> None:
+        self.last_read = time.monotonic()
+
+    def cancel(self) -> None:
+        """vLLM wakes an idle reader with it; a reader here is woken by ``shutdown()``."""
+
+    def notify(self) -> None:
+        """vLLM's writer pings its readers with it; ``enqueue`` here wakes them itself."""
+
+
+class _Group:
+    """The collectives the queue's constructors need, over a ``torch.distributed`` group or over
+    an object with vLLM's ``StatelessProcessGroup`` interface (a TCPStore, no global state)."""
+
+    def __init__(self, pg):
+        if hasattr(pg, "broadcast_obj") and hasattr(pg, "all_gather_obj"):
+            self._pg, self._dist = pg, None
+            self.rank, self.world = int(pg.rank), int(pg.world_size)
+            return
+        dist = _torch_distributed()
+        self._pg, self._dist = pg, dist
+        self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+        self._global = dist.get_process_group_ranks(pg)
+
+    def all_gather(self, obj):
+        if self._dist is None:
+            return list(self._pg.all_gather_obj(obj))
+        out = [None] * self.world
+        self._dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def broadcast(self, obj, src: int):
+        if self._dist is None:
+            return self._pg.broadcast_obj(obj, src)
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=self._global[src], group=self._pg)
+        return box[0]
+
+    def barrier(self):
+        if self._dist is None:
+            self._pg.barrier()
+        else:
+            self._dist.barrier(group=self._pg)
 
 
 def _host_id() -> str:

@@ -214,7 +214,7 @@ class MqWriter final : public MessageQueue {
       const bool local_ok = !ring_ || ring_->attached_count() == o_.n_local_reader;
       const bool remote_ok = remote_seen_.size() >= n_remote_;
       if (local_ok && remote_ok) break;
-      if (ring_ && ring_->is_shutdown()) return make_error(Errc::cancelled, kShutDown);
+      if (shutdown_flag_.load()) return make_error(Errc::cancelled, kShutDown);
       if (dl && mono_ns() >= dl) {
         std::vector<uint32_t> missing;
         for (size_t i = 0; i < o_.local_reader_ranks.size(); ++i)
@@ -242,6 +242,7 @@ class MqWriter final : public MessageQueue {
     SL_ASSIGN(FramePlan plan, plan_frame(p));
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return make_error(Errc::closed, "enqueue on a closed message queue");
+    if (shutdown_flag_.load()) return make_error(Errc::cancelled, kShutDown);
     const uint64_t dl = deadline_from(timeout_s);
     std::span<const std::byte> written;  // the frame as written to shared memory (for remote)
     if (ring_) {
@@ -288,9 +289,15 @@ class MqWriter final : public MessageQueue {
     return make_error(Errc::invalid_argument, "rank " + std::to_string(rank) + " is not a local reader");
   }
 
-  void shutdown() override {
+  // vLLM's semantics: the writer's own waits end (and its later calls fail) with `cancelled`;
+  // readers are told only with `everyone` (close() does that: the queue has ended).
+  void shutdown(bool everyone) override {
     shutdown_flag_.store(true);
-    if (ring_) ring_->shutdown();
+    if (ring_) {
+      if (everyone) ring_->shutdown();
+      else ring_->cancel_local();
+    }
+    if (!everyone) return;
     std::lock_guard<std::mutex> lock(mu_);
     if (pub_ && !shutdown_sent_) {
       shutdown_sent_ = true;
@@ -356,7 +363,7 @@ class MqWriter final : public MessageQueue {
           return a.ok();
         }, dl);
         if (got) break;
-        if (ring_->is_shutdown()) return make_error(Errc::cancelled, kShutDown);
+        if (ring_->stopping()) return make_error(Errc::cancelled, kShutDown);
         SL_TRY(ring_->handle_dead(ring_->oldest_laggards(), o_.drop_dead_readers));  // a dead reader holds the area
         if (dl && mono_ns() >= dl)
           return make_error(Errc::timeout, "message queue " + ring_->name() + ": no overflow room for a " +
@@ -438,7 +445,7 @@ class MqWriter final : public MessageQueue {
   }
 
   void close() {
-    shutdown();
+    shutdown(true);
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
     closed_ = true;
@@ -550,7 +557,7 @@ class MqLocalReader final : public MqReader {
     return {};
   }
 
-  void shutdown() override { ring_->cancel_local(); }
+  void shutdown(bool) override { ring_->cancel_local(); }
   bool shutting_down() const override { return ring_->stopping(); }
 
  protected:
@@ -658,7 +665,7 @@ class MqRemoteReader final : public MqReader {
   }
 
   bool shutting_down() const override { return cancelled_.load(); }
-  void shutdown() override {
+  void shutdown(bool) override {
     cancelled_.store(true);
     uint64_t one = 1;
     if (::write(efd_, &one, sizeof one) < 0) {

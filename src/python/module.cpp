@@ -1952,7 +1952,8 @@ NB_MODULE(_core, m) {
              auto st = self.get()->drop_reader(rank);
              if (!st.ok()) raise(st.error());
            })
-      .def("shutdown", [](PyMq& self) { if (self.q) self.q->shutdown(); })
+      .def("shutdown", [](PyMq& self, bool everyone) { if (self.q) self.q->shutdown(everyone); },
+           nb::arg("everyone") = false)
       .def("stats", [](PyMq& self) { return self.q ? to_py(self.q->stats()) : nb::object(nb::dict()); })
       .def_prop_ro("is_writer", [](PyMq& self) { return self.get()->is_writer(); })
       .def_prop_ro("rank", [](PyMq& self) { return self.get()->rank(); })
@@ -1962,7 +1963,7 @@ NB_MODULE(_core, m) {
              std::shared_ptr<MessageQueue> q = std::move(self.q);
              if (q) {
                nb::gil_scoped_release nogil;  // the writer's socket may flush (bounded linger)
-               q->shutdown();
+               q->shutdown(true);  // a closed writer has ended the queue for its readers
                q.reset();
              }
            });

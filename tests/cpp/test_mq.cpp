@@ -262,7 +262,7 @@ TEST(Mq, ShutdownWakesBlockedReadersAndWriter) {
   std::thread wt([&] { auto s = w->enqueue_bytes(b, -1); writer_err = s.ok() ? Errc::ok : s.error().code; });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   auto t0 = Clock::now();
-  w->shutdown();
+  w->shutdown(true);  // the queue ends for everyone
   rt.join();
   wt.join();
   EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(100));
@@ -271,6 +271,34 @@ TEST(Mq, ShutdownWakesBlockedReadersAndWriter) {
   // The pending message is still delivered to rank 1, then cancelled.
   EXPECT_TRUE(r1->dequeue(1).ok());
   EXPECT_EQ(r1->dequeue(1).error().code, Errc::cancelled);
+}
+
+// vLLM's semantics: the writer's shutdown() is its own. Its blocked enqueue ends with cancelled
+// at once and later ones fail; readers are not cancelled (vLLM's shutdown test expects a reader to
+// time out after the writer shut down), still get what was enqueued, and learn the queue ended
+// only when the writer ends it for everyone (close, destruction, shutdown(true)).
+TEST(Mq, WritersShutdownIsItsOwn) {
+  Trio t(small(256, 1));
+  ASSERT_TRUE(t.r1);
+  std::byte b[8]{};
+  ASSERT_TRUE(t.w->enqueue_bytes(b, 1).ok());
+  ASSERT_TRUE(t.r0->dequeue(1).ok());
+  Errc writer_err = Errc::ok;
+  std::thread wt([&] { auto s = t.w->enqueue_bytes(b, -1); writer_err = s.ok() ? Errc::ok : s.error().code; });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto t0 = Clock::now();
+  t.w->shutdown();
+  wt.join();
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(100));
+  EXPECT_EQ(writer_err, Errc::cancelled);
+  EXPECT_TRUE(t.w->shutting_down());
+  EXPECT_EQ(t.w->enqueue_bytes(b, 1).error().code, Errc::cancelled);
+  EXPECT_EQ(t.r0->dequeue(0.05).error().code, Errc::timeout);  // not cancelled
+  EXPECT_FALSE(t.r0->shutting_down());
+  EXPECT_TRUE(t.r1->dequeue(1).ok());  // the message enqueued before is delivered
+  t.w->shutdown(true);
+  EXPECT_EQ(t.r0->dequeue(1).error().code, Errc::cancelled);
+  EXPECT_TRUE(t.r0->shutting_down());
 }
 
 TEST(Mq, KilledReaderIsReportedByRankThenDropped) {
@@ -504,7 +532,7 @@ TEST(Mq, LocalReaderRanksAreAnyDistinctNumbersAndRemoteReadersAnyRank) {
   MessageQueueOptions dup = o;
   dup.local_reader_ranks = {3, 3};
   EXPECT_EQ(MessageQueue::create(dup).error().code, Errc::invalid_argument);
-  (*w)->shutdown();
+  (*w)->shutdown(true);
   EXPECT_TRUE((*w)->shutting_down());
   auto after = (*a)->dequeue(5);
   ASSERT_FALSE(after.ok());

@@ -133,7 +133,7 @@ def test_shutdown_wakes_blocked_reader_and_writer(mq_clean):
     for t in threads:
         t.start()
     time.sleep(0.2)
-    w.shutdown()
+    w.shutdown(everyone=True)
     for t in threads:
         t.join(2)
         assert not t.is_alive()

@@ -42,11 +42,20 @@ def test_ranks_handle_fields_acquire_and_shutdown(mq_clean):
         with pytest.raises(stagelink.TimeoutError):
             readers[0].dequeue(timeout=0.05)
         assert not w.shutting_down and not readers[0].shutting_down
-        w.shutdown()
+        w.shutdown()  # vLLM's: the writer's own; its readers still wait (and time out)
         assert w.shutting_down
         with pytest.raises(stagelink.CancelledError, match="cancelled"):
-            readers[0].dequeue(timeout=5)
-        assert readers[0].shutting_down
+            w.enqueue("after", timeout=1)
+        with pytest.raises(stagelink.TimeoutError):
+            readers[0].dequeue(timeout=0.05)
+        assert not readers[0].shutting_down
+        w.close()  # the writer gone: the queue has ended for its readers, after what it sent
+        for r in readers[1:]:
+            assert r.dequeue(timeout=5) == "late"
+        for r in readers:
+            with pytest.raises(stagelink.CancelledError, match="cancelled"):
+                r.dequeue(timeout=5)
+            assert r.shutting_down
     finally:
         for r in readers:
             r.close()
@@ -102,23 +111,103 @@ def _pg_worker(rank, world, port, q):
         q.put((rank, "error", repr(e)))
 
 
-def test_create_from_process_group(mq_clean):
-    pytest.importorskip("torch")
+def _run_group(worker, world):
+    """`worker(rank, world, port, q)` in `world` spawned processes; their reports, by rank."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_pg_worker, args=(r, 3, port, q)) for r in range(3)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, q)) for r in range(world)]
     for p in procs:
         p.start()
-    results = sorted(q.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
+    try:
+        return sorted(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def test_create_from_process_group(mq_clean):
+    pytest.importorskip("torch")
+    results = _run_group(_pg_worker, 3)
     assert results == [(0, "sent", [10, 20]), (1, {"step": 1}, "sent"), (2, {"step": 1}, "sent")], results
 
 
 def test_process_group_without_torch_distributed_is_a_clear_error():
     with pytest.raises(stagelink.StagelinkError, match="torch.distributed|initialized"):
         stagelink.MessageQueue.create_from_process_group(object(), 1 << 16, 4)
+
+
+class _StoreGroup:
+    """vLLM's StatelessProcessGroup interface (rank, world_size, broadcast_obj, all_gather_obj,
+    barrier) over a real torch TCPStore, as vLLM builds it: no torch.distributed global state."""
+
+    def __init__(self, port, rank, world):
+        from torch.distributed import TCPStore
+        self.rank, self.world_size = rank, world
+        self.store = TCPStore("127.0.0.1", port, world, rank == 0, timeout=__import__("datetime").timedelta(seconds=60))
+        self.sent, self.got = 0, [0] * world
+
+    def broadcast_obj(self, obj, src):
+        if self.rank == src:
+            self.store.set(f"b/{src}/{self.sent}", pickle.dumps(obj))
+            self.sent += 1
+            return obj
+        key = f"b/{src}/{self.got[src]}"
+        self.got[src] += 1
+        return pickle.loads(self.store.get(key))
+
+    def all_gather_obj(self, obj):
+        return [self.broadcast_obj(obj if i == self.rank else None, i) for i in range(self.world_size)]
+
+    def barrier(self):
+        for i in range(self.world_size):
+            self.broadcast_obj(None, i)
+
+
+def _stateless_worker(rank, world, port, q):
+    try:
+        pg = _StoreGroup(port, rank, world)
+        writer = 2  # local readers are ranks 0, 1 and 3: not 0..n-1
+        mq = stagelink.MessageQueue.create_from_process_group(pg, 40 * 1024, 2, writer)
+        rng = np.random.default_rng(7)
+        arrays = [rng.integers(1, 100, n) for n in (10, 9000, 3, 7000)]  # some over a chunk
+        if rank == writer:
+            for a in arrays:
+                mq.broadcast_object(a)
+        else:
+            for a in arrays:
+                assert np.array_equal(mq.broadcast_object(None), a)
+        pg.barrier()
+        # vLLM's shutdown test: a reader put into idle mode, shut down from another thread.
+        if rank != writer:
+            mq._spin_condition.last_read = 0
+            ev = threading.Event()
+            t = threading.Thread(target=lambda: (ev.wait(30), mq.shutdown()), daemon=True)
+            t.start()
+            with pytest.raises(TimeoutError):
+                mq.dequeue(timeout=0.001)
+            ev.set()
+            t.join(10)
+            with pytest.raises(RuntimeError, match="cancelled"):
+                mq.dequeue(timeout=1)
+            assert mq.shutting_down
+        else:
+            mq.shutdown()
+        pg.barrier()
+        mq.close()
+        q.put((rank, "ok"))
+    except BaseException as e:  # reported, not lost in the child
+        q.put((rank, repr(e)))
+
+
+def test_stateless_process_group_and_vllm_shutdown_flow(mq_clean):
+    # vLLM's own queue test builds the queue from a StatelessProcessGroup (no torch.distributed
+    # state) and reaches for the reader's _spin_condition; both must work here.
+    pytest.importorskip("torch")
+    results = _run_group(_stateless_worker, 4)
+    assert results == [(r, "ok") for r in range(4)], results
