@@ -60,6 +60,9 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         self.extra = extra
         self.strict = bool(extra.pop("strict", False))
         self.default_get_timeout = extra.get("get_timeout_s")
+        #: vLLM-Omni's: the stage this connector serves (injected by the orchestrator; -1: not given).
+        #: Its chunk adapter reads it.
+        self.stage_id = extra.get("stage_id", -1)
         self.last_error: Optional[BaseException] = None
         allow_pickle = bool(extra.get("allow_pickle", name not in self._NETWORK))
         native_extra = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}

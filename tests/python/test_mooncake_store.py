@@ -31,16 +31,22 @@ def test_without_mooncake_creation_says_how_to_install_it():
 
 
 @pytest.mark.skipif(not HAVE or not os.path.exists(MASTER), reason="Mooncake's client or mooncake_master is not installed")
-def test_round_trip_through_a_real_mooncake_store():
+def test_round_trip_through_a_real_mooncake_store(monkeypatch):
+    monkeypatch.setenv("SL_TEST_MC_HOST", "127.0.0.1")
+    monkeypatch.delenv("SL_TEST_MC_UNSET", raising=False)
     rpc, http = _port(), _port()
     m = subprocess.Popen([MASTER, f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
                           f"--http_metadata_server_port={http}", "--http_metadata_server_host=127.0.0.1",
                           "--rpc_address=127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(1.0)
-        extra = {"host": "127.0.0.1", "metadata_server": f"http://127.0.0.1:{http}/metadata",
+        extra = {"host": "${SL_TEST_MC_HOST}", "metadata_server": f"http://127.0.0.1:{http}/metadata",
                  "master": f"127.0.0.1:{rpc}", "segment": 128 << 20, "localbuf": 64 << 20, "proto": "tcp"}
-        with stagelink.create_connector("MooncakeStoreConnector", extra) as c:
+        # vLLM-Omni's: an unset variable in host is an error naming it, never a literal host name.
+        with pytest.raises(stagelink.InvalidArgumentError, match="SL_TEST_MC_UNSET"):
+            stagelink.create_connector("MooncakeStoreConnector", dict(extra, host="10.0.0.$SL_TEST_MC_UNSET"))
+        with stagelink.create_connector("MooncakeStoreConnector", extra, stage_id=2) as c:
+            assert c.host == "127.0.0.1" and c.stage_id == 2
             d = np.random.default_rng(2).integers(0, 256, 5 << 20, dtype=np.uint8)
             ok, size, md = c.put(0, 1, "req-1", {"h": d, "n": 3})
             assert ok and md is None and size > d.nbytes

@@ -166,6 +166,14 @@ def test_unknown_connector_name_is_not_found_and_value_error():
     assert isinstance(e.value, ValueError) and isinstance(e.value, stagelink.StagelinkError)
 
 
+
+def test_stage_id_is_an_attribute_as_in_vllm_omni():
+    # vLLM-Omni's chunk adapter reads connector.stage_id; the orchestrator injects it (-1: none).
+    with stagelink.create_connector("SharedMemoryConnector", {}, stage_id=3) as c:
+        assert c.stage_id == 3
+    with stagelink.create_connector("SharedMemoryConnector", {}) as c:
+        assert c.stage_id == -1
+
 # ---- payloads: native frames, no pickle ----
 
 def roundtrip(c, data, zero_copy=False, key="k"):
