@@ -76,3 +76,21 @@ def load_transfer_config(path_or_dict: Union[str, os.PathLike, dict]) -> Transfe
     if isinstance(path_or_dict, dict):
         return TransferConfig(_core.load_config_string(json.dumps(path_or_dict, default=str), "<dict>"))
     return TransferConfig(_core.load_config_file(os.fspath(path_or_dict)))
+
+
+# vLLM-Omni's names, for callers that switch without change.
+load_omni_transfer_config = load_transfer_config
+
+
+def get_connectors_config_for_stage(transfer_config, stage_id) -> dict:
+    """vLLM-Omni's per-stage view: ``{"from_stage_X": {"spec": {"name", "extra"}}, "to_stage_Y":
+    ...}`` for the stage's incoming and outgoing edges, with ``role`` injected into each ``extra``
+    ("receiver" incoming, "sender" outgoing; one the user set is kept). ``None`` (no config
+    loaded) gives ``{}``."""
+    if transfer_config is None:
+        return {}
+    out = {}
+    for c in transfer_config.stage_connectors(stage_id):
+        side = "from_stage_" if c["direction"] == "input" else "to_stage_"
+        out[side + str(c["peer"])] = {"spec": {"name": c["connector"].name, "extra": dict(c["connector"].extra)}}
+    return out

@@ -206,6 +206,25 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         return self._health()
 
 
+class OmniConnectorFactory:
+    """vLLM-Omni's factory: ``create_connector(ConnectorSpec)``; ``register_connector(name,
+    constructor)`` adds a connector class of your own (``constructor(extra)``), which takes
+    precedence over a built-in of the same name."""
+
+    _registry: dict = {}
+
+    @classmethod
+    def register_connector(cls, name: str, constructor) -> None:
+        cls._registry[str(name)] = constructor
+
+    @classmethod
+    def create_connector(cls, spec):
+        name, extra = spec.name, dict(getattr(spec, "extra", None) or {})
+        if name in cls._registry:
+            return cls._registry[name](extra)
+        return create_connector(name, extra)
+
+
 def create_connector(name: str, extra: Optional[dict] = None, **injected):
     """Create a connector by class name (``SharedMemoryConnector``, ...). ``injected`` fields
     (``role``, ``stage_id``, ...) are merged into ``extra`` as vLLM-Omni's orchestrator does.

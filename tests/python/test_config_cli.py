@@ -45,6 +45,35 @@ def test_seed_yaml_loads_and_fills_defaults(tmp_path):
     assert cfg.stage_connectors(0)[0]["connector"].extra["role"] == "sender"
 
 
+
+def test_vllm_omni_names_for_config_and_factory(tmp_path):
+    # load_omni_transfer_config, get_connectors_config_for_stage and OmniConnectorFactory, as
+    # vLLM-Omni's callers use them.
+    f = tmp_path / "stages.yaml"
+    f.write_text(SEED_MOONCAKE)
+    cfg = stagelink.load_omni_transfer_config(f)
+    mid = stagelink.get_connectors_config_for_stage(cfg, 1)
+    assert set(mid) == {"from_stage_0", "to_stage_2"}
+    assert mid["from_stage_0"]["spec"]["name"] == "MooncakeStoreConnector"
+    assert mid["from_stage_0"]["spec"]["extra"]["role"] == "receiver"
+    assert mid["to_stage_2"]["spec"] == {"name": "SharedMemoryConnector", "extra": {"role": "sender"}}
+    assert list(stagelink.get_connectors_config_for_stage(cfg, 0)) == ["to_stage_1"]
+    assert stagelink.get_connectors_config_for_stage(None, 0) == {}
+    c = stagelink.OmniConnectorFactory.create_connector(stagelink.ConnectorSpec(name="SharedMemoryConnector"))
+    try:
+        assert c.put(0, 1, "k", {"a": 1})[0] and c.get(0, 1, "k")[0] == {"a": 1}
+    finally:
+        c.close()
+    with pytest.raises(ValueError):
+        stagelink.OmniConnectorFactory.create_connector(stagelink.ConnectorSpec(name="UnknownConnector"))
+    made = []
+    stagelink.OmniConnectorFactory.register_connector("MyConnector", lambda extra: made.append(extra) or "mine")
+    try:
+        assert stagelink.OmniConnectorFactory.create_connector(stagelink.ConnectorSpec("MyConnector", {"x": 1})) == "mine"
+        assert made == [{"x": 1}]
+    finally:
+        stagelink.OmniConnectorFactory._registry.pop("MyConnector")
+
 def test_dict_input_and_errors(tmp_path):
     cfg = stagelink.load_transfer_config({"stages": [{"stage_id": "a", "output_connectors": {"to_stage_b": {"name": "SharedMemoryConnector"}}}]})
     assert cfg.connector_for_edge("a", "b").name == "SharedMemoryConnector"
