@@ -12,7 +12,7 @@ from ._core import (  # noqa: F401  exception classes
 )
 from .config import (ConnectorSpec, Edge, TransferConfig, get_connectors_config_for_stage,  # noqa: F401
                      load_omni_transfer_config, load_transfer_config)
-from .connector import Connector, Loan, OmniConnectorFactory, create_connector  # noqa: F401
+from .connector import Connector, Loan, OmniConnectorFactory, OmniSerializer, create_connector  # noqa: F401
 from .control import ControlMessage  # noqa: F401
 from .mq import MessageQueue  # noqa: F401
 from .relay import Relay, RelayOperation  # noqa: F401

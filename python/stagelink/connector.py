@@ -206,6 +206,15 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         return self._health()
 
 
+class OmniSerializer:
+    """vLLM-Omni's serializer names over stagelink frames: ``serialize(obj) -> bytes`` and
+    ``deserialize(data)`` (numpy arrays, torch tensors, strided views included, and trees of
+    them natively; pickle-5 for other objects)."""
+
+    serialize = staticmethod(Connector.serialize_obj)
+    deserialize = staticmethod(Connector.deserialize_obj)
+
+
 class OmniConnectorFactory:
     """vLLM-Omni's factory: ``create_connector(ConnectorSpec)``; ``register_connector(name,
     constructor)`` adds a connector class of your own (``constructor(extra)``), which takes

@@ -66,6 +66,9 @@ def test_vllm_omni_names_for_config_and_factory(tmp_path):
         c.close()
     with pytest.raises(ValueError):
         stagelink.OmniConnectorFactory.create_connector(stagelink.ConnectorSpec(name="UnknownConnector"))
+    data = {"key": "value", "list": [1, 2, 3]}
+    blob = stagelink.OmniSerializer.serialize(data)
+    assert isinstance(blob, bytes) and stagelink.OmniSerializer.deserialize(blob) == data
     made = []
     stagelink.OmniConnectorFactory.register_connector("MyConnector", lambda extra: made.append(extra) or "mine")
     try:
