@@ -45,22 +45,29 @@ struct ByteSink {
   }
   // write_int after reserve(9) (a list of n ids: one reserve(9 * n), then n of these).
   [[gnu::always_inline]] void write_int_reserved(int64_t v) {
-    auto* d = reinterpret_cast<uint8_t*>(out->data() + len);
-    if (v >= 0 && v <= 0x7f) { d[0] = uint8_t(v); len += 1; return; }
-    if (v < 0 && v >= -32) { d[0] = uint8_t(int8_t(v)); len += 1; return; }
-    if (v >= 0 && v <= 0xff) { d[0] = 0xcc; d[1] = uint8_t(v); len += 2; return; }
-    if (v >= 0 && v <= 0xffff) { d[0] = 0xcd; d[1] = uint8_t(v >> 8); d[2] = uint8_t(v); len += 3; return; }
+    uint8_t* b = at();
+    len += size_t(put_int(b, v) - b);
+  }
+  // Where the next byte goes (valid until the next reserve or write).
+  uint8_t* at() { return reinterpret_cast<uint8_t*>(out->data() + len); }
+  // v at d in its shortest msgpack form; returns the byte after it. A caller writing a run of
+  // ints keeps its own cursor: stores through a byte pointer may alias anything, so writing
+  // through the sink would reload its buffer and length for every value.
+  [[gnu::always_inline]] static uint8_t* put_int(uint8_t* d, int64_t v) {
+    if (v >= 0 && v <= 0x7f) { d[0] = uint8_t(v); return d + 1; }
+    if (v < 0 && v >= -32) { d[0] = uint8_t(int8_t(v)); return d + 1; }
+    if (v >= 0 && v <= 0xff) { d[0] = 0xcc; d[1] = uint8_t(v); return d + 2; }
+    if (v >= 0 && v <= 0xffff) { d[0] = 0xcd; d[1] = uint8_t(v >> 8); d[2] = uint8_t(v); return d + 3; }
     if (v >= 0 && v <= 0xffffffffll) {
       d[0] = 0xce;
       const uint32_t be = __builtin_bswap32(uint32_t(v));
       std::memcpy(d + 1, &be, 4);
-      len += 5;
-      return;
+      return d + 5;
     }
     d[0] = v >= 0 ? 0xcf : 0xd3;  // uint64 / int64
     const uint64_t be = __builtin_bswap64(uint64_t(v));
     std::memcpy(d + 1, &be, 8);
-    len += 9;
+    return d + 9;
   }
 };
 using Packer = msgpack::packer<ByteSink>;

@@ -631,13 +631,13 @@ inline bool compact_int(PyObject* o, long long& v) {
 // Llama 3's 128,256) are made on first use and kept, at most ~9 MiB for a process that meets
 // them all. Larger values are made each time. Called with the GIL held.
 constexpr uint64_t kIdCache = 1u << 18;
+PyObject** id_table() {  // zeroed pages: only those of ids met take memory (nullptr: no memory)
+  static PyObject** table = static_cast<PyObject**>(std::calloc(kIdCache, sizeof(PyObject*)));
+  return table;
+}
 PyObject* id_int(uint64_t v) {
-  static PyObject** table = nullptr;  // zeroed pages: only those of ids met take memory
-  if (v >= kIdCache) return PyLong_FromUnsignedLongLong(v);
-  if (!table) {
-    table = static_cast<PyObject**>(std::calloc(kIdCache, sizeof(PyObject*)));
-    if (!table) return PyLong_FromUnsignedLongLong(v);
-  }
+  PyObject** table = id_table();
+  if (v >= kIdCache || !table) return PyLong_FromUnsignedLongLong(v);
   PyObject*& slot = table[v];
   if (!slot) {
     slot = PyLong_FromUnsignedLongLong(v);
@@ -930,23 +930,27 @@ struct PyEncoder {
       const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
       pk.pack_array(uint32_t(n));
       PyObject** items = PySequence_Fast_ITEMS(o);
-      size_t room = 0;  // ints that may still be written without a bounds check (nor a call each)
-      for (Py_ssize_t i = 0; i < n; ++i) {
-        if (room == 0) {  // room for the next ones, 4096 at a time (a huge list reserves no more)
-          room = std::min<size_t>(4096, size_t(n - i));
-          sink.reserve(9 * room);
-        }
+      // Runs of compact ints are written through a cursor of our own, in room reserved 4096 ints
+      // at a time (a huge list reserves no more): no bounds check nor call per int.
+      for (Py_ssize_t i = 0; i < n;) {
         long long v;
         if (Py_IS_TYPE(items[i], &PyLong_Type) && compact_int(items[i], v)) {
-          sink.write_int_reserved(v);
-          --room;
+          // A run of them (kept in registers: no lambda, no member written per value).
+          const Py_ssize_t room = std::min<Py_ssize_t>(4096, n - i);
+          sink.reserve(9 * size_t(room));
+          uint8_t* const d0 = sink.at();
+          uint8_t* d = detail::ByteSink::put_int(d0, v);
+          const Py_ssize_t end = i + room;
+          for (++i; i < end && Py_IS_TYPE(items[i], &PyLong_Type) && compact_int(items[i], v); ++i)
+            d = detail::ByteSink::put_int(d, v);
+          sink.len += size_t(d - d0);
           continue;
         }
-        room = 0;  // what that item writes may use the room
         if (!encode(items[i], depth + 1)) return false;
         // A torch leaf runs Python code: a list it changed (resized: items moved) is not read on.
         if (PyList_CheckExact(o) && (PyList_GET_SIZE(o) != n || PySequence_Fast_ITEMS(o) != items))
           return fail(h, " that changed while it was being put");
+        ++i;
       }
       return true;
     }
@@ -1188,19 +1192,25 @@ struct PyDecoder {
   bool array(Out& o, uint32_t n, F elem) {
     const bool tup = next_is_tuple();
     set(o, tup ? PyTuple_New(Py_ssize_t(n)) : PyList_New(Py_ssize_t(n)));
+    // The items in place (a new list or tuple: every slot empty until set here).
+    PyObject** items = tup ? reinterpret_cast<PyTupleObject*>(o.ptr())->ob_item : reinterpret_cast<PyListObject*>(o.ptr())->ob_item;
+    PyObject** ids = id_table();
     for (uint32_t i = 0; i < n; ++i) {
       PyObject* x;
       uint64_t v;
       if (rd->try_small_uint(v)) {  // ids: no call through the reader per item
-        x = id_int(v);
-        if (!x) throw nb::python_error();
+        if (ids && v < kIdCache && ids[v]) {  // met before: an incref
+          x = ids[v];
+          Py_INCREF(x);
+        } else if (!(x = id_int(v))) {
+          throw nb::python_error();
+        }
       } else {
         Out e;
         if (!elem(e)) return false;
         x = e.release().ptr();
       }
-      if (tup) PyTuple_SET_ITEM(o.ptr(), Py_ssize_t(i), x);
-      else PyList_SET_ITEM(o.ptr(), Py_ssize_t(i), x);
+      items[i] = x;
     }
     return true;
   }

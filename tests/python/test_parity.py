@@ -431,3 +431,21 @@ def test_base_class_helpers_serialize_obj_and_make_key():
             assert back == obj
     with pytest.raises(stagelink.CorruptError):
         C.deserialize_obj(b"not a frame")
+
+
+def test_lists_of_ids_across_run_boundaries_and_mixed_items(ns):
+    # Runs of compact ints are written through a cursor of their own, 4096 at a time: a run that
+    # crosses that bound, one broken by other items (big, negative, bool, float, nested), and
+    # tuples must all come back exactly, types included.
+    c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns})
+    try:
+        ids = list(range(10_000))
+        mixed = list(range(4090)) + [2 ** 40, -5, True, 1.5, [7, 8], None, 2 ** 63 + 1, -(2 ** 63)] + list(range(5000))
+        for data in (ids, mixed, tuple(mixed), {"ids": ids, "t": (1, 2, 3), "x": [[1, 2], [3, [4, 2 ** 62]]]},
+                     [], [0], [-1], [255, 256, 65535, 65536, 2 ** 32 - 1, 2 ** 32]):
+            got, _ = roundtrip(c, data)
+            assert got == data and type(got) is type(data)
+            if isinstance(data, (list, tuple)):
+                assert [type(x) for x in got] == [type(x) for x in data]
+    finally:
+        c.close()
