@@ -28,6 +28,8 @@
 #include <mutex>
 #include <cstring>
 #include <random>
+#include <functional>
+#include <optional>
 
 #include "connectors/extra.hpp"
 #include "connectors/internal_key.hpp"
@@ -381,13 +383,18 @@ class StoreConnector final : public Connector {
     // 1 MiB and a sliver that costs a value of its own).
     m.chunks = (m.size + o_.chunk_bytes - 1) / o_.chunk_bytes;
     m.chunk_bytes = m.chunks ? (m.size + m.chunks - 1) / m.chunks : o_.chunk_bytes;
-    {
-      XXH3_state_t* st = XXH3_createState();
-      XXH3_64bits_reset(st);
-      for (auto sg : segs) XXH3_64bits_update(st, sg.data(), sg.size());
-      m.hash = XXH3_64bits_digest(st);
-      XXH3_freeState(st);
-    }
+    // The checksum: a large frame's is taken chunk by chunk just before each goes out (still in
+    // cache when the kernel copies it), and the meta that carries it is formatted after the last;
+    // otherwise here, whole.
+    XXH3_state_t* hs = XXH3_createState();
+    if (!hs) return fail(make_error(Errc::exhausted, "no memory for a checksum state"));
+    std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hs_owner(hs, XXH3_freeState);
+    auto hash_whole = [&] {
+      XXH3_64bits_reset(hs);
+      for (auto sg : segs) XXH3_64bits_update(hs, sg.data(), sg.size());
+      m.hash = XXH3_64bits_digest(hs);
+    };
+    if (plan.total <= kInlineChunk) hash_whole();
     m.rid = rid;
     const std::string ik = make_internal_key(key, from, to), base = "sl:{" + ik + "}";
     const std::string ttl = std::to_string(uint64_t(o_.ttl_s * 1000));
@@ -425,7 +432,8 @@ class StoreConnector final : public Connector {
     const size_t first_fin = chunks.size();
     std::vector<Cmd>& cmds = chunks;
     cmds.emplace_back().arg("GET").arg(base + ":m");  // the replaced put's meta, if any
-    cmds.emplace_back().arg("SET").arg(base + ":m").arg(encode_meta(m)).arg("PX").arg(ttl);
+    std::string meta = encode_meta(m);  // the checksum rewritten in place once known
+    cmds.emplace_back().arg("SET").arg(base + ":m").arg(std::string_view(meta)).arg("PX").arg(ttl);
     cmds.emplace_back().arg("SET").arg(base + ":r").arg(std::to_string(m.readers)).arg("PX").arg(ttl);
     cmds.emplace_back().arg("DEL").arg(base + ":s");
     cmds.emplace_back().arg("RPUSH").arg(base + ":s").arg(hex(m.gen));
@@ -438,10 +446,25 @@ class StoreConnector final : public Connector {
     // Large values first; on one connection the rest follows on the same write (one round trip).
     std::vector<Reply> replies;
     if (!items.empty()) {
-      Status st = redis_->set_values(base, items, ttl, o_.redis.connections, dl, cmds, &replies);
+      XXH3_64bits_reset(hs);
+      auto sending = [&](size_t i) {
+        for (auto part : items[i].value) XXH3_64bits_update(hs, part.data(), part.size());
+        if (i + 1 == items.size()) {
+          m.hash = XXH3_64bits_digest(hs);
+          const std::string enc = encode_meta(m);
+          std::memcpy(meta.data(), enc.data(), enc.size());
+        }
+      };
+      bool sent_each = false;
+      Status st = redis_->set_values(base, items, ttl, o_.redis.connections, dl, cmds, &replies, sending, &sent_each);
       if (!st.ok()) {
         drop_chunks(base, m);  // nothing half-written stays
         return fail(std::move(st).error());
+      }
+      if (!sent_each) {  // over several connections: the meta goes below, hashed whole
+        hash_whole();
+        const std::string enc = encode_meta(m);
+        std::memcpy(meta.data(), enc.data(), enc.size());
       }
     }
     if (replies.empty()) {
@@ -690,15 +713,33 @@ class StoreConnector final : public Connector {
       items.push_back({chunk_name(base, m.gen, i), {buf.get() + off, n}});
     }
     const Deadline big = dl + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(double(m.size) / 50e6));
-    SL_TRY(redis_->get_values(base, items, m.readers == 1 && left <= 0, o_.redis.connections, big));
+    // The checksum as the chunks land, while each is still in cache (read on one connection, in
+    // order); where that did not cover the frame, finish() hashes it whole.
+    XXH3_state_t* st = XXH3_createState();
+    if (!st) return make_error(Errc::exhausted, "no memory for a checksum state");
+    std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> st_owner(st, XXH3_freeState);
+    XXH3_64bits_reset(st);
+    size_t hashed = 0;
+    if (first.data() && m.chunks > 1) {
+      XXH3_64bits_update(st, buf.get(), first.size());
+      hashed = first.size();
+    }
+    auto arrived = [&](size_t j) {
+      if (items[j].dst.data() != buf.get() + hashed) return;  // out of order: hashed whole later
+      XXH3_64bits_update(st, items[j].dst.data(), items[j].dst.size());
+      hashed += items[j].dst.size();
+    };
+    SL_TRY(redis_->get_values(base, items, m.readers == 1 && left <= 0, o_.redis.connections, big, arrived));
     count_done(base, m, dl);
-    return finish({buf.get(), size_t(m.size)}, std::shared_ptr<const void>(buf, buf.get()), m, go);
+    std::optional<uint64_t> sum;
+    if (hashed == m.size) sum = XXH3_64bits_digest(st);
+    return finish({buf.get(), size_t(m.size)}, std::shared_ptr<const void>(buf, buf.get()), m, go, sum);
   }
 
   // The frame's checksum, then the payload (views that hold `keep`, or a copy).
   static Result<GetResult> finish(std::span<const std::byte> frame, std::shared_ptr<const void> keep, const Meta& m,
-                                  const GetOptions& go) {
-    if (XXH3_64bits(frame.data(), frame.size()) != m.hash)
+                                  const GetOptions& go, std::optional<uint64_t> sum = std::nullopt) {
+    if ((sum ? *sum : XXH3_64bits(frame.data(), frame.size())) != m.hash)
       return make_error(Errc::corrupt, "the payload in the store does not match its checksum (corrupted)");
     GetResult g;
     g.size = size_t(m.size);

@@ -716,7 +716,9 @@ static Status spread_raw(Redis::Impl& I, Node& n, unsigned ways, Deadline deadli
 }
 
 Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> items, const std::string& px,
-                         unsigned ways, Deadline deadline, std::span<const Cmd> then, std::vector<Reply>* then_replies) {
+                         unsigned ways, Deadline deadline, std::span<const Cmd> then, std::vector<Reply>* then_replies,
+                         const std::function<void(size_t)>& sending, bool* sent_each) {
+  if (sent_each) *sent_each = false;
   if (items.empty()) return {};
   ways = std::min<unsigned>({std::max(1u, ways), std::max(1u, impl_->o.connections), unsigned(items.size())});
   const bool follow = ways == 1 && !then.empty() && then_replies;  // `then` rides on the same write
@@ -728,6 +730,7 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
     const size_t a = std::min(items.size(), w * per), b = std::min(items.size(), a + per);
     std::vector<std::string> heads(b - a);
     const std::string tail = "\r\n$2\r\nPX\r\n$" + std::to_string(px.size()) + "\r\n" + px + "\r\n";
+    const bool each = ways == 1 && sending;  // one by one, the hook ahead of each
     std::vector<iovec> iov;
     for (size_t i = a; i < b; ++i) {
       const SetItem& it = items[i];
@@ -739,9 +742,15 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
       for (auto part : it.value)
         if (!part.empty()) iov.push_back({const_cast<std::byte*>(part.data()), part.size()});
       iov.push_back({const_cast<char*>(tail.data()), tail.size()});
+      if (each) {
+        sending(i);
+        SL_TRY(write_all(conn, std::move(iov), n->addr()));
+        iov.clear();
+      }
     }
+    if (each && sent_each) *sent_each = true;
     std::vector<std::unique_ptr<char, void (*)(char*)>> formatted;
-    if (follow) {
+    if (follow) {  // formatted now: after the hooks
       std::vector<const char*> av;
       std::vector<size_t> al;
       for (const Cmd& cmd : then) {
@@ -798,7 +807,7 @@ Status Redis::set_values(std::string_view slot_key, std::span<const SetItem> ite
 }
 
 Status Redis::get_values(std::string_view slot_key, std::span<const GetItem> items, bool del, unsigned ways,
-                         Deadline deadline) {
+                         Deadline deadline, const std::function<void(size_t)>& arrived) {
   if (items.empty()) return {};
   ways = std::min<unsigned>({std::max(1u, ways), std::max(1u, impl_->o.connections), unsigned(items.size())});
   Node* n = impl_->owner(slot_key);
@@ -823,6 +832,7 @@ Status Redis::get_values(std::string_view slot_key, std::span<const GetItem> ite
       }
       if (!s.ok() && s.error().code != Errc::not_found && s.error().code != Errc::corrupt) return s;  // broken
       if (!s.ok() && first.ok()) first = s;
+      if (s.ok() && err.empty() && ways == 1 && arrived) arrived(i);
     }
     healthy = rd.drained();
     return redir ? Status{} : first;

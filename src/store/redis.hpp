@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -112,11 +113,17 @@ class Redis {
   };
   // `then` (commands of the same slot) follow the values on the same connection when the values
   // go over one; their replies land in `then_replies` (else the caller runs them itself: they
-  // are left unrun and `then_replies` empty).
+  // are left unrun and `then_replies` empty). `sending(i)`, when given and one connection takes
+  // them all, is called just before item i goes out, in order: the items are then sent one by one
+  // and `then` is formatted after the last (it may read what the calls wrote). Returns whether it
+  // was called for every item.
   Status set_values(std::string_view slot_key, std::span<const SetItem> items, const std::string& px, unsigned ways,
-                    Deadline deadline, std::span<const Cmd> then = {}, std::vector<Reply>* then_replies = nullptr);
+                    Deadline deadline, std::span<const Cmd> then = {}, std::vector<Reply>* then_replies = nullptr,
+                    const std::function<void(size_t)>& sending = {}, bool* sent_each = nullptr);
+  // `arrived(i)`, when given, is called as item i lands, in order, where one connection reads them
+  // all (ways 1); with several connections it is not called.
   Status get_values(std::string_view slot_key, std::span<const GetItem> items, bool del, unsigned ways,
-                    Deadline deadline);
+                    Deadline deadline, const std::function<void(size_t)>& arrived = {});
   // A blocking command (BLPOP ...) that may wait until `deadline`, on a connection of its own,
   // followed by `cmds[1..]` (same slot) in the same pipeline: the server holds those back while
   // the first blocks and runs them the moment it returns, so what the waiter does next (claim

@@ -488,3 +488,31 @@ TEST(Store, SmallChunksWithTheFirstInTheClaimOneReaderAndTwo) {
     EXPECT_EQ(dbsize(srv.port()), 0) << readers;
   }
 }
+
+// A large frame's checksum is taken chunk by chunk as the chunks go out and as they land (one
+// connection), or whole (several): a byte flipped in the first, a middle or the last chunk is
+// caught either way, and a clean put of the same frame reads back intact.
+TEST(Store, ChecksumTakenChunkByChunkCatchesAFlipInAnyChunk) {
+  NEED_REDIS();
+  RedisServer srv;
+  for (int conns : {1, 2}) {
+    auto c = store_conn(srv.port(), {{"chunk_bytes", 256 * 1024}, {"connections", conns}});
+    ASSERT_TRUE(c);
+    const auto data = pattern(1000000, 7 + conns);  // 4 chunks of 256 KiB (the last shorter)
+    ASSERT_TRUE(c->put("0", "1", "whole", payload_of(data)).ok());
+    auto g = c->get("0", "1", "whole", nullptr, kNoWait, {});
+    ASSERT_TRUE(g.ok()) << g.error().to_string();
+    ASSERT_EQ(g->payload.tensors.size(), 1u);
+    EXPECT_EQ(std::memcmp(g->payload.tensors[0].data.data(), data.data(), data.size()), 0);
+    for (const char* which : {"0", "1", "3"}) {
+      const std::string key = std::string("flip") + which + "_" + std::to_string(conns);
+      ASSERT_TRUE(c->put("0", "1", key, payload_of(data)).ok());
+      auto keys = admin(srv.port(), {"KEYS", "sl:{" + key + "@0_1}:c:*:" + which});
+      ASSERT_EQ(store::elements(keys), 1u) << key;
+      admin(srv.port(), {"SETRANGE", std::string(store::str(store::element(keys, 0))), "1000", "X"});
+      g = c->get("0", "1", key, nullptr, kNoWait, {});
+      ASSERT_FALSE(g.ok()) << key;
+      EXPECT_EQ(g.error().code, Errc::corrupt) << key << ": " << g.error().to_string();
+    }
+  }
+}
