@@ -200,6 +200,14 @@ std::string hex(uint64_t v) {
   return b;
 }
 
+// A streaming XXH3 state (freed with the pointer); null without memory.
+using HashState = std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)>;
+HashState hash_state() {
+  HashState h(XXH3_createState(), XXH3_freeState);
+  if (h) XXH3_64bits_reset(h.get());
+  return h;
+}
+
 std::string encode_meta(const Meta& m) {
   std::string s(kMetaFixed + m.rid.size(), '\0');
   std::memcpy(s.data(), kMagic, 4);
@@ -386,13 +394,18 @@ class StoreConnector final : public Connector {
     // The checksum: a large frame's is taken chunk by chunk just before each goes out (still in
     // cache when the kernel copies it), and the meta that carries it is formatted after the last;
     // otherwise here, whole.
-    XXH3_state_t* hs = XXH3_createState();
+    HashState hs_owner = hash_state();
+    XXH3_state_t* hs = hs_owner.get();
     if (!hs) return fail(make_error(Errc::exhausted, "no memory for a checksum state"));
-    std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> hs_owner(hs, XXH3_freeState);
+    std::string meta;  // formatted below; the checksum rewritten in place once known
     auto hash_whole = [&] {
       XXH3_64bits_reset(hs);
       for (auto sg : segs) XXH3_64bits_update(hs, sg.data(), sg.size());
       m.hash = XXH3_64bits_digest(hs);
+    };
+    auto settle_meta = [&] {  // same length: the command's view of it stays valid
+      const std::string enc = encode_meta(m);
+      std::memcpy(meta.data(), enc.data(), enc.size());
     };
     if (plan.total <= kInlineChunk) hash_whole();
     m.rid = rid;
@@ -432,7 +445,7 @@ class StoreConnector final : public Connector {
     const size_t first_fin = chunks.size();
     std::vector<Cmd>& cmds = chunks;
     cmds.emplace_back().arg("GET").arg(base + ":m");  // the replaced put's meta, if any
-    std::string meta = encode_meta(m);  // the checksum rewritten in place once known
+    meta = encode_meta(m);
     cmds.emplace_back().arg("SET").arg(base + ":m").arg(std::string_view(meta)).arg("PX").arg(ttl);
     cmds.emplace_back().arg("SET").arg(base + ":r").arg(std::to_string(m.readers)).arg("PX").arg(ttl);
     cmds.emplace_back().arg("DEL").arg(base + ":s");
@@ -451,8 +464,7 @@ class StoreConnector final : public Connector {
         for (auto part : items[i].value) XXH3_64bits_update(hs, part.data(), part.size());
         if (i + 1 == items.size()) {
           m.hash = XXH3_64bits_digest(hs);
-          const std::string enc = encode_meta(m);
-          std::memcpy(meta.data(), enc.data(), enc.size());
+          settle_meta();
         }
       };
       bool sent_each = false;
@@ -463,8 +475,7 @@ class StoreConnector final : public Connector {
       }
       if (!sent_each) {  // over several connections: the meta goes below, hashed whole
         hash_whole();
-        const std::string enc = encode_meta(m);
-        std::memcpy(meta.data(), enc.data(), enc.size());
+        settle_meta();
       }
     }
     if (replies.empty()) {
@@ -715,10 +726,9 @@ class StoreConnector final : public Connector {
     const Deadline big = dl + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(double(m.size) / 50e6));
     // The checksum as the chunks land, while each is still in cache (read on one connection, in
     // order); where that did not cover the frame, finish() hashes it whole.
-    XXH3_state_t* st = XXH3_createState();
+    HashState st_owner = hash_state();
+    XXH3_state_t* st = st_owner.get();
     if (!st) return make_error(Errc::exhausted, "no memory for a checksum state");
-    std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> st_owner(st, XXH3_freeState);
-    XXH3_64bits_reset(st);
     size_t hashed = 0;
     if (first.data() && m.chunks > 1) {
       XXH3_64bits_update(st, buf.get(), first.size());
