@@ -64,4 +64,9 @@ Result<TransferConfig> load_transfer_config_file(const std::string& path);
 Result<TransferConfig> load_transfer_config_string(const std::string& yaml,
                                                    const std::string& source = "<string>");
 
+// One string value expanded as the loaders do (`key` and `source` name it in errors). `bare`: also
+// `$VAR` without braces, as vLLM-Omni's connectors take it in a host.
+Result<std::string> expand_env_value(std::string_view in, const std::string& key, const std::string& source,
+                                     bool bare = false);
+
 }  // namespace stagelink

@@ -7,8 +7,6 @@ saying so. For a store with notification and TTLs, use ``StoreConnector`` (Redis
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 import time
 from typing import Optional
@@ -21,21 +19,6 @@ log = logging.getLogger("stagelink.mooncake_store")
 _INSTALL = ("MooncakeStoreConnector needs Mooncake's Python client: pip install mooncake-transfer-engine "
             "(CUDA hosts) or mooncake-transfer-engine-non-cuda, and a running mooncake_master; or use "
             "StoreConnector (Redis: no extra service beyond redis-server)")
-
-
-_ENV_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
-
-
-def _expand_env(key: str, value: str) -> str:
-    """``$VAR`` and ``${VAR}`` in ``value`` from the environment; an unset one is an error naming it
-    (never a literal "$VAR" handed to the store as a host name)."""
-    def one(m):
-        name = m.group(1) or m.group(2)
-        if name not in os.environ:
-            raise _core.InvalidArgumentError(f"MooncakeStoreConnector extra '{key}': environment variable "
-                                             f"{name} is not set (in '{value}')")
-        return os.environ[name]
-    return _ENV_VAR.sub(one, value)
 
 
 class MooncakeStoreConnector:
@@ -57,9 +40,10 @@ class MooncakeStoreConnector:
             if not extra.get(k):
                 raise _core.InvalidArgumentError(f"MooncakeStoreConnector extra needs '{k}'")
         #: vLLM-Omni's: the stage this connector serves (-1: not given) and the address other
-        #: workers dial, with $VAR / ${VAR} taken from the environment as vLLM-Omni does.
+        #: workers dial, with $VAR, ${VAR} and ${VAR:-default} taken from the environment (vLLM-Omni's $VAR too).
         self.stage_id = extra.get("stage_id", -1)
-        self.host = _expand_env("host", str(extra.get("host", "127.0.0.1")))
+        self.host = _core.expand_env(str(extra.get("host", "127.0.0.1")), "host", "MooncakeStoreConnector extra",
+                                     bare=True)
         self.timeout_s = float(extra.get("timeout_s", 5))
         self.allow_pickle = bool(extra.get("allow_pickle", False))
         self._store = MooncakeDistributedStore()

@@ -459,7 +459,6 @@ class StoreConnector final : public Connector {
     // Large values first; on one connection the rest follows on the same write (one round trip).
     std::vector<Reply> replies;
     if (!items.empty()) {
-      XXH3_64bits_reset(hs);
       auto sending = [&](size_t i) {
         for (auto part : items[i].value) XXH3_64bits_update(hs, part.data(), part.size());
         if (i + 1 == items.size()) {

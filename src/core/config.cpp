@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -462,32 +463,8 @@ Status expand_env(YAML::Node n, const std::string& key, const std::string& sourc
     for (size_t i = 0; i < n.size(); ++i) SL_TRY(expand_env(n[i], key + "[" + std::to_string(i) + "]", source));
     return {};
   }
-  if (!n.IsScalar()) return {};
-  const std::string& in = n.Scalar();
-  if (in.find("${") == std::string::npos) return {};
-  std::string out;
-  for (size_t i = 0; i < in.size();) {
-    if (in.compare(i, 2, "${") != 0) {
-      out += in[i++];
-      continue;
-    }
-    const size_t end = in.find('}', i + 2);
-    if (end == std::string::npos)
-      return make_error(Errc::invalid_argument, source + ": '" + key + "': unterminated ${ in '" + in + "'");
-    const std::string body = in.substr(i + 2, end - i - 2);
-    const size_t dflt = body.find(":-");
-    const std::string name = body.substr(0, dflt);
-    if (name.empty() || name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_") !=
-                            std::string::npos)
-      return make_error(Errc::invalid_argument, source + ": '" + key + "': '${" + body + "}' is not a variable name");
-    const char* v = std::getenv(name.c_str());
-    if (v && (*v || dflt == std::string::npos)) out += v;  // ${X:-d}: d also when X is empty, as the shell
-    else if (dflt != std::string::npos) out += body.substr(dflt + 2);
-    else
-      return make_error(Errc::invalid_argument, source + ": '" + key + "': environment variable " + name +
-                                                    " is not set (give a default: ${" + name + ":-value})");
-    i = end + 1;
-  }
+  if (!n.IsScalar() || n.Scalar().find("${") == std::string::npos) return {};
+  SL_ASSIGN(std::string out, expand_env_value(n.Scalar(), key, source));
   const bool quoted = n.Tag() == "!";
   n = out;
   if (quoted) n.SetTag("!");  // a quoted string stays a string; an unquoted one may now be a number
@@ -502,6 +479,48 @@ Result<TransferConfig> resolve_root(YAML::Node root, const fs::path& dir, const 
   return parse(full, source);
 }
 }  // namespace
+
+Result<std::string> expand_env_value(std::string_view in, const std::string& key, const std::string& source,
+                                     bool bare) {
+  static constexpr std::string_view kName = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_";
+  std::string out;
+  for (size_t i = 0; i < in.size();) {
+    if (in[i] != '$' || i + 1 == in.size() || (in[i + 1] != '{' && !bare)) {
+      out += in[i++];
+      continue;
+    }
+    std::string body;
+    size_t next;
+    if (in[i + 1] == '{') {
+      const size_t end = in.find('}', i + 2);
+      if (end == std::string_view::npos)
+        return make_error(Errc::invalid_argument, source + ": '" + key + "': unterminated ${ in '" + std::string(in) + "'");
+      body = std::string(in.substr(i + 2, end - i - 2));
+      next = end + 1;
+    } else {  // bare $NAME: the longest run of name characters (none: a literal '$')
+      size_t end = i + 1;
+      while (end < in.size() && kName.find(in[end]) != std::string_view::npos) ++end;
+      if (end == i + 1 || std::isdigit(static_cast<unsigned char>(in[i + 1]))) {
+        out += in[i++];
+        continue;
+      }
+      body = std::string(in.substr(i + 1, end - i - 1));
+      next = end;
+    }
+    const size_t dflt = body.find(":-");
+    const std::string name = body.substr(0, dflt);
+    if (name.empty() || name.find_first_not_of(kName) != std::string::npos)
+      return make_error(Errc::invalid_argument, source + ": '" + key + "': '${" + body + "}' is not a variable name");
+    const char* v = std::getenv(name.c_str());
+    if (v && (*v || dflt == std::string::npos)) out += v;  // ${X:-d}: d also when X is empty, as the shell
+    else if (dflt != std::string::npos) out += body.substr(dflt + 2);
+    else
+      return make_error(Errc::invalid_argument, source + ": '" + key + "': environment variable " + name +
+                                                    " is not set (give a default: ${" + name + ":-value})");
+    i = next;
+  }
+  return out;
+}
 
 Result<TransferConfig> load_transfer_config_file(const std::string& path) {
   YAML::Node root;

@@ -44,42 +44,23 @@ Loaded load() {
   auto need = [&](auto& slot, const char* name, bool v2 = false) {
     if (!bind(lib, slot, name, v2)) missing += std::string(missing.empty() ? "" : ", ") + name;
   };
-  need(d.cuInit, "cuInit");
-  need(d.cuDriverGetVersion, "cuDriverGetVersion");
-  need(d.cuDeviceGetCount, "cuDeviceGetCount");
-  need(d.cuDeviceGet, "cuDeviceGet");
-  need(d.cuDeviceGetName, "cuDeviceGetName");
-  need(d.cuDeviceGetUuid, "cuDeviceGetUuid", true);
-  need(d.cuDeviceTotalMem, "cuDeviceTotalMem", true);
-  need(d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-  need(d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease", true);
-  need(d.cuCtxSetCurrent, "cuCtxSetCurrent");
-  need(d.cuCtxGetCurrent, "cuCtxGetCurrent");
-  need(d.cuMemAlloc, "cuMemAlloc", true);
-  need(d.cuMemFree, "cuMemFree", true);
-  need(d.cuMemHostRegister, "cuMemHostRegister", true);
-  need(d.cuMemHostUnregister, "cuMemHostUnregister");
-  need(d.cuMemcpyAsync, "cuMemcpyAsync");
-  need(d.cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync", true);
-  need(d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync", true);
-  need(d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", true);
-  need(d.cuStreamCreate, "cuStreamCreate");
-  need(d.cuStreamDestroy, "cuStreamDestroy", true);
-  need(d.cuStreamSynchronize, "cuStreamSynchronize");
-  need(d.cuStreamWaitEvent, "cuStreamWaitEvent");
-  need(d.cuEventCreate, "cuEventCreate");
-  need(d.cuEventDestroy, "cuEventDestroy", true);
-  need(d.cuEventRecord, "cuEventRecord");
-  need(d.cuEventSynchronize, "cuEventSynchronize");
-  need(d.cuEventQuery, "cuEventQuery");
-  need(d.cuIpcGetMemHandle, "cuIpcGetMemHandle");
-  need(d.cuIpcOpenMemHandle, "cuIpcOpenMemHandle", true);
-  need(d.cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
-  need(d.cuIpcGetEventHandle, "cuIpcGetEventHandle");
-  need(d.cuIpcOpenEventHandle, "cuIpcOpenEventHandle");
-  need(d.cuPointerGetAttribute, "cuPointerGetAttribute");
-  need(d.cuGetErrorName, "cuGetErrorName");
-  need(d.cuGetErrorString, "cuGetErrorString");
+  // Each entry point named once: its member and the symbol it binds (SL_NEED_V2: the _v2 export
+  // where the driver has both).
+#define SL_NEED(f) need(d.f, #f)
+#define SL_NEED_V2(f) need(d.f, #f, true)
+  SL_NEED(cuInit); SL_NEED(cuDriverGetVersion); SL_NEED(cuDeviceGetCount); SL_NEED(cuDeviceGet);
+  SL_NEED(cuDeviceGetName); SL_NEED(cuDevicePrimaryCtxRetain); SL_NEED(cuCtxSetCurrent);
+  SL_NEED(cuCtxGetCurrent); SL_NEED(cuMemHostUnregister); SL_NEED(cuMemcpyAsync); SL_NEED(cuStreamCreate);
+  SL_NEED(cuStreamSynchronize); SL_NEED(cuStreamWaitEvent); SL_NEED(cuEventCreate); SL_NEED(cuEventRecord);
+  SL_NEED(cuEventSynchronize); SL_NEED(cuEventQuery); SL_NEED(cuIpcGetMemHandle); SL_NEED(cuIpcCloseMemHandle);
+  SL_NEED(cuIpcGetEventHandle); SL_NEED(cuIpcOpenEventHandle); SL_NEED(cuPointerGetAttribute);
+  SL_NEED(cuGetErrorName); SL_NEED(cuGetErrorString);
+  SL_NEED_V2(cuDeviceGetUuid); SL_NEED_V2(cuDeviceTotalMem); SL_NEED_V2(cuDevicePrimaryCtxRelease);
+  SL_NEED_V2(cuMemAlloc); SL_NEED_V2(cuMemFree); SL_NEED_V2(cuMemHostRegister); SL_NEED_V2(cuMemcpyDtoDAsync);
+  SL_NEED_V2(cuMemcpyHtoDAsync); SL_NEED_V2(cuMemcpyDtoHAsync); SL_NEED_V2(cuStreamDestroy);
+  SL_NEED_V2(cuEventDestroy); SL_NEED_V2(cuIpcOpenMemHandle);
+#undef SL_NEED
+#undef SL_NEED_V2
   if (!missing.empty()) {
     L.why = "the CUDA driver lacks " + missing + " (too old?)";
     return L;  // the library stays loaded: unloading a driver is not worth its risks

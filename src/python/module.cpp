@@ -2014,6 +2014,9 @@ NB_MODULE(_core, m) {
     return d;
   });
   m.def("host_address", &net::host_address);
+  m.def("expand_env", [](const std::string& value, const std::string& key, const std::string& source, bool bare) {
+    return unwrap(expand_env_value(value, key, source, bare));
+  }, nb::arg("value"), nb::arg("key"), nb::arg("source"), nb::arg("bare") = false);
   // vLLM-Omni's serialize_obj/deserialize_obj: one frame in a bytes object.
   m.def("encode_object", [](nb::handle obj) -> nb::object {
     Payload p;

@@ -254,6 +254,18 @@ stage_args:
   EXPECT_EQ(x.find("host")->as<std::string>(), "10.1.2.3");
   EXPECT_EQ(x.find("proto")->as<std::string>(), "tcp");
   EXPECT_EQ(x.find("note")->as<std::string>(), "a-50123-b");
+  // The YAML loaders take only ${...}: a bare $ (a password, say) stays as written.
+  auto lit = load_transfer_config_string("runtime:\n  connectors:\n    a:\n      name: X\n      extra: {pw: \"p$SL_TEST_HOST\"}\n"
+                                         "stage_args:\n  - stage_id: 0\n    output_connectors: {to_stage_1: a}\n", "lit.yaml");
+  ASSERT_TRUE(lit.ok()) << lit.error().message;
+  EXPECT_EQ(lit->connector_for_edge("0", "1").extra.find("pw")->as<std::string>(), "p$SL_TEST_HOST");
+  // One value, as MooncakeStoreConnector's host takes it (bare: vLLM-Omni's $VAR too).
+  EXPECT_EQ(expand_env_value("10.2.1.$SL_TEST_PORT", "host", "x", true).value(), "10.2.1.50123");
+  EXPECT_EQ(expand_env_value("$SL_TEST_HOST:${SL_TEST_UNSET:-7}", "host", "x", true).value(), "10.1.2.3:7");
+  EXPECT_EQ(expand_env_value("$SL_TEST_HOST", "host", "x", false).value(), "$SL_TEST_HOST");
+  EXPECT_EQ(expand_env_value("a$ b$1 c$", "host", "x", true).value(), "a$ b$1 c$");
+  EXPECT_EQ(expand_env_value("$SL_TEST_UNSET", "host", "x", true).error().code, Errc::invalid_argument);
+  EXPECT_EQ(expand_env_value("${SL_TEST_HOST", "host", "x", true).error().code, Errc::invalid_argument);
   auto bad = load_transfer_config_string("runtime:\n  connectors:\n    a:\n      name: X\n      extra:\n        port: ${SL_TEST_UNSET}\n", "u.yaml");
   ASSERT_FALSE(bad.ok());
   for (const char* want : {"u.yaml", "runtime.connectors.a.extra.port", "SL_TEST_UNSET"})
