@@ -132,6 +132,19 @@ class Connector {
   // until it moves past `seen` or `deadline` passes. Returns false on the deadline.
   virtual uint64_t release_epoch() { return 0; }
   virtual bool wait_release_epoch(uint64_t seen, Deadline deadline) { (void)seen; (void)deadline; return false; }
+  // Arrival wake-ups (vLLM-Omni's get_wakeup_generation/wait_for_change): a counter that moves
+  // when a put may have arrived, and a wait (in the kernel) until it moves past `seen` or
+  // `deadline` passes; returns whether it moved. Hints: a receiver still gets its key by get.
+  // Errors: unsupported (this connector cannot tell; callers keep a timed poll).
+  virtual Result<uint64_t> arrival_epoch() {
+    return make_error(Errc::unsupported, name() + " does not signal arrivals");
+  }
+  virtual bool wait_arrival(uint64_t seen, Deadline deadline) { (void)seen; (void)deadline; return false; }
+  // The keys of this connector's puts that a reader may still get (vLLM-Omni's _pending_keys),
+  // oldest first. Errors: unsupported (this connector does not track them).
+  virtual Result<std::vector<std::string>> pending_keys() {
+    return make_error(Errc::unsupported, name() + " does not list pending keys");
+  }
   // Transfer engines: where a get without metadata finds the sender (vLLM-Omni's
   // update_sender_info(sender_host, sender_zmq_port)). Errors: unsupported, invalid_argument.
   virtual Status update_sender_info(const std::string& host, int port) {

@@ -160,6 +160,35 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         thread's) returns ``None`` at once. Returns how many were woken (0: none was waiting)."""
         return self._reported("abandon_get", self._abandon_get, str(get_key))
 
+    # -- vLLM-Omni's arrival wake-ups: a receive loop sleeps until a put may have arrived
+    def get_wakeup_generation(self) -> Optional[int]:
+        """A snapshot to take before polling: a later ``put`` (by any process on this host, to any
+        stage) moves it, see :meth:`wait_for_change`. ``None`` when this connector cannot signal
+        arrivals (network connectors, a closed one): the caller keeps its timed poll."""
+        return self._arrival_epoch()
+
+    def wait_for_change(self, generation: int, *, timeout: float) -> bool:
+        """Block (in the kernel, no polling) until a ``put`` since ``generation`` or ``timeout``
+        seconds. Returns whether one came. A hint, as in vLLM-Omni: the key is still read with
+        ``get``, and a put to another stage may wake this too."""
+        return self._wait_arrival(int(generation), float(timeout))
+
+    @property
+    def _pending_keys(self) -> dict:
+        """vLLM-Omni's: the keys this connector put that a reader may still get, oldest first (a
+        dict of key -> None, as its OrderedDict). Read, taken by every reader, cancelled or closed:
+        gone. Connectors that do not track them raise AttributeError."""
+        keys = self._pending_key_list()
+        if keys is None:
+            raise AttributeError(f"{self.name} does not list pending keys")
+        return dict.fromkeys(keys)
+
+    @property
+    def _metrics(self) -> dict:
+        """vLLM-Omni's counters: ``puts``, ``gets``, ``bytes_transferred`` (from :meth:`health`)."""
+        h = self.health()
+        return {k: h.get(k, 0) for k in ("puts", "gets", "bytes_transferred")}
+
     def update_sender_info(self, sender_host: str, sender_zmq_port: int) -> None:
         """Transfer engines (vLLM-Omni's name): where a ``get`` without metadata asks for the key
         (the sender's side-channel host and port). Other connectors raise UnsupportedError."""

@@ -223,15 +223,33 @@ class ShmConnector final : public Connector {
   }
 
   bool wait_release_epoch(uint64_t seen, Deadline deadline) override {
-    std::shared_ptr<Directory> dir;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closed_) return true;
-      dir = dir_;
-    }
+    const std::shared_ptr<Directory> dir = live_dir();
+    if (!dir) return true;  // close() freed every put
     auto rem = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now()).count();
     if (rem <= 0) return dir->release_seq() != uint32_t(seen);
     return dir->wait_release(uint32_t(seen), mono_ns() + uint64_t(rem)) || dir->release_seq() != uint32_t(seen);
+  }
+
+  Result<uint64_t> arrival_epoch() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return make_error(Errc::closed, "SharedMemoryConnector is closed");
+    return uint64_t(dir_->publish_seq());
+  }
+
+  bool wait_arrival(uint64_t seen, Deadline deadline) override {
+    const std::shared_ptr<Directory> dir = live_dir();
+    if (!dir) return false;
+    auto rem = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now()).count();
+    return dir->wait_publish(uint32_t(seen), mono_ns() + uint64_t(std::max<int64_t>(rem, 0)));
+  }
+
+  Result<std::vector<std::string>> pending_keys() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> keys;
+    if (closed_) return keys;
+    for (const auto& o : out_)
+      if (auto k = dir_->unread_put_key(o.idx, o.gen)) keys.push_back(std::move(*k));
+    return keys;
   }
 
   Value health() override {
@@ -318,6 +336,12 @@ class ShmConnector final : public Connector {
     std::shared_ptr<Segment> dedicated;
     uint32_t arena_idx, arena_gen;
   };
+
+  // The directory, for a call that then waits or reads without mu_ held; null once closed.
+  std::shared_ptr<Directory> live_dir() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closed_ ? nullptr : dir_;
+  }
 
   // Successful puts are counted in publish_locked, under mu_; failed ones here.
   template <class R>
@@ -514,12 +538,8 @@ class ShmConnector final : public Connector {
   Result<GetResult> get_impl(const std::string& from, const std::string& to, const std::string& key,
                              const Value* metadata, Deadline deadline, const GetOptions& go) {
     SL_TRY(validate_edge(from, to, key));
-    std::shared_ptr<Directory> dir;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closed_) return make_error(Errc::closed, "get on a closed SharedMemoryConnector");
-      dir = dir_;
-    }
+    const std::shared_ptr<Directory> dir = live_dir();
+    if (!dir) return make_error(Errc::closed, "get on a closed SharedMemoryConnector");
     const InternalKey ikey(key, from, to);
     Result<Claim> cl = Claim{};  // set below on every path
     const Value *entry = nullptr, *genv = nullptr, *inl = nullptr;

@@ -1895,6 +1895,26 @@ NB_MODULE(_core, m) {
            })
       .def("_abandon_get", [](PyConnector& self, const std::string& key) { return self.get()->abandon_get(key); })
       .def("_reap_consumed", [](PyConnector& self) { return self.get()->reap_consumed(); })
+      .def("_arrival_epoch", [](PyConnector& self) -> nb::object {
+             if (!self.c) return nb::none();
+             auto e = self.c->arrival_epoch();
+             if (!e.ok()) return nb::none();
+             return nb::int_(e.value());
+           })
+      .def("_wait_arrival", [](PyConnector& self, uint64_t seen, double timeout_s) {
+             if (!self.c) return false;
+             const std::shared_ptr<Connector> c = self.c;
+             nb::gil_scoped_release nogil;
+             return c->wait_arrival(seen, deadline_after(std::max(timeout_s, 0.0)));
+           })
+      .def("_pending_key_list", [](PyConnector& self) -> nb::object {
+             if (!self.c) return nb::list();
+             auto k = self.c->pending_keys();
+             if (!k.ok()) return nb::none();
+             nb::list out;
+             for (auto& s : k.value()) out.append(nb::str(s.data(), s.size()));
+             return out;
+           })
       .def("_update_sender_info", [](PyConnector& self, const std::string& host, int port) {
              auto st = self.get()->update_sender_info(host, port);
              if (!st.ok()) raise(st.error());

@@ -321,6 +321,14 @@ std::string Directory::key_of(uint32_t idx) {
   return std::string(e.key, std::min<size_t>(e.key_len, kKeyMax));
 }
 
+std::optional<std::string> Directory::unread_put_key(uint32_t idx, uint32_t gen) {
+  if (idx >= hdr_->n_entries) return std::nullopt;
+  const Entry& e = entries_[idx];
+  const Ctl c = Ctl::unpack(e.ctl.load(std::memory_order_acquire));
+  if (c.gen != gen || c.state != kReady || c.claimed >= c.readers) return std::nullopt;
+  return std::string(e.key, std::min<size_t>(e.put_len, kKeyMax));
+}
+
 void Directory::free_entry(uint32_t idx, uint32_t gen) {
   Entry& e = entries_[idx];
   uint64_t w = e.ctl.load(std::memory_order_acquire);
@@ -389,6 +397,16 @@ bool Directory::wait_release(uint32_t seen, uint64_t deadline_ns) {
     ok = futex_wait(&hdr_->release_seq, seen, deadline_ns);
   hdr_->release_waiters.fetch_sub(1, std::memory_order_seq_cst);
   return ok;
+}
+
+bool Directory::wait_publish(uint32_t seen, uint64_t deadline_ns) {
+  while (hdr_->publish_seq.load(std::memory_order_acquire) == seen && mono_ns() < deadline_ns) {
+    hdr_->publish_waiters.fetch_add(1, std::memory_order_seq_cst);
+    if (hdr_->publish_seq.load(std::memory_order_seq_cst) == seen)
+      futex_wait(&hdr_->publish_seq, seen, deadline_ns);
+    hdr_->publish_waiters.fetch_sub(1, std::memory_order_seq_cst);
+  }
+  return hdr_->publish_seq.load(std::memory_order_acquire) != seen;
 }
 
 Result<Claim> Directory::claim(uint32_t idx, uint32_t gen, std::string_view key) {

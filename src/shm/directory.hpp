@@ -155,6 +155,10 @@ class Directory {
   // and credit may return.
   bool is_released(uint32_t idx, uint32_t gen);
   std::string key_of(uint32_t idx);  // the key entry idx holds (for messages)
+  // The put key of entry (idx, gen) while a reader may still claim it (READY with claims left);
+  // nullopt once every reader took it, or it was cancelled or freed. Its owner asks (the key of
+  // an entry it owns does not change under it).
+  std::optional<std::string> unread_put_key(uint32_t idx, uint32_t gen);
   void free_entry(uint32_t idx, uint32_t gen);  // DONE/any of ours -> FREE
   bool cancel(uint32_t idx, uint32_t gen);      // READY -> CANCELLED (or DONE)
   Result<std::pair<uint32_t, uint32_t>> register_arena(const std::string& name, uint64_t size,
@@ -162,6 +166,10 @@ class Directory {
   void unregister_arena(uint32_t idx, uint32_t gen);
   uint32_t release_seq() { return hdr_->release_seq.load(std::memory_order_acquire); }
   bool wait_release(uint32_t seen, uint64_t deadline_ns);
+  // Arrivals: a counter every publish (and wake_getters) moves, and a wait in the kernel until it
+  // moves past `seen` or `deadline_ns` (mono) passes. Returns whether it moved.
+  uint32_t publish_seq() { return hdr_->publish_seq.load(std::memory_order_acquire); }
+  bool wait_publish(uint32_t seen, uint64_t deadline_ns);
 
   // Reader side.
   std::optional<Claim> try_claim_key(std::string_view key, uint64_t hash);

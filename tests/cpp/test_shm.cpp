@@ -650,3 +650,49 @@ TEST(Shm, AbandonGetAndCloseEndABlockedGet) {
   }
   EXPECT_EQ(c->abandon_get("nobody"), 0u);
 }
+
+// vLLM-Omni's _pending_keys and arrival wake-ups (get_wakeup_generation / wait_for_change).
+TEST(Shm, PendingKeysFollowReadsCleanupAndClose) {
+  const std::string ns = unique_ns("pend");
+  auto p = make(extra(ns));
+  auto r = make(extra(ns));
+  std::vector<std::byte> d(5000);
+  using V = std::vector<std::string>;
+  for (auto k : {"a", "b", "c"}) ASSERT_TRUE(p->put("0", "1", k, payload_of(d, 0)).ok());
+  PutOptions two;
+  two.readers = 2;
+  ASSERT_TRUE(p->put("0", "1", "fan", payload_of(d, 0), two).ok());
+  EXPECT_EQ(p->pending_keys().value(), (V{"a", "b", "c", "fan"}));
+  ASSERT_TRUE(r->get("0", "1", "b", nullptr).ok());  // another connector reads it
+  ASSERT_TRUE(r->get("0", "1", "fan", nullptr).ok());  // one of two readers: still pending
+  EXPECT_EQ(p->pending_keys().value(), (V{"a", "c", "fan"}));
+  ASSERT_TRUE(r->get("0", "1", "fan", nullptr).ok());
+  EXPECT_EQ(p->cleanup("c"), 1u);
+  EXPECT_EQ(p->pending_keys().value(), (V{"a"}));
+  EXPECT_EQ(r->pending_keys().value(), V{});  // a reader owns no puts
+  p->close();
+  EXPECT_EQ(p->pending_keys().value(), V{});
+}
+
+TEST(Shm, ArrivalEpochWakesOnAPutAndTimesOutWithoutOne) {
+  const std::string ns = unique_ns("arr");
+  auto rcv = make(extra(ns));
+  const uint64_t g = rcv->arrival_epoch().value();
+  auto t0 = Clock::now();
+  EXPECT_FALSE(rcv->wait_arrival(g, deadline_after(0.1)));
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(95));
+  pid_t pid = fork();
+  if (pid == 0) {  // another process puts after a while
+    usleep(100000);
+    auto c = create_connector("SharedMemoryConnector", extra(ns));
+    _exit(c.ok() && (*c)->put("0", "1", "k", Payload{}).ok() ? 0 : 1);
+  }
+  t0 = Clock::now();
+  EXPECT_TRUE(rcv->wait_arrival(g, deadline_after(10)));
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_EQ(wait_child(pid), 0);
+  EXPECT_NE(rcv->arrival_epoch().value(), g);
+  EXPECT_TRUE(rcv->wait_arrival(g, deadline_after(10)));  // already moved: at once
+  rcv->close();
+  EXPECT_EQ(rcv->arrival_epoch().error().code, Errc::closed);
+}

@@ -449,3 +449,52 @@ def test_lists_of_ids_across_run_boundaries_and_mixed_items(ns):
                 assert [type(x) for x in got] == [type(x) for x in data]
     finally:
         c.close()
+
+
+# ---- vLLM-Omni's newer connector surface: _pending_keys, _metrics, arrival wake-ups ----
+
+def test_pending_keys_and_metrics_as_vllm_omni_tests_read_them(ns):
+    with shm(ns, shm_threshold_bytes=0) as c, shm(ns) as other:
+        ok, size, meta = c.put("s0", "s1", "k1", {"hello": "world", "n": 42})
+        assert ok and size > 0 and "shm" in meta  # threshold 0: every payload in a segment
+        assert list(c._pending_keys) == ["k1"]
+        assert c.get("s0", "s1", "k1")[0] == {"hello": "world", "n": 42}
+        assert "k1" not in c._pending_keys
+        assert c._metrics["gets"] == 1 and c._metrics["puts"] == 1
+        for i in range(3):
+            c.put("s0", "s1", f"close_test_{i}", {"i": i})
+        assert other.get("s0", "s1", "close_test_1")[0] == {"i": 1}  # read by another connector
+        assert list(c._pending_keys) == ["close_test_0", "close_test_2"]
+        c.cleanup("close_test_0")  # exact key
+        assert list(c._pending_keys) == ["close_test_2"]
+        assert other._pending_keys == {}
+        c.close()
+        assert len(c._pending_keys) == 0
+
+
+def _late_putter(ns, key, delay):
+    time.sleep(delay)
+    with shm(ns) as c:
+        assert c.put("70", "71", key, {"value": 1})[0]
+        time.sleep(0.5)  # keep the producer while the receiver reads
+
+
+def test_wakeup_generation_sleeps_until_another_process_puts(ns):
+    with shm(ns, stage_id=71) as rcv:
+        gen = rcv.get_wakeup_generation()
+        assert isinstance(gen, int)
+        t0 = time.monotonic()
+        assert rcv.wait_for_change(gen, timeout=0.05) is False
+        assert time.monotonic() - t0 >= 0.04  # no arrival: the whole timeout, asleep
+        p = mp.get_context("fork").Process(target=_late_putter, args=(ns, "wake", 0.2))
+        p.start()
+        try:
+            t0 = time.process_time()
+            assert rcv.wait_for_change(gen, timeout=10) is True
+            assert time.process_time() - t0 < 0.05  # slept in the kernel, did not spin
+            assert rcv.get("70", "71", "wake", timeout=5)[0] == {"value": 1}
+            assert rcv.wait_for_change(rcv.get_wakeup_generation(), timeout=0.02) is False
+        finally:
+            p.join(30)
+        assert p.exitcode == 0
+    assert rcv.get_wakeup_generation() is None  # closed: the caller keeps its timed poll
