@@ -128,7 +128,12 @@ Result<std::unique_ptr<Ring>> Ring::attach(const std::string& dir, const std::st
                                                   std::to_string(h->n_readers) + " local readers");
   RingReader& me = h->readers[rank];
   uint32_t st = kReaderAbsent;
-  if (!me.state.compare_exchange_strong(st, kReaderAttached, std::memory_order_acq_rel)) {
+  // Two steps: take the slot (attaching), write who we are, then say attached. The writer judges
+  // a reader by its pid and start only once attached: on a machine with many cores it once read
+  // the pid between the claim and its store (pid 0) and named a live reader dead.
+  if (!me.state.compare_exchange_strong(st, kReaderAttaching, std::memory_order_acq_rel)) {
+    if (st == kReaderAttaching)
+      return make_error(Errc::exists, "reader rank " + std::to_string(rank) + " of '" + name + "' is being attached");
     const uint32_t pid = me.pid.load();
     if (st == kReaderAttached && proc_alive(ProcId{pid, me.start.load()}))
       return make_error(Errc::exists, "reader rank " + std::to_string(rank) + " of '" + name + "' is already attached (pid " +
@@ -139,7 +144,9 @@ Result<std::unique_ptr<Ring>> Ring::attach(const std::string& dir, const std::st
   const ProcId self = self_proc();
   me.pid.store(self.pid, std::memory_order_relaxed);
   me.start.store(self.start, std::memory_order_relaxed);
-  me.consumed.store(0, std::memory_order_release);
+  me.consumed.store(0, std::memory_order_relaxed);
+  st = kReaderAttaching;  // a writer may have dropped us meanwhile: then we stay dropped
+  me.state.compare_exchange_strong(st, kReaderAttached, std::memory_order_acq_rel);
   bump_and_wake(h->attach_seq);
   std::unique_ptr<Ring> r(new Ring());
   r->seg_ = seg;

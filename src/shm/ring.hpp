@@ -38,7 +38,10 @@ inline constexpr uint32_t kRingMaxReaders = 64;
 inline constexpr uint32_t kRingMaxChunks = 1u << 20;
 inline constexpr uint64_t kRingMaxChunkBytes = 1ull << 32;
 
-enum ReaderState : uint32_t { kReaderAbsent = 0, kReaderAttached = 1, kReaderDropped = 2, kReaderLeft = 3 };
+// kReaderAttaching: the slot is taken and its pid/start are being written; a writer treats it as
+// alive (its identity is not readable yet), and it becomes kReaderAttached with a release store.
+enum ReaderState : uint32_t { kReaderAbsent = 0, kReaderAttached = 1, kReaderDropped = 2, kReaderLeft = 3,
+                              kReaderAttaching = 4 };
 
 struct alignas(64) RingReader {
   std::atomic<uint32_t> state;

@@ -92,6 +92,42 @@ MessageQueueOptions small(size_t chunk, uint32_t chunks) {
 
 // The ring's protocol with threads: 1 writer, 3 readers, random sizes and delays. Under
 // -DSTAGELINK_TSAN=ON this is the ThreadSanitizer check of the memory orders.
+// Regression (seen on a 16-core machine): a reader took its slot before writing its pid, and a
+// writer that looked in between judged "pid 0" dead and failed the enqueue with peer_dead. A
+// reader caught mid-attach is not dead: the writer waits for it (timeout), then it attaches and
+// reads.
+TEST(Ring, AReaderCaughtMidAttachIsNotDead) {
+  const std::string name = shm::user_prefix() + "mq.q" + std::to_string(getpid()) + ".2";
+  shm::RingOptions o;
+  o.n_readers = 1;
+  o.max_chunks = 1;
+  o.chunk_bytes = 64;
+  auto w = shm::Ring::create("/dev/shm", name, o);
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  auto c = (*w)->acquire_write(mono_ns() + 1'000'000'000ull, false, 0, nullptr);
+  ASSERT_TRUE(c.ok());
+  (*w)->publish(*c, 8, shm::kInline, 0);
+  // The slot as a reader leaves it between taking it and writing who it is.
+  shm::RingReader& slot = (*w)->header().readers[0];
+  slot.state.store(shm::kReaderAttaching);
+  const uint64_t t0 = mono_ns();
+  auto blocked = (*w)->acquire_write(mono_ns() + 300'000'000ull, false, 0, nullptr);
+  ASSERT_FALSE(blocked.ok());
+  EXPECT_EQ(blocked.error().code, Errc::timeout) << blocked.error().message;
+  EXPECT_GE(mono_ns() - t0, 290'000'000ull);
+  EXPECT_EQ(shm::Ring::attach("/dev/shm", name, 0, o).error().code, Errc::exists);  // taken
+  slot.state.store(shm::kReaderAbsent);  // let a real reader attach and read
+  auto rd = shm::Ring::attach("/dev/shm", name, 0, o);
+  ASSERT_TRUE(rd.ok()) << rd.error().message;
+  EXPECT_EQ(slot.state.load(), shm::kReaderAttached);
+  EXPECT_EQ(slot.pid.load(), uint32_t(getpid()));
+  auto m = (*rd)->acquire_read(mono_ns() + 1'000'000'000ull);
+  ASSERT_TRUE(m.ok());
+  (*rd)->release_read(*m);
+  EXPECT_TRUE((*w)->acquire_write(mono_ns() + 1'000'000'000ull, false, 0, nullptr).ok());
+  shm::Segment::unlink("/dev/shm", name);
+}
+
 TEST(Ring, ThreadsSeeEveryMessageInOrderIntact) {
   // Named as the queue names its rings (".q<pid>.<n>"): if this process dies mid-test (a crashed
   // sanitizer run), `stagelink shm reap` and the library's own sweep reclaim the ring.
