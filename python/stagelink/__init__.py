@@ -12,13 +12,23 @@ from ._core import (  # noqa: F401  exception classes
 )
 from .config import (ConnectorSpec, Edge, TransferConfig, get_connectors_config_for_stage,  # noqa: F401
                      load_omni_transfer_config, load_transfer_config)
-from .connector import Connector, Loan, OmniConnectorFactory, OmniSerializer, create_connector  # noqa: F401
+from .connector import (Connector, Loan, MooncakeTransferEngineConnector, OmniConnectorFactory,  # noqa: F401
+                        OmniSerializer, SharedMemoryConnector, StoreConnector, TransferEngineConnector,
+                        create_connector)
 from .control import ControlMessage  # noqa: F401
 from .mq import MessageQueue  # noqa: F401
 from .relay import Relay, RelayOperation  # noqa: F401
 from .pipeline import Pipeline  # noqa: F401
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # MooncakeStoreConnector's module is imported on first use (it drives Mooncake's client).
+    if name == "MooncakeStoreConnector":
+        from .mooncake_store import MooncakeStoreConnector
+        return MooncakeStoreConnector
+    raise AttributeError(f"module 'stagelink' has no attribute '{name}'")
 
 
 def registered_connectors():

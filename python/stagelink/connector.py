@@ -263,6 +263,40 @@ class OmniConnectorFactory:
         return create_connector(name, extra)
 
 
+class SharedMemoryConnector(Connector):
+    """Shared memory on this host (the default; no service). ``SharedMemoryConnector(config)``
+    as vLLM-Omni's: ``config`` is the connector's ``extra`` map."""
+
+    def __init__(self, config: Optional[dict] = None):
+        super().__init__("SharedMemoryConnector", config)
+
+
+class TransferEngineConnector(Connector):
+    """UCX (RDMA or TCP) between hosts: a registered pool per sender, receivers pull. Its ``get``
+    returns objects as every connector's does (``supports_raw_data`` stays false: no
+    ``ManagedBuffer`` to release)."""
+
+    def __init__(self, config: Optional[dict] = None):
+        super().__init__(type(self).__name__, config)
+
+
+class MooncakeTransferEngineConnector(TransferEngineConnector):
+    """vLLM-Omni's name and config (``host``, ``zmq_port``, ``memory_pool_size``, ...) for the
+    transfer engine, on stagelink's UCX engine."""
+
+
+class StoreConnector(Connector):
+    """Payloads through Redis or Redis Cluster (``url``/``host``/``port``), woken by notification."""
+
+    def __init__(self, config: Optional[dict] = None):
+        super().__init__("StoreConnector", config)
+
+
+#: The classes ``create_connector`` makes by name (vLLM-Omni's code constructs them directly too).
+_CLASSES = {c.__name__: c for c in (SharedMemoryConnector, TransferEngineConnector,
+                                    MooncakeTransferEngineConnector, StoreConnector)}
+
+
 def create_connector(name: str, extra: Optional[dict] = None, **injected):
     """Create a connector by class name (``SharedMemoryConnector``, ...). ``injected`` fields
     (``role``, ``stage_id``, ...) are merged into ``extra`` as vLLM-Omni's orchestrator does.
@@ -272,4 +306,5 @@ def create_connector(name: str, extra: Optional[dict] = None, **injected):
     if name == "MooncakeStoreConnector":  # Python: it drives Mooncake's Python client
         from .mooncake_store import MooncakeStoreConnector
         return MooncakeStoreConnector(merged, name)
-    return Connector(name, merged)
+    cls = _CLASSES.get(name)
+    return cls(merged) if cls is not None else Connector(name, merged)

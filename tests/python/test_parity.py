@@ -498,3 +498,24 @@ def test_wakeup_generation_sleeps_until_another_process_puts(ns):
             p.join(30)
         assert p.exitcode == 0
     assert rcv.get_wakeup_generation() is None  # closed: the caller keeps its timed poll
+
+
+def test_connector_classes_by_name_as_vllm_omni_constructs_them(ns):
+    """vLLM-Omni's tests and callers construct connectors directly from their config dict, and
+    check what the factory made with isinstance."""
+    c = stagelink.SharedMemoryConnector({"namespace": ns, "shm_threshold_bytes": 0, "stage_id": 3})
+    try:
+        assert c.name == "SharedMemoryConnector" and c.stage_id == 3
+        assert c.put("s0", "s1", "k", {"x": 1})[0] and c.get("s0", "s1", "k")[0] == {"x": 1}
+    finally:
+        c.close()
+    made = stagelink.OmniConnectorFactory.create_connector(stagelink.ConnectorSpec("SharedMemoryConnector", {"namespace": ns}))
+    with made:
+        assert isinstance(made, stagelink.SharedMemoryConnector) and isinstance(made, stagelink.Connector)
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c2:
+        assert type(c2) is stagelink.SharedMemoryConnector
+    assert issubclass(stagelink.MooncakeTransferEngineConnector, stagelink.TransferEngineConnector)
+    assert stagelink.TransferEngineConnector.supports_raw_data is False
+    assert stagelink.MooncakeStoreConnector.__name__ == "MooncakeStoreConnector"
+    with pytest.raises(AttributeError):
+        stagelink.NoSuchConnector
