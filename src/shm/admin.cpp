@@ -82,7 +82,7 @@ std::vector<ResourceInfo> list_resources(const std::string& shm_dir) {
       r.live_entries = d.value()->live_entries();
       r.age_s = now - double(h.created_ns) / 1e9;
       for (size_t i = 0; i < kMaxAttach; ++i)
-        if (uint32_t pid = h.attached[i].pid.load()) {
+        if (uint32_t pid = h.attached[i].pid.load(); pid && pid != shm::kSlotClaiming) {
           r.owner_pid = pid;
           r.owner_alive = r.owner_alive || proc_alive(ProcId{pid, h.attached[i].start.load()});
         }

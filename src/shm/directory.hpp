@@ -26,7 +26,10 @@
 namespace stagelink::shm {
 
 inline constexpr uint32_t kDirMagic = 0x52444c53;  // "SLDR"
-inline constexpr uint32_t kDirVersion = 2;  // 2: entries carry an explicit request id
+inline constexpr uint32_t kDirVersion = 3;  // 2: entries carry an explicit request id; 3: owner_gen
+// An attach slot being claimed: its pid word holds this until its start time is written (a reaper
+// reads a pid only with the start that belongs to it).
+inline constexpr uint32_t kSlotClaiming = 0xffffffffu;
 inline constexpr size_t kMaxAttach = 256;
 inline constexpr size_t kMaxArenas = 256;
 inline constexpr size_t kKeyMax = 232;
@@ -75,6 +78,10 @@ struct alignas(64) Entry {
   // key[0, key_len): the internal key "put_key@from_to", whose first put_len bytes are the put key;
   // key[key_len, key_len + rid_len): the request the put was tied to (put(..., request_id)), if any.
   uint16_t key_len, put_len, rid_len;
+  // The generation owner_pid/owner_start were written for (release, after them): a reaper judges a
+  // WRITING entry's owner only when it equals the entry's generation. Between claiming the entry
+  // and this store they are the previous owner's (or zero), and judging them freed live puts.
+  uint32_t owner_gen;
   uint64_t offset, length;
   uint64_t created_ns;  // monotonic
   struct Reader {

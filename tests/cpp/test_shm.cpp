@@ -685,7 +685,9 @@ TEST(Shm, ArrivalEpochWakesOnAPutAndTimesOutWithoutOne) {
   if (pid == 0) {  // another process puts after a while
     usleep(100000);
     auto c = create_connector("SharedMemoryConnector", extra(ns));
-    _exit(c.ok() && (*c)->put("0", "1", "k", Payload{}).ok() ? 0 : 1);
+    const bool ok = c.ok() && (*c)->put("0", "1", "k", Payload{}).ok();
+    if (c.ok()) (*c)->close();
+    _exit(ok ? 0 : 1);
   }
   t0 = Clock::now();
   EXPECT_TRUE(rcv->wait_arrival(g, deadline_after(10)));
@@ -695,4 +697,60 @@ TEST(Shm, ArrivalEpochWakesOnAPutAndTimesOutWithoutOne) {
   EXPECT_TRUE(rcv->wait_arrival(g, deadline_after(10)));  // already moved: at once
   rcv->close();
   EXPECT_EQ(rcv->arrival_epoch().error().code, Errc::closed);
+}
+
+// Regressions (found reading the reaper after the ring's attach race on a 16-core machine): a
+// reaper must judge a process by a pid and start time written together.
+namespace {
+pid_t dead_pid() {  // a pid that existed and is gone (reaped child)
+  pid_t p = fork();
+  if (p == 0) _exit(0);
+  wait_child(p);
+  return p;
+}
+}  // namespace
+
+TEST(Shm, AReaperLeavesAPutWhoseOwnerIsStillSayingWhoItIs) {
+  const std::string ns = unique_ns("own");
+  auto d = shm::Directory::attach("/dev/shm", ns, 64).value();
+  const std::string key = "k@0_1";
+  auto cl = d->reserve(key, 1, "", shm::key_hash(key), mono_ns());
+  ASSERT_TRUE(cl.ok());
+  shm::Entry& e = d->entry(cl->idx);
+  // The window between claiming the entry (WRITING) and writing its owner: the identity fields
+  // still hold a previous owner's, here a dead process.
+  e.owner_pid = uint32_t(dead_pid());
+  e.owner_start = 0;
+  e.owner_gen = cl->gen - 1;
+  EXPECT_TRUE(d->reap().empty());  // before the fix: "entry 'k@0_1' of dead producer", a live put freed
+  EXPECT_FALSE(d->is_released(cl->idx, cl->gen));
+  // Once the identity is this generation's, a dead owner's unfinished put is reclaimed.
+  e.owner_gen = cl->gen;
+  auto reaped = d->reap();
+  ASSERT_EQ(reaped.size(), 1u);
+  EXPECT_NE(reaped[0].find("dead producer"), std::string::npos);
+  EXPECT_TRUE(d->is_released(cl->idx, cl->gen));
+}
+
+TEST(Shm, AReaperLeavesAnAttachSlotBeingClaimed) {
+  const std::string ns = unique_ns("att");
+  auto d = shm::Directory::attach("/dev/shm", ns, 64).value();
+  auto& slot = d->header().attached[shm::kMaxAttach - 1];
+  // A slot mid-claim: its pid word says so, its start is a previous occupant's.
+  slot.start.store(12345);
+  slot.pid.store(shm::kSlotClaiming);
+  const uint32_t before = d->attached_count();
+  EXPECT_TRUE(d->reap().empty());  // before the fix: a new pid read with an old start was "dead"
+  EXPECT_EQ(slot.pid.load(), shm::kSlotClaiming);
+  EXPECT_EQ(d->attached_count(), before);
+  slot.pid.store(0);
+  // A second attachment in this process claims a slot the same way and is counted as alive.
+  pid_t pid = fork();
+  if (pid == 0) {
+    auto d2 = shm::Directory::attach("/dev/shm", ns, 64);
+    const bool ok = d2.ok() && d2.value()->reap().empty();
+    d2 = make_error(Errc::closed, "");  // detach before _exit
+    _exit(ok ? 0 : 1);
+  }
+  EXPECT_EQ(wait_child(pid), 0);
 }
