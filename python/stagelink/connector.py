@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from typing import Optional
@@ -164,7 +165,10 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
     def get_wakeup_generation(self) -> Optional[int]:
         """A snapshot to take before polling: a later ``put`` (by any process on this host, to any
         stage) moves it, see :meth:`wait_for_change`. ``None`` when this connector cannot signal
-        arrivals (network connectors, a closed one): the caller keeps its timed poll."""
+        arrivals (network connectors, a closed one, or ``VLLM_OMNI_SHM_WAKEUP=0`` as in vLLM-Omni):
+        the caller keeps its timed poll."""
+        if os.environ.get("VLLM_OMNI_SHM_WAKEUP", "1") == "0":
+            return None
         return self._arrival_epoch()
 
     def wait_for_change(self, generation: int, *, timeout: float) -> bool:

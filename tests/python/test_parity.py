@@ -500,6 +500,13 @@ def test_wakeup_generation_sleeps_until_another_process_puts(ns):
     assert rcv.get_wakeup_generation() is None  # closed: the caller keeps its timed poll
 
 
+def test_wakeups_can_be_turned_off_as_in_vllm_omni(ns, monkeypatch):
+    monkeypatch.setenv("VLLM_OMNI_SHM_WAKEUP", "0")
+    with shm(ns) as c:
+        assert c.get_wakeup_generation() is None  # the caller keeps its timed poll
+        assert c.put(0, 1, "k", {"v": 2})[0] and c.get(0, 1, "k")[0] == {"v": 2}
+
+
 def test_connector_classes_by_name_as_vllm_omni_constructs_them(ns):
     """vLLM-Omni's tests and callers construct connectors directly from their config dict, and
     check what the factory made with isinstance."""
