@@ -10,8 +10,8 @@ from ._core import (  # noqa: F401  exception classes
     CancelledError, ClosedError, CorruptError, ExhaustedError, InvalidArgumentError, IOError,
     KeyInUseError, NotFoundError, PeerDeadError, StagelinkError, TimeoutError, UnsupportedError,
 )
-from .config import (ConnectorSpec, Edge, TransferConfig, get_connectors_config_for_stage,  # noqa: F401
-                     load_omni_transfer_config, load_transfer_config)
+from .config import (ConnectorSpec, Edge, OmniTransferConfig, TransferConfig,  # noqa: F401
+                     get_connectors_config_for_stage, load_omni_transfer_config, load_transfer_config)
 from .connector import (Connector, Loan, MooncakeTransferEngineConnector, OmniConnectorFactory,  # noqa: F401
                         OmniSerializer, SharedMemoryConnector, StoreConnector, TransferEngineConnector,
                         create_connector)

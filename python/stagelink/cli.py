@@ -28,7 +28,7 @@ def _cmd_config_check(args):
     for n in cfg.notes:
         print(f"note: {n}")
     print("\nconnectors:")
-    for ref, spec in cfg.connectors.items():
+    for ref, spec in cfg.named_connectors.items():
         print(f"  {ref}: {spec.name} {json.dumps(spec.extra)}")
     print("\nedges:")
     for e in cfg.edges:

@@ -34,7 +34,11 @@ class TransferConfig:
         self._raw = raw
         self.source: str = raw["source"]
         self.edges = [Edge(e["from"], e["to"], ConnectorSpec(**e["connector"]), e["defaulted"]) for e in raw["edges"]]
-        self.connectors = {k: ConnectorSpec(**v) for k, v in raw["connectors"].items()}
+        #: vLLM-Omni's view: the connector of every edge, ``{(from_stage, to_stage): ConnectorSpec}``
+        #: (stage ids as strings), defaulted edges included.
+        self.connectors = {(e.from_stage, e.to_stage): e.connector for e in self.edges}
+        #: the connectors the file defines by name (``connectors:`` / ``runtime.connectors``)
+        self.named_connectors = {k: ConnectorSpec(**v) for k, v in raw["connectors"].items()}
         self.stages = list(raw["stages"])
         #: what loading decided that you should know (a connector defined twice, which one won)
         self.notes = list(raw.get("notes", []))
@@ -62,6 +66,17 @@ class TransferConfig:
 
     def __repr__(self):
         return f"TransferConfig({self.source!r}, edges={[(e.from_stage, e.to_stage, e.connector.name) for e in self.edges]})"
+
+
+class OmniTransferConfig(TransferConfig):
+    """vLLM-Omni's config object built in code: ``OmniTransferConfig(connectors={(from_stage,
+    to_stage): ConnectorSpec(name, extra)})``, resolved by the same loader as a file (stage ids
+    may be ints or strings; an edge's ``extra`` is checked as a file's would be)."""
+
+    def __init__(self, connectors: dict | None = None):
+        edges = [{"from": str(f), "to": str(t), "connector": {"name": spec.name, "extra": dict(spec.extra or {})}}
+                 for (f, t), spec in (connectors or {}).items()]
+        super().__init__(_core.load_config_string(json.dumps({"edges": edges}, default=str), "<OmniTransferConfig>"))
 
 
 def load_transfer_config(path_or_dict: Union[str, os.PathLike, dict]) -> TransferConfig:

@@ -59,6 +59,21 @@ def test_vllm_omni_names_for_config_and_factory(tmp_path):
     assert mid["to_stage_2"]["spec"] == {"name": "SharedMemoryConnector", "extra": {"role": "sender"}}
     assert list(stagelink.get_connectors_config_for_stage(cfg, 0)) == ["to_stage_1"]
     assert stagelink.get_connectors_config_for_stage(None, 0) == {}
+    # vLLM-Omni's TransferConfig.connectors: the connector of every edge, keyed by stage ids
+    assert cfg.connectors[("0", "1")].name == "MooncakeStoreConnector"
+    assert cfg.connectors[("1", "2")].name == "SharedMemoryConnector"
+    assert all(isinstance(k, tuple) and len(k) == 2 for k in cfg.connectors)
+    # ... and the object built in code, as vLLM-Omni's tests build it
+    shared = {"shm_threshold_bytes": 65536}
+    built = stagelink.OmniTransferConfig(connectors={
+        (0, 1): stagelink.ConnectorSpec("SharedMemoryConnector", dict(shared)),
+        ("1", "2"): stagelink.ConnectorSpec("SharedMemoryConnector", dict(shared))})
+    assert set(built.connectors) == {("0", "1"), ("1", "2")}
+    for sid, want in ((0, {"to_stage_1": "sender"}), (1, {"from_stage_0": "receiver", "to_stage_2": "sender"}),
+                      (2, {"from_stage_1": "receiver"})):
+        per = stagelink.get_connectors_config_for_stage(built, sid)
+        assert {k: v["spec"]["extra"]["role"] for k, v in per.items()} == want
+        assert all(v["spec"]["extra"]["shm_threshold_bytes"] == 65536 for v in per.values())
     c = stagelink.OmniConnectorFactory.create_connector(stagelink.ConnectorSpec(name="SharedMemoryConnector"))
     try:
         assert c.put(0, 1, "k", {"a": 1})[0] and c.get(0, 1, "k")[0] == {"a": 1}
