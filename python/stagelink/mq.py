@@ -97,6 +97,12 @@ class MessageQueue(NativeOwner):
                  warn_interval_s: float = 60.0, drop_dead_readers: bool = False, spin_us: int = 50,
                  shm_dir: str = "/dev/shm", _core_mq=None):
         self.max_chunk_bytes = int(max_chunk_bytes)
+        # vLLM's fields: the queue's shape and which side this is (create_from_handle sets a
+        # reader's own).
+        self.n_reader, self.n_local_reader = int(n_reader), int(n_local_reader)
+        self.n_remote_reader = self.n_reader - self.n_local_reader
+        self._is_writer, self._is_local_reader, self._is_remote_reader = _core_mq is None, False, False
+        self.local_reader_rank = -1
         if _core_mq is not None:
             self._q = _core_mq
             return
@@ -112,8 +118,12 @@ class MessageQueue(NativeOwner):
         ``local_reader_ranks``, otherwise over TCP (``-1``: a remote-only reader)."""
         data = handle.data if isinstance(handle, Handle) else bytes(handle)
         info = _core.mq_handle_info(data)
-        q = MessageQueue(0, 0, max_chunk_bytes=info["chunk_bytes"] or (10 << 20),
+        local = list(info["local_reader_ranks"])
+        q = MessageQueue(info["n_reader"], len(local), max_chunk_bytes=info["chunk_bytes"] or (10 << 20),
                          _core_mq=_core._MessageQueue.create_from_handle(data, int(rank)))
+        q._is_local_reader = int(rank) in local
+        q._is_remote_reader = not q._is_local_reader
+        q.local_reader_rank = local.index(int(rank)) if q._is_local_reader else -1
         return q
 
     @staticmethod

@@ -25,6 +25,11 @@ def test_ranks_handle_fields_acquire_and_shutdown(mq_clean):
     h2 = pickle.loads(pickle.dumps(h))
     assert h2.local_reader_ranks == [1, 3]
     readers = [stagelink.MessageQueue.create_from_handle(h2, r) for r in (1, 3, -1)]
+    # vLLM's fields: which side each is, and the queue's shape
+    assert w._is_writer and not w._is_local_reader and not w._is_remote_reader
+    assert [(r._is_writer, r._is_local_reader, r._is_remote_reader, r.local_reader_rank) for r in readers] == [
+        (False, True, False, 0), (False, True, False, 1), (False, False, True, -1)]
+    assert all((q.n_reader, q.n_local_reader, q.n_remote_reader) == (3, 2, 1) for q in [w, *readers])
     try:
         w.wait_until_ready(10)
         w.enqueue({"x": 1})
