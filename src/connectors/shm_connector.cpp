@@ -477,7 +477,18 @@ class ShmConnector final : public Connector {
     cl.arena_gen = reg.arena_gen;
     cl.offset = reg.offset;
     cl.length = total;
-    dir_->publish(cl, uint8_t(readers));
+    if (!dir_->publish(cl, uint8_t(readers))) {
+      // A reaper judged this producer dead mid-put and freed the entry: the put is lost, say so.
+      if (reg.dedicated) {
+        dir_->unregister_arena(reg.arena_idx, reg.arena_gen);
+        Segment::unlink(opts_.shm_dir, reg.dedicated->name());
+      } else if (arena_alloc_) {
+        (void)arena_alloc_->free(reg.offset, reg.length);
+      }
+      return make_error(Errc::io, "put: its directory entry " + std::to_string(cl.idx) +
+                                      " was reclaimed while it was written (a reaper judged this producer "
+                                      "dead); nothing was published");
+    }
     out_.push_back(Outstanding{cl.idx, cl.gen, reg.offset, reg.length, reg.dedicated, reg.arena_idx,
                                reg.arena_gen, now});
     PutResult pr;

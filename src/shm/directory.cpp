@@ -298,7 +298,7 @@ Result<Claim> Directory::reserve(std::string_view key, uint16_t put_len, std::st
   return make_error(Errc::exhausted, "directory " + name_ + ": contention reserving key '" + std::string(key) + "'");
 }
 
-void Directory::publish(const Claim& c, uint8_t readers) {
+bool Directory::publish(const Claim& c, uint8_t readers) {
   Entry& e = entries_[c.idx];
   e.arena = c.arena;
   e.arena_gen = c.arena_gen;
@@ -308,10 +308,12 @@ void Directory::publish(const Claim& c, uint8_t readers) {
   // whose reader's release failed, the entry being reclaimed meanwhile, may hold an old pid).
   for (uint32_t i = 0; i < readers && i < kMaxFanout; ++i) e.readers[i].pid.store(0, std::memory_order_relaxed);
   Ctl next{kReady, readers, 0, 0, c.gen};
-  e.ctl.store(next.pack(), std::memory_order_release);
+  uint64_t writing = Ctl{kWriting, 0, 0, 0, c.gen}.pack();
+  if (!e.ctl.compare_exchange_strong(writing, next.pack(), std::memory_order_acq_rel)) return false;
   // seq_cst pairs with the waiter's seq_cst increment of publish_waiters (no lost wake-up).
   hdr_->publish_seq.fetch_add(1, std::memory_order_seq_cst);
   if (hdr_->publish_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->publish_seq);
+  return true;
 }
 
 void Directory::abandon(const Claim& c) { free_entry(c.idx, c.gen); }
@@ -589,8 +591,29 @@ std::vector<std::string> Directory::reap() {
     // A put being written is judged by its owner only once the owner said who it is (a WRITING
     // entry still holding the previous owner's identity is a live put whose producer is between
     // claiming it and that store). Published states were written after it.
-    if (c.state == kWriting && std::atomic_ref<uint32_t>(e.owner_gen).load(std::memory_order_acquire) != c.gen)
+    if (c.state == kWriting && std::atomic_ref<uint32_t>(e.owner_gen).load(std::memory_order_acquire) != c.gen) {
+      // Still silent a grace period after this reaper first saw it: its producer died between
+      // claiming the entry and writing its identity. Free it (a producer that comes back fails
+      // its publish instead of writing over the free entry).
+      const uint64_t t = mono_ns();
+      std::lock_guard<std::mutex> g(unowned_mu_);
+      auto [it, fresh] = unowned_.try_emplace(j, Unowned{c.gen, t});
+      if (fresh || it->second.gen != c.gen) {
+        it->second = Unowned{c.gen, t};
+        continue;
+      }
+      if (t - it->second.since_ns < kUnownedGraceNs) continue;
+      unowned_.erase(it);
+      const uint64_t h = hashes_[j].exchange(0, std::memory_order_acq_rel);
+      Ctl next{kFree, 0, 0, 0, c.gen + 1};
+      if (e.ctl.compare_exchange_strong(w, next.pack(), std::memory_order_acq_rel)) {
+        out.push_back("entry " + std::to_string(j) + " whose producer died while claiming it");
+      } else {  // it moved on after all (published): its lookups need the hash back
+        uint64_t zero = 0;
+        hashes_[j].compare_exchange_strong(zero, h, std::memory_order_acq_rel);
+      }
       continue;
+    }
     const uint32_t owner = std::atomic_ref<uint32_t>(e.owner_pid).load(std::memory_order_relaxed);
     if (!is_alive(owner, std::atomic_ref<uint64_t>(e.owner_start).load(std::memory_order_relaxed))) {
       hashes_[j].store(0, std::memory_order_release);

@@ -37,6 +37,8 @@ inline constexpr uint32_t kMaxFanout = 8;
 inline constexpr uint32_t kProbe = 64;  // one bit per slot in a uint64_t probe mask
 static_assert(kProbe <= 64);
 inline constexpr uint32_t kDying = 1u << 31;
+// How long a WRITING entry may stay without its owner's identity before a reaper frees it.
+inline constexpr uint64_t kUnownedGraceNs = 1'000'000'000ull;
 
 enum EntryState : uint8_t { kFree = 0, kWriting = 1, kReady = 2, kCancelled = 3, kDone = 4 };
 
@@ -155,7 +157,9 @@ class Directory {
   // fails with `exists`; an entry still being written always fails with `exists`.
   Result<Claim> reserve(std::string_view key, uint16_t put_len, std::string_view rid, uint64_t hash, uint64_t now,
                         bool replace = true);
-  void publish(const Claim& c, uint8_t readers);                               // -> READY
+  // -> READY. False when the entry is no longer this put's WRITING entry (a reaper reclaimed it:
+  // its producer was judged dead); the caller returns the put's memory and fails the put.
+  [[nodiscard]] bool publish(const Claim& c, uint8_t readers);
   void abandon(const Claim& c);                                                // WRITING -> FREE
   bool is_done(uint32_t idx, uint32_t gen);
   // Every reader released entry (idx, gen), or it is gone (freed, reused): the producer's memory
@@ -209,6 +213,11 @@ class Directory {
   std::atomic<uint64_t>* hashes_ = nullptr;  // hash of each non-free entry, 0 when free
   Entry* entries_ = nullptr;
   std::mutex map_mu_;
+  // WRITING entries seen without their owner's identity (reap): a producer says who it is within
+  // nanoseconds of claiming an entry, so one still silent a grace period later died there.
+  struct Unowned { uint32_t gen; uint64_t since_ns; };
+  std::mutex unowned_mu_;
+  std::unordered_map<uint32_t, Unowned> unowned_;
   struct Mapped { uint32_t gen; std::shared_ptr<Segment> seg; };
   std::unordered_map<uint32_t, Mapped> mapped_;
 };

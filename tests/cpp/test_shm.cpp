@@ -724,8 +724,22 @@ TEST(Shm, AReaperLeavesAPutWhoseOwnerIsStillSayingWhoItIs) {
   e.owner_gen = cl->gen - 1;
   EXPECT_TRUE(d->reap().empty());  // before the fix: "entry 'k@0_1' of dead producer", a live put freed
   EXPECT_FALSE(d->is_released(cl->idx, cl->gen));
-  // Once the identity is this generation's, a dead owner's unfinished put is reclaimed.
-  e.owner_gen = cl->gen;
+  EXPECT_TRUE(d->reap().empty());  // still within the grace period
+  // A producer that died in that window: still silent a grace period later, the entry is freed,
+  // and a publish that comes after all fails instead of writing over the free entry.
+  std::this_thread::sleep_for(std::chrono::nanoseconds(shm::kUnownedGraceNs + 50'000'000));
+  auto orphan = d->reap();
+  ASSERT_EQ(orphan.size(), 1u);
+  EXPECT_NE(orphan[0].find("died while claiming it"), std::string::npos);
+  EXPECT_TRUE(d->is_released(cl->idx, cl->gen));
+  EXPECT_FALSE(d->publish(*cl, 1));
+  // Again, this time with the identity written: a dead owner's unfinished put is freed at once.
+  cl = d->reserve(key, 1, "", shm::key_hash(key), mono_ns());
+  ASSERT_TRUE(cl.ok());
+  shm::Entry& e2 = d->entry(cl->idx);
+  e2.owner_pid = uint32_t(dead_pid());
+  e2.owner_start = 0;
+  e2.owner_gen = cl->gen;
   auto reaped = d->reap();
   ASSERT_EQ(reaped.size(), 1u);
   EXPECT_NE(reaped[0].find("dead producer"), std::string::npos);
