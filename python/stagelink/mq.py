@@ -101,8 +101,7 @@ class MessageQueue(NativeOwner):
         # reader's own).
         self.n_reader, self.n_local_reader = int(n_reader), int(n_local_reader)
         self.n_remote_reader = self.n_reader - self.n_local_reader
-        self._is_writer, self._is_local_reader, self._is_remote_reader = _core_mq is None, False, False
-        self.local_reader_rank = -1
+        self.local_reader_rank = -1  # a local reader's index among the local readers
         if _core_mq is not None:
             self._q = _core_mq
             return
@@ -121,9 +120,7 @@ class MessageQueue(NativeOwner):
         local = list(info["local_reader_ranks"])
         q = MessageQueue(info["n_reader"], len(local), max_chunk_bytes=info["chunk_bytes"] or (10 << 20),
                          _core_mq=_core._MessageQueue.create_from_handle(data, int(rank)))
-        q._is_local_reader = int(rank) in local
-        q._is_remote_reader = not q._is_local_reader
-        q.local_reader_rank = local.index(int(rank)) if q._is_local_reader else -1
+        q.local_reader_rank = local.index(int(rank)) if int(rank) in local else -1
         return q
 
     @staticmethod
@@ -174,6 +171,19 @@ class MessageQueue(NativeOwner):
     @property
     def is_writer(self) -> bool:
         return self._q.is_writer
+
+    # vLLM's names for which side this is
+    @property
+    def _is_writer(self) -> bool:
+        return self.is_writer
+
+    @property
+    def _is_local_reader(self) -> bool:
+        return self.local_reader_rank >= 0
+
+    @property
+    def _is_remote_reader(self) -> bool:
+        return not self.is_writer and self.local_reader_rank < 0
 
     @property
     def rank(self) -> int:

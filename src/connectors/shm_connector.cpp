@@ -320,13 +320,7 @@ class ShmConnector final : public Connector {
   void return_loan(size_t off, size_t len, std::shared_ptr<Segment> dedicated, uint32_t aidx, uint32_t agen) {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
-    if (dedicated) {
-      dir_->unregister_arena(aidx, agen);
-      Segment::unlink(opts_.shm_dir, dedicated->name());
-    } else if (arena_alloc_) {
-      auto st = arena_alloc_->free(off, len);
-      if (!st.ok()) SL_LOG_ERROR("returning a loan: %s", st.error().to_string().c_str());
-    }
+    free_region_locked(dedicated, aidx, agen, off, len);
   }
 
  private:
@@ -336,6 +330,18 @@ class ShmConnector final : public Connector {
     std::shared_ptr<Segment> dedicated;
     uint32_t arena_idx, arena_gen;
   };
+
+  // A put's memory back: its own segment unlinked, or its range of the arena freed.
+  void free_region_locked(const std::shared_ptr<Segment>& dedicated, uint32_t arena_idx, uint32_t arena_gen,
+                          size_t offset, size_t length) {
+    if (dedicated) {
+      dir_->unregister_arena(arena_idx, arena_gen);
+      Segment::unlink(opts_.shm_dir, dedicated->name());
+    } else if (arena_alloc_) {
+      auto st = arena_alloc_->free(offset, length);
+      if (!st.ok()) SL_LOG_ERROR("arena free: %s", st.error().to_string().c_str());
+    }
+  }
 
   // The directory, for a call that then waits or reads without mu_ held; null once closed.
   std::shared_ptr<Directory> live_dir() {
@@ -403,13 +409,7 @@ class ShmConnector final : public Connector {
         continue;
       }
       dir_->free_entry(it->idx, it->gen);
-      if (it->dedicated) {
-        dir_->unregister_arena(it->arena_idx, it->arena_gen);
-        Segment::unlink(opts_.shm_dir, it->dedicated->name());
-      } else if (arena_alloc_) {
-        auto st = arena_alloc_->free(it->offset, it->length);
-        if (!st.ok()) SL_LOG_ERROR("arena free: %s", st.error().to_string().c_str());
-      }
+      free_region_locked(it->dedicated, it->arena_idx, it->arena_gen, it->offset, it->length);
       it = out_.erase(it);
     }
   }
@@ -479,12 +479,7 @@ class ShmConnector final : public Connector {
     cl.length = total;
     if (!dir_->publish(cl, uint8_t(readers))) {
       // A reaper judged this producer dead mid-put and freed the entry: the put is lost, say so.
-      if (reg.dedicated) {
-        dir_->unregister_arena(reg.arena_idx, reg.arena_gen);
-        Segment::unlink(opts_.shm_dir, reg.dedicated->name());
-      } else if (arena_alloc_) {
-        (void)arena_alloc_->free(reg.offset, reg.length);
-      }
+      free_region_locked(reg.dedicated, reg.arena_idx, reg.arena_gen, reg.offset, reg.length);
       return make_error(Errc::io, "put: its directory entry " + std::to_string(cl.idx) +
                                       " was reclaimed while it was written (a reaper judged this producer "
                                       "dead); nothing was published");

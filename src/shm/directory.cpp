@@ -310,9 +310,7 @@ bool Directory::publish(const Claim& c, uint8_t readers) {
   Ctl next{kReady, readers, 0, 0, c.gen};
   uint64_t writing = Ctl{kWriting, 0, 0, 0, c.gen}.pack();
   if (!e.ctl.compare_exchange_strong(writing, next.pack(), std::memory_order_acq_rel)) return false;
-  // seq_cst pairs with the waiter's seq_cst increment of publish_waiters (no lost wake-up).
-  hdr_->publish_seq.fetch_add(1, std::memory_order_seq_cst);
-  if (hdr_->publish_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->publish_seq);
+  futex_bump_wake(hdr_->publish_seq, hdr_->publish_waiters);
   return true;
 }
 
@@ -365,8 +363,7 @@ bool Directory::cancel(uint32_t idx, uint32_t gen) {
     next.state = std::popcount(c.released) >= c.claimed ? kDone : kCancelled;
     if (e.ctl.compare_exchange_weak(w, next.pack(), std::memory_order_acq_rel)) {
       if (next.state == kDone) {
-        hdr_->release_seq.fetch_add(1, std::memory_order_seq_cst);
-        if (hdr_->release_waiters.load(std::memory_order_seq_cst)) futex_wake_all(&hdr_->release_seq);
+        futex_bump_wake(hdr_->release_seq, hdr_->release_waiters);
       }
       return true;
     }
@@ -404,21 +401,12 @@ void Directory::unregister_arena(uint32_t idx, uint32_t gen) {
 }
 
 bool Directory::wait_release(uint32_t seen, uint64_t deadline_ns) {
-  hdr_->release_waiters.fetch_add(1, std::memory_order_seq_cst);
-  bool ok = true;
-  if (hdr_->release_seq.load(std::memory_order_seq_cst) == seen)
-    ok = futex_wait(&hdr_->release_seq, seen, deadline_ns);
-  hdr_->release_waiters.fetch_sub(1, std::memory_order_seq_cst);
-  return ok;
+  return futex_wait_counted(hdr_->release_seq, hdr_->release_waiters, seen, deadline_ns);
 }
 
 bool Directory::wait_publish(uint32_t seen, uint64_t deadline_ns) {
-  while (hdr_->publish_seq.load(std::memory_order_acquire) == seen && mono_ns() < deadline_ns) {
-    hdr_->publish_waiters.fetch_add(1, std::memory_order_seq_cst);
-    if (hdr_->publish_seq.load(std::memory_order_seq_cst) == seen)
-      futex_wait(&hdr_->publish_seq, seen, deadline_ns);
-    hdr_->publish_waiters.fetch_sub(1, std::memory_order_seq_cst);
-  }
+  while (hdr_->publish_seq.load(std::memory_order_acquire) == seen && mono_ns() < deadline_ns)
+    futex_wait_counted(hdr_->publish_seq, hdr_->publish_waiters, seen, deadline_ns);
   return hdr_->publish_seq.load(std::memory_order_acquire) != seen;
 }
 
@@ -478,10 +466,7 @@ std::optional<Claim> Directory::try_claim_key(std::string_view key, uint64_t has
   return std::nullopt;
 }
 
-void Directory::wake_getters() {
-  hdr_->publish_seq.fetch_add(1, std::memory_order_seq_cst);
-  if (hdr_->publish_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&hdr_->publish_seq);
-}
+void Directory::wake_getters() { futex_bump_wake(hdr_->publish_seq, hdr_->publish_waiters); }
 
 Result<Claim> Directory::wait_claim_key(std::string_view key, uint64_t hash, uint64_t deadline_ns,
                                         const std::atomic<uint32_t>* stop) {
@@ -499,10 +484,7 @@ Result<Claim> Directory::wait_claim_key(std::string_view key, uint64_t hash, uin
         __builtin_ia32_pause();
       continue;
     }
-    hdr_->publish_waiters.fetch_add(1, std::memory_order_seq_cst);
-    if (hdr_->publish_seq.load(std::memory_order_seq_cst) == seq)
-      futex_wait(&hdr_->publish_seq, seq, deadline_ns);
-    hdr_->publish_waiters.fetch_sub(1, std::memory_order_seq_cst);
+    futex_wait_counted(hdr_->publish_seq, hdr_->publish_waiters, seq, deadline_ns);
   }
 }
 
@@ -519,8 +501,7 @@ void Directory::release(const Claim& cl) {
     if (std::popcount(next.released) >= next.readers) next.state = kDone;
     if (e.ctl.compare_exchange_weak(w, next.pack(), std::memory_order_acq_rel)) {
       if (next.state == kDone) {
-        hdr_->release_seq.fetch_add(1, std::memory_order_seq_cst);
-        if (hdr_->release_waiters.load(std::memory_order_seq_cst)) futex_wake_all(&hdr_->release_seq);
+        futex_bump_wake(hdr_->release_seq, hdr_->release_waiters);
       }
       return;
     }

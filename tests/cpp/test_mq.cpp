@@ -82,6 +82,16 @@ struct Trio {
     if (b.ok()) r1 = std::move(b).value();
   }
 };
+// Rings made by the tests are named as the queue names its own (".q<pid>.<n>"): if the process
+// dies mid-test (a crashed sanitizer run), `stagelink shm reap` and the library's sweep reclaim them.
+std::string test_ring_name(int n) { return shm::user_prefix() + "mq.q" + std::to_string(getpid()) + "." + std::to_string(n); }
+shm::RingOptions ring_options(uint32_t readers, uint32_t chunks, uint64_t chunk_bytes) {
+  shm::RingOptions o;
+  o.n_readers = readers;
+  o.max_chunks = chunks;
+  o.chunk_bytes = chunk_bytes;
+  return o;
+}
 MessageQueueOptions small(size_t chunk, uint32_t chunks) {
   MessageQueueOptions o;
   o.max_chunk_bytes = chunk;
@@ -97,11 +107,8 @@ MessageQueueOptions small(size_t chunk, uint32_t chunks) {
 // reader caught mid-attach is not dead: the writer waits for it (timeout), then it attaches and
 // reads.
 TEST(Ring, AReaderCaughtMidAttachIsNotDead) {
-  const std::string name = shm::user_prefix() + "mq.q" + std::to_string(getpid()) + ".2";
-  shm::RingOptions o;
-  o.n_readers = 1;
-  o.max_chunks = 1;
-  o.chunk_bytes = 64;
+  const std::string name = test_ring_name(2);
+  const shm::RingOptions o = ring_options(1, 1, 64);
   auto w = shm::Ring::create("/dev/shm", name, o);
   ASSERT_TRUE(w.ok()) << w.error().message;
   auto c = (*w)->acquire_write(mono_ns() + 1'000'000'000ull, false, 0, nullptr);
@@ -129,13 +136,8 @@ TEST(Ring, AReaderCaughtMidAttachIsNotDead) {
 }
 
 TEST(Ring, ThreadsSeeEveryMessageInOrderIntact) {
-  // Named as the queue names its rings (".q<pid>.<n>"): if this process dies mid-test (a crashed
-  // sanitizer run), `stagelink shm reap` and the library's own sweep reclaim the ring.
-  const std::string name = shm::user_prefix() + "mq.q" + std::to_string(getpid()) + ".1";
-  shm::RingOptions o;
-  o.n_readers = 3;
-  o.max_chunks = 4;
-  o.chunk_bytes = 256;
+  const std::string name = test_ring_name(1);
+  shm::RingOptions o = ring_options(3, 4, 256);
   o.spin_ns = 2000;
   auto w = shm::Ring::create("/dev/shm", name, o);
   ASSERT_TRUE(w.ok()) << w.error().message;
