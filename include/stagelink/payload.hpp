@@ -6,6 +6,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -112,5 +113,9 @@ struct Payload {
 // Parse msgpack bytes into a Value (bounds-checked); encode a Value as msgpack.
 Result<Value> value_from_msgpack(std::span<const std::byte> buf);
 std::vector<std::byte> value_to_msgpack(const Value& v);
+
+// Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF):
+// what Python's strict decoder takes. For strings from outside that become Python strs.
+bool is_utf8(std::string_view s);
 
 }  // namespace stagelink

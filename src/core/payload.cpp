@@ -355,4 +355,37 @@ Result<Value> value_from_msgpack(std::span<const std::byte> buf) {
   return v;
 }
 
+bool is_utf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const auto* const end = p + s.size();
+  while (p < end) {
+    const unsigned c = *p;
+    if (c < 0x80) {
+      ++p;
+      continue;
+    }
+    // Lead byte: how many continuation bytes follow, and the range the second byte must lie in
+    // (which excludes overlong forms, surrogates and code points past U+10FFFF).
+    size_t n;
+    unsigned lo = 0x80, hi = 0xbf;
+    if (c >= 0xc2 && c <= 0xdf) n = 1;
+    else if (c >= 0xe0 && c <= 0xef) {
+      n = 2;
+      if (c == 0xe0) lo = 0xa0;
+      if (c == 0xed) hi = 0x9f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      n = 3;
+      if (c == 0xf0) lo = 0x90;
+      if (c == 0xf4) hi = 0x8f;
+    } else {
+      return false;
+    }
+    if (size_t(end - p) <= n || p[1] < lo || p[1] > hi) return false;
+    for (size_t i = 2; i <= n; ++i)
+      if ((p[i] & 0xc0) != 0x80) return false;
+    p += n + 1;
+  }
+  return true;
+}
+
 }  // namespace stagelink

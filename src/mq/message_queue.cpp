@@ -88,6 +88,8 @@ Result<MessageQueueHandle> MessageQueueHandle::from_msgpack(std::span<const std:
   };
   if (!str("dir", h.shm_dir) || !str("ring", h.ring_name) || !str("ovf", h.overflow_name) || !str("remote", h.remote_addr))
     return bad("missing fields");
+  for (auto* s : {&h.shm_dir, &h.ring_name, &h.overflow_name, &h.remote_addr})
+    if (!is_utf8(*s)) return bad("a field that is not UTF-8");
   if (!(f = v.find("n")) || !f->get_u64(n) || n == 0 || n > 4096) return bad("n_reader");
   if (!(f = v.find("spin")) || !f->get_u64(spin) || spin > 10'000'000) return bad("spin");
   h.n_reader = uint32_t(n);

@@ -68,11 +68,15 @@ void check_nogil(F&& f) {
   if (!st.ok()) raise(st.error());
 }
 
-// A str from UTF-8 bytes. Strict: bytes that are not UTF-8 (a damaged or foreign frame) raise
-// UnicodeDecodeError, a ValueError the connector contract reports, not nanobind's conversion error.
+// A str from UTF-8 bytes. Strict: bytes that are not UTF-8 (a damaged or foreign frame, metadata
+// or message) raise CorruptError, as every other damage a decoder finds does.
 nb::object py_str(std::string_view s) {
   PyObject* o = PyUnicode_DecodeUTF8(s.data(), Py_ssize_t(s.size()), nullptr);
-  if (!o) throw nb::python_error();
+  if (!o) {
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) throw nb::python_error();
+    PyErr_Clear();
+    raise(make_error(Errc::corrupt, "a string of " + std::to_string(s.size()) + " bytes that is not valid UTF-8"));
+  }
   return nb::steal(o);
 }
 

@@ -287,6 +287,21 @@ TEST(Msgpack, EveryTruncationAndRandomCorruptionIsAnErrorNotACrash) {
   EXPECT_GT(rejected_of_random_flips(small, small.size(), 3, 7, [](auto& c) { return !value_from_msgpack(c).ok(); }), 0);
 }
 
+// What Python's strict decoder takes, nothing more: strings that leave C++ for Python are checked
+// with it, so a damaged one is an error of ours, not a UnicodeDecodeError from deep inside.
+TEST(Utf8, AcceptsWellFormedAndRejectsEveryIllFormedKind) {
+  for (const char* ok : {"", "plain", "caf\xc3\xa9", "\xe2\x82\xac", "\xf0\x9f\x98\x80", "\xed\x9f\xbf",
+                         "\xf4\x8f\xbf\xbf", "\xee\x80\x80"})
+    EXPECT_TRUE(is_utf8(ok)) << ok;
+  for (const char* bad : {"\x80", "\xbf", "\xc0\xaf", "\xc1\xbf",  // stray continuation; overlong 2-byte
+                          "\xc3", "\xe2\x82", "\xf0\x9f\x98",            // truncated
+                          "\xe0\x80\xaf", "\xf0\x80\x80\xaf",           // overlong 3- and 4-byte
+                          "\xed\xa0\x80", "\xed\xbf\xbf",               // surrogates
+                          "\xf4\x90\x80\x80", "\xf5\x80\x80\x80", "\xff",  // past U+10FFFF; never a lead
+                          "ok\xc3(", "\xe2\x28\xa1"})                     // a bad continuation
+    EXPECT_FALSE(is_utf8(bad)) << bad;
+}
+
 TEST(Frame, CorruptTensorTablesAreRejectedByTheInPlaceReader) {
   std::vector<std::byte> a(64), b(16);
   auto good = encode_frame(sample_payload(a, b)).value();

@@ -526,6 +526,13 @@ TEST(Mq, BadHandlesAndArgumentsAreClearErrors) {
   h.local_reader_ranks = {0};
   h.n_reader = 1;
   EXPECT_FALSE(MessageQueueHandle::from_msgpack(h.to_msgpack()).ok());
+  h.ring_name.clear();
+  h.local_reader_ranks.clear();
+  ASSERT_TRUE(MessageQueueHandle::from_msgpack(h.to_msgpack()).ok());
+  h.remote_addr = "tcp://\xff\xfe:1";  // regression: became a UnicodeDecodeError in Python
+  auto e = MessageQueueHandle::from_msgpack(h.to_msgpack());
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.error().message.find("UTF-8"), std::string::npos) << e.error().message;
   MessageQueueOptions o;
   o.n_reader = 1;
   o.n_local_reader = 2;

@@ -308,6 +308,74 @@ def test_a_malformed_ext_is_corrupt(ns):
             c.get(0, 1, "k", forged)
 
 
+def test_a_string_that_is_not_utf8_is_corrupt(ns):
+    """Regression: a frame (or a message queue handle) whose string is not UTF-8 raised
+    UnicodeDecodeError from deep inside the decoder instead of stagelink's CorruptError."""
+    frame = _core.encode_object({"caf\u00e9": "\u00e9t\u00e9"})
+    assert frame.count(b"\xc3\xa9") == 3
+    for i in range(3):  # the key, then each character of the value
+        bad = frame.replace(b"\xc3\xa9", b"\xff\xfe", i + 1).replace(b"\xff\xfe", b"\xc3\xa9", i)
+        with pytest.raises(stagelink.CorruptError, match="UTF-8"):
+            _core.decode_frame_parts(bad)
+    with shm(ns, strict=True) as c:
+        ok, _, meta = c.put(0, 1, "k", {"caf\u00e9": 1})
+        with pytest.raises(stagelink.CorruptError, match="UTF-8"):
+            c.get(0, 1, "k", dict(meta, inline=meta["inline"].replace(b"\xc3\xa9", b"\xc3\x28")))
+
+
+def _mutations(rng, data, n):
+    """n damaged copies of data: truncated, or 1-4 bytes set to a random, edge or bit-flipped value."""
+    for _ in range(n):
+        f = bytearray(data)
+        if rng.random() < 0.2:
+            yield bytes(f[:rng.randrange(len(f))])
+            continue
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(f))
+            f[i] = rng.choice([rng.randrange(256), 0, 0xFF, 0x7F, 0x80, f[i] ^ (1 << rng.randrange(8))])
+        yield bytes(f)
+
+
+def test_damaged_frames_and_handles_raise_only_stagelink_errors(mq_clean):
+    """Frames arrive from other processes and hosts (store, transfer engine, queue) and handles are
+    passed around: every damage is a StagelinkError (or decodes to some object), never another
+    exception, a crash or a read out of bounds. A seeded fuzz over every kind of leaf."""
+    import random
+    rng = random.Random(20261123)
+    objs = [np.arange(12, dtype=np.float32).reshape(3, 4), b"abc" * 10, {"t": (1, 2.5, None, True, "x\u00e9")},
+            {"ids": list(range(300)), "b": bytearray(b"zz"), "m": memoryview(b"mv")},
+            [np.float32(1.5), np.arange(5)[::2], np.zeros((0, 3))], {"a": [[1, [2, (3,)]], {"k": -7}], "u": 2**63 + 5}]
+    try:
+        import torch
+        objs += [torch.ones(5, dtype=torch.bfloat16), torch.nn.Parameter(torch.ones(2)), torch.tensor(3.0),
+                 {"c": torch.ones(2, dtype=torch.cfloat), "g": torch.ones(2, requires_grad=True)}]
+    except ImportError:
+        pass
+    others = []
+    for obj in objs:
+        frame = _core.encode_object(obj)
+        assert frame is not None, obj
+        for bad in _mutations(rng, frame, 1500):
+            try:
+                _core.decode_frame_parts(bad)
+            except stagelink.StagelinkError:
+                pass
+            except Exception as e:  # noqa: BLE001 - what this test looks for
+                others.append((type(e).__name__, str(e)[:80], bad))
+    mq = stagelink.MessageQueue(2, 1, max_chunk_bytes=1024, max_chunks=4)
+    try:
+        for bad in _mutations(rng, mq.export_handle().data, 3000):
+            try:
+                stagelink.mq.Handle(bad)
+            except stagelink.StagelinkError:
+                pass
+            except Exception as e:  # noqa: BLE001
+                others.append((type(e).__name__, str(e)[:80], bad))
+    finally:
+        mq.close()
+    assert not others, others[:5]
+
+
 def test_the_queue_keeps_types_too(mq_clean):
     torch = pytest.importorskip("torch")
     w = stagelink.MessageQueue(1, 1)
