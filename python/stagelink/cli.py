@@ -139,8 +139,26 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="stagelink", description="Move data between the stages of inference pipelines.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    b = sub.add_parser("bench", help="measure a transport against its peers in the same run")
-    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "cuda", "all"])
+    b = sub.add_parser(
+        "bench", help="measure a transport against its peers in the same run",
+        description="Measure a transport and, in the same run, the peers it is judged against; medians, "
+                    "and ratios to the peers (this machine's timings may drift: compare within a run).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="what each measures, and its peers:\n"
+               "  shm    shared-memory connector, C++ and Python put+get by size and payload kind;\n"
+               "         peers: memcpy, the seed's Python design, the pickle path\n"
+               "  mq     broadcast MessageQueue latency, throughput, bandwidth, idle CPU; peers: ZeroMQ\n"
+               "         PUB/SUB, iceoryx2 when installed\n"
+               "  relay  a relay hop between processes, then the reference's 3-stage pipelines; peers:\n"
+               "         memcpy, ZeroMQ, the reference's figures\n"
+               "  te     transfer engine over loopback, and across two network namespaces when root;\n"
+               "         peers: ucx_perftest, iperf3, Mooncake TE when installed\n"
+               "  store  store connector with a redis-server it starts (across namespaces when root);\n"
+               "         peers: redis-benchmark, Mooncake Store when installed\n"
+               "  cuda   CUDA tensors between processes (says why and stops without a GPU); peers:\n"
+               "         pinned/pageable/device copies, CUDA IPC, the seed's design\n"
+               "  all    each of the above in turn")
+    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "cuda", "all"], help="what to measure (below)")
     b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
     b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-cuda.json)")
