@@ -543,7 +543,10 @@ struct TorchApi {
       PyErr_Clear();
       if (!import) return nullptr;
       mod = PyImport_ImportModule("torch");
-      if (!mod) throw nb::python_error();
+      if (!mod) {  // not installed, or broken: the caller says the payload needs it (UnsupportedError)
+        PyErr_Clear();
+        return nullptr;
+      }
     }
     nb::object torch = nb::steal(mod);
     if (!nb::hasattr(torch, "Tensor") || !nb::hasattr(torch, "from_numpy")) return nullptr;  // half-imported

@@ -57,7 +57,9 @@ def test_a_payload_string_that_is_not_utf8_is_reported_not_raised(tmp_path):
             ok, _, meta = c.put(0, 1, "k", tree)
             forged = dict(meta, inline=meta["inline"].replace(b"\xa3abc", b"\xa3\xff\xfe\xfd"))
             assert c.get(0, 1, "k", forged) is None
-            assert isinstance(c.last_error, ValueError), c.last_error  # UnicodeDecodeError, reported
+            # Reported as the damage it is (was UnicodeDecodeError, before that nanobind's RuntimeError)
+            assert isinstance(c.last_error, stagelink.CorruptError), c.last_error
+            assert "UTF-8" in str(c.last_error)
             c.cleanup("k")
 
 

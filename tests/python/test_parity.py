@@ -323,6 +323,35 @@ def test_a_string_that_is_not_utf8_is_corrupt(ns):
             c.get(0, 1, "k", dict(meta, inline=meta["inline"].replace(b"\xc3\xa9", b"\xc3\x28")))
 
 
+def test_a_torch_payload_where_torch_is_missing_is_unsupported_not_an_import_error(ns):
+    """Regression (found running the suite on Python 3.12 without torch): a frame holding a torch
+    tensor, read where torch cannot be imported, raised ModuleNotFoundError out of get, which the
+    connector contract does not catch. It is UnsupportedError, reported as get's other failures."""
+    import subprocess
+    import sys
+    torch = pytest.importorskip("torch")
+    frame = _core.encode_object({"h": torch.ones(3)})
+    child = f"""
+import sys
+sys.modules["torch"] = None  # import torch raises ImportError, as where it is not installed
+import stagelink
+from stagelink import _core
+try:
+    _core.decode_frame_parts({frame!r})
+except stagelink.UnsupportedError as e:
+    assert "torch" in str(e), e
+else:
+    raise SystemExit("decoded without torch")
+with stagelink.create_connector("SharedMemoryConnector", {{"namespace": "{ns}x"}}) as c:
+    ok, _, meta = c.put(0, 1, "k", b"x")
+    assert c.get(0, 1, "k", dict(meta, inline={frame!r})) is None
+    assert isinstance(c.last_error, stagelink.UnsupportedError), c.last_error
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def _mutations(rng, data, n):
     """n damaged copies of data: truncated, or 1-4 bytes set to a random, edge or bit-flipped value."""
     for _ in range(n):
