@@ -80,18 +80,29 @@ nb::object py_str(std::string_view s) {
   return nb::steal(o);
 }
 
+// A dict key as a str. Keys repeat on every get of the same shape (the metadata's "entry", "gen",
+// "inline"; a payload's "hidden", "ids"): the strs of short keys are kept in a direct-mapped cache
+// of 256 slots, so a repeated key costs a hash and a compare instead of a new str, and its hash
+// (cached in the str) is not computed again when the dict takes it. Called with the GIL held.
 nb::object key_str(std::string_view k) {
-  static constexpr std::string_view kCommon[] = {"shm", "gen", "name", "size", "entry", "offset", "inline"};
-  static PyObject* interned[std::size(kCommon)] = {};
-  if (k.size() >= 3 && k.size() <= 6) {
-    for (size_t i = 0; i < std::size(kCommon); ++i) {
-      if (k.size() == kCommon[i].size() && k[0] == kCommon[i][0] && k == kCommon[i]) {
-        if (!interned[i]) interned[i] = PyUnicode_InternFromString(kCommon[i].data());  // immortal: kept
-        return nb::borrow(interned[i]);
-      }
-    }
+  constexpr size_t kMaxCached = 32;
+  if (k.empty() || k.size() > kMaxCached) return py_str(k);
+  static PyObject* cache[256] = {};  // strong references, kept for the interpreter's life
+  uint32_t h = 2166136261u;  // FNV-1a
+  for (char c : k) h = (h ^ uint8_t(c)) * 16777619u;
+  PyObject*& slot = cache[(h ^ (h >> 16)) & 255];
+  if (slot) {
+    Py_ssize_t n = 0;
+    const char* u = PyUnicode_AsUTF8AndSize(slot, &n);  // kept in the str: no encoding after the first
+    if (u && size_t(n) == k.size() && std::memcmp(u, k.data(), k.size()) == 0) return nb::borrow(slot);
+    PyErr_Clear();
   }
-  return py_str(k);
+  nb::object s = py_str(k);
+  PyObject* fresh = s.inc_ref().ptr();
+  PyUnicode_InternInPlace(&fresh);  // the same object as equal keys elsewhere: compared by identity
+  Py_XDECREF(slot);
+  slot = fresh;
+  return nb::borrow(slot);
 }
 
 nb::object to_py(const Value& v, const std::vector<nb::object>* tensors = nullptr);

@@ -308,6 +308,19 @@ def test_a_malformed_ext_is_corrupt(ns):
             c.get(0, 1, "k", forged)
 
 
+def test_dict_keys_come_back_right_through_the_key_cache(ns):
+    """Decoded dict keys of up to 32 bytes come from a 256-slot cache of strs: keys that share a
+    slot, non-ASCII keys, the empty key and longer keys all come back as they were."""
+    keys = [f"k{i}" for i in range(1000)] + ["", "\u00e9t\u00e9", "\u65e5\u672c", "x" * 32, "y" * 33, "\U0001f600"]
+    tree = {k: i for i, k in enumerate(keys)}
+    with shm(ns) as c:
+        for rnd in range(3):  # the later rounds read the keys back from the cache
+            ok, _, meta = c.put(0, 1, f"k{rnd}", tree)
+            got = c.get(0, 1, f"k{rnd}", meta)[0]
+            assert got == tree and list(got) == keys
+            assert all(type(k) is str for k in got)
+
+
 def test_a_string_that_is_not_utf8_is_corrupt(ns):
     """Regression: a frame (or a message queue handle) whose string is not UTF-8 raised
     UnicodeDecodeError from deep inside the decoder instead of stagelink's CorruptError."""
