@@ -171,7 +171,7 @@ class ShmConnector final : public Connector {
 
   size_t cleanup(const std::string& request_id) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return 0;
+    if (!open_locked()) return 0;
     // Every unread entry of the request on this host: ours, other producers' (abort).
     const size_t n = dir_->cancel_request(request_id);
     reclaim_all_locked();
@@ -195,7 +195,7 @@ class ShmConnector final : public Connector {
 
   size_t reap_consumed() override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return 0;
+    if (!open_locked()) return 0;
     const size_t before = out_.size();
     reclaim_all_locked();
     return before - out_.size();
@@ -210,7 +210,7 @@ class ShmConnector final : public Connector {
     std::shared_ptr<Directory> dir;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (closed_) return true;  // close() freed every put
+      if (!open_locked()) return true;  // close() freed every put
       dir = dir_;
     }
     if (idx >= dir->n_entries()) return make_error(Errc::corrupt, "put_released: entry out of range");
@@ -232,7 +232,7 @@ class ShmConnector final : public Connector {
 
   Result<uint64_t> arrival_epoch() override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return make_error(Errc::closed, "SharedMemoryConnector is closed");
+    if (!open_locked()) return make_error(Errc::closed, "SharedMemoryConnector is closed");
     return uint64_t(dir_->publish_seq());
   }
 
@@ -246,7 +246,7 @@ class ShmConnector final : public Connector {
   Result<std::vector<std::string>> pending_keys() override {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<std::string> keys;
-    if (closed_) return keys;
+    if (!open_locked()) return keys;
     for (const auto& o : out_)
       if (auto k = dir_->unread_put_key(o.idx, o.gen)) keys.push_back(std::move(*k));
     return keys;
@@ -254,7 +254,7 @@ class ShmConnector final : public Connector {
 
   Value health() override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!closed_ && dir_) reclaim_all_locked();
+    if (open_locked() && dir_) reclaim_all_locked();
     Value::Map m;
     m.emplace_back("status", closed_ ? "closed" : "healthy");
     m.emplace_back("connector", name_);
@@ -294,6 +294,8 @@ class ShmConnector final : public Connector {
     }
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
+    // Inherited through fork(): everything it holds is the parent's; this process has nothing to free.
+    if (fork_gen_ != fork_generation()) forget_parent_locked(false);
     closed_ = true;
     if (!dir_) return;
     dir_->wake_getters();
@@ -346,7 +348,43 @@ class ShmConnector final : public Connector {
   // The directory, for a call that then waits or reads without mu_ held; null once closed.
   std::shared_ptr<Directory> live_dir() {
     std::lock_guard<std::mutex> lock(mu_);
-    return closed_ ? nullptr : dir_;
+    return open_locked() ? dir_ : nullptr;
+  }
+
+  // Under mu_: whether the connector is open, having first made one inherited through fork() this
+  // process's own (a load and a compare when it is not).
+  bool open_locked() {
+    if (closed_) return false;
+    if (fork_gen_ != fork_generation()) [[unlikely]]
+      forget_parent_locked(true);
+    return !closed_;
+  }
+
+  // This process is a fork of the one that made (or last used) the connector: the entries and the
+  // arena of that process's puts and its directory attachment are its own, and it goes on using
+  // them (writing into its arena from here, with a copy of its allocator, would overwrite its
+  // puts). Drop this copy of them -- unmapping is all, nothing shared is touched -- and, unless
+  // closing, attach as this process: its puts then take an arena of its own.
+  void forget_parent_locked(bool reattach) {
+    fork_gen_ = fork_generation();
+    out_.clear();
+    arena_.reset();  // a mapping: its destructor unmaps, never unlinks
+    arena_alloc_.reset();
+    arena_idx_ = arena_gen_ = 0;
+    {
+      std::lock_guard<std::mutex> w(wait_mu_);
+      waiters_.clear();  // the threads that waited are not in this process
+    }
+    dir_.reset();  // an inherited Directory detaches nothing (its fork generation differs)
+    if (!reattach) return;
+    auto d = Directory::attach(opts_.shm_dir, opts_.ns, opts_.max_entries);
+    if (!d.ok()) {
+      SL_LOG_ERROR("SharedMemoryConnector after fork(): cannot attach to the directory: %s",
+                   d.error().to_string().c_str());
+      closed_ = true;
+      return;
+    }
+    dir_ = std::move(d).value();
   }
 
   // Successful puts are counted in publish_locked, under mu_; failed ones here.
@@ -527,7 +565,7 @@ class ShmConnector final : public Connector {
     const FramePlan& plan = *given_plan;
     const InternalKey ikey(key, from, to);
     std::unique_lock<std::mutex> lock(mu_);
-    if (closed_) return make_error(Errc::closed, "put on a closed SharedMemoryConnector");
+    if (!open_locked()) return make_error(Errc::closed, "put on a closed SharedMemoryConnector");
     const uint64_t now = mono_ns();
     SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size()), po.request_id, now));
     auto reg = allocate_locked(lock, plan.total, now);
@@ -653,6 +691,7 @@ class ShmConnector final : public Connector {
   std::shared_ptr<Directory> dir_;
   std::mutex mu_;
   bool closed_ = false;
+  uint32_t fork_gen_ = fork_generation();  // of the process whose state this is (see open_locked)
   std::shared_ptr<Segment> arena_;
   std::unique_ptr<BufferAllocator> arena_alloc_;
   uint32_t arena_idx_ = 0, arena_gen_ = 0;
@@ -679,8 +718,9 @@ struct Loan::Impl {
   std::string shm_dir;
   uint32_t arena_idx = 0, arena_gen = 0;
   bool published = false;
+  uint32_t fork_gen = fork_generation();  // a loan inherited through fork() is the parent's memory
   ~Impl() {
-    if (published || !gate) return;
+    if (published || !gate || fork_gen != fork_generation()) return;
     std::lock_guard<std::mutex> g(gate->mu);  // close() cannot finish meanwhile
     if (gate->owner) {
       gate->owner->return_loan(offset, length, dedicated, arena_idx, arena_gen);
@@ -706,7 +746,7 @@ size_t Loan::frame_size() const { return impl_ ? impl_->plan.total : 0; }
 Result<Loan> ShmConnector::loan(const Value& tree, std::span<const TensorSpec> specs) {
   SL_ASSIGN(FramePlan plan, plan_frame(tree, specs));
   std::unique_lock<std::mutex> lock(mu_);
-  if (closed_) return make_error(Errc::closed, "loan on a closed SharedMemoryConnector");
+  if (!open_locked()) return make_error(Errc::closed, "loan on a closed SharedMemoryConnector");
   SL_ASSIGN(Region reg, allocate_locked(lock, plan.total, mono_ns()));
   auto impl = std::make_unique<Loan::Impl>();
   impl->gate = gate_;
@@ -737,8 +777,11 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   if (readers < 1 || readers > shm::kMaxFanout)
     return make_error(Errc::invalid_argument, "readers must be in [1, 8]");
   const InternalKey ikey(key, from, to);
+  if (impl->fork_gen != fork_generation())
+    return make_error(Errc::invalid_argument, "put_loan: the loan was taken before fork(), in the parent process, "
+                                              "whose memory it is; take a new loan in this process");
   std::unique_lock<std::mutex> lock(mu_);
-  if (closed_) return make_error(Errc::closed, "put_loan on a closed SharedMemoryConnector");
+  if (!open_locked()) return make_error(Errc::closed, "put_loan on a closed SharedMemoryConnector");
   const uint64_t now = mono_ns();
   SL_ASSIGN(Claim cl, reserve_locked(ikey, uint16_t(key.size()), po.request_id, now));
   impl->published = true;

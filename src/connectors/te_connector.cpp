@@ -24,6 +24,7 @@
 #include "core/log.hpp"
 #include "core/net.hpp"
 #include "core/proc.hpp"
+#include "core/zmq_fork.hpp"
 #include "cuda/driver.hpp"
 #include "stagelink/connector.hpp"
 #include "stagelink/frame.hpp"
@@ -399,6 +400,15 @@ class TeConnector final : public Connector {
 
   void close() override {
     if (closed_.exchange(true)) return;
+    if (fork_gen_ != fork_generation()) {
+      // Inherited through fork(): the side-channel thread, the UCX engine (and its progress
+      // thread), the sockets and the pool are the parent's. Nothing is joined, closed or freed.
+      (void)new std::thread(std::move(server_));
+      (void)new std::shared_ptr<ucx::Engine>(std::move(engine_));
+      (void)new std::map<std::string, std::shared_ptr<Peer>>(std::move(peers_));
+      abandon_after_fork(ctx_, router_);
+      return;
+    }
     stop_.store(true);
     if (server_.joinable()) server_.join();
     router_.reset();
@@ -686,6 +696,7 @@ class TeConnector final : public Connector {
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> router_;
   std::thread server_;
+  const uint32_t fork_gen_ = fork_generation();
   std::atomic<bool> stop_{false}, closed_{false};
   std::mutex mu_;
   std::condition_variable release_cv_;

@@ -13,6 +13,7 @@
 
 #include "control/shm_transport.hpp"
 #include "core/proc.hpp"
+#include "core/zmq_fork.hpp"
 #include "stagelink/control.hpp"
 
 namespace stagelink {
@@ -102,6 +103,7 @@ class ZmqInbox final : public ControlInbox {
       }
     }
     std::lock_guard<std::mutex> lock(mu_);  // after a blocked recv saw the wake-up
+    if (fork_gen_ != fork_generation()) (void)sock_.release();  // the parent's (core/zmq_fork.hpp)
     sock_.reset();
     if (efd_ >= 0) ::close(efd_);
     efd_ = -1;
@@ -113,6 +115,7 @@ class ZmqInbox final : public ControlInbox {
   std::unique_ptr<zmq::socket_t> sock_;
   std::string endpoint_;
   int efd_ = -1;
+  const uint32_t fork_gen_ = fork_generation();
 };
 
 class ZmqOutbox final : public ControlOutbox {
@@ -151,6 +154,7 @@ class ZmqOutbox final : public ControlOutbox {
   // Sends what is queued (for at most the 1 s linger), then releases everything. Idempotent.
   void close() override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (fork_gen_ != fork_generation()) abandon_after_fork(ctx_, sock_);  // the parent's
     sock_.reset();
     if (ctx_) ctx_->close();  // blocks until the queue is flushed or the linger passed
     ctx_.reset();
@@ -161,6 +165,7 @@ class ZmqOutbox final : public ControlOutbox {
   std::unique_ptr<zmq::context_t> ctx_;
   std::unique_ptr<zmq::socket_t> sock_;
   std::string endpoint_;
+  const uint32_t fork_gen_ = fork_generation();
 };
 }  // namespace
 

@@ -44,12 +44,20 @@ uint64_t proc_start_time(uint32_t pid) { return proc_stat(pid, nullptr); }
 namespace {
 std::atomic<uint64_t> g_self_pid{0};  // 0: unknown
 std::atomic<uint64_t> g_self_start{0};
-void forget_self() { g_self_pid.store(0, std::memory_order_relaxed); }
+std::atomic<uint32_t> g_fork_gen{0};  // forks this process descends from, counted in each child
+void forget_self() {
+  g_self_pid.store(0, std::memory_order_relaxed);
+  g_fork_gen.fetch_add(1, std::memory_order_relaxed);
+}
+// Registered before the first identity or generation is handed out: a fork before that changes
+// nothing anyone holds.
+const int g_atfork_registered = pthread_atfork(nullptr, nullptr, forget_self);
 }  // namespace
 
+uint32_t fork_generation() { return g_fork_gen.load(std::memory_order_relaxed); }
+
 ProcId self_proc() {
-  static const int registered = pthread_atfork(nullptr, nullptr, forget_self);
-  (void)registered;
+  (void)g_atfork_registered;
   uint64_t pid = g_self_pid.load(std::memory_order_acquire);
   if (pid != 0) return ProcId{uint32_t(pid), g_self_start.load(std::memory_order_relaxed)};
   const uint32_t now = static_cast<uint32_t>(::getpid());

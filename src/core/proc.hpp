@@ -8,6 +8,10 @@ struct ProcId {
   uint64_t start = 0;  // /proc/<pid>/stat field 22 (clock ticks since boot); 0 if unknown
 };
 ProcId self_proc();
+// How many forks separate this process from the one that loaded stagelink (0 there, 1 in its
+// child, ...): an object made in one generation and used in another was inherited through fork(),
+// and what it holds of shared state belongs to the process that made it. A load of one word.
+uint32_t fork_generation();
 uint64_t proc_start_time(uint32_t pid);  // 0 when the process does not exist
 // Alive: the pid exists and, when start is known, started at the same time.
 bool proc_alive(const ProcId& p);

@@ -18,6 +18,7 @@
 #include "core/msgpack_io.hpp"
 #include "core/net.hpp"
 #include "core/proc.hpp"
+#include "core/zmq_fork.hpp"
 #include "shm/ring.hpp"
 #include "stagelink/allocator.hpp"
 #include "stagelink/shm.hpp"
@@ -295,6 +296,8 @@ class MqWriter final : public MessageQueue {
   // readers are told only with `everyone` (close() does that: the queue has ended).
   void shutdown(bool everyone) override {
     shutdown_flag_.store(true);
+    // Inherited through fork(): the queue is the parent's; this copy stops, nobody else's does.
+    if (fork_gen_ != fork_generation()) everyone = false;
     if (ring_) {
       if (everyone) ring_->shutdown();
       else ring_->cancel_local();
@@ -447,6 +450,16 @@ class MqWriter final : public MessageQueue {
   }
 
   void close() {
+    if (fork_gen_ != fork_generation()) {
+      // Inherited through fork(): the queue is the parent's, which goes on writing. Nothing shared
+      // is touched (no shutdown, no unlink); the socket is the parent's too, and is left as it is.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return;
+      closed_ = true;
+      ool_.clear();
+      abandon_after_fork(ctx_, pub_);
+      return;
+    }
     shutdown(true);
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
@@ -462,6 +475,7 @@ class MqWriter final : public MessageQueue {
   MessageQueueOptions o_;
   std::mutex mu_;
   bool closed_ = false, shutdown_sent_ = false, ring_named_ = false;
+  const uint32_t fork_gen_ = fork_generation();  // see close()
   std::unique_ptr<Ring> ring_;
   std::string tag_, ovf_name_, remote_addr_;
   std::shared_ptr<Segment> ovf_;
@@ -603,6 +617,11 @@ class MqRemoteReader final : public MqReader {
  public:
   using MqReader::MqReader;
   ~MqRemoteReader() override {
+    if (fork_gen_ != fork_generation()) {  // inherited through fork(): the parent's socket and context
+      abandon_after_fork(ctx_, sub_);
+      if (efd_ >= 0) ::close(efd_);
+      return;
+    }
     sub_.reset();
     ctx_.close();
     if (efd_ >= 0) ::close(efd_);
@@ -681,6 +700,7 @@ class MqRemoteReader final : public MqReader {
  private:
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> sub_;
+  const uint32_t fork_gen_ = fork_generation();
   int efd_ = -1;
   std::atomic<bool> cancelled_{false};
   uint64_t next_ = 0;

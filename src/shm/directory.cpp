@@ -187,6 +187,7 @@ Result<std::shared_ptr<Directory>> Directory::attach(const std::string& shm_dir,
   d->hashes_ = reinterpret_cast<std::atomic<uint64_t>*>(d->seg_->data() + hashes_offset());
   d->entries_ = reinterpret_cast<Entry*>(d->seg_->data() + entries_offset(d->hdr_->n_entries));
   d->attached_ = true;
+  d->fork_gen_ = fork_generation();
   auto removed = d->reap();  // start-up reclamation of what dead processes left
   for (auto& r : removed) SL_LOG_INFO("reaped at attach: %s", r.c_str());
   cache[cache_key] = d;
@@ -217,6 +218,13 @@ Directory::~Directory() { detach(); }
 void Directory::detach() {
   if (!attached_) return;
   attached_ = false;
+  // Inherited through fork(): the attachment is the parent's, which goes on using it. Only the
+  // mapping goes (with this object).
+  if (fork_gen_ != fork_generation()) return;
+  // What processes that died attached left behind (a forked child that ended in _exit(), as
+  // multiprocessing's children do; a killed one) is reclaimed first, so that the last live
+  // process out removes the directory and every arena instead of leaving them to a later reaper.
+  for (const auto& r : reap()) SL_LOG_INFO("reaped: %s", r.c_str());
   if (attach_slot_ >= 0) hdr_->attached[attach_slot_].pid.store(0, std::memory_order_release);
   if (drop_attach(hdr_)) {
     // Last one out: every attached process is gone, so any arena still listed is orphaned.

@@ -768,3 +768,60 @@ TEST(Shm, AReaperLeavesAnAttachSlotBeingClaimed) {
   }
   EXPECT_EQ(wait_child(pid), 0);
 }
+
+// A connector made before fork() and used in the child: the child's puts must not land in the
+// parent's arena through the child's copy of its allocator (regression: the parent's next put
+// took the same range and overwrote the child's unread payload), the child's close must not free
+// the parent's puts or arena, and a loan taken before the fork is the parent's memory.
+TEST(Shm, AConnectorInheritedThroughForkIsTheChildsOwnAndLeavesTheParentsAlone) {
+  const std::string ns = unique_ns("fork");
+  auto c = make(extra(ns, 4u << 20));
+  auto r = make(extra(ns, 1u << 20));
+  ASSERT_TRUE(c && r);
+  const size_t n = 256u << 10;  // above the inline threshold: in the arena
+  auto d1 = pattern(n, 1), dc = pattern(n, 2), d2 = pattern(n, 3);
+  ASSERT_TRUE(c->put("0", "1", "p1", payload_of(d1, checksum(d1))).ok());
+  TensorSpec spec;
+  spec.dtype = DType::u8;
+  spec.shape = {int64_t(n)};
+  spec.nbytes = n;
+  auto loan = c->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
+  ASSERT_TRUE(loan.ok()) << loan.error().message;
+  int to_parent[2], to_child[2];
+  ASSERT_EQ(pipe(to_parent), 0);
+  ASSERT_EQ(pipe(to_child), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    char b = 0;
+    if (!c->put("0", "1", "c1", payload_of(dc, checksum(dc))).ok()) _exit(10);
+    if (write(to_parent[1], "x", 1) != 1 || read(to_child[0], &b, 1) != 1) _exit(11);  // parent reads c1
+    auto lp = c->put_loan("0", "1", "fromloan", std::move(loan.value()), {});
+    if (lp.ok() || lp.error().code != Errc::invalid_argument) _exit(12);
+    c->close();  // frees the child's own arena, nothing of the parent's
+    r->close();
+    _exit(0);
+  }
+  char b = 0;
+  ASSERT_EQ(read(to_parent[0], &b, 1), 1);
+  // The parent's allocator does not know the child's put: with the bug this took c1's range.
+  ASSERT_TRUE(c->put("0", "1", "p2", payload_of(d2, checksum(d2))).ok());
+  auto g = r->get("0", "1", "c1", nullptr, deadline_after(5), {});
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  ASSERT_EQ(g->payload.tensors.size(), 1u);
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(dc)) << "the child's put was overwritten";
+  g = Result<GetResult>(make_error(Errc::io, ""));  // drop the view before the child frees its arena
+  ASSERT_EQ(write(to_child[1], "x", 1), 1);
+  EXPECT_EQ(wait_child(pid), 0);
+  for (auto [key, data] : {std::pair{"p1", &d1}, std::pair{"p2", &d2}}) {
+    auto gp = r->get("0", "1", key, nullptr, deadline_after(5), {});
+    ASSERT_TRUE(gp.ok()) << key << ": " << gp.error().message;
+    EXPECT_EQ(checksum(gp->payload.tensors[0].data), checksum(*data)) << key;
+  }
+  ASSERT_TRUE(c->put_loan("0", "1", "fromloan", std::move(loan.value()), {}).ok());  // still ours here
+  auto gl = r->get("0", "1", "fromloan", nullptr, deadline_after(5), {});
+  EXPECT_TRUE(gl.ok()) << gl.error().message;
+  for (int fd : {to_parent[0], to_parent[1], to_child[0], to_child[1]}) close(fd);
+  c->close();
+  r->close();
+  EXPECT_EQ(files_with(ns), 0u);
+}

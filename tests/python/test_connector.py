@@ -386,3 +386,34 @@ def test_concurrent_producers_and_consumers(ns):
     for p in ps:
         p.join(60)
     assert res == [(0, n), (0, n)]
+
+
+def _put_from_inherited(c, q):
+    ok, _, _ = c.put(0, 1, "from_child", np.full(1 << 18, 0xC1, np.uint8))
+    q.put(ok)  # then ends as multiprocessing's children do: os._exit, nothing closed
+
+
+def test_a_connector_inherited_through_fork_works_in_the_child_and_leaves_nothing(ns):
+    """Regression: a connector made before a fork() and used in the child wrote the child's puts
+    into the parent's arena through a copy of the parent's allocator; the parent's next put took
+    the same range and the child's payload came back as another one (or as CorruptError). The
+    child is now a participant of its own, and what it leaves on exit is reclaimed."""
+    with shm(ns, arena_bytes=4 << 20) as c, shm(ns, arena_bytes=1 << 20) as r:
+        assert c.put(0, 1, "before", np.full(1 << 18, 0xB0, np.uint8))[0]
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_put_from_inherited, args=(c, q))
+        p.start()
+        assert q.get(timeout=30) is True
+        p.join(30)
+        assert p.exitcode == 0
+        ok, _, meta = c.put(0, 1, "after", np.full(1 << 18, 0xA1, np.uint8))
+        assert ok
+        got = r.get(0, 1, "from_child", None, timeout=5)
+        assert got is not None, r.last_error
+        assert got[0].shape == (1 << 18,) and (got[0] == 0xC1).all()
+        del got
+        for key, byte in (("before", 0xB0), ("after", 0xA1)):
+            got = r.get(0, 1, key, None, timeout=5)
+            assert got is not None and (got[0] == byte).all(), key
+    assert not [f for f in os.listdir("/dev/shm") if ns in f]

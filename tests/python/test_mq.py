@@ -186,3 +186,51 @@ def test_bad_arguments_are_clear_errors(mq_clean):
             w.dequeue(timeout=0)
     with pytest.raises(stagelink.ClosedError):
         w.enqueue(1)
+
+
+_INHERITED = {}
+
+
+def _drop_inherited_writer():
+    import gc
+    _INHERITED.clear()  # the writer copied into this forked child: dropped, collected
+    gc.collect()
+
+
+def _read_three(handle, rank, q):
+    r = stagelink.MessageQueue.create_from_handle(handle, rank)
+    q.put([r.dequeue(timeout=20) for _ in range(3)])
+    r.close()
+
+
+def test_a_writer_dropped_in_a_forked_child_leaves_the_parents_queue_alone(mq_clean):
+    """Regression: a forked child that dropped the writer it inherited (vLLM's executor makes the
+    queue, then forks its workers) shut the parent's queue down and unlinked its segments; with a
+    remote reader, the child hung for ever terminating the ZeroMQ context whose threads stayed in
+    the parent. The child now leaves both alone and exits at once."""
+    ctx = mp.get_context("fork")
+    # Held only here (no local name): the child's clear() drops the last reference it has.
+    _INHERITED["w"] = stagelink.MessageQueue(2, 1, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1")
+    try:
+        t0 = time.monotonic()
+        p = ctx.Process(target=_drop_inherited_writer)
+        p.start()
+        p.join(15)
+        assert p.exitcode == 0, "the child hung or failed dropping the inherited writer"
+        assert time.monotonic() - t0 < 10
+        assert not _INHERITED["w"].shutting_down
+        q = ctx.Queue()
+        readers = [ctx.Process(target=_read_three, args=(_INHERITED["w"].export_handle(), rank, q)) for rank in (0, 1)]
+        for r in readers:
+            r.start()
+        _INHERITED["w"].wait_until_ready(timeout=30)
+        for i in range(3):
+            _INHERITED["w"].enqueue({"i": i}, timeout=20)
+        got = [q.get(timeout=30) for _ in readers]
+        for r in readers:
+            r.join(30)
+        assert got == [[{"i": 0}, {"i": 1}, {"i": 2}]] * 2
+    finally:
+        w = _INHERITED.pop("w", None)
+        if w is not None:
+            w.close()
