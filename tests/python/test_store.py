@@ -4,6 +4,7 @@ cleanup and consumption leave no key; a missing key is None after the timeout; p
 server in another network namespace (root)."""
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import shutil
 import socket
@@ -261,3 +262,39 @@ def test_a_blocked_get_burns_no_cpu(redis):
         after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert wall >= 0.9 and cpu < 0.1 * wall, (cpu, wall)
+
+
+def _store_traffic(c, tag, n, q):
+    """Puts and gets through `c` (inherited through fork() in the child); reports what came back wrong."""
+    bad = []
+    try:
+        for i in range(n):
+            data = np.full(1000 + i, i % 251, np.uint8)
+            ok, _, _ = c.put(0, 1, f"{tag}{i}", {"d": data, "i": i})
+            got = c.get(0, 1, f"{tag}{i}", timeout=5) if ok else None
+            if got is None or got[0]["i"] != i or not np.array_equal(got[0]["d"], data):
+                bad.append((i, ok, repr(c.last_error)[:120]))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        bad.append(("raised", repr(e)[:200]))
+    q.put(bad)
+
+
+def test_a_store_connector_inherited_through_fork_dials_its_own_connections(redis):
+    """Regression: a forked child using the connector it inherited took the parent's pooled Redis
+    connections, so the two processes wrote on the same sockets and read each other's replies.
+    The child now drops its copy of the pool and dials its own."""
+    c = stagelink.create_connector("StoreConnector", {"port": redis, "connections": 1})
+    try:
+        assert c.put(0, 1, "warm", b"x")[0] and c.get(0, 1, "warm")[0] == b"x"  # a pooled connection now
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_store_traffic, args=(c, "child", 300, q))
+        p.start()
+        _store_traffic(c, "parent", 300, q)
+        results = [q.get(timeout=60), q.get(timeout=60)]
+        p.join(30)
+        assert p.exitcode == 0
+        assert results == [[], []], results
+        assert _dbsize(redis) == 0
+    finally:
+        c.close()
