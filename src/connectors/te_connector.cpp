@@ -143,6 +143,7 @@ class TeConnector final : public Connector {
 
   Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key, const Payload& p,
                         const PutOptions& po) override {
+    SL_TRY(same_process());
     if (!router_) return make_error(Errc::invalid_argument, name_ + " with role receiver cannot put");
     SL_TRY(validate_name("from_stage", from, 64));
     SL_TRY(validate_name("to_stage", to, 64));
@@ -206,6 +207,7 @@ class TeConnector final : public Connector {
 
   Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key, const Value* md,
                         Deadline deadline, const GetOptions& go) override {
+    SL_TRY(same_process());
     SL_TRY(validate_name("from_stage", from, 64));
     SL_TRY(validate_name("to_stage", to, 64));
     SL_TRY(validate_name("key", key, 160));
@@ -396,6 +398,15 @@ class TeConnector final : public Connector {
     }
     if (engine_) m.emplace_back("ucx", engine_->info());
     return Value(std::move(m));
+  }
+
+  // UCX (its worker, its registered pool) and the side-channel thread do not survive fork(): a
+  // connector inherited by a forked child says so instead of using the parent's.
+  Status same_process() const {
+    if (fork_gen_ == fork_generation()) [[likely]]
+      return {};
+    return make_error(Errc::unsupported, name_ + " was made in the parent of this forked process; UCX does not "
+                                                 "survive fork(): make a new connector in this process");
   }
 
   void close() override {

@@ -45,3 +45,37 @@ def test_copying_get_owns_its_array_and_frees_the_region_at_once():
     finally:
         s.close()
         r.close()
+
+
+def _use_inherited(s, r, q):
+    ok, _, _ = s.put(0, 1, "from_child", np.arange(10))
+    q.put((ok, type(s.last_error).__name__, str(s.last_error)[:200]))
+    s.close()  # the parent's engine, thread and sockets: left alone, and no hang
+    r.close()
+
+
+def test_a_connector_inherited_through_fork_says_so_and_leaves_the_parents_alone():
+    """UCX does not survive fork(): in a forked child the inherited connector's put fails with
+    UnsupportedError saying to make a new one (instead of driving the parent's UCX worker), and its
+    close there neither hangs (the side-channel thread and the ZeroMQ context stayed in the parent)
+    nor breaks the parent's connector."""
+    import multiprocessing as mp
+    import time
+    s, r = _pair()
+    try:
+        ok, _, md = s.put(0, 1, "before", np.arange(1000))
+        assert ok and np.array_equal(r.get(0, 1, "before", md)[0], np.arange(1000))
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        t0 = time.monotonic()
+        p = ctx.Process(target=_use_inherited, args=(s, r, q))
+        p.start()
+        ok, kind, msg = q.get(timeout=30)
+        p.join(30)
+        assert p.exitcode == 0 and time.monotonic() - t0 < 20
+        assert not ok and kind == "UnsupportedError" and "fork" in msg, msg
+        ok, _, md = s.put(0, 1, "after", np.arange(2000))
+        assert ok and np.array_equal(r.get(0, 1, "after", md)[0], np.arange(2000))
+    finally:
+        s.close()
+        r.close()
