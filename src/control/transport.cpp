@@ -97,7 +97,9 @@ class ZmqInbox final : public ControlInbox {
 
   void close() override {
     if (closed_.exchange(true)) return;
-    if (efd_ >= 0) {
+    // The eventfd wakes a recv blocked in this process; inherited through fork() it is the
+    // parent's too (a wake never drained there would make its recv spin): not written then.
+    if (efd_ >= 0 && fork_gen_ == fork_generation()) {
       const uint64_t one = 1;
       if (::write(efd_, &one, sizeof one) < 0) {
       }

@@ -688,6 +688,9 @@ class MqRemoteReader final : public MqReader {
   bool shutting_down() const override { return cancelled_.load(); }
   void shutdown(bool) override {
     cancelled_.store(true);
+    // The eventfd wakes this process's blocked dequeue; inherited through fork() it is the
+    // parent's too, and a wake never drained there would make its waits spin.
+    if (fork_gen_ != fork_generation()) return;
     uint64_t one = 1;
     if (::write(efd_, &one, sizeof one) < 0) {
     }

@@ -112,3 +112,32 @@ def test_inbox_and_outbox_across_processes():
     finally:
         remove_socket_dir(d)
     assert not os.path.exists(d)
+
+
+def _close_inherited(inbox):
+    inbox.close()  # the parent's inbox, copied into this forked child
+
+
+def test_an_inbox_closed_in_a_forked_child_does_not_wake_the_parents_for_ever():
+    """Regression: closing an inherited inbox in a forked child wrote to the eventfd it shares
+    with the parent, and the parent's recv, finding it readable and never draining it, spun at
+    100% CPU until its deadline. The child leaves it alone."""
+    import multiprocessing as mp
+    import os
+    import time
+    from stagelink.control import Inbox, private_socket_dir, remove_socket_dir
+
+    d = private_socket_dir("sltest")
+    try:
+        with Inbox(f"ipc://{d}/in") as inbox:
+            p = mp.get_context("fork").Process(target=_close_inherited, args=(inbox,))
+            p.start()
+            p.join(30)
+            assert p.exitcode == 0
+            cpu0, t0 = time.process_time(), time.monotonic()
+            with pytest.raises(stagelink.TimeoutError):
+                inbox.recv(timeout=0.5)
+            assert time.monotonic() - t0 >= 0.45
+            assert time.process_time() - cpu0 < 0.2, "recv spun instead of sleeping"
+    finally:
+        remove_socket_dir(d)
