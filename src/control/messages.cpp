@@ -17,31 +17,6 @@ Status check_size(const char* field, size_t n, size_t max) {
 }
 Error bad(const std::string& what) { return Error{Errc::corrupt, "control message: " + what}; }
 
-// Well-formed UTF-8 (no overlongs, no surrogates, nothing past U+10FFFF): ids and errors become
-// Python str on the other side.
-bool valid_utf8(std::string_view s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const auto* end = p + s.size();
-  while (p < end) {
-    const unsigned c = *p;
-    if (c < 0x80) { ++p; continue; }
-    int n;
-    unsigned cp;
-    if ((c & 0xe0) == 0xc0) { n = 1; cp = c & 0x1f; }
-    else if ((c & 0xf0) == 0xe0) { n = 2; cp = c & 0x0f; }
-    else if ((c & 0xf8) == 0xf0) { n = 3; cp = c & 0x07; }
-    else return false;
-    if (end - p <= n) return false;
-    for (int i = 1; i <= n; ++i) {
-      if ((p[i] & 0xc0) != 0x80) return false;
-      cp = cp << 6 | (p[i] & 0x3f);
-    }
-    static constexpr unsigned kMin[] = {0, 0x80, 0x800, 0x10000};
-    if (cp < kMin[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
-    p += n + 1;
-  }
-  return true;
-}
 }  // namespace
 
 const char* control_type_name(ControlType t) noexcept {
@@ -91,7 +66,8 @@ Result<ControlMessage> decode_control(std::span<const std::byte> bytes) {
     if (x.as<std::string>().size() > max)
       return bad(std::string("'") + field + "' has " + std::to_string(x.as<std::string>().size()) +
                  " bytes; at most " + std::to_string(max));
-    if (!valid_utf8(x.as<std::string>())) return bad(std::string("'") + field + "' is not valid UTF-8");
+    // Ids and errors become Python strs on the other side.
+    if (!is_utf8(x.as<std::string>())) return bad(std::string("'") + field + "' is not valid UTF-8");
     out = x.as<std::string>();
     return {};
   };
