@@ -295,7 +295,7 @@ class ShmConnector final : public Connector {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
     // Inherited through fork(): everything it holds is the parent's; this process has nothing to free.
-    if (fork_gen_ != fork_generation()) forget_parent_locked(false);
+    if (fork_.inherited()) forget_parent_locked(false);
     closed_ = true;
     if (!dir_) return;
     dir_->wake_getters();
@@ -355,7 +355,7 @@ class ShmConnector final : public Connector {
   // process's own (a load and a compare when it is not).
   bool open_locked() {
     if (closed_) return false;
-    if (fork_gen_ != fork_generation()) [[unlikely]]
+    if (fork_.inherited()) [[unlikely]]
       forget_parent_locked(true);
     return !closed_;
   }
@@ -366,7 +366,7 @@ class ShmConnector final : public Connector {
   // puts). Drop this copy of them -- unmapping is all, nothing shared is touched -- and, unless
   // closing, attach as this process: its puts then take an arena of its own.
   void forget_parent_locked(bool reattach) {
-    fork_gen_ = fork_generation();
+    fork_.adopt();
     out_.clear();
     arena_.reset();  // a mapping: its destructor unmaps, never unlinks
     arena_alloc_.reset();
@@ -691,7 +691,7 @@ class ShmConnector final : public Connector {
   std::shared_ptr<Directory> dir_;
   std::mutex mu_;
   bool closed_ = false;
-  uint32_t fork_gen_ = fork_generation();  // of the process whose state this is (see open_locked)
+  ForkStamp fork_;  // of the process whose state this is (see open_locked)
   std::shared_ptr<Segment> arena_;
   std::unique_ptr<BufferAllocator> arena_alloc_;
   uint32_t arena_idx_ = 0, arena_gen_ = 0;
@@ -718,9 +718,9 @@ struct Loan::Impl {
   std::string shm_dir;
   uint32_t arena_idx = 0, arena_gen = 0;
   bool published = false;
-  uint32_t fork_gen = fork_generation();  // a loan inherited through fork() is the parent's memory
+  ForkStamp fork;  // a loan inherited through fork() is the parent's memory
   ~Impl() {
-    if (published || !gate || fork_gen != fork_generation()) return;
+    if (published || !gate || fork.inherited()) return;
     std::lock_guard<std::mutex> g(gate->mu);  // close() cannot finish meanwhile
     if (gate->owner) {
       gate->owner->return_loan(offset, length, dedicated, arena_idx, arena_gen);
@@ -777,7 +777,7 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   if (readers < 1 || readers > shm::kMaxFanout)
     return make_error(Errc::invalid_argument, "readers must be in [1, 8]");
   const InternalKey ikey(key, from, to);
-  if (impl->fork_gen != fork_generation())
+  if (impl->fork.inherited())
     return make_error(Errc::invalid_argument, "put_loan: the loan was taken before fork(), in the parent process, "
                                               "whose memory it is; take a new loan in this process");
   std::unique_lock<std::mutex> lock(mu_);

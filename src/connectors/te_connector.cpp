@@ -403,7 +403,7 @@ class TeConnector final : public Connector {
   // UCX (its worker, its registered pool) and the side-channel thread do not survive fork(): a
   // connector inherited by a forked child says so instead of using the parent's.
   Status same_process() const {
-    if (fork_gen_ == fork_generation()) [[likely]]
+    if (!fork_.inherited()) [[likely]]
       return {};
     return make_error(Errc::unsupported, name_ + " was made in the parent of this forked process; UCX does not "
                                                  "survive fork(): make a new connector in this process");
@@ -411,7 +411,7 @@ class TeConnector final : public Connector {
 
   void close() override {
     if (closed_.exchange(true)) return;
-    if (fork_gen_ != fork_generation()) {
+    if (fork_.inherited()) {
       // Inherited through fork(): the side-channel thread, the UCX engine (and its progress
       // thread), the sockets and the pool are the parent's. Nothing is joined, closed or freed.
       (void)new std::thread(std::move(server_));
@@ -707,7 +707,7 @@ class TeConnector final : public Connector {
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> router_;
   std::thread server_;
-  const uint32_t fork_gen_ = fork_generation();
+  ForkStamp fork_;
   std::atomic<bool> stop_{false}, closed_{false};
   std::mutex mu_;
   std::condition_variable release_cv_;

@@ -99,13 +99,13 @@ class ZmqInbox final : public ControlInbox {
     if (closed_.exchange(true)) return;
     // The eventfd wakes a recv blocked in this process; inherited through fork() it is the
     // parent's too (a wake never drained there would make its recv spin): not written then.
-    if (efd_ >= 0 && fork_gen_ == fork_generation()) {
+    if (efd_ >= 0 && !fork_.inherited()) {
       const uint64_t one = 1;
       if (::write(efd_, &one, sizeof one) < 0) {
       }
     }
     std::lock_guard<std::mutex> lock(mu_);  // after a blocked recv saw the wake-up
-    if (fork_gen_ != fork_generation()) (void)sock_.release();  // the parent's (core/zmq_fork.hpp)
+    if (fork_.inherited()) (void)sock_.release();  // the parent's (core/zmq_fork.hpp)
     sock_.reset();
     if (efd_ >= 0) ::close(efd_);
     efd_ = -1;
@@ -117,7 +117,7 @@ class ZmqInbox final : public ControlInbox {
   std::unique_ptr<zmq::socket_t> sock_;
   std::string endpoint_;
   int efd_ = -1;
-  const uint32_t fork_gen_ = fork_generation();
+  ForkStamp fork_;
 };
 
 class ZmqOutbox final : public ControlOutbox {
@@ -156,7 +156,7 @@ class ZmqOutbox final : public ControlOutbox {
   // Sends what is queued (for at most the 1 s linger), then releases everything. Idempotent.
   void close() override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (fork_gen_ != fork_generation()) abandon_after_fork(ctx_, sock_);  // the parent's
+    if (fork_.inherited()) abandon_after_fork(ctx_, sock_);  // the parent's
     sock_.reset();
     if (ctx_) ctx_->close();  // blocks until the queue is flushed or the linger passed
     ctx_.reset();
@@ -167,7 +167,7 @@ class ZmqOutbox final : public ControlOutbox {
   std::unique_ptr<zmq::context_t> ctx_;
   std::unique_ptr<zmq::socket_t> sock_;
   std::string endpoint_;
-  const uint32_t fork_gen_ = fork_generation();
+  ForkStamp fork_;
 };
 }  // namespace
 

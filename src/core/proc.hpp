@@ -12,6 +12,14 @@ ProcId self_proc();
 // child, ...): an object made in one generation and used in another was inherited through fork(),
 // and what it holds of shared state belongs to the process that made it. A load of one word.
 uint32_t fork_generation();
+// What an object holding process-owned shared state (an attachment, an arena, sockets) carries to
+// tell whether it was inherited through fork(): `inherited()` in a forked child, where that state
+// is the parent's and must be left alone. `adopt()` makes the current process its owner.
+struct ForkStamp {
+  uint32_t gen = fork_generation();
+  bool inherited() const { return gen != fork_generation(); }
+  void adopt() { gen = fork_generation(); }
+};
 uint64_t proc_start_time(uint32_t pid);  // 0 when the process does not exist
 // Alive: the pid exists and, when start is known, started at the same time.
 bool proc_alive(const ProcId& p);

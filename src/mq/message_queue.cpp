@@ -297,7 +297,7 @@ class MqWriter final : public MessageQueue {
   void shutdown(bool everyone) override {
     shutdown_flag_.store(true);
     // Inherited through fork(): the queue is the parent's; this copy stops, nobody else's does.
-    if (fork_gen_ != fork_generation()) everyone = false;
+    if (fork_.inherited()) everyone = false;
     if (ring_) {
       if (everyone) ring_->shutdown();
       else ring_->cancel_local();
@@ -450,7 +450,7 @@ class MqWriter final : public MessageQueue {
   }
 
   void close() {
-    if (fork_gen_ != fork_generation()) {
+    if (fork_.inherited()) {
       // Inherited through fork(): the queue is the parent's, which goes on writing. Nothing shared
       // is touched (no shutdown, no unlink); the socket is the parent's too, and is left as it is.
       std::lock_guard<std::mutex> lock(mu_);
@@ -475,7 +475,7 @@ class MqWriter final : public MessageQueue {
   MessageQueueOptions o_;
   std::mutex mu_;
   bool closed_ = false, shutdown_sent_ = false, ring_named_ = false;
-  const uint32_t fork_gen_ = fork_generation();  // see close()
+  ForkStamp fork_;  // see close()
   std::unique_ptr<Ring> ring_;
   std::string tag_, ovf_name_, remote_addr_;
   std::shared_ptr<Segment> ovf_;
@@ -617,7 +617,7 @@ class MqRemoteReader final : public MqReader {
  public:
   using MqReader::MqReader;
   ~MqRemoteReader() override {
-    if (fork_gen_ != fork_generation()) {  // inherited through fork(): the parent's socket and context
+    if (fork_.inherited()) {  // inherited through fork(): the parent's socket and context
       abandon_after_fork(ctx_, sub_);
       if (efd_ >= 0) ::close(efd_);
       return;
@@ -690,7 +690,7 @@ class MqRemoteReader final : public MqReader {
     cancelled_.store(true);
     // The eventfd wakes this process's blocked dequeue; inherited through fork() it is the
     // parent's too, and a wake never drained there would make its waits spin.
-    if (fork_gen_ != fork_generation()) return;
+    if (fork_.inherited()) return;
     uint64_t one = 1;
     if (::write(efd_, &one, sizeof one) < 0) {
     }
@@ -703,7 +703,7 @@ class MqRemoteReader final : public MqReader {
  private:
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> sub_;
-  const uint32_t fork_gen_ = fork_generation();
+  ForkStamp fork_;
   int efd_ = -1;
   std::atomic<bool> cancelled_{false};
   uint64_t next_ = 0;

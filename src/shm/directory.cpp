@@ -187,7 +187,7 @@ Result<std::shared_ptr<Directory>> Directory::attach(const std::string& shm_dir,
   d->hashes_ = reinterpret_cast<std::atomic<uint64_t>*>(d->seg_->data() + hashes_offset());
   d->entries_ = reinterpret_cast<Entry*>(d->seg_->data() + entries_offset(d->hdr_->n_entries));
   d->attached_ = true;
-  d->fork_gen_ = fork_generation();
+  d->fork_.adopt();
   auto removed = d->reap();  // start-up reclamation of what dead processes left
   for (auto& r : removed) SL_LOG_INFO("reaped at attach: %s", r.c_str());
   cache[cache_key] = d;
@@ -220,7 +220,7 @@ void Directory::detach() {
   attached_ = false;
   // Inherited through fork(): the attachment is the parent's, which goes on using it. Only the
   // mapping goes (with this object).
-  if (fork_gen_ != fork_generation()) return;
+  if (fork_.inherited()) return;
   // What processes that died attached left behind (a forked child that ended in _exit(), as
   // multiprocessing's children do; a killed one) is reclaimed first, so that the last live
   // process out removes the directory and every arena instead of leaving them to a later reaper.

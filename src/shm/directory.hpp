@@ -207,7 +207,7 @@ class Directory {
   void finish_reader_release(uint32_t idx);
   bool attached_ = false;
   int attach_slot_ = -1;
-  uint32_t fork_gen_ = 0;  // fork_generation() when attached
+  ForkStamp fork_;  // of the process that attached
   std::string shm_dir_, ns_, name_;
   std::shared_ptr<Segment> seg_;
   DirHeader* hdr_ = nullptr;

@@ -172,7 +172,7 @@ Ring::~Ring() {
   if (!hdr_) return;
   // Inherited through fork(): the attachment is the parent's reader (which goes on reading); only
   // the mapping goes.
-  if (fork_gen_ != fork_generation()) return;
+  if (fork_.inherited()) return;
   if (!writer_) {
     // Leaving: the writer stops waiting for us.
     RingReader& me = hdr_->readers[rank_];

@@ -182,7 +182,7 @@ class Ring {
   RingOptions opts_;
   bool writer_ = false;
   uint32_t rank_ = 0;
-  uint32_t fork_gen_ = fork_generation();  // a Ring inherited through fork() leaves nothing on destruction
+  ForkStamp fork_;  // a Ring inherited through fork() leaves nothing on destruction
   uint64_t wseq_ = 0;  // writer: next message number
   uint64_t rseq_ = 0;  // reader: next message number
   std::atomic<bool> local_cancel_{false};

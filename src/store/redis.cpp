@@ -206,7 +206,7 @@ struct Node {
   std::condition_variable cv;
   std::vector<std::unique_ptr<Conn>> idle, idle_blocking;
   unsigned open = 0;  // pooled connections open or lent
-  uint32_t fork_gen = fork_generation();  // of the process whose connections these are
+  ForkStamp fork;  // of the process whose connections these are
   std::string addr() const { return host + ":" + std::to_string(port); }
 };
 
@@ -321,14 +321,14 @@ struct Redis::Impl {
   Result<std::unique_ptr<Conn>> acquire(Node& n, Deadline deadline, bool blocking) {
     {
       std::unique_lock<std::mutex> l(n.mu);
-      if (n.fork_gen != fork_generation()) [[unlikely]] {
+      if (n.fork.inherited()) [[unlikely]] {
         // Inherited through fork(): these sockets are the parent's too, and two processes on one
         // connection read each other's replies. Drop this copy (closing a descriptor here leaves
         // the parent's open; no TLS close_notify is sent) and dial anew.
         n.idle.clear();
         n.idle_blocking.clear();
         n.open = 0;
-        n.fork_gen = fork_generation();
+        n.fork.adopt();
       }
       for (;;) {
         auto& pool = blocking ? n.idle_blocking : n.idle;
