@@ -85,6 +85,11 @@ class MessageQueue {
   virtual Result<Message> dequeue(double timeout_s) = 0;
   // Zero-copy read: `fn` sees the frame in place (shared memory) before the chunk is released.
   virtual Status dequeue_with(double timeout_s, const std::function<void(std::span<const std::byte> frame)>& fn) = 0;
+  // Readers: wait, at most timeout_s (< 0: forever), until the next message is there, without
+  // taking it (the next dequeue then returns at once). true: it is there; false: the timeout
+  // passed, or this side is shutting down with nothing left to read (dequeue says which).
+  // Errors: peer_dead (the writer died), closed (dropped), invalid_argument (the writer).
+  virtual Result<bool> wait_message(double timeout_s) = 0;
 
   // Writer: stop waiting for local reader `rank`.
   virtual Status drop_reader(uint32_t rank) = 0;

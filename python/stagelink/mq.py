@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
 import socket
 import time
 from typing import Any, Optional, Sequence
@@ -24,6 +26,15 @@ from . import _core, _serde
 from ._lifetime import NativeOwner
 
 log = logging.getLogger("stagelink")
+
+# vLLM's module constants, read at each wait (so they can be changed at run time). A reader that
+# has waited this long for a message (and is not ``indefinite``) logs it, naming the writer.
+VLLM_RINGBUFFER_WARNING_INTERVAL = float(os.environ.get("VLLM_RINGBUFFER_WARNING_INTERVAL", 60))
+# The longest a reader's wait stays in the kernel before it returns to Python (signals such as
+# Ctrl-C are handled there) when no timeout ends it sooner.
+SHM_READER_RECHECK_INTERVAL_MS = 1000
+# How often a busy reader's wait returns (see _SpinCondition.wait).
+_BUSY_WAIT_MS = 1
 
 
 class Handle:
@@ -121,6 +132,7 @@ class MessageQueue(NativeOwner):
         q = MessageQueue(info["n_reader"], len(local), max_chunk_bytes=info["chunk_bytes"] or (10 << 20),
                          _core_mq=_core._MessageQueue.create_from_handle(data, int(rank)))
         q.local_reader_rank = local.index(int(rank)) if int(rank) in local else -1
+        q._spin_condition  # a local reader's reads go through vLLM's SpinCondition loop (dequeue)
         return q
 
     @staticmethod
@@ -204,11 +216,57 @@ class MessageQueue(NativeOwner):
         self._q.enqueue_parts(kind, regions, timeout)
 
     def dequeue(self, timeout: Optional[float] = None, indefinite: bool = False) -> Any:
-        """The next message, in order. ``timeout`` None (or ``indefinite``) waits forever; else
-        :class:`stagelink.TimeoutError` after ``timeout`` seconds. After ``shutdown()``:
-        :class:`stagelink.CancelledError`."""
-        kind, regions = self._q.dequeue_parts(None if indefinite else timeout)
+        """The next message, in order. ``timeout`` None waits for ever; else
+        :class:`stagelink.TimeoutError` after ``timeout`` seconds. As in vLLM, a local reader that
+        waits longer than ``VLLM_RINGBUFFER_WARNING_INTERVAL`` logs it (every interval), unless
+        ``indefinite`` (a worker waiting for work); ``indefinite`` does not lift the timeout.
+        After ``shutdown()``: :class:`stagelink.CancelledError` ("cancelled")."""
+        q = self._q
+        sc = self.__dict__.get("_sc")
+        if sc is None or not sc.is_reader:  # the writer (an error) or a remote reader
+            kind, regions = q.dequeue_parts(timeout)
+        else:
+            if "wait" in sc.__dict__ or not (indefinite or (timeout is not None and
+                                                            timeout < VLLM_RINGBUFFER_WARNING_INTERVAL)):
+                # vLLM's read loop: its SpinCondition's wait is watched or replaced (vLLM's tests
+                # count its calls), or a wait this long is logged. Otherwise one wait in C++.
+                if not q.wait_message(0):
+                    self._wait_message(sc, timeout, indefinite)
+                timeout = 0
+            kind, regions = q.dequeue_parts(timeout)
+            sc.last_read = time.monotonic()  # record_read()
         return _serde.decode(kind, regions, False)
+
+    def _wait_message(self, sc: "_SpinCondition", timeout: Optional[float], indefinite: bool) -> None:
+        """vLLM's reader loop: ``sc.wait`` until the next message is there, this side is shut down,
+        or the deadline passed (the dequeue that follows then raises, saying which)."""
+        q = self._q
+        observed = "wait" in sc.__dict__
+        start = time.monotonic()
+        deadline = None if timeout is None else start + max(0.0, float(timeout))
+        n_warning = 1
+        while True:
+            wait_ms = SHM_READER_RECHECK_INTERVAL_MS
+            if not indefinite:
+                next_warning = start + VLLM_RINGBUFFER_WARNING_INTERVAL * n_warning
+                wait_ms = min(wait_ms, max(1, math.ceil((next_warning - time.monotonic()) * 1000)))
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                wait_ms = min(wait_ms, max(1, math.ceil(left * 1000)))
+            if observed:
+                sc.wait(timeout_ms=wait_ms)
+            else:  # the same, without the busy mode's short slices: nothing counts them
+                q.wait_message(wait_ms / 1000)
+            if q.wait_message(0) or q.shutting_down:
+                return
+            waited = time.monotonic() - start
+            if not indefinite and waited >= VLLM_RINGBUFFER_WARNING_INTERVAL * n_warning:
+                log.info("No available shared memory broadcast block found in %d seconds: message queue reader "
+                         "rank %s has waited %.1f s for message %s (the writer is alive; it is not sending)",
+                         VLLM_RINGBUFFER_WARNING_INTERVAL, self.rank, waited, q.stats().get("messages"))
+                n_warning = int(waited // VLLM_RINGBUFFER_WARNING_INTERVAL) + 1
 
     @contextlib.contextmanager
     def acquire_write(self, timeout: Optional[float] = None):
@@ -243,13 +301,13 @@ class MessageQueue(NativeOwner):
 
     @property
     def _spin_condition(self) -> "_SpinCondition":
-        """vLLM's reader-side ``SpinCondition``, for callers and tests that reach for it (vLLM's own
-        shutdown test sets ``_spin_condition.last_read = 0`` to put a reader into idle mode). Here a
-        waiting reader spins ``spin_us`` and then sleeps on a futex by itself, so its fields are
-        kept but steer nothing."""
+        """vLLM's ``SpinCondition`` of this side: a local reader's read loop calls its
+        :meth:`~_SpinCondition.wait` (vLLM's tests count those calls and steer ``last_read`` /
+        ``busy_loop_s``). Here every wait sleeps in the kernel until the writer publishes, so the
+        busy / idle modes change how often the wait returns, not the CPU it burns."""
         sc = self.__dict__.get("_sc")
         if sc is None:
-            sc = self.__dict__["_sc"] = _SpinCondition(not self.is_writer)
+            sc = self.__dict__["_sc"] = _SpinCondition(self._is_local_reader, self._q)
         return sc
 
     def broadcast_object(self, obj: Any = None, timeout: Optional[float] = None) -> Any:
@@ -293,16 +351,29 @@ def _torch_distributed():
 
 
 class _SpinCondition:
-    """The fields and calls of vLLM's ``SpinCondition``. Nothing here needs them: readers wake on
-    the writer's futex, and :meth:`MessageQueue.shutdown` wakes a blocked reader."""
+    """vLLM's ``SpinCondition``: its fields and calls, over this queue's futex wait. A reader is
+    *busy* for ``busy_loop_s`` after each read (vLLM spins then; here each wait returns within
+    1 ms) and *idle* after that (one wait until a message, the timeout or a shutdown). Both
+    sleep in the kernel and wake as soon as the writer publishes: no mode burns a core."""
 
-    def __init__(self, is_reader: bool):
+    def __init__(self, is_reader: bool, q=None):
         self.is_reader = is_reader
+        self._q = q
         self.last_read = time.monotonic() if is_reader else 0
         self.busy_loop_s = 1 if is_reader else 0
 
     def record_read(self) -> None:
         self.last_read = time.monotonic()
+
+    def wait(self, timeout_ms: Optional[int] = None) -> None:
+        """Return once the next message may be there, this side was shut down, or after
+        ``timeout_ms`` (None: ``SHM_READER_RECHECK_INTERVAL_MS``); within 1 ms while busy."""
+        if not self.is_reader:
+            raise _core.InvalidArgumentError("only a local reader waits on the SpinCondition")
+        ms = SHM_READER_RECHECK_INTERVAL_MS if timeout_ms is None else max(0, timeout_ms)
+        if time.monotonic() <= self.last_read + self.busy_loop_s:
+            ms = min(ms, _BUSY_WAIT_MS)
+        self._q.wait_message(ms / 1000)
 
     def cancel(self) -> None:
         """vLLM wakes an idle reader with it; a reader here is woken by ``shutdown()``."""

@@ -284,6 +284,9 @@ class MqWriter final : public MessageQueue {
   Status dequeue_with(double, const std::function<void(std::span<const std::byte>)>&) override {
     return make_error(Errc::invalid_argument, "dequeue on the writer side of a message queue");
   }
+  Result<bool> wait_message(double) override {
+    return make_error(Errc::invalid_argument, "wait_message on the writer side of a message queue");
+  }
 
   // No lock: the ring's reader state is atomic, and another thread may call this while enqueue blocks.
   Status drop_reader(uint32_t rank) override {
@@ -573,6 +576,15 @@ class MqLocalReader final : public MqReader {
     return {};
   }
 
+  Result<bool> wait_message(double timeout_s) override {
+    if (ring_->next_ready()) return true;
+    if (timeout_s == 0) return false;  // a poll: what is wrong, if anything, a wait will say
+    Status st = ring_->wait_read(deadline_from(timeout_s));
+    if (st.ok()) return true;
+    if (st.error().code == Errc::timeout || st.error().code == Errc::cancelled) return false;
+    return std::move(st).error();
+  }
+
   void shutdown(bool) override { ring_->cancel_local(); }
   bool shutting_down() const override { return ring_->stopping(); }
 
@@ -679,6 +691,22 @@ class MqRemoteReader final : public MqReader {
         if (now >= dl)
           return make_error(Errc::timeout, "remote reader rank " + std::to_string(rank_) + ": no message " +
                                                std::to_string(next_) + " from " + h_.remote_addr + " before the timeout");
+        wait_ms = int(std::min<uint64_t>((dl - now + 999999) / 1000000, 1u << 30));
+      }
+      zmq::poll(items, 2, std::chrono::milliseconds(wait_ms));
+    }
+  }
+
+  Result<bool> wait_message(double timeout_s) override {
+    const uint64_t dl = deadline_from(timeout_s);
+    zmq::pollitem_t items[2] = {{sub_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, efd_, ZMQ_POLLIN, 0}};
+    for (;;) {
+      if (cancelled_.load()) return false;
+      if (sub_->get(zmq::sockopt::events) & ZMQ_POLLIN) return true;
+      int wait_ms = -1;
+      if (dl) {
+        const uint64_t now = mono_ns();
+        if (now >= dl) return false;
         wait_ms = int(std::min<uint64_t>((dl - now + 999999) / 1000000, 1u << 30));
       }
       zmq::poll(items, 2, std::chrono::milliseconds(wait_ms));

@@ -1859,7 +1859,7 @@ NB_MODULE(_core, m) {
                      nb::handle readers, nb::handle request_id) {
              return connector_put(self, from, to, key, data, readers, request_id);
            },
-           nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("put_key"), nb::arg("data"), nb::kw_only(),
+           nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("put_key"), nb::arg("data").none(), nb::kw_only(),
            nb::arg("readers").none() = nb::none(), nb::arg("request_id").none() = nb::none(),
            "Publish ``data`` for ``get(from_stage, to_stage, put_key)``; returns ``(success, size, metadata)``.\n\n"
            "``readers``: how many gets may read it (fan-out); the memory is freed after the last one.\n"
@@ -1994,8 +1994,17 @@ NB_MODULE(_core, m) {
              check_nogil([&] { return q->wait_until_ready(t); });
            }, nb::arg("timeout").none())
       .def("enqueue_parts", &mq_enqueue_parts, nb::arg("kind"), nb::arg("regions"), nb::arg("timeout").none())
-      .def("enqueue_obj", &mq_enqueue_obj, nb::arg("obj"), nb::arg("timeout").none())
+      .def("enqueue_obj", &mq_enqueue_obj, nb::arg("obj").none(), nb::arg("timeout").none())
       .def("dequeue_parts", &mq_dequeue_parts, nb::arg("timeout").none())
+      .def("wait_message", [](PyMq& self, nb::handle timeout) {
+             const double t = timeout_arg(timeout);
+             auto q = self.get();
+             Result<bool> r = t == 0 ? q->wait_message(0) : [&] {  // a poll needs no GIL release
+               nb::gil_scoped_release nogil;
+               return q->wait_message(t);
+             }();
+             return unwrap(std::move(r));
+           }, nb::arg("timeout").none())
       .def("drop_reader", [](PyMq& self, uint32_t rank) {
              auto st = self.get()->drop_reader(rank);
              if (!st.ok()) raise(st.error());
@@ -2062,7 +2071,7 @@ NB_MODULE(_core, m) {
     PyEncoder enc{p, bv};
     if (!enc.run(obj)) return nb::none();  // needs pickle: the caller sends parts
     return frame_bytes(p);
-  });
+  }, nb::arg("obj").none());
   m.def("encode_parts", [](int kind, nb::list regions) {
     Payload p;
     BufferViews bv;
@@ -2141,7 +2150,7 @@ NB_MODULE(_core, m) {
              RelayConfig c = unwrap(RelayConfig::from_value(config.is_none() ? Value() : from_py(config)));
              new (self) PyRelay{std::shared_ptr<Relay>(unwrap(Relay::create(c))), allow_pickle};
            }, nb::arg("config").none(), nb::arg("allow_pickle") = true)
-      .def("_put_obj", &relay_put_obj, nb::arg("data"), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
+      .def("_put_obj", &relay_put_obj, nb::arg("data").none(), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
            nb::arg("edge"), nb::arg("readers"))
       .def("_put_parts", [](PyRelay& self, int kind, nb::list regions, nb::handle rid, nb::handle dst_rank,
                             const std::string& edge, uint32_t readers) {

@@ -318,16 +318,16 @@ bool Ring::still_valid(RingChunk* c) const {
 
 bool Ring::writer_alive() const { return proc_alive(ProcId{hdr_->writer_pid, hdr_->writer_start}); }
 
-Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
+Status Ring::wait_read(uint64_t deadline_ns) {
   RingChunk* c = chunk(rseq_);
   const uint64_t want = rseq_ + 1;
   auto ready = [&] { return c->seq.load(std::memory_order_seq_cst) == want; };
   auto dropped = [&] { return hdr_->readers[rank_].state.load(std::memory_order_acquire) == kReaderDropped; };
-  if (spin_until([&] { return ready() || is_shutdown(); }, opts_.spin_ns, yield_) && ready()) return c;
+  if (spin_until([&] { return ready() || is_shutdown(); }, opts_.spin_ns, yield_) && ready()) return {};
   for (;;) {
     sleep_on(hdr_->pub_seq, hdr_->pub_waiters, [&] { return ready() || stopping() || dropped(); },
              slice_until(deadline_ns));
-    if (ready()) return c;  // pending messages are delivered even after a shutdown
+    if (ready()) return {};  // pending messages are delivered even after a shutdown
     if (dropped()) return make_error(Errc::closed, "reader rank " + std::to_string(rank_name(rank_)) + " was dropped by the writer");
     if (stopping()) return make_error(Errc::cancelled, "cancelled: message queue was shut down");
     const uint64_t now = mono_ns();
@@ -339,6 +339,11 @@ Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
                                            " for reader rank " + std::to_string(rank_name(rank_)) + " before the timeout (writer pid " +
                                            std::to_string(hdr_->writer_pid) + " alive)");
   }
+}
+
+Result<RingChunk*> Ring::acquire_read(uint64_t deadline_ns) {
+  SL_TRY(wait_read(deadline_ns));
+  return chunk(rseq_);
 }
 
 void Ring::release_read(RingChunk* c) {

@@ -148,6 +148,11 @@ class Ring {
   // Wait for the next message. Errors: timeout, cancelled (shutdown), peer_dead (writer died),
   // closed (this reader was dropped).
   Result<RingChunk*> acquire_read(uint64_t deadline_ns);
+  // Wait for the next message without taking it (acquire_read then returns at once): the same
+  // errors.
+  Status wait_read(uint64_t deadline_ns);
+  // Whether the next message is there (one load: no spin, no clock, no liveness check).
+  bool next_ready() const { return chunks_[rseq_ % hdr_->max_chunks].seq.load(std::memory_order_seq_cst) == rseq_ + 1; }
   void release_read(RingChunk* c);
   // After copying a chunk's bytes: is it still the message we acquired? False only when the
   // writer dropped this reader and reused the chunk meanwhile (the copy may be torn).

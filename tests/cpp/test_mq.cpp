@@ -608,3 +608,60 @@ TEST(Mq, WithoutConnectIpRemoteReadersAreServedOnTheHostAddress) {
   in_addr parsed{};  // discovered from the interfaces: a dotted quad a peer can connect to
   EXPECT_EQ(inet_pton(AF_INET, stagelink::net::host_address().c_str(), &parsed), 1) << stagelink::net::host_address();
 }
+
+// wait_message: a reader waits for the next message without taking it (what vLLM's read loop
+// needs); it says false for a timeout or a shutdown with nothing left, and the writer refuses it.
+TEST(Mq, WaitMessageWaitsWithoutTakingTheMessage) {
+  MessageQueueOptions o;
+  o.n_reader = 2;
+  o.n_local_reader = 1;
+  o.connect_ip = "127.0.0.1";
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  auto local = MessageQueue::create_from_handle((*w)->export_handle(), 0);
+  auto remote = MessageQueue::create_from_handle((*w)->export_handle(), -1);
+  ASSERT_TRUE(local.ok() && remote.ok());
+  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  EXPECT_EQ((*w)->wait_message(0).error().code, Errc::invalid_argument);
+  auto ready = [](MessageQueue& q, double t) {
+    auto r = q.wait_message(t);
+    EXPECT_TRUE(r.ok()) << r.error().message;
+    return r.ok() && *r;
+  };
+  for (auto* r : {&local, &remote}) {
+    auto t0 = Clock::now();
+    auto none = (**r)->wait_message(0.05);
+    ASSERT_TRUE(none.ok()) << none.error().message;
+    EXPECT_FALSE(*none);
+    EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(45));
+    EXPECT_FALSE(ready(***r, 0));
+  }
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_TRUE((*w)->enqueue_bytes(std::as_bytes(std::span("hello", 5)), 5).ok());
+  });
+  for (auto* r : {&local, &remote}) {
+    auto got = (**r)->wait_message(5);
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_TRUE(*got);
+    EXPECT_TRUE(ready(***r, 0));  // still there: waiting took nothing
+    auto m = (**r)->dequeue(0);
+    ASSERT_TRUE(m.ok()) << m.error().message;
+    EXPECT_EQ(m->payload.tensors[0].nbytes(), 5u);
+    EXPECT_FALSE(ready(***r, 0));
+  }
+  late.join();
+  std::thread stop([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    (*local)->shutdown();
+    (*remote)->shutdown();
+  });
+  for (auto* r : {&local, &remote}) {
+    auto t0 = Clock::now();
+    auto got = (**r)->wait_message(10);
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_FALSE(*got);
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(2));
+  }
+  stop.join();
+}

@@ -1,5 +1,6 @@
 """MessageQueue parity with vLLM's shm_broadcast: names, arbitrary reader ranks, remote-only readers,
 the host address, acquire_write/acquire_read, shutdown, process groups."""
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -40,9 +41,12 @@ def test_ranks_handle_fields_acquire_and_shutdown(mq_clean):
             assert r.dequeue(timeout=5) == {"x": 1}
             with r.acquire_read(timeout=5) as view:
                 assert view.readonly and len(view) == 1 << 16 and bytes(view[:5]) == b"hello"
+        # vLLM's `indefinite` only silences the reader's "no message" warning: the timeout holds.
+        with pytest.raises(stagelink.TimeoutError):
+            readers[0].dequeue(timeout=0.01, indefinite=True)
         t0 = time.monotonic()
         threading.Timer(0.3, lambda: w.enqueue("late")).start()
-        assert readers[0].dequeue(timeout=0.01, indefinite=True) == "late"  # indefinite: the timeout is ignored
+        assert readers[0].dequeue(indefinite=True) == "late"
         assert time.monotonic() - t0 >= 0.25
         with pytest.raises(stagelink.TimeoutError):
             readers[0].dequeue(timeout=0.05)
@@ -216,3 +220,78 @@ def test_stateless_process_group_and_vllm_shutdown_flow(mq_clean):
     pytest.importorskip("torch")
     results = _run_group(_stateless_worker, 4)
     assert results == [(r, "ok") for r in range(4)], results
+
+
+def _spin_worker(rank, world, port, q):
+    """vLLM's idle-to-busy and busy-to-idle tests: the reader's loop calls its SpinCondition's
+    `wait` once per wait while idle, and many times (each within 1 ms) while busy."""
+    from unittest import mock
+    try:
+        pg = _StoreGroup(port, rank, world)
+        writer = 2
+        mq = stagelink.MessageQueue.create_from_process_group(pg, 40 * 1024, 2, writer)
+        with mock.patch.object(mq._spin_condition, "wait", wraps=mq._spin_condition.wait) as wait:
+            if rank != writer:
+                # idle -> busy
+                mq._spin_condition.last_read = 0
+                with pytest.raises(TimeoutError):
+                    mq.dequeue(timeout=0.01)
+                assert wait.call_count == 1, wait.call_count  # one wait while idle
+                pg.barrier()
+                assert mq.dequeue(timeout=5) == "hello world"
+                assert wait.call_count == 2, wait.call_count  # woken by the message, not by a slice
+                pg.barrier()
+                assert np.array_equal(mq.dequeue(timeout=1), np.arange(100))
+                assert wait.call_count > 3, wait.call_count  # busy after a read: short waits
+                # busy -> idle
+                mq._spin_condition.busy_loop_s = 9999
+                pg.barrier()
+                assert mq.dequeue(timeout=1) == 12345
+                assert wait.call_count > 5, wait.call_count
+                mq._spin_condition.busy_loop_s = 0
+                with pytest.raises(TimeoutError):
+                    mq.dequeue(timeout=0.01)
+                n = wait.call_count
+                pg.barrier()
+                assert mq.dequeue(timeout=1) == [0, 1, 2]
+                assert wait.call_count == n + 1, (wait.call_count, n)
+            else:
+                for msg in ("hello world", np.arange(100), 12345, [0, 1, 2]):
+                    pg.barrier()
+                    time.sleep(0.1)  # the readers are waiting by then
+                    mq.enqueue(msg)
+        pg.barrier()
+        mq.shutdown()
+        assert mq.shutting_down
+        mq.close()
+        q.put((rank, "ok"))
+    except BaseException as e:  # reported, not lost in the child
+        q.put((rank, repr(e)))
+
+
+def test_vllm_spin_condition_idle_and_busy_waits(mq_clean):
+    pytest.importorskip("torch")
+    results = _run_group(_spin_worker, 4)
+    assert results == [(r, "ok") for r in range(4)], results
+
+
+def test_reader_logs_a_long_wait_unless_indefinite(monkeypatch, caplog):
+    # vLLM's warning test: a reader that waits past VLLM_RINGBUFFER_WARNING_INTERVAL logs it
+    # (naming the writer), and does not with indefinite=True.
+    monkeypatch.setattr(stagelink.mq, "VLLM_RINGBUFFER_WARNING_INTERVAL", 0.001)
+    w = stagelink.MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4)
+    r = stagelink.MessageQueue.create_from_handle(w.export_handle(), 0)
+    try:
+        w.wait_until_ready(10)
+        with caplog.at_level(logging.INFO, logger="stagelink"):
+            with pytest.raises(stagelink.TimeoutError):
+                r.dequeue(timeout=0.05)
+            assert any("No available shared memory broadcast block found in 0 seconds" in m
+                       and "rank 0" in m for m in caplog.messages), caplog.messages
+            caplog.clear()
+            with pytest.raises(stagelink.TimeoutError):
+                r.dequeue(timeout=0.05, indefinite=True)
+            assert not any("No available shared memory" in m for m in caplog.messages), caplog.messages
+    finally:
+        r.close()
+        w.close()

@@ -297,6 +297,31 @@ def test_lists_of_ids_of_every_size_and_sign(ns):
         assert not ok and isinstance(c.last_error, stagelink.InvalidArgumentError)
 
 
+def test_none_is_a_payload_everywhere(ns):
+    """None is a value a stage may send (vLLM's writers enqueue it; a stage may put it): every
+    entry point takes it, natively, and gives it back, distinct from "nothing there"."""
+    with shm(ns, allow_pickle=False) as c:
+        ok, size, meta = c.put(0, 1, "none", None)
+        assert ok and size > 0, c.last_error
+        assert c.get(0, 1, "none", meta) == (None, size)
+        assert c.get(0, 1, "none") is None  # read once: now nothing is there
+    assert stagelink.Connector.deserialize_obj(stagelink.Connector.serialize_obj(None)) is None
+    w = stagelink.MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4)
+    r = stagelink.MessageQueue.create_from_handle(w.export_handle(), 0)
+    try:
+        w.wait_until_ready(10)
+        w.enqueue(None)
+        assert w.broadcast_object(None) is None
+        assert r.dequeue(timeout=5) is None and r.broadcast_object(timeout=5) is None
+    finally:
+        r.close()
+        w.close()
+    with stagelink.Relay({"extra": {"namespace": ns}, "timeout_s": 1, "credits": 2}) as rel:
+        op = rel.put_async(None, request_id="r", edge="e")
+        assert rel.get_async(op.metadata).result() is None
+        op.wait(1)
+
+
 def test_a_malformed_ext_is_corrupt(ns):
     """The frame's ext (what a Python object was: torch, tuples, flags) is read from its bytes as
     they are: anything malformed there is CorruptError, never a wrong object."""
