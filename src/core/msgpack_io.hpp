@@ -70,7 +70,24 @@ struct ByteSink {
     return d + 9;
   }
 };
-using Packer = msgpack::packer<ByteSink>;
+// msgpack-c's packer, but a double is always a float64. msgpack-c 4 packs a double that holds a
+// whole number as an int (2.0 and -0.0 come back as the int 2 and 0: a Python float turned into an
+// int, a C++ double into a uint64), so pack_double here writes 0xcb and the 8 bytes itself. Every
+// double stagelink packs goes through this pack_double (never msgpack-c's adaptors).
+struct Packer : msgpack::packer<ByteSink> {
+  explicit Packer(ByteSink& s) : msgpack::packer<ByteSink>(s), sink(s) {}
+  Packer& pack_double(double d) {
+    uint64_t bits;
+    std::memcpy(&bits, &d, 8);
+    uint8_t b[9];
+    b[0] = 0xcb;
+    bits = __builtin_bswap64(bits);
+    std::memcpy(b + 1, &bits, 8);
+    sink.write(reinterpret_cast<const char*>(b), 9);
+    return *this;
+  }
+  ByteSink& sink;
+};
 
 // Append v to the packer's buffer.
 void pack_value(Packer& pk, const Value& v);

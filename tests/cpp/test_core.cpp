@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <cstring>
 #include <random>
 
@@ -272,6 +274,19 @@ TEST(Msgpack, EveryWidthRoundTrips) {
   ASSERT_TRUE(m.ok()) << m.error().to_string();
   EXPECT_EQ(m->find("1")->as<double>(), 1.5);
   EXPECT_EQ(m->find("-1")->as<bool>(), true);
+}
+
+// Regression: msgpack-c 4 packs a double holding a whole number as an int, so 2.0 came back as
+// the integer 2 (and -0.0 as 0): a float must stay a float, with its sign.
+TEST(Msgpack, WholeNumberDoublesStayDoubles) {
+  for (double d : {2.0, 0.0, -0.0, -1.0, 9007199254740992.0, 1e300, 0.5}) {
+    auto dec = value_from_msgpack(value_to_msgpack(Value(Value::List{Value(d)})));
+    ASSERT_TRUE(dec.ok()) << dec.error().to_string();
+    const Value& x = dec->as<Value::List>()[0];
+    ASSERT_TRUE(x.is<double>()) << d;
+    EXPECT_EQ(x.as<double>(), d);
+    EXPECT_EQ(std::signbit(x.as<double>()), std::signbit(d)) << d;
+  }
 }
 
 TEST(Msgpack, EveryTruncationAndRandomCorruptionIsAnErrorNotACrash) {

@@ -322,6 +322,18 @@ def test_none_is_a_payload_everywhere(ns):
         op.wait(1)
 
 
+def test_floats_stay_floats(ns):
+    """Regression: msgpack-c packs a whole-number double as an int, so 2.0 came back as 2 and -0.0
+    as 0, in the connectors, the queue and the control plane's metadata alike."""
+    data = {"t": 2.0, "z": [0.0, -0.0], "big": 2.0 ** 53, "neg": -1.0, "half": 0.5}
+    with shm(ns, allow_pickle=False) as c:
+        got, _ = roundtrip(c, data)
+    assert got == data and all(type(x) is float for x in [got["t"], *got["z"], got["big"], got["neg"]])
+    assert str(got["z"][1]) == "-0.0"
+    back = stagelink.Connector.deserialize_obj(stagelink.Connector.serialize_obj([3.0]))
+    assert back == [3.0] and type(back[0]) is float
+
+
 def test_a_malformed_ext_is_corrupt(ns):
     """The frame's ext (what a Python object was: torch, tuples, flags) is read from its bytes as
     they are: anything malformed there is CorruptError, never a wrong object."""
