@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
 from typing import Optional
 
@@ -98,7 +97,9 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
                 kind, regions = _serde.encode(data)
                 size, meta = self._put_parts(from_stage, to_stage, put_key, kind, regions, readers or 0, request_id)
             return True, size, meta
-        except (_core.StagelinkError, pickle.PicklingError, AttributeError, TypeError, ValueError, BufferError) as e:
+        except Exception as e:  # noqa: BLE001 - as vLLM-Omni's: pickling runs the payload's own code
+            # (__reduce__ may raise anything; a structure nested past the interpreter's recursion
+            # limit raises RecursionError): the put fails, the caller gets (False, 0, None).
             self._fail("put", e)
             return False, 0, None
 

@@ -334,6 +334,26 @@ def test_floats_stay_floats(ns):
     assert back == [3.0] and type(back[0]) is float
 
 
+def test_a_payload_that_cannot_be_sent_fails_the_put_whatever_it_raises(ns):
+    """vLLM-Omni's contract: a put that fails returns (False, 0, None). Pickling runs the payload's
+    own code, which may raise anything; a structure nested past the recursion limit raised
+    RecursionError out of put here."""
+    class Refuses:
+        def __reduce__(self):
+            raise KeyError("not today")
+    deep = 1
+    for _ in range(100000):
+        deep = [deep]
+    with shm(ns) as c:
+        for data, err in ((deep, RecursionError), (Refuses(), KeyError), (lambda: 1, Exception)):
+            assert c.put(0, 1, "k", data) == (False, 0, None)
+            assert isinstance(c.last_error, err), c.last_error
+        assert c.put(0, 1, "k", [1.0])[0]  # and the connector goes on
+    with shm(ns, allow_pickle=False) as c:
+        assert c.put(0, 1, "k", deep) == (False, 0, None)
+        assert isinstance(c.last_error, stagelink.InvalidArgumentError), c.last_error
+
+
 def test_a_malformed_ext_is_corrupt(ns):
     """The frame's ext (what a Python object was: torch, tuples, flags) is read from its bytes as
     they are: anything malformed there is CorruptError, never a wrong object."""
