@@ -177,6 +177,14 @@ class _StoreGroup:
         for i in range(self.world_size):
             self.broadcast_obj(None, i)
 
+    def close(self):
+        """Leave; rank 0 hosts the store's server, so it leaves last (its exit closed the store
+        under a rank still reading the last barrier: DistNetworkError there)."""
+        self.store.add("left", 1)
+        deadline = time.monotonic() + 60
+        while self.rank == 0 and self.store.add("left", 0) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+
 
 def _stateless_worker(rank, world, port, q):
     try:
@@ -209,6 +217,7 @@ def _stateless_worker(rank, world, port, q):
             mq.shutdown()
         pg.barrier()
         mq.close()
+        pg.close()
         q.put((rank, "ok"))
     except BaseException as e:  # reported, not lost in the child
         q.put((rank, repr(e)))
@@ -264,6 +273,7 @@ def _spin_worker(rank, world, port, q):
         mq.shutdown()
         assert mq.shutting_down
         mq.close()
+        pg.close()
         q.put((rank, "ok"))
     except BaseException as e:  # reported, not lost in the child
         q.put((rank, repr(e)))
