@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import socket
 import time
@@ -237,36 +236,60 @@ class MessageQueue(NativeOwner):
             sc.last_read = time.monotonic()  # record_read()
         return _serde.decode(kind, regions, False)
 
+    class ReadTimeoutWithWarnings:
+        """vLLM's: a read's deadline and its warning times. :meth:`timeout_ms` is how long the next
+        wait may sleep (the time to the deadline, at most ``SHM_READER_RECHECK_INTERVAL_MS``, and
+        when warning at most ``VLLM_RINGBUFFER_WARNING_INTERVAL``); past the deadline it raises
+        ``TimeoutError``. :meth:`should_warn` says when a warning is due."""
+
+        def __init__(self, timeout: Optional[float], should_warn: bool) -> None:
+            self.started = time.monotonic()
+            self.timeout = timeout
+            self.deadline = float("inf") if timeout is None else self.started + timeout
+            self.warning_wait_time_ms = VLLM_RINGBUFFER_WARNING_INTERVAL * 1000 if should_warn else None
+            self._should_warn = should_warn
+            self.n_warning = 1
+
+        def timeout_ms(self) -> int:
+            wait_ms = SHM_READER_RECHECK_INTERVAL_MS
+            if self.warning_wait_time_ms is not None:
+                wait_ms = min(wait_ms, self.warning_wait_time_ms)
+            if self.timeout is None:
+                return wait_ms
+            time_left_ms = int((self.deadline - time.monotonic()) * 1000)
+            if time_left_ms <= 0:
+                raise TimeoutError
+            return min(wait_ms, time_left_ms)
+
+        def should_warn(self) -> bool:
+            if self._should_warn and time.monotonic() - self.started >= VLLM_RINGBUFFER_WARNING_INTERVAL * self.n_warning:
+                self.n_warning += 1
+                return True
+            return False
+
     def _wait_message(self, sc: "_SpinCondition", timeout: Optional[float], indefinite: bool) -> None:
         """vLLM's reader loop: ``sc.wait`` until the next message is there, this side is shut down,
         or the deadline passed (the dequeue that follows then raises, saying which)."""
         q = self._q
         observed = "wait" in sc.__dict__
-        start = time.monotonic()
-        deadline = None if timeout is None else start + max(0.0, float(timeout))
-        n_warning = 1
+        read_timeout = self.ReadTimeoutWithWarnings(None if timeout is None else max(0.0, float(timeout)),
+                                                    should_warn=not indefinite)
         while True:
-            wait_ms = SHM_READER_RECHECK_INTERVAL_MS
-            if not indefinite:
-                next_warning = start + VLLM_RINGBUFFER_WARNING_INTERVAL * n_warning
-                wait_ms = min(wait_ms, max(1, math.ceil((next_warning - time.monotonic()) * 1000)))
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                wait_ms = min(wait_ms, max(1, math.ceil(left * 1000)))
+            try:
+                wait_ms = max(1, read_timeout.timeout_ms())  # an interval set to 0 must not spin
+            except TimeoutError:
+                return
             if observed:
                 sc.wait(timeout_ms=wait_ms)
             else:  # the same, without the busy mode's short slices: nothing counts them
                 q.wait_message(wait_ms / 1000)
             if q.wait_message(0) or q.shutting_down:
                 return
-            waited = time.monotonic() - start
-            if not indefinite and waited >= VLLM_RINGBUFFER_WARNING_INTERVAL * n_warning:
+            if read_timeout.should_warn():
                 log.info("No available shared memory broadcast block found in %d seconds: message queue reader "
                          "rank %s has waited %.1f s for message %s (the writer is alive; it is not sending)",
-                         VLLM_RINGBUFFER_WARNING_INTERVAL, self.rank, waited, q.stats().get("messages"))
-                n_warning = int(waited // VLLM_RINGBUFFER_WARNING_INTERVAL) + 1
+                         VLLM_RINGBUFFER_WARNING_INTERVAL, self.rank, time.monotonic() - read_timeout.started,
+                         q.stats().get("messages"))
 
     @contextlib.contextmanager
     def acquire_write(self, timeout: Optional[float] = None):

@@ -305,3 +305,21 @@ def test_reader_logs_a_long_wait_unless_indefinite(monkeypatch, caplog):
     finally:
         r.close()
         w.close()
+
+
+@pytest.mark.parametrize("should_warn", [False, True])
+def test_read_timeout_caps_waits_as_vllms(monkeypatch, should_warn):
+    # vLLM's test of its reader's timer: with no timeout a wait is capped at the recheck interval.
+    monkeypatch.setattr(stagelink.mq, "SHM_READER_RECHECK_INTERVAL_MS", 7)
+    monkeypatch.setattr(stagelink.mq, "VLLM_RINGBUFFER_WARNING_INTERVAL", 60)
+    t = stagelink.MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=should_warn)
+    assert t.timeout_ms() == 7 and not t.should_warn()
+    t = stagelink.MessageQueue.ReadTimeoutWithWarnings(timeout=0.02, should_warn=should_warn)
+    assert 0 < t.timeout_ms() <= 7
+    time.sleep(0.03)
+    with pytest.raises(TimeoutError):
+        t.timeout_ms()
+    monkeypatch.setattr(stagelink.mq, "VLLM_RINGBUFFER_WARNING_INTERVAL", 0.001)
+    t = stagelink.MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=should_warn)
+    time.sleep(0.002)
+    assert t.timeout_ms() == (1 if should_warn else 7) and t.should_warn() == should_warn
