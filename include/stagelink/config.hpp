@@ -39,6 +39,9 @@ struct StageConnector {
   Role role = Role::sender;
 };
 
+// vLLM-Omni's default_shm_threshold (and the shared-memory connector's own default).
+inline constexpr uint64_t kDefaultShmThresholdBytes = 65536;
+
 class TransferConfig {
  public:
   std::vector<EdgeSpec> edges;
@@ -46,6 +49,9 @@ class TransferConfig {
   std::vector<std::string> stages;
   std::string source;  // file name or "<dict>"
   std::vector<std::string> notes;  // what loading decided that a reader should know (overrides)
+  // An edge no connector is declared for gets SharedMemoryConnector with this threshold in its
+  // extra, as vLLM-Omni's loader does (its default_shm_threshold).
+  uint64_t default_shm_threshold_bytes = kDefaultShmThresholdBytes;
 
   const EdgeSpec* edge(const std::string& from, const std::string& to) const;
   // The edge's connector, or SharedMemoryConnector defaults when the edge is unknown.
@@ -60,9 +66,13 @@ class TransferConfig {
 // cycles refused; maps merge key by key, stage lists by stage id, other values are replaced), and
 // `${VAR}` / `${VAR:-default}` in string values are expanded from the environment (an unset
 // variable without a default is an error naming the key).
-Result<TransferConfig> load_transfer_config_file(const std::string& path);
+// `default_shm_threshold_bytes`: the `shm_threshold_bytes` of the SharedMemoryConnector given to
+// edges that declare no connector.
+Result<TransferConfig> load_transfer_config_file(const std::string& path,
+                                                 uint64_t default_shm_threshold_bytes = kDefaultShmThresholdBytes);
 Result<TransferConfig> load_transfer_config_string(const std::string& yaml,
-                                                   const std::string& source = "<string>");
+                                                   const std::string& source = "<string>",
+                                                   uint64_t default_shm_threshold_bytes = kDefaultShmThresholdBytes);
 
 // One string value expanded as the loaders do (`key` and `source` name it in errors). `bare`: also
 // `$VAR` without braces, as vLLM-Omni's connectors take it in a host.

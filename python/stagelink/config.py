@@ -5,7 +5,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from . import _core
 
@@ -40,6 +40,8 @@ class TransferConfig:
         #: the connectors the file defines by name (``connectors:`` / ``runtime.connectors``)
         self.named_connectors = {k: ConnectorSpec(**v) for k, v in raw["connectors"].items()}
         self.stages = list(raw["stages"])
+        #: the shm_threshold_bytes of the SharedMemoryConnector an undeclared edge gets
+        self.default_shm_threshold = int(raw.get("default_shm_threshold_bytes", 65536))
         #: what loading decided that you should know (a connector defined twice, which one won)
         self.notes = list(raw.get("notes", []))
         for n in self.notes:
@@ -50,7 +52,7 @@ class TransferConfig:
         for e in self.edges:
             if e.from_stage == f and e.to_stage == t:
                 return e.connector
-        return ConnectorSpec("SharedMemoryConnector", {}, "")
+        return ConnectorSpec("SharedMemoryConnector", {"shm_threshold_bytes": self.default_shm_threshold}, "")
 
     def stage_connectors(self, stage_id) -> list:
         """[{peer, direction ('input'|'output'), role, connector: ConnectorSpec}] for one stage,
@@ -79,22 +81,40 @@ class OmniTransferConfig(TransferConfig):
         super().__init__(_core.load_config_string(json.dumps({"edges": edges}, default=str), "<OmniTransferConfig>"))
 
 
-def load_transfer_config(path_or_dict: Union[str, os.PathLike, dict]) -> TransferConfig:
+def load_transfer_config(path_or_dict: Union[str, os.PathLike, dict],
+                         default_shm_threshold: int = 65536) -> TransferConfig:
     """Read a vLLM-Omni config (``runtime.connectors`` + ``stage_args``, or top-level
     ``connectors`` + ``stages`` + ``edges``) and resolve every edge.
 
     As vLLM-Omni: ``base_config: other.yaml`` merges the file over ``other.yaml`` (relative to
     the file; cycles refused); ``${VAR}`` and ``${VAR:-default}`` are expanded from the
     environment; a ``role`` set in ``extra`` is kept; an edge declared by both of its stages
-    must be declared equally (``role`` aside). Raises InvalidArgumentError quoting the key and
-    file for malformed input, NotFoundError for a missing file."""
+    must be declared equally (``role`` aside); an edge that declares no connector gets a
+    SharedMemoryConnector with ``{"shm_threshold_bytes": default_shm_threshold}``. Raises
+    InvalidArgumentError quoting the key and file for malformed input, NotFoundError for a
+    missing file."""
+    threshold = int(default_shm_threshold)
+    if threshold < 0:
+        raise _core.InvalidArgumentError(f"default_shm_threshold must not be negative (got {threshold})")
     if isinstance(path_or_dict, dict):
-        return TransferConfig(_core.load_config_string(json.dumps(path_or_dict, default=str), "<dict>"))
-    return TransferConfig(_core.load_config_file(os.fspath(path_or_dict)))
+        return TransferConfig(_core.load_config_string(json.dumps(path_or_dict, default=str), "<dict>", threshold))
+    return TransferConfig(_core.load_config_file(os.fspath(path_or_dict), threshold))
 
 
-# vLLM-Omni's names, for callers that switch without change.
-load_omni_transfer_config = load_transfer_config
+def load_omni_transfer_config(config_path: Union[str, os.PathLike, None] = None, config_dict: Optional[dict] = None,
+                              default_shm_threshold: int = 65536) -> Optional[TransferConfig]:
+    """vLLM-Omni's loader, its arguments and results: a file (``config_path``) or a dict
+    (``config_dict``); None when given neither; ``FileNotFoundError`` for a file that is not
+    there. Otherwise as :func:`load_transfer_config`."""
+    if config_path is None and config_dict is None:
+        return None
+    if config_path is not None:
+        if not os.path.exists(os.fspath(config_path)):
+            raise FileNotFoundError(f"Config file not found: {os.fspath(config_path)}")
+        return load_transfer_config(config_path, default_shm_threshold)
+    return load_transfer_config(config_dict, default_shm_threshold)
+
+
 
 
 def get_connectors_config_for_stage(transfer_config, stage_id) -> dict:

@@ -51,7 +51,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
     #: vLLM-Omni: connectors that move raw registered buffers (RDMA) set this; shared memory does not.
     supports_raw_data: bool = False
     #: Connector names whose data may come from another host: pickle is off unless asked for.
-    _NETWORK = frozenset({"MooncakeStoreConnector", "MooncakeTransferEngineConnector", "StoreConnector",
+    _NETWORK = frozenset({"MooncakeStoreConnector", "MooncakeConnector", "MooncakeTransferEngineConnector", "StoreConnector",
                           "TransferEngineConnector", "YuanrongConnector"})
 
     def __init__(self, name: str, extra: Optional[dict] = None):
@@ -308,7 +308,9 @@ def create_connector(name: str, extra: Optional[dict] = None, **injected):
     An unknown name raises :class:`stagelink.NotFoundError`, which is also a ``ValueError``."""
     merged = dict(extra or {})
     merged.update(injected)
-    if name == "MooncakeStoreConnector":  # Python: it drives Mooncake's Python client
+    # Python: it drives Mooncake's Python client. "MooncakeConnector" is vLLM-Omni's other name
+    # for it (registered beside it there; its CI stage configs use it).
+    if name in ("MooncakeStoreConnector", "MooncakeConnector"):
         from .mooncake_store import MooncakeStoreConnector
         return MooncakeStoreConnector(merged, name)
     cls = _CLASSES.get(name)

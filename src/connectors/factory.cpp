@@ -60,11 +60,15 @@ Registry& registry() {
       return make_shm_connector(opts);
     };
     reg->creators["SharedMemoryConnector"] = shm;
-    reg->creators["MooncakeStoreConnector"] = [](const Value&) -> Result<std::unique_ptr<Connector>> {
-      return make_error(Errc::unsupported,
-                        "MooncakeStoreConnector drives Mooncake's Python client: create it from Python "
-                        "(stagelink.create_connector), or use StoreConnector (Redis) from C++");
-    };
+    // MooncakeConnector: vLLM-Omni's other name for it (its CI configs use that one).
+    for (const char* n : {"MooncakeStoreConnector", "MooncakeConnector"}) {
+      const std::string name = n;
+      reg->creators[name] = [name](const Value&) -> Result<std::unique_ptr<Connector>> {
+        return make_error(Errc::unsupported,
+                          name + " drives Mooncake's Python client: create it from Python "
+                                 "(stagelink.create_connector), or use StoreConnector (Redis) from C++");
+      };
+    }
     reg->creators["StoreConnector"] = [](const Value& extra) { return make_store_connector("StoreConnector", extra); };
     for (const char* n : {"MooncakeTransferEngineConnector", "TransferEngineConnector"}) {
       const std::string name = n;

@@ -127,10 +127,10 @@ Result<std::string> peer_from_key(const Ctx& cx, const YAML::Node& at, const std
   return k.substr(p.size());
 }
 
-ConnectorSpec default_spec() {
+ConnectorSpec default_spec(uint64_t shm_threshold_bytes) {
   ConnectorSpec s;
   s.name = "SharedMemoryConnector";
-  s.extra = Value(Value::Map{});
+  s.extra = Value(Value::Map{{"shm_threshold_bytes", Value(shm_threshold_bytes)}});
   return s;
 }
 
@@ -174,11 +174,12 @@ std::vector<std::string> differing_keys(const Value& a, const Value& b) {
   return out;
 }
 
-Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& source) {
+Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& source, uint64_t default_shm_threshold) {
   const YAML::Node root = root_in;  // const access: operator[] must not insert keys
   Ctx cx{source};
   TransferConfig cfg;
   cfg.source = source;
+  cfg.default_shm_threshold_bytes = default_shm_threshold;
   if (!root.IsMap()) return cx.err(root, "<root>", "the config must be a YAML map");
   // Connectors: runtime.connectors and top-level connectors.
   // A missing key of a const node is an invalid node: IsMap() on it throws, IsDefined() does not.
@@ -298,7 +299,7 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
     e.to = to;
     auto sd = sides.find({from, to});
     if (sd == sides.end() || sd->second.empty()) {
-      e.connector = default_spec();
+      e.connector = default_spec(cfg.default_shm_threshold_bytes);
       e.defaulted = true;
       cfg.edges.push_back(std::move(e));
       continue;
@@ -345,7 +346,7 @@ const EdgeSpec* TransferConfig::edge(const std::string& from, const std::string&
 
 ConnectorSpec TransferConfig::connector_for_edge(const std::string& from, const std::string& to) const {
   if (auto* e = edge(from, to)) return e->connector;
-  return default_spec();
+  return default_spec(default_shm_threshold_bytes);
 }
 
 std::vector<StageConnector> TransferConfig::stage_connectors(const std::string& stage) const {
@@ -472,11 +473,12 @@ Status expand_env(YAML::Node n, const std::string& key, const std::string& sourc
   return {};
 }
 
-Result<TransferConfig> resolve_root(YAML::Node root, const fs::path& dir, const std::string& source) {
+Result<TransferConfig> resolve_root(YAML::Node root, const fs::path& dir, const std::string& source,
+                                    uint64_t default_shm_threshold) {
   std::vector<std::string> chain{source};
   SL_ASSIGN(YAML::Node full, with_bases(root, dir, source, chain));
   SL_TRY(expand_env(full, "", source));
-  return parse(full, source);
+  return parse(full, source, default_shm_threshold);
 }
 }  // namespace
 
@@ -522,7 +524,7 @@ Result<std::string> expand_env_value(std::string_view in, const std::string& key
   return out;
 }
 
-Result<TransferConfig> load_transfer_config_file(const std::string& path) {
+Result<TransferConfig> load_transfer_config_file(const std::string& path, uint64_t default_shm_threshold_bytes) {
   YAML::Node root;
   try {
     root = YAML::LoadFile(path);
@@ -532,17 +534,18 @@ Result<TransferConfig> load_transfer_config_file(const std::string& path) {
     return make_error(Errc::invalid_argument, path + ":" + std::to_string(e.mark.line + 1) + ": malformed YAML: " + e.msg);
   }
   try {
-    return resolve_root(root, fs::path(path).parent_path(), path);
+    return resolve_root(root, fs::path(path).parent_path(), path, default_shm_threshold_bytes);
   } catch (const YAML::Exception& e) {
     return make_error(Errc::invalid_argument, path + ":" + std::to_string(e.mark.line + 1) + ": " + e.msg);
   }
 }
 
-Result<TransferConfig> load_transfer_config_string(const std::string& text, const std::string& source) {
+Result<TransferConfig> load_transfer_config_string(const std::string& text, const std::string& source,
+                                                   uint64_t default_shm_threshold_bytes) {
   YAML::Node root;
   try {
     root = YAML::Load(text);
-    return resolve_root(root, fs::current_path(), source);
+    return resolve_root(root, fs::current_path(), source, default_shm_threshold_bytes);
   } catch (const YAML::Exception& e) {
     return make_error(Errc::invalid_argument, source + ":" + std::to_string(e.mark.line + 1) + ": malformed YAML: " + e.msg);
   }

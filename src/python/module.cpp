@@ -1796,6 +1796,7 @@ nb::dict config_dict(const TransferConfig& cfg) {
   }
   out["stages"] = stages;
   out["stage_connectors"] = per_stage;
+  out["default_shm_threshold_bytes"] = cfg.default_shm_threshold_bytes;
   out["source"] = cfg.source;
   nb::list notes;
   for (auto& n : cfg.notes) notes.append(n);
@@ -2193,10 +2194,12 @@ NB_MODULE(_core, m) {
         nb::arg("tag") = "stagelink");
   m.def("remove_private_socket_dir", &remove_private_socket_dir);
   m.def("registered_connectors", &registered_connectors);
-  m.def("load_config_file", [](const std::string& path) { return config_dict(unwrap(load_transfer_config_file(path))); });
-  m.def("load_config_string", [](const std::string& text, const std::string& source) {
-    return config_dict(unwrap(load_transfer_config_string(text, source)));
-  });
+  m.def("load_config_file", [](const std::string& path, uint64_t default_shm_threshold) {
+    return config_dict(unwrap(load_transfer_config_file(path, default_shm_threshold)));
+  }, nb::arg("path"), nb::arg("default_shm_threshold") = kDefaultShmThresholdBytes);
+  m.def("load_config_string", [](const std::string& text, const std::string& source, uint64_t default_shm_threshold) {
+    return config_dict(unwrap(load_transfer_config_string(text, source, default_shm_threshold)));
+  }, nb::arg("text"), nb::arg("source"), nb::arg("default_shm_threshold") = kDefaultShmThresholdBytes);
   m.def("transfer_engine_port", [](int base, const std::string& purpose, int from_stage, int dp_index, int tp_size, int tp_rank) {
     PortPurpose p = purpose == "kv_transfer" ? PortPurpose::kv_transfer
                     : purpose == "orchestrator" ? PortPurpose::orchestrator

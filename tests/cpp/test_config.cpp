@@ -44,6 +44,19 @@ TEST(Config, SeedSharedMemoryExampleAndDefaultFill) {
   ASSERT_TRUE(e);
   EXPECT_TRUE(e->defaulted);
   EXPECT_EQ(e->connector.name, "SharedMemoryConnector");
+  // As vLLM-Omni's loader: a defaulted edge's extra carries the default threshold, which the
+  // loader takes (its default_shm_threshold).
+  const Value* dthr = e->connector.extra.find("shm_threshold_bytes");
+  ASSERT_TRUE(dthr && dthr->get_i64(v));
+  EXPECT_EQ(v, 65536);
+  auto small = load_transfer_config_string(kSeedShm, "seed.yaml", 1024);
+  ASSERT_TRUE(small.ok()) << small.error().message;
+  ASSERT_TRUE(small->edge("1", "2")->connector.extra.find("shm_threshold_bytes")->get_i64(v));
+  EXPECT_EQ(v, 1024);
+  ASSERT_TRUE(small->connector_for_edge("0", "1").extra.find("shm_threshold_bytes")->get_i64(v));
+  EXPECT_EQ(v, 65536);  // a declared connector keeps its own
+  ASSERT_TRUE(small->connector_for_edge("7", "8").extra.find("shm_threshold_bytes")->get_i64(v));
+  EXPECT_EQ(v, 1024);
 }
 
 TEST(Config, SeedTransferEngineRolesAndPorts) {

@@ -375,6 +375,10 @@ TEST(Factory, UnknownConnectorsAndTheMooncakeStoreFromCpp) {
   EXPECT_EQ(m.error().code, Errc::unsupported);
   EXPECT_NE(m.error().message.find("Python"), std::string::npos) << m.error().message;  // it drives Mooncake's Python client
   EXPECT_NE(m.error().message.find("StoreConnector"), std::string::npos);
+  // vLLM-Omni's other name for it: known, and the same answer.
+  auto alias = create_connector("MooncakeConnector", Value());
+  ASSERT_FALSE(alias.ok());
+  EXPECT_EQ(alias.error().code, Errc::unsupported) << alias.error().message;
 }
 
 namespace {

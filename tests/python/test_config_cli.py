@@ -56,7 +56,8 @@ def test_vllm_omni_names_for_config_and_factory(tmp_path):
     assert set(mid) == {"from_stage_0", "to_stage_2"}
     assert mid["from_stage_0"]["spec"]["name"] == "MooncakeStoreConnector"
     assert mid["from_stage_0"]["spec"]["extra"]["role"] == "receiver"
-    assert mid["to_stage_2"]["spec"] == {"name": "SharedMemoryConnector", "extra": {"role": "sender"}}
+    assert mid["to_stage_2"]["spec"] == {"name": "SharedMemoryConnector",
+                                         "extra": {"shm_threshold_bytes": 65536, "role": "sender"}}
     assert list(stagelink.get_connectors_config_for_stage(cfg, 0)) == ["to_stage_1"]
     assert stagelink.get_connectors_config_for_stage(None, 0) == {}
     # vLLM-Omni's TransferConfig.connectors: the connector of every edge, keyed by stage ids
@@ -91,6 +92,27 @@ def test_vllm_omni_names_for_config_and_factory(tmp_path):
         assert made == [{"x": 1}]
     finally:
         stagelink.OmniConnectorFactory._registry.pop("MyConnector")
+
+def test_load_omni_transfer_config_takes_vllm_omnis_arguments(tmp_path):
+    # vLLM-Omni's signature: load_omni_transfer_config(config_path=None, config_dict=None,
+    # default_shm_threshold=65536); None for neither, FileNotFoundError for a missing file, and
+    # an edge without a connector gets SharedMemoryConnector with that threshold.
+    f = tmp_path / "stages.yaml"
+    f.write_text(SEED_MOONCAKE)
+    assert stagelink.load_omni_transfer_config() is None
+    assert stagelink.load_omni_transfer_config(config_path=None, config_dict=None) is None
+    with pytest.raises(FileNotFoundError):
+        stagelink.load_omni_transfer_config(config_path=tmp_path / "absent.yaml")
+    cfg = stagelink.load_omni_transfer_config(config_path=str(f), default_shm_threshold=4096)
+    assert cfg.connectors[("1", "2")].extra == {"shm_threshold_bytes": 4096}
+    assert cfg.connectors[("0", "1")].name == "MooncakeStoreConnector"
+    d = {"stage_args": [{"stage_id": 0}, {"stage_id": 1, "engine_input_source": [0]}]}
+    cfg = stagelink.load_omni_transfer_config(config_dict=d)
+    assert cfg.connectors == {("0", "1"): stagelink.ConnectorSpec("SharedMemoryConnector", {"shm_threshold_bytes": 65536})}
+    assert cfg.connector_for_edge(5, 6).extra == {"shm_threshold_bytes": 65536}
+    with pytest.raises(stagelink.InvalidArgumentError):
+        stagelink.load_omni_transfer_config(config_dict=d, default_shm_threshold=-1)
+
 
 def test_dict_input_and_errors(tmp_path):
     cfg = stagelink.load_transfer_config({"stages": [{"stage_id": "a", "output_connectors": {"to_stage_b": {"name": "SharedMemoryConnector"}}}]})

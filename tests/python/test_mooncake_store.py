@@ -59,6 +59,14 @@ def test_round_trip_through_a_real_mooncake_store(monkeypatch):
             c.put(0, 1, "a", b"x", request_id="r")
             assert c.cleanup("r") == 1
             assert c.health()["puts"] == 2
+        # vLLM-Omni registers this connector as "MooncakeConnector" too (its CI stage configs
+        # name it so): the same connector, reading what the other name put.
+        spec = stagelink.ConnectorSpec(name="MooncakeConnector", extra=extra)
+        with stagelink.OmniConnectorFactory.create_connector(spec) as a, \
+                stagelink.create_connector("MooncakeStoreConnector", extra) as b:
+            assert isinstance(a, stagelink.MooncakeStoreConnector) and not a.allow_pickle
+            assert a.put(0, 1, "alias", [2.0, "x"])[0]
+            assert b.get(0, 1, "alias")[0] == [2.0, "x"]
     finally:
         m.kill()
         m.wait()
