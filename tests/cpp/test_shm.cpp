@@ -486,10 +486,13 @@ TEST(Shm, ReaderDyingMidReadIsReleasedForTheProducer) {
   ASSERT_EQ(y, 1);
   kill(pid, SIGKILL);
   wait_child(pid);
+  // Other tests running beside this one (ctest -j) sweep /dev/shm with shm::reap() too and may
+  // release the dead reader first (this test then failed, seen once): either way its loan must be
+  // gone, which the second put of 700 KB into the 1 MiB arena proves.
   auto removed = shm::reap();
   bool found = false;
   for (auto& s : removed) found |= s.find("dead reader") != std::string::npos;
-  EXPECT_TRUE(found);
+  if (!found) fprintf(stderr, "note: another test's reap released the dead reader first\n");
   EXPECT_TRUE(c->put("0", "1", "b", payload_of(d, 0)).ok());  // the arena room came back
   close(fds[0]);
   close(fds[1]);
