@@ -31,7 +31,7 @@ log = logging.getLogger("stagelink")
 VLLM_RINGBUFFER_WARNING_INTERVAL = float(os.environ.get("VLLM_RINGBUFFER_WARNING_INTERVAL", 60))
 # The longest a reader's wait stays in the kernel before it returns to Python (signals such as
 # Ctrl-C are handled there) when no timeout ends it sooner.
-SHM_READER_RECHECK_INTERVAL_MS = 1000
+SHM_READER_RECHECK_INTERVAL_MS = 200
 # How often a busy reader's wait returns (see _SpinCondition.wait).
 _BUSY_WAIT_MS = 1
 

@@ -25,6 +25,7 @@
 #include "core/net.hpp"
 #include "core/proc.hpp"
 #include "core/zmq_fork.hpp"
+#include "core/zmq_util.hpp"
 #include "cuda/driver.hpp"
 #include "stagelink/connector.hpp"
 #include "stagelink/frame.hpp"
@@ -490,7 +491,7 @@ class TeConnector final : public Connector {
         if (left.count() <= 0)
           return make_error(Errc::timeout, "no reply from the sender at " + peer + " within " + std::to_string(timeout_s) + " s");
         zmq::pollitem_t it{p->sock.handle(), 0, ZMQ_POLLIN, 0};
-        zmq::poll(&it, 1, left);
+        poll_through_signals(&it, 1, left);
         if (!(it.revents & ZMQ_POLLIN)) continue;
         zmq::message_t m;
         if (!p->sock.recv(m, zmq::recv_flags::dontwait)) continue;
@@ -512,7 +513,7 @@ class TeConnector final : public Connector {
     while (!stop_.load()) {
       zmq::pollitem_t it{router_->handle(), 0, ZMQ_POLLIN, 0};
       try {
-        zmq::poll(&it, 1, std::chrono::milliseconds(100));
+        poll_through_signals(&it, 1, std::chrono::milliseconds(100));
         if (!(it.revents & ZMQ_POLLIN)) {
           std::lock_guard<std::mutex> l(mu_);
           sweep_locked();

@@ -14,6 +14,7 @@
 #include "control/shm_transport.hpp"
 #include "core/proc.hpp"
 #include "core/zmq_fork.hpp"
+#include "core/zmq_util.hpp"
 #include "stagelink/control.hpp"
 
 namespace stagelink {
@@ -91,7 +92,7 @@ class ZmqInbox final : public ControlInbox {
                                                std::to_string(timeout_s) + " s");
         wait = int((deadline - now + 999'999) / 1'000'000);
       }
-      zmq::poll(items, 2, std::chrono::milliseconds(wait));
+      poll_through_signals(items, 2, std::chrono::milliseconds(wait));
     }
   }
 

@@ -19,6 +19,7 @@
 #include "core/net.hpp"
 #include "core/proc.hpp"
 #include "core/zmq_fork.hpp"
+#include "core/zmq_util.hpp"
 #include "shm/ring.hpp"
 #include "stagelink/allocator.hpp"
 #include "stagelink/shm.hpp"
@@ -432,7 +433,7 @@ class MqWriter final : public MessageQueue {
   void drain_subscriptions(int wait_ms) {
     zmq::pollitem_t item{pub_->handle(), 0, ZMQ_POLLIN, 0};
     for (int i = 0;; ++i) {
-      if (zmq::poll(&item, 1, std::chrono::milliseconds(i == 0 ? wait_ms : 0)) <= 0) return;
+      if (poll_through_signals(&item, 1, std::chrono::milliseconds(i == 0 ? wait_ms : 0)) <= 0) return;
       zmq::message_t m;
       if (!pub_->recv(m, zmq::recv_flags::dontwait)) return;
       std::string s(static_cast<const char*>(m.data()), m.size());
@@ -693,7 +694,7 @@ class MqRemoteReader final : public MqReader {
                                                std::to_string(next_) + " from " + h_.remote_addr + " before the timeout");
         wait_ms = int(std::min<uint64_t>((dl - now + 999999) / 1000000, 1u << 30));
       }
-      zmq::poll(items, 2, std::chrono::milliseconds(wait_ms));
+      poll_through_signals(items, 2, std::chrono::milliseconds(wait_ms));
     }
   }
 
@@ -709,7 +710,7 @@ class MqRemoteReader final : public MqReader {
         if (now >= dl) return false;
         wait_ms = int(std::min<uint64_t>((dl - now + 999999) / 1000000, 1u << 30));
       }
-      zmq::poll(items, 2, std::chrono::milliseconds(wait_ms));
+      poll_through_signals(items, 2, std::chrono::milliseconds(wait_ms));
     }
   }
 

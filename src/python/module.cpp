@@ -57,14 +57,50 @@ std::string utf8(PyObject* o) {
 // ---- Value <-> Python ----
 // Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
 // is cached, so building and reading the dict skips hashing and allocating them).
-// Run `f` (returning a Status) without the GIL, then raise its error with the GIL held again.
-template <class F>
-void check_nogil(F&& f) {
-  Status st;
-  {
+
+// Long waits run in slices of at most kSignalSliceS without the GIL; between slices the GIL is
+// taken back and Python's signal handlers run (PyErr_CheckSignals), so Ctrl-C (or a SIGTERM
+// handler that raises) ends a call waiting for a peer instead of waiting out its timeout, or for
+// ever without one. `op(slice_s)` is one attempt of at most slice_s seconds (0: one try); it must
+// take and leave nothing when it times out (waits, dequeues, gets, sends all do). The last
+// attempt's result is returned: a timeout then names what was waited for.
+// A timeout of up to kUnslicedS runs as one call (its error then says exactly what was asked).
+constexpr double kSignalSliceS = 0.2, kUnslicedS = 1.0;
+template <class Op>
+auto sliced_nogil(double timeout_s, Op&& op) -> decltype(op(0.0)) {
+  if (timeout_s >= 0 && timeout_s <= kUnslicedS) {
     nb::gil_scoped_release nogil;
-    st = f();
+    return op(timeout_s);
   }
+  const Deadline start = Clock::now();
+  const Deadline end = timeout_s < 0 ? Deadline::max() : deadline_after(timeout_s);
+  for (;;) {
+    double slice = kSignalSliceS;
+    bool last = false;
+    if (timeout_s >= 0) {
+      const double left = std::chrono::duration<double>(end - Clock::now()).count();
+      if (left <= kSignalSliceS) {
+        slice = std::max(0.0, left);
+        last = true;
+      }
+    }
+    auto r = [&] {
+      nb::gil_scoped_release nogil;
+      return op(slice);
+    }();
+    if (last && !r.ok() && r.error().code == Errc::timeout) {  // its message names the last slice only
+      char all[64];
+      std::snprintf(all, sizeof all, " (%.1f s in all)", std::chrono::duration<double>(Clock::now() - start).count());
+      return make_error(Errc::timeout, r.error().message + all);
+    }
+    if (last || r.ok() || r.error().code != Errc::timeout) return r;
+    if (PyErr_CheckSignals() != 0) throw nb::python_error();
+  }
+}
+// sliced_nogil for a Status: raises its error.
+template <class Op>
+void check_sliced(double timeout_s, Op&& op) {
+  Status st = sliced_nogil(timeout_s, std::forward<Op>(op));
   if (!st.ok()) raise(st.error());
 }
 
@@ -1418,22 +1454,27 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   // connector's) may wait for the key.
   static PyObject* const kEntry = PyUnicode_InternFromString("entry");  // immortal: kept
   const bool lookup = has_md && PyDict_Check(metadata.ptr()) && PyDict_GetItem(metadata.ptr(), kEntry);
-  Deadline dl = kNoWait;
+  double secs = -1;  // no timeout: no wait
   if (!timeout.is_none()) {
-    const double secs = PyFloat_AsDouble(timeout.ptr());  // TypeError for a non-number
+    secs = PyFloat_AsDouble(timeout.ptr());  // TypeError for a non-number
     if (secs == -1.0 && PyErr_Occurred()) throw nb::python_error();
-    dl = deadline_after(std::max(0.0, secs));
+    secs = std::max(0.0, secs);
   }
   const std::shared_ptr<Connector> keep = self.get();  // raises ClosedError: must run while holding the GIL
   Connector& conn = *keep;
   Result<GetResult> r = make_error(Errc::io, "");
   // Zero-copy, inline payloads viewing `md`, the tree left packed: the caller builds its objects.
   const GetOptions go{true, true, true};
-  if (!lookup || self.networked) {  // may wait, or cross a network (a transfer engine's pull): without the GIL
+  if (self.networked) {  // may cross a network (a transfer engine's pull): one call, without the GIL
     nb::gil_scoped_release nogil;
-    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
+    r = conn.get(f, t, key, has_md ? &md : nullptr, secs < 0 ? kNoWait : deadline_after(secs), go);
+  } else if (!lookup && secs >= 0) {  // waits for the key: in slices, so Ctrl-C ends the wait
+    r = sliced_nogil(secs, [&](double slice) { return conn.get(f, t, key, has_md ? &md : nullptr, deadline_after(slice), go); });
+  } else if (!lookup) {
+    nb::gil_scoped_release nogil;
+    r = conn.get(f, t, key, has_md ? &md : nullptr, kNoWait, go);
   } else {
-    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
+    r = conn.get(f, t, key, has_md ? &md : nullptr, secs < 0 ? kNoWait : deadline_after(secs), go);
   }
   if (!r.ok()) {
     const Errc c = r.error().code;  // absent, timed out, abandoned: None, as vLLM-Omni's get
@@ -1541,6 +1582,27 @@ nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, con
 // another thread closes it (close shuts it down first, which wakes that call with cancelled).
 struct PyMq {
   std::shared_ptr<MessageQueue> q;
+  // A writer with remote readers: an enqueue that times out after the local readers got the
+  // message leaves a gap for the remote ones, so it is not cut into slices (Ctrl-C waits for
+  // its timeout there).
+  bool remote_writer = false;
+  explicit PyMq(std::unique_ptr<MessageQueue> m) : q(std::move(m)) {
+    remote_writer = q->is_writer() && !q->export_handle().remote_addr.empty();
+  }
+  // A writer's enqueue: in slices (signal handlers run between them) unless remote_writer.
+  void enqueue(const Payload& p, double t) {
+    auto w = get();
+    if (remote_writer) {
+      Status st;
+      {
+        nb::gil_scoped_release nogil;
+        st = w->enqueue(p, t);
+      }
+      if (!st.ok()) raise(st.error());
+      return;
+    }
+    check_sliced(t, [&](double slice) { return w->enqueue(p, slice); });  // a full ring blocks until readers catch up
+  }
   std::shared_ptr<MessageQueue> get() {
     if (!q) raise(make_error(Errc::closed, "message queue is closed"));
     return q;
@@ -1553,9 +1615,7 @@ void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::handle timeout
   Payload p;
   BufferViews bv;
   payload_from_parts(kind, regions, bv, p);
-  const double t = timeout_arg(timeout);
-  auto q = self.get();
-  check_nogil([&] { return q->enqueue(p, t); });  // a full ring blocks until readers catch up
+  self.enqueue(p, timeout_arg(timeout));
 }
 
 // A numpy array, torch tensor, bytes-like or tree of them as a native frame; False when it needs
@@ -1567,9 +1627,7 @@ bool mq_enqueue_obj(PyMq& self, nb::handle obj, nb::handle timeout) {
     PyEncoder enc{p, bv};
     if (!enc.run(obj)) return false;
   }
-  const double t = timeout_arg(timeout);
-  auto q = self.get();
-  check_nogil([&] { return q->enqueue(p, t); });
+  self.enqueue(p, timeout_arg(timeout));
   return true;
 }
 
@@ -1601,10 +1659,8 @@ nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
   auto q = self.get();
   nb::object out;
   Error decode_err{Errc::ok, ""};
-  Status st;
-  {
-    nb::gil_scoped_release nogil;
-    st = q->dequeue_with(t, [&](std::span<const std::byte> frame) {
+  Status st = sliced_nogil(t, [&](double slice) {
+    return q->dequeue_with(slice, [&](std::span<const std::byte> frame) {
       nb::gil_scoped_acquire gil;
       try {  // nothing may be thrown through the queue's code
         out = frame_parts(frame);
@@ -1612,7 +1668,7 @@ nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
         decode_err = Error{Errc::corrupt, std::string("message could not be read: ") + e.what()};
       }
     });
-  }
+  });
   if (!st.ok()) raise(st.error());
   if (decode_err.code != Errc::ok) raise(decode_err);
   return nb::borrow<nb::tuple>(out);
@@ -1923,8 +1979,12 @@ NB_MODULE(_core, m) {
       .def("_wait_arrival", [](PyConnector& self, uint64_t seen, double timeout_s) {
              if (!self.c) return false;
              const std::shared_ptr<Connector> c = self.c;
-             nb::gil_scoped_release nogil;
-             return c->wait_arrival(seen, deadline_after(std::max(timeout_s, 0.0)));
+             // In slices (a Status: timeout while nothing arrived), so Ctrl-C ends the wait.
+             Status st = sliced_nogil(std::max(timeout_s, 0.0), [&](double slice) -> Status {
+               if (c->wait_arrival(seen, deadline_after(slice))) return {};
+               return make_error(Errc::timeout, "no arrival");
+             });
+             return st.ok();
            })
       .def("_pending_key_list", [](PyConnector& self) -> nb::object {
              if (!self.c) return nb::list();
@@ -1978,12 +2038,12 @@ NB_MODULE(_core, m) {
              o.drop_dead_readers = drop_dead_readers;
              o.spin_us = spin_us;
              o.shm_dir = shm_dir;
-             return PyMq{unwrap(MessageQueue::create(o))};
+             return PyMq(unwrap(MessageQueue::create(o)));
            })
       .def_static("create_from_handle", [](nb::bytes handle, int64_t rank) {
              auto h = unwrap(MessageQueueHandle::from_msgpack(
                  std::span<const std::byte>(reinterpret_cast<const std::byte*>(handle.c_str()), handle.size())));
-             return PyMq{unwrap(MessageQueue::create_from_handle(h, rank))};
+             return PyMq(unwrap(MessageQueue::create_from_handle(h, rank)));
            })
       .def("export_handle", [](PyMq& self) {
              auto b = self.get()->export_handle().to_msgpack();
@@ -1992,7 +2052,7 @@ NB_MODULE(_core, m) {
       .def("wait_until_ready", [](PyMq& self, nb::handle timeout) {
              const double t = timeout_arg(timeout);
              auto q = self.get();
-             check_nogil([&] { return q->wait_until_ready(t); });
+             check_sliced(t, [&](double slice) { return q->wait_until_ready(slice); });
            }, nb::arg("timeout").none())
       .def("enqueue_parts", &mq_enqueue_parts, nb::arg("kind"), nb::arg("regions"), nb::arg("timeout").none())
       .def("enqueue_obj", &mq_enqueue_obj, nb::arg("obj").none(), nb::arg("timeout").none())
@@ -2102,12 +2162,7 @@ NB_MODULE(_core, m) {
       .def("recv", [](PyInbox& self, nb::handle timeout) {
              const double t = timeout_arg(timeout);
              auto in = self.get();
-             Result<ControlMessage> r = make_error(Errc::io, "");
-             {
-               nb::gil_scoped_release nogil;
-               r = in->recv(t);
-             }
-             return control_dict(unwrap(std::move(r)));
+             return control_dict(unwrap(sliced_nogil(t, [&](double slice) { return in->recv(slice); })));
            }, nb::arg("timeout").none())
       .def("close", [](PyInbox& self) {
              if (auto in = std::move(self.in)) {
@@ -2124,7 +2179,7 @@ NB_MODULE(_core, m) {
              const ControlMessage c = control_from_args(type, rid, from, to, metadata, chunk_id, is_done, error, body);
              const double t = timeout_arg(timeout);
              auto out = self.get();
-             check_nogil([&] { return out->send(c, t); });
+             check_sliced(t, [&](double slice) { return out->send(c, slice); });
            }, nb::arg("type"), nb::arg("request_id"), nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("metadata").none(),
            nb::arg("chunk_id").none(), nb::arg("is_done"), nb::arg("error"), nb::arg("body").none(), nb::arg("timeout").none())
       .def("send_bytes", [](PyOutbox& self, nb::bytes b, nb::handle timeout) {
@@ -2143,7 +2198,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("metadata", [](PyRelayOp& self) { return self.metadata; })
       .def("wait", [](PyRelayOp& self, nb::handle timeout) {
              const double t = timeout_arg(timeout);
-             check_nogil([&] { return self.op.wait(t); });
+             check_sliced(t, [&](double slice) { return self.op.wait(slice); });
            }, nb::arg("timeout").none() = nb::none())
       .def("done", [](PyRelayOp& self) { return self.op.done(); });
   nb::class_<PyRelay>(m, "_Relay")

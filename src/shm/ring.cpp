@@ -225,29 +225,47 @@ Result<RingChunk*> Ring::acquire_write(uint64_t deadline_ns, bool drop_dead, uin
   RingChunk* c = chunk(wseq_);
   if (spin_until([&] { return chunk_free(c) || is_shutdown(); }, opts_.spin_ns, yield_)) {
     if (is_shutdown()) return make_error(Errc::cancelled, "cancelled: message queue was shut down");
+    blocked_seq_ = ~0ull;
     return c;
   }
-  const uint64_t t0 = mono_ns();
-  uint64_t next_warn = warn_ns ? t0 + warn_ns : 0;
+  // A caller that waits in several calls back to back (Python waits in slices, to run signal
+  // handlers) goes on with the same clock for the same message: the warnings and the timeout's
+  // "after" count from when this message first blocked. A call after a pause starts anew.
+  const uint64_t entered = mono_ns();
+  if (blocked_seq_ != wseq_ || entered - blocked_left_ > 1'000'000'000ull) {
+    blocked_seq_ = wseq_;
+    blocked_t0_ = entered;
+    blocked_next_warn_ = warn_ns ? blocked_t0_ + warn_ns : 0;
+  }
+  const uint64_t t0 = blocked_t0_;
+  uint64_t& next_warn = blocked_next_warn_;
   for (;;) {
     uint64_t until = slice_until(deadline_ns);
     if (next_warn && next_warn < until) until = next_warn;
     sleep_on(hdr_->free_seq, hdr_->free_waiters, [&] { return chunk_free(c) || stopping(); }, until);
     const uint64_t now = mono_ns();
     if (stopping()) return make_error(Errc::cancelled, "cancelled: message queue was shut down");
-    if (chunk_free(c)) return c;
+    if (chunk_free(c)) {
+      blocked_seq_ = ~0ull;
+      return c;
+    }
     // Still blocked: who is behind, and are they alive?
     auto lag = laggards_for(c);
     SL_TRY(handle_dead(lag, drop_dead));
-    if (chunk_free(c)) return c;
+    if (chunk_free(c)) {
+      blocked_seq_ = ~0ull;
+      return c;
+    }
     if (next_warn && now >= next_warn) {
       if (on_blocked) on_blocked(lag, double(now - t0) / 1e9);
       next_warn = now + warn_ns;
     }
-    if (deadline_ns && now >= deadline_ns)
+    if (deadline_ns && now >= deadline_ns) {
+      blocked_left_ = now;
       return make_error(Errc::timeout, "message queue " + name() + ": message " + std::to_string(wseq_) +
                                            " has no free chunk after " + std::to_string(double(now - t0) / 1e9) +
                                            " s; not caught up: " + describe(lag));
+    }
   }
 }
 

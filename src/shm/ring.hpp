@@ -189,6 +189,8 @@ class Ring {
   uint32_t rank_ = 0;
   ForkStamp fork_;  // a Ring inherited through fork() leaves nothing on destruction
   uint64_t wseq_ = 0;  // writer: next message number
+  // writer: the message whose acquire_write last blocked, since when, and its next warning
+  uint64_t blocked_seq_ = ~0ull, blocked_t0_ = 0, blocked_next_warn_ = 0, blocked_left_ = 0;
   uint64_t rseq_ = 0;  // reader: next message number
   std::atomic<bool> local_cancel_{false};
   bool yield_ = false;  // more processes than cores: yield while spinning

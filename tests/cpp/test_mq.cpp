@@ -285,6 +285,36 @@ TEST(Mq, BlockedWriterWarnsNamingTheReaderAtTheInterval) {
   EXPECT_NE(err.find("waiting for rank 1 (pid"), std::string::npos) << err;
 }
 
+// Python waits in slices (so signal handlers run between them): a writer blocked on the same
+// message across back-to-back calls keeps one clock, so its warnings still come at the interval
+// and its timeout says how long the message has waited in all; after a pause the clock restarts.
+TEST(Mq, ABlockedWriterWaitingInSlicesKeepsOneClock) {
+  auto o = small(256, 1);
+  o.warn_interval_s = 0.3;
+  Trio t(o);
+  ASSERT_TRUE(t.r1);
+  std::byte b[8]{};
+  ASSERT_TRUE(t.w->enqueue_bytes(b, 1).ok());
+  ASSERT_TRUE(t.r0->dequeue(1).ok());  // rank 1 never reads
+  ::testing::internal::CaptureStderr();
+  Status st;
+  for (int i = 0; i < 8; ++i) st = t.w->enqueue_bytes(b, 0.1);  // 0.8 s in slices of 0.1 s
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, Errc::timeout);
+  size_t warnings = 0;
+  for (size_t pos = 0; (pos = err.find("blocked for", pos)) != std::string::npos; ++pos) ++warnings;
+  EXPECT_GE(warnings, 1u) << err;  // a fresh clock per slice would never reach 0.3 s
+  const size_t at = st.error().message.find("after ");
+  ASSERT_NE(at, std::string::npos) << st.error().message;
+  EXPECT_GE(std::stod(st.error().message.substr(at + 6)), 0.7) << st.error().message;
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  auto fresh = t.w->enqueue_bytes(b, 0.1);
+  ASSERT_FALSE(fresh.ok());
+  const size_t at2 = fresh.error().message.find("after ");
+  EXPECT_LT(std::stod(fresh.error().message.substr(at2 + 6)), 0.5) << fresh.error().message;
+}
+
 TEST(Mq, ShutdownWakesBlockedReadersAndWriter) {
   Trio t(small(256, 1));
   ASSERT_TRUE(t.r1);

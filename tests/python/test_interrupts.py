@@ -1,0 +1,114 @@
+"""A call that waits (for a message, a key, a credit, a reader) runs Python's signal handlers while
+it waits: Ctrl-C, or a SIGTERM handler that raises, ends it at once. Before, a wait without a
+timeout ignored them until something arrived (for ever), and one with a timeout until it ran out."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import stagelink
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _ends_on_a_signal(call, limit=2.0):
+    """Arm SIGALRM (a handler that raises) 0.3 s out, run `call`; the handler's exception must end
+    it well before `limit` seconds. Returns the seconds it took."""
+    def handler(signum, frame):
+        raise Interrupted()
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Interrupted):
+            call()
+        took = time.monotonic() - t0
+        assert took < limit, f"the wait ran {took:.2f} s past the signal"
+        return took
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_message_queue_waits_end_on_a_signal(mq_clean):
+    w = stagelink.MessageQueue(1, 1, max_chunk_bytes=1 << 10, max_chunks=2, overflow_bytes=0)
+    r = stagelink.MessageQueue.create_from_handle(w.export_handle(), 0)
+    try:
+        w.wait_until_ready(10)
+        # vLLM's worker loop: no timeout. Should the signal be ignored, a message 5 s later ends the
+        # wait (and the time check fails) rather than the test hanging.
+        rescue = threading.Timer(5, lambda: w.enqueue("rescue"))
+        rescue.start()
+        try:
+            _ends_on_a_signal(lambda: r.dequeue(indefinite=True))
+        finally:
+            rescue.cancel()
+        _ends_on_a_signal(lambda: r.dequeue(timeout=30))
+        _ends_on_a_signal(lambda: r.dequeue())
+        w.enqueue(1)
+        w.enqueue(2)  # the ring is full; the reader does not read
+        _ends_on_a_signal(lambda: w.enqueue(3))
+        _ends_on_a_signal(lambda: w.enqueue(3, timeout=30))
+        assert r.dequeue(timeout=5) == 1 and r.dequeue(timeout=5) == 2  # nothing lost, nothing extra
+        with pytest.raises(stagelink.TimeoutError):
+            r.dequeue(timeout=0.05)
+    finally:
+        r.close()
+        w.close()
+    lonely = stagelink.MessageQueue(1, 1)
+    try:
+        _ends_on_a_signal(lambda: lonely.wait_until_ready(30))  # its reader never attaches
+    finally:
+        lonely.close()
+
+
+def test_connector_and_control_waits_end_on_a_signal(ns):
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        _ends_on_a_signal(lambda: c.get(0, 1, "never", timeout=30))
+        _ends_on_a_signal(lambda: c.wait_for_change(c.get_wakeup_generation() or 0, timeout=30))
+        assert c.put(0, 1, "k", b"x")[0] and c.get(0, 1, "k", timeout=30)[0] == b"x"  # still works
+    d = stagelink.control.private_socket_dir("sigtest")
+    try:
+        with stagelink.control.Inbox(f"ipc://{d}/in") as inbox:
+            _ends_on_a_signal(lambda: inbox.recv())
+    finally:
+        stagelink.control.remove_socket_dir(d)
+    with stagelink.Relay({"extra": {"namespace": ns}, "timeout_s": 60, "credits": 2}) as rel:
+        op = rel.put_async(b"unread", request_id="r", edge="e")
+        _ends_on_a_signal(lambda: op.wait())  # nobody reads it
+        rel.cleanup("r")
+
+
+def test_a_signal_whose_handler_returns_does_not_break_a_wait(ns):
+    # Regression: a signal arriving while a ZeroMQ socket waited (any Python handler makes the
+    # kernel call return EINTR) raised "RuntimeError: Interrupted system call" out of recv.
+    seen = []
+    old = signal.signal(signal.SIGALRM, lambda *a: seen.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)  # every 0.1 s
+    d = stagelink.control.private_socket_dir("sigtest")
+    try:
+        with stagelink.control.Inbox(f"ipc://{d}/in") as inbox:
+            t0 = time.monotonic()
+            with pytest.raises(stagelink.TimeoutError):
+                inbox.recv(timeout=1.5)
+            assert time.monotonic() - t0 >= 1.4
+        w = stagelink.MessageQueue(1, 0, connect_ip="127.0.0.1")  # a remote reader waits in zmq_poll
+        r = stagelink.MessageQueue.create_from_handle(w.export_handle(), -1)
+        try:
+            w.wait_until_ready(10)
+            with pytest.raises(stagelink.TimeoutError):
+                r.dequeue(timeout=1.5)
+            w.enqueue("after")
+            assert r.dequeue(timeout=5) == "after"
+        finally:
+            r.close()
+            w.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        stagelink.control.remove_socket_dir(d)
+    assert len(seen) >= 10
