@@ -45,6 +45,11 @@ size_t mq_files(pid_t pid = getpid()) {
   closedir(d);
   return n;
 }
+size_t occurrences(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t pos = 0; (pos = s.find(what, pos)) != std::string::npos; ++pos) ++n;
+  return n;
+}
 void jitter(std::mt19937& g) {
   if (g() % 64 == 0) std::this_thread::sleep_for(std::chrono::microseconds(g() % 300));
 }
@@ -98,6 +103,19 @@ MessageQueueOptions small(size_t chunk, uint32_t chunks) {
   o.max_chunks = chunks;
   return o;
 }
+// A queue of one-message chunk whose rank 1 never reads, and a writer whose next enqueue blocks.
+struct BlockedWriter {
+  Trio t;
+  explicit BlockedWriter(double warn_interval_s) : t([&] {
+    auto o = small(256, 1);
+    o.warn_interval_s = warn_interval_s;
+    return o;
+  }()) {
+    std::byte b[8]{};
+    EXPECT_TRUE(t.r1 && t.w->enqueue_bytes(b, 1).ok());
+    EXPECT_TRUE(t.r0->dequeue(1).ok());  // rank 1 never reads
+  }
+};
 }  // namespace
 
 // The ring's protocol with threads: 1 writer, 3 readers, random sizes and delays. Under
@@ -267,19 +285,13 @@ TEST(Mq, TimeoutsNameTheReadersBehind) {
 }
 
 TEST(Mq, BlockedWriterWarnsNamingTheReaderAtTheInterval) {
-  auto o = small(256, 1);
-  o.warn_interval_s = 0.1;
-  Trio t(o);
-  ASSERT_TRUE(t.r1);
+  BlockedWriter bw(0.1);
   std::byte b[8]{};
-  ASSERT_TRUE(t.w->enqueue_bytes(b, 1).ok());
-  ASSERT_TRUE(t.r0->dequeue(1).ok());  // rank 1 never reads
   ::testing::internal::CaptureStderr();
-  auto st = t.w->enqueue_bytes(b, 0.35);
+  auto st = bw.t.w->enqueue_bytes(b, 0.35);
   const std::string err = ::testing::internal::GetCapturedStderr();
   ASSERT_FALSE(st.ok());
-  size_t warnings = 0;
-  for (size_t pos = 0; (pos = err.find("blocked for", pos)) != std::string::npos; ++pos) ++warnings;
+  const size_t warnings = occurrences(err, "blocked for");
   EXPECT_GE(warnings, 2u) << err;
   EXPECT_LE(warnings, 4u) << err;
   EXPECT_NE(err.find("waiting for rank 1 (pid"), std::string::npos) << err;
@@ -289,27 +301,22 @@ TEST(Mq, BlockedWriterWarnsNamingTheReaderAtTheInterval) {
 // message across back-to-back calls keeps one clock, so its warnings still come at the interval
 // and its timeout says how long the message has waited in all; after a pause the clock restarts.
 TEST(Mq, ABlockedWriterWaitingInSlicesKeepsOneClock) {
-  auto o = small(256, 1);
-  o.warn_interval_s = 0.3;
-  Trio t(o);
-  ASSERT_TRUE(t.r1);
+  BlockedWriter bw(0.3);
+  auto& w = bw.t.w;
   std::byte b[8]{};
-  ASSERT_TRUE(t.w->enqueue_bytes(b, 1).ok());
-  ASSERT_TRUE(t.r0->dequeue(1).ok());  // rank 1 never reads
   ::testing::internal::CaptureStderr();
   Status st;
-  for (int i = 0; i < 8; ++i) st = t.w->enqueue_bytes(b, 0.1);  // 0.8 s in slices of 0.1 s
+  for (int i = 0; i < 8; ++i) st = w->enqueue_bytes(b, 0.1);  // 0.8 s in slices of 0.1 s
   const std::string err = ::testing::internal::GetCapturedStderr();
   ASSERT_FALSE(st.ok());
   EXPECT_EQ(st.error().code, Errc::timeout);
-  size_t warnings = 0;
-  for (size_t pos = 0; (pos = err.find("blocked for", pos)) != std::string::npos; ++pos) ++warnings;
+  const size_t warnings = occurrences(err, "blocked for");
   EXPECT_GE(warnings, 1u) << err;  // a fresh clock per slice would never reach 0.3 s
   const size_t at = st.error().message.find("after ");
   ASSERT_NE(at, std::string::npos) << st.error().message;
   EXPECT_GE(std::stod(st.error().message.substr(at + 6)), 0.7) << st.error().message;
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));
-  auto fresh = t.w->enqueue_bytes(b, 0.1);
+  auto fresh = w->enqueue_bytes(b, 0.1);
   ASSERT_FALSE(fresh.ok());
   const size_t at2 = fresh.error().message.find("after ");
   EXPECT_LT(std::stod(fresh.error().message.substr(at2 + 6)), 0.5) << fresh.error().message;
