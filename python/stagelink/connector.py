@@ -252,13 +252,19 @@ class OmniSerializer:
 class OmniConnectorFactory:
     """vLLM-Omni's factory: ``create_connector(ConnectorSpec)``; ``register_connector(name,
     constructor)`` adds a connector class of your own (``constructor(extra)``), which takes
-    precedence over a built-in of the same name."""
+    precedence over a built-in of the same name (``supports_dual`` is accepted for vLLM-Omni's
+    callers: every stagelink connector serves both directions); ``list_registered_connectors()``
+    names them all."""
 
     _registry: dict = {}
 
     @classmethod
-    def register_connector(cls, name: str, constructor) -> None:
+    def register_connector(cls, name: str, constructor, *, supports_dual: bool = False) -> None:
         cls._registry[str(name)] = constructor
+
+    @classmethod
+    def list_registered_connectors(cls) -> list:
+        return sorted(set(_core.registered_connectors()) | set(cls._registry))
 
     @classmethod
     def create_connector(cls, spec):

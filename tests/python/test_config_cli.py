@@ -86,12 +86,18 @@ def test_vllm_omni_names_for_config_and_factory(tmp_path):
     blob = stagelink.OmniSerializer.serialize(data)
     assert isinstance(blob, bytes) and stagelink.OmniSerializer.deserialize(blob) == data
     made = []
-    stagelink.OmniConnectorFactory.register_connector("MyConnector", lambda extra: made.append(extra) or "mine")
+    stagelink.OmniConnectorFactory.register_connector("MyConnector", lambda extra: made.append(extra) or "mine",
+                                                      supports_dual=True)  # vLLM-Omni's keyword
     try:
         assert stagelink.OmniConnectorFactory.create_connector(stagelink.ConnectorSpec("MyConnector", {"x": 1})) == "mine"
         assert made == [{"x": 1}]
+        names = stagelink.OmniConnectorFactory.list_registered_connectors()
+        assert {"MyConnector", "SharedMemoryConnector", "MooncakeConnector", "MooncakeStoreConnector",
+                "MooncakeTransferEngineConnector"} <= set(names)
     finally:
         stagelink.OmniConnectorFactory._registry.pop("MyConnector")
+    assert "MyConnector" not in stagelink.OmniConnectorFactory.list_registered_connectors()
+
 
 def test_load_omni_transfer_config_takes_vllm_omnis_arguments(tmp_path):
     # vLLM-Omni's signature: load_omni_transfer_config(config_path=None, config_dict=None,
