@@ -12,7 +12,7 @@ from ._core import (  # noqa: F401  exception classes
 )
 from .config import (ConnectorSpec, Edge, OmniTransferConfig, TransferConfig,  # noqa: F401
                      get_connectors_config_for_stage, load_omni_transfer_config, load_transfer_config)
-from .connector import (Connector, Loan, MooncakeTransferEngineConnector, OmniConnectorFactory,  # noqa: F401
+from .connector import (Connector, Loan, MooncakeTransferEngineConnector, OmniConnectorBase, OmniConnectorFactory,  # noqa: F401
                         OmniSerializer, SharedMemoryConnector, StoreConnector, TransferEngineConnector,
                         create_connector)
 from .control import ControlMessage  # noqa: F401

@@ -1,6 +1,7 @@
 """Connector: vLLM-Omni's OmniConnector contract over stagelink's C++ connectors."""
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import time
@@ -238,6 +239,62 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
 
     def health(self) -> dict:
         return self._health()
+
+
+class OmniConnectorBase(abc.ABC):
+    """vLLM-Omni's base class: subclass it for a connector of your own and register it with
+    :meth:`OmniConnectorFactory.register_connector`. ``put``, ``get``, ``cleanup``, ``health``
+    and ``close`` are abstract; ``get_with_deadline`` raises NotImplementedError unless
+    overridden; ``abandon_get`` and ``reap_consumed`` do nothing; the connector is a context
+    manager and closes when collected; ``serialize_obj``/``deserialize_obj`` write and read
+    stagelink frames. stagelink's own connectors count as its subclasses (``isinstance`` holds)."""
+
+    supports_raw_data: bool = False
+
+    @abc.abstractmethod
+    def put(self, from_stage, to_stage, put_key, data):
+        """Returns ``(success, serialized_size, metadata)``."""
+
+    @abc.abstractmethod
+    def get(self, from_stage, to_stage, get_key, metadata=None):
+        """Returns ``(object, serialized_size)``, or None when there is nothing."""
+
+    @abc.abstractmethod
+    def cleanup(self, request_id):
+        """Releases what ``request_id`` holds."""
+
+    def get_with_deadline(self, from_stage, to_stage, get_key, metadata=None, *, deadline: float):
+        raise NotImplementedError(f"{type(self).__name__} does not support deadline-aware receive")
+
+    def abandon_get(self, get_key) -> None:
+        """Nothing to retire by default."""
+
+    def reap_consumed(self) -> None:
+        """Nothing to release by default."""
+
+    @abc.abstractmethod
+    def health(self) -> dict:
+        """Status and counters."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases everything; idempotent."""
+
+    def __del__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+
+    serialize_obj = staticmethod(Connector.serialize_obj)
+    deserialize_obj = staticmethod(Connector.deserialize_obj)
+    _make_key = staticmethod(Connector._make_key)
+
+
+OmniConnectorBase.register(Connector)
 
 
 class OmniSerializer:

@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from . import _core, _serde
-from .connector import Connector
+from .connector import Connector, OmniConnectorBase
 
 log = logging.getLogger("stagelink.mooncake_store")
 
@@ -157,3 +157,6 @@ class MooncakeStoreConnector:
 
     def __exit__(self, *exc):
         self.close()
+
+
+OmniConnectorBase.register(MooncakeStoreConnector)  # isinstance holds, as for every stagelink connector

@@ -99,6 +99,50 @@ def test_vllm_omni_names_for_config_and_factory(tmp_path):
     assert "MyConnector" not in stagelink.OmniConnectorFactory.list_registered_connectors()
 
 
+def test_a_connector_of_ones_own_on_vllm_omnis_base_class(ns):
+    """vLLM-Omni's OmniConnectorBase: a subclass implements the five abstract calls and gets the
+    rest; registered with the factory, it is made by name; stagelink's connectors are instances."""
+    class DictConnector(stagelink.OmniConnectorBase):
+        def __init__(self, extra):
+            self.store, self.closed = {}, 0
+
+        def put(self, from_stage, to_stage, put_key, data):
+            blob = self.serialize_obj(data)
+            self.store[self._make_key(put_key, from_stage, to_stage)] = blob
+            return True, len(blob), None
+
+        def get(self, from_stage, to_stage, get_key, metadata=None):
+            blob = self.store.pop(self._make_key(get_key, from_stage, to_stage), None)
+            return None if blob is None else (self.deserialize_obj(blob), len(blob))
+
+        def cleanup(self, request_id):
+            return None
+
+        def health(self):
+            return {"status": "healthy"}
+
+        def close(self):
+            self.closed += 1
+
+    with pytest.raises(TypeError):
+        stagelink.OmniConnectorBase()  # abstract
+    stagelink.OmniConnectorFactory.register_connector("DictConnector", DictConnector)
+    try:
+        with stagelink.OmniConnectorFactory.create_connector(stagelink.ConnectorSpec("DictConnector")) as c:
+            assert isinstance(c, stagelink.OmniConnectorBase) and c.supports_raw_data is False
+            ok, size, _ = c.put("0", "1", "k", {"x": [1.0, None]})
+            assert ok and c.get("0", "1", "k") == ({"x": [1.0, None]}, size)
+            with pytest.raises(NotImplementedError):
+                c.get_with_deadline("0", "1", "k", deadline=0)
+            assert c.abandon_get("k") is None and c.reap_consumed() is None
+        assert c.closed >= 1
+    finally:
+        stagelink.OmniConnectorFactory._registry.pop("DictConnector")
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as shm:
+        assert isinstance(shm, stagelink.OmniConnectorBase)
+    assert issubclass(stagelink.MooncakeStoreConnector, stagelink.OmniConnectorBase)
+
+
 def test_load_omni_transfer_config_takes_vllm_omnis_arguments(tmp_path):
     # vLLM-Omni's signature: load_omni_transfer_config(config_path=None, config_dict=None,
     # default_shm_threshold=65536); None for neither, FileNotFoundError for a missing file, and
