@@ -15,6 +15,9 @@ from .config import (ConnectorSpec, Edge, OmniTransferConfig, TransferConfig,  #
 from .connector import (Connector, Loan, MooncakeTransferEngineConnector, OmniConnectorBase, OmniConnectorFactory,  # noqa: F401
                         OmniSerializer, SharedMemoryConnector, StoreConnector, TransferEngineConnector,
                         create_connector)
+from .initialization import (build_stage_connectors, create_connectors_from_config,  # noqa: F401
+                             get_stage_connector_config, initialize_connectors_from_config,
+                             initialize_orchestrator_connectors)
 from .control import ControlMessage  # noqa: F401
 from .mq import MessageQueue  # noqa: F401
 from .relay import Relay, RelayOperation  # noqa: F401

@@ -143,6 +143,41 @@ def test_a_connector_of_ones_own_on_vllm_omnis_base_class(ns):
     assert issubclass(stagelink.MooncakeStoreConnector, stagelink.OmniConnectorBase)
 
 
+def test_vllm_omnis_set_up_functions_connect_an_orchestrator_and_a_stage(tmp_path, ns):
+    f = tmp_path / "stages.yaml"
+    f.write_text(f"""
+stage_args:
+  - stage_id: 0
+    output_connectors: {{to_stage_1: shm}}
+  - stage_id: 1
+    engine_input_source: [0]
+runtime:
+  connectors:
+    shm: {{name: SharedMemoryConnector, extra: {{namespace: {ns}}}}}
+""")
+    assert stagelink.initialize_orchestrator_connectors(None) == (None, {})
+    cfg, out = stagelink.initialize_orchestrator_connectors(f)
+    try:
+        assert list(out) == [("0", "1")] and out[("0", "1")].extra["role"] == "sender"
+        stage_cfg = stagelink.get_stage_connector_config(cfg, 1)
+        assert stage_cfg["from_stage_0"]["spec"]["extra"]["role"] == "receiver"
+        inbound = stagelink.build_stage_connectors(1, stage_cfg)
+        try:
+            assert list(inbound) == [("0", "1")]
+            ok, size, md = out[("0", "1")].put("0", "1", "req-1", {"h": [1.0]})
+            assert ok and inbound[("0", "1")].get("0", "1", "req-1", md) == ({"h": [1.0]}, size)
+        finally:
+            for c in inbound.values():
+                c.close()
+        assert stagelink.get_stage_connector_config(None, 1) == {}
+        assert stagelink.build_stage_connectors(1, {}) == {}
+        with pytest.raises(stagelink.NotFoundError):  # a stage never starts with an edge missing
+            stagelink.build_stage_connectors(1, {"from_stage_0": {"spec": {"name": "NoSuchConnector"}}})
+    finally:
+        for c in out.values():
+            c.close()
+
+
 def test_load_omni_transfer_config_takes_vllm_omnis_arguments(tmp_path):
     # vLLM-Omni's signature: load_omni_transfer_config(config_path=None, config_dict=None,
     # default_shm_threshold=65536); None for neither, FileNotFoundError for a missing file, and
