@@ -167,20 +167,30 @@ def main(argv=None):
 
     c = sub.add_parser("config", help="configuration tools")
     csub = c.add_subparsers(dest="sub", required=True)
-    cc = csub.add_parser("check", help="resolve a config; print edges, connectors, roles and ports")
-    cc.add_argument("file")
+    cc = csub.add_parser("check", help="resolve a config; print edges, connectors, roles and ports",
+                         description="Load a vLLM-Omni transfer config (stage_args or stages, connectors, edges, "
+                                     "base_config overlays, ${VAR} expansion) as the runtime would, and print "
+                                     "every edge's connector, each stage's role and the transfer-engine ports. "
+                                     "Exit status 1 with the key and file named when it does not resolve. "
+                                     "Example: stagelink config check stages.yaml")
+    cc.add_argument("file", help="the YAML (or JSON) config")
     cc.set_defaults(fn=_cmd_config_check)
 
     s = sub.add_parser("shm", help="list and reclaim shared-memory resources")
     ssub = s.add_subparsers(dest="sub", required=True)
     for name, fn, hlp in (("ls", _cmd_shm_ls, "list segments with owner, size and age"),
                           ("reap", _cmd_shm_reap, "reclaim what dead processes left")):
-        sp = ssub.add_parser(name, help=hlp)
-        sp.add_argument("--shm-dir", default="/dev/shm")
+        sp = ssub.add_parser(name, help=hlp, description=hlp[0].upper() + hlp[1:] + ": stagelink's segments of "
+                             "this user (sl.<uid>.*: connector arenas and directories, queue rings, control "
+                             "rings), each with its owner process and whether it is alive.")
+        sp.add_argument("--shm-dir", default="/dev/shm", help="where the segments live (default /dev/shm)")
         sp.set_defaults(fn=fn)
 
-    h = sub.add_parser("health", help="create every connector a config names and report")
-    h.add_argument("file")
+    h = sub.add_parser("health", help="create every connector a config names and report",
+                       description="Create each distinct connector the config's edges use (a network connector "
+                                   "dials its peers or server here), print its health, close it. Exit status 1 "
+                                   "when any cannot be made, with the reason. Example: stagelink health stages.yaml")
+    h.add_argument("file", help="the YAML (or JSON) config")
     h.set_defaults(fn=_cmd_health)
 
     r = sub.add_parser("run", help="run a pipeline from YAML: progress, per-edge figures, verified results",
