@@ -16,7 +16,11 @@ namespace stagelink {
 
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
+// `seconds` from now: for ever (Deadline::max()) when infinite, NaN or 1e9 s and more, whose
+// nanoseconds would overflow; now for a negative one.
 inline Deadline deadline_after(double seconds) {
+  if (!(seconds < 1e9)) return Deadline::max();
+  if (!(seconds > 0)) return Clock::now();
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(
                             std::chrono::duration<double>(seconds));
 }

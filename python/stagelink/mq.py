@@ -220,6 +220,12 @@ class MessageQueue(NativeOwner):
         waits longer than ``VLLM_RINGBUFFER_WARNING_INTERVAL`` logs it (every interval), unless
         ``indefinite`` (a worker waiting for work); ``indefinite`` does not lift the timeout.
         After ``shutdown()``: :class:`stagelink.CancelledError` ("cancelled")."""
+        if timeout is not None:
+            timeout = float(timeout)
+            if timeout != timeout:
+                raise _core.InvalidArgumentError("timeout must be a number of seconds or None, not NaN")
+            if timeout >= 1e9:  # infinity: for ever
+                timeout = None
         q = self._q
         sc = self.__dict__.get("_sc")
         if sc is None or not sc.is_reader:  # the writer (an error) or a remote reader

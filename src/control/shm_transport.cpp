@@ -118,7 +118,7 @@ class ShmInbox final : public ControlInbox {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_.load() || !seg_) return make_error(Errc::closed, "control inbox is closed");
     const uint64_t start = mono_ns();
-    const uint64_t deadline = timeout_s < 0 ? 0 : start + uint64_t(timeout_s * 1e9);
+    const uint64_t deadline = deadline_ns(timeout_s, start);
     const uint64_t cap = hdr_->capacity;
     uint64_t stuck_since = 0;
     for (uint32_t spins = 0;; ++spins) {
@@ -234,7 +234,7 @@ class ShmOutbox final : public ControlOutbox {
   Status send_bytes(std::span<const std::byte> bytes, double timeout_s) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return make_error(Errc::closed, "control outbox is closed");
-    const uint64_t deadline = timeout_s < 0 ? 0 : mono_ns() + uint64_t(timeout_s * 1e9);
+    const uint64_t deadline = deadline_ns(timeout_s, mono_ns());
     SL_TRY(open_locked(deadline));
     InboxHeader* h = header_of(seg_);
     const uint64_t cap = h->capacity;

@@ -71,7 +71,7 @@ class ZmqInbox final : public ControlInbox {
   Result<ControlMessage> recv(double timeout_s) override {
     std::lock_guard<std::mutex> lock(mu_);  // one receiver at a time
     if (closed_.load() || !sock_) return make_error(Errc::closed, "control inbox is closed");
-    const uint64_t deadline = timeout_s < 0 ? 0 : mono_ns() + uint64_t(timeout_s * 1e9);
+    const uint64_t deadline = deadline_ns(timeout_s, mono_ns());
     zmq::pollitem_t items[2] = {{sock_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, efd_, ZMQ_POLLIN, 0}};
     for (;;) {
       zmq::message_t msg;

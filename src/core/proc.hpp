@@ -25,4 +25,10 @@ uint64_t proc_start_time(uint32_t pid);  // 0 when the process does not exist
 bool proc_alive(const ProcId& p);
 uint64_t now_ns();       // CLOCK_REALTIME in ns (ages shown to users)
 uint64_t mono_ns();      // CLOCK_MONOTONIC in ns
+// The mono_ns() deadline `timeout_s` from `now`; 0 (none: wait for ever) for a negative, infinite,
+// NaN or absurd (1e9 s and more) timeout, whose nanoseconds would overflow.
+inline uint64_t deadline_ns(double timeout_s, uint64_t now) {
+  if (!(timeout_s >= 0) || !(timeout_s < 1e9)) return 0;
+  return now + uint64_t(timeout_s * 1e9);
+}
 }  // namespace stagelink

@@ -37,8 +37,8 @@ constexpr char kShutdownTag = 'S';
 constexpr size_t kMaxSegName = 200;
 
 uint64_t deadline_from(double timeout_s) {
-  if (timeout_s < 0) return 0;  // forever
-  return mono_ns() + uint64_t(timeout_s * 1e9) + (timeout_s == 0 ? 1 : 0);
+  if (timeout_s == 0) return mono_ns() + 1;  // one attempt
+  return deadline_ns(timeout_s, mono_ns());  // 0: for ever (negative, infinite, NaN, absurd)
 }
 // The subscription topic a remote reader adds so the writer knows its rank. Messages start with
 // 'M' or 'S', so this topic never matches one.

@@ -58,6 +58,14 @@ std::string utf8(PyObject* o) {
 // Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
 // is cached, so building and reading the dict skips hashing and allocating them).
 
+// A timeout argument in seconds: None, infinity and 1e9 s or more wait for ever (-1); a negative one
+// is one attempt (0); NaN is refused.
+double timeout_secs(double v) {
+  if (v != v) raise(make_error(Errc::invalid_argument, "timeout must be a number of seconds or None, not NaN"));
+  return v >= 1e9 ? -1.0 : std::max(0.0, v);
+}
+double timeout_arg(nb::handle t) { return t.is_none() ? -1.0 : timeout_secs(nb::cast<double>(t)); }
+
 // Long waits run in slices of at most kSignalSliceS without the GIL; between slices the GIL is
 // taken back and Python's signal handlers run (PyErr_CheckSignals), so Ctrl-C (or a SIGTERM
 // handler that raises) ends a call waiting for a peer instead of waiting out its timeout, or for
@@ -1458,7 +1466,8 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   if (!timeout.is_none()) {
     secs = PyFloat_AsDouble(timeout.ptr());  // TypeError for a non-number
     if (secs == -1.0 && PyErr_Occurred()) throw nb::python_error();
-    secs = std::max(0.0, secs);
+    secs = timeout_secs(secs);
+    if (secs < 0) secs = 1e9;  // infinite: as long as a deadline can say
   }
   const std::shared_ptr<Connector> keep = self.get();  // raises ClosedError: must run while holding the GIL
   Connector& conn = *keep;
@@ -1609,7 +1618,6 @@ struct PyMq {
   }
 };
 
-double timeout_arg(nb::handle t) { return t.is_none() ? -1.0 : std::max(0.0, nb::cast<double>(t)); }
 
 void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::handle timeout) {
   Payload p;
@@ -1797,7 +1805,7 @@ RelayGetOptions relay_get_options(nb::handle rid, nb::handle timeout, bool zero_
   RelayGetOptions o;
   o.request_id = rid_holder;
   o.zero_copy = zero_copy;
-  o.timeout_s = timeout.is_none() ? -1.0 : std::max(0.0, nb::cast<double>(timeout));
+  o.timeout_s = timeout_arg(timeout);
   return o;
 }
 

@@ -1,11 +1,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include <cstring>
 #include <random>
 
 #include "core/host_pool.hpp"
+#include "core/proc.hpp"
 #include "cuda/driver.hpp"
 #include "stagelink/stagelink.hpp"
 
@@ -287,6 +289,21 @@ TEST(Msgpack, WholeNumberDoublesStayDoubles) {
     EXPECT_EQ(x.as<double>(), d);
     EXPECT_EQ(std::signbit(x.as<double>()), std::signbit(d)) << d;
   }
+}
+
+// Regression: a timeout of 1e300 s, infinity or NaN overflowed its nanoseconds (undefined
+// behaviour); they mean "no deadline", as a negative one does.
+TEST(Deadlines, InfiniteNaNAndAbsurdTimeoutsHaveNoDeadline) {
+  for (double t : {-1.0, std::numeric_limits<double>::infinity(), std::nan(""), 1e300, 1e9})
+    EXPECT_EQ(deadline_ns(t, 1000), 0u) << t;
+  EXPECT_EQ(deadline_ns(0, 1000), 1000u);
+  EXPECT_EQ(deadline_ns(2.5, 1000), 1000u + 2'500'000'000u);
+  EXPECT_EQ(deadline_after(1e300), Deadline::max());
+  EXPECT_EQ(deadline_after(std::numeric_limits<double>::infinity()), Deadline::max());
+  const Deadline past = deadline_after(-3);
+  EXPECT_LE(past, Clock::now());
+  const Deadline soon = deadline_after(5);
+  EXPECT_GT(soon, Clock::now() + std::chrono::seconds(4));
 }
 
 TEST(Msgpack, EveryTruncationAndRandomCorruptionIsAnErrorNotACrash) {

@@ -112,3 +112,33 @@ def test_a_signal_whose_handler_returns_does_not_break_a_wait(ns):
         signal.signal(signal.SIGALRM, old)
         stagelink.control.remove_socket_dir(d)
     assert len(seen) >= 10
+
+
+def test_infinite_and_absurd_timeouts_wait_for_ever_and_nan_is_refused(ns, mq_clean):
+    # Regression: timeout=float("inf") raised OverflowError from dequeue, and 1e300 s overflowed
+    # the deadline's nanoseconds (undefined behaviour in C++); NaN meant "no wait".
+    w = stagelink.MessageQueue(1, 1)
+    r = stagelink.MessageQueue.create_from_handle(w.export_handle(), 0)
+    try:
+        w.wait_until_ready(10)
+        for t in (float("inf"), 1e300):
+            timer = threading.Timer(0.3, lambda: w.enqueue("late"))
+            timer.start()
+            t0 = time.monotonic()
+            assert r.dequeue(timeout=t) == "late" and time.monotonic() - t0 >= 0.25
+            timer.join()
+        with pytest.raises(stagelink.InvalidArgumentError, match="NaN"):
+            r.dequeue(timeout=float("nan"))
+        with pytest.raises(stagelink.InvalidArgumentError, match="NaN"):
+            w.enqueue("x", timeout=float("nan"))
+    finally:
+        r.close()
+        w.close()
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        for i, t in enumerate((float("inf"), 1e300)):
+            timer = threading.Timer(0.3, lambda i=i: c.put(0, 1, f"k{i}", b"v"))
+            timer.start()
+            assert c.get(0, 1, f"k{i}", timeout=t)[0] == b"v"
+            timer.join()
+        assert c.get(0, 1, "k", timeout=float("nan")) is None
+        assert isinstance(c.last_error, stagelink.InvalidArgumentError)
