@@ -207,7 +207,7 @@ class _LocalRelay:
                 if left <= 0:
                     raise _core.ExhaustedError(f"relay: no credit for edge '{edge}' after {self.timeout_s} s: all "
                                                f"{self.credits} are held by unread puts; is the receiver reading?")
-                _TABLE_LOCK.wait(left)
+                _TABLE_LOCK.wait(_slice(left))
             key = _NEXT[0]
             _NEXT[0] += 1
             flag = [False]  # set by cleanup: the op's wait says cancelled
@@ -263,15 +263,23 @@ class _LocalOp:
             return self.key not in _TABLE
 
     def wait(self, timeout):
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if timeout is not None and timeout != timeout:
+            raise _core.InvalidArgumentError("timeout must be a number of seconds or None, not NaN")
+        deadline = None if timeout is None or timeout >= 1e9 else time.monotonic() + timeout
         with _TABLE_LOCK:
             while self.key in _TABLE:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise _core.TimeoutError(f"relay put not read after {timeout} s")
-                _TABLE_LOCK.wait(left)
+                _TABLE_LOCK.wait(_slice(left))
             if self.flag[0]:
                 raise _core.CancelledError("relay put cancelled (cleanup) before it was read")
+
+
+def _slice(left):
+    """A Condition.wait timeout: None for none or an infinite one (Condition.wait refuses those
+    past its limit with OverflowError)."""
+    return None if left is None or left > 1e6 else left
 
 
 def _pid():

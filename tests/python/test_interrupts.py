@@ -142,3 +142,16 @@ def test_infinite_and_absurd_timeouts_wait_for_ever_and_nan_is_refused(ns, mq_cl
             timer.join()
         assert c.get(0, 1, "k", timeout=float("nan")) is None
         assert isinstance(c.last_error, stagelink.InvalidArgumentError)
+
+
+def test_the_local_relay_takes_infinite_timeouts():
+    # Regression: the same-process relay waited with Condition.wait(inf), which raises OverflowError.
+    with stagelink.Relay(backend="local", credits=1, timeout_s=5) as r:
+        op = r.put_async({"x": 1}, request_id="r", edge="e")
+        threading.Timer(0.3, lambda: r.get_async(op.metadata)).start()
+        op.wait(float("inf"))  # returns once read
+        assert op.done()
+        op2 = r.put_async({"x": 2}, request_id="r2", edge="e")
+        with pytest.raises(stagelink.InvalidArgumentError, match="NaN"):
+            op2.wait(float("nan"))
+        r.cleanup("r2")
