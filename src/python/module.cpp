@@ -54,10 +54,7 @@ std::string utf8(PyObject* o) {
   return std::string(s, size_t(n));
 }
 
-// ---- Value <-> Python ----
-// Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
-// is cached, so building and reading the dict skips hashing and allocating them).
-
+// ---- timeouts and waits ----
 // A timeout argument in seconds: None, infinity and 1e9 s or more wait for ever (-1); a negative one
 // is one attempt (0); NaN is refused.
 double timeout_secs(double v) {
@@ -111,6 +108,10 @@ void check_sliced(double timeout_s, Op&& op) {
   Status st = sliced_nogil(timeout_s, std::forward<Op>(op));
   if (!st.ok()) raise(st.error());
 }
+
+// ---- Value <-> Python ----
+// Metadata maps repeat a few keys on every put: hand out interned strings for those (their hash
+// is cached, so building and reading the dict skips hashing and allocating them).
 
 // A str from UTF-8 bytes. Strict: bytes that are not UTF-8 (a damaged or foreign frame, metadata
 // or message) raise CorruptError, as every other damage a decoder finds does.
