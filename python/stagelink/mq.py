@@ -136,30 +136,40 @@ class MessageQueue(NativeOwner):
 
     @staticmethod
     def create_from_process_group(pg, max_chunk_bytes: int, max_chunks: int, writer_rank: int = 0,
+                                  external_writer_handle: Optional[Handle] = None, blocking: bool = True,
                                   **kwargs) -> "MessageQueue":
         """vLLM's: the group's ``writer_rank`` writes, every other rank reads (through shared memory
-        on the writer's host, over TCP elsewhere). Every rank of ``pg`` calls it; it returns once
-        every reader is attached. ``pg``: a ``torch.distributed`` process group, or an object with
-        vLLM's ``StatelessProcessGroup`` interface (``rank``, ``world_size``, ``broadcast_obj``,
-        ``all_gather_obj``), which needs no ``torch.distributed``."""
+        on the writer's host, over TCP elsewhere). Every rank of ``pg`` calls it; with
+        ``blocking`` it returns once every reader is attached (without, each side calls
+        :meth:`wait_until_ready` later). ``external_writer_handle``: the queue already exists
+        elsewhere; ``writer_rank`` attaches to it with its group rank and hands that handle on, so
+        the group reads the same queue. ``pg``: a ``torch.distributed`` process group, or an
+        object with vLLM's ``StatelessProcessGroup`` interface (``rank``, ``world_size``,
+        ``broadcast_obj``, ``all_gather_obj``), which needs no ``torch.distributed``."""
         g = _Group(pg)
         hosts = g.all_gather(_host_id())
         local = [r for r in range(g.world) if r != writer_rank and hosts[r] == hosts[writer_rank]]
         if g.rank == writer_rank:
-            q = MessageQueue(g.world - 1, len(local), local, max_chunk_bytes, max_chunks, **kwargs)
+            if external_writer_handle is not None:
+                q = MessageQueue.create_from_handle(external_writer_handle, g.rank)
+            else:
+                q = MessageQueue(g.world - 1, len(local), local, max_chunk_bytes, max_chunks, **kwargs)
             g.broadcast(q.export_handle(), writer_rank)
         else:
             q = MessageQueue.create_from_handle(g.broadcast(None, writer_rank), g.rank)
-        q.wait_until_ready()
+        if blocking:
+            q.wait_until_ready()
         return q
 
     @staticmethod
     def create_from_process_group_single_reader(pg, max_chunk_bytes: int, max_chunks: int, reader_rank: int = 0,
-                                                **kwargs):
+                                                blocking: bool = False, **kwargs):
         """The other direction: every rank but ``reader_rank`` writes a queue of its own with one
         reader, ``reader_rank``. Returns ``(queue, handles)``: on a writer its queue, on the reader
         a list with one reader queue per writer rank (``None`` at its own index); ``handles`` is
-        every writer's handle by group rank. ``pg`` as for :meth:`create_from_process_group`."""
+        every writer's handle by group rank. ``pg`` as for :meth:`create_from_process_group`.
+        ``blocking`` is vLLM's argument; the reader attaches before this returns on any rank,
+        so the writers' queues are ready either way."""
         g = _Group(pg)
         hosts = g.all_gather(_host_id())
         mine = None

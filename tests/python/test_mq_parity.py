@@ -113,8 +113,22 @@ def _pg_worker(rank, world, port, q):
         else:
             single.enqueue(rank * 10)
             got2 = "sent"
+        # vLLM's external_writer_handle: the queue exists already (its writer outside the group
+        # API); writer_rank hands its handle on and every rank reads it. blocking=False: no wait.
+        ext = stagelink.MessageQueue(world, world, list(range(world)), 1 << 16, 4) if rank == 0 else None
+        grp = stagelink.MessageQueue.create_from_process_group(
+            dist.group.WORLD, 1 << 16, 4, writer_rank=0,
+            external_writer_handle=ext.export_handle() if ext else None, blocking=False)
+        assert not grp.is_writer
+        if ext:
+            ext.wait_until_ready(10)
+            ext.enqueue("ext")
+        got3 = grp.dequeue(timeout=10)
         dist.barrier()
-        q.put((rank, got, got2))
+        for x in (grp, ext):
+            if x is not None:
+                x.close()
+        q.put((rank, got, got2, got3))
         dist.destroy_process_group()
     except Exception as e:  # reported, not lost in the child
         q.put((rank, "error", repr(e)))
@@ -143,7 +157,8 @@ def _run_group(worker, world):
 def test_create_from_process_group(mq_clean):
     pytest.importorskip("torch")
     results = _run_group(_pg_worker, 3)
-    assert results == [(0, "sent", [10, 20]), (1, {"step": 1}, "sent"), (2, {"step": 1}, "sent")], results
+    assert results == [(0, "sent", [10, 20], "ext"), (1, {"step": 1}, "sent", "ext"),
+                       (2, {"step": 1}, "sent", "ext")], results
 
 
 def test_process_group_without_torch_distributed_is_a_clear_error():
