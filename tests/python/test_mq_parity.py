@@ -134,15 +134,15 @@ def _pg_worker(rank, world, port, q):
         q.put((rank, "error", repr(e)))
 
 
-def _run_group(worker, world):
-    """`worker(rank, world, port, q)` in `world` spawned processes; their reports, by rank."""
+def _run_group(worker, world, *extra):
+    """`worker(rank, world, port, q, *extra)` in `world` spawned processes; their reports, by rank."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, q)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, q, *extra)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -201,102 +201,100 @@ class _StoreGroup:
             time.sleep(0.01)
 
 
-def _stateless_worker(rank, world, port, q):
+def _group_worker(rank, world, port, q, body):
+    """One rank of a 4-rank StatelessProcessGroup with vLLM's queue of its tests (writer rank 2,
+    so the local readers are ranks 0, 1 and 3: not 0..n-1; 40 KiB chunks, 2 of them): runs
+    ``globals()[body](rank, pg, mq, writer)``, then reports (rank, "ok") or what it raised."""
     try:
         pg = _StoreGroup(port, rank, world)
-        writer = 2  # local readers are ranks 0, 1 and 3: not 0..n-1
+        writer = 2
         mq = stagelink.MessageQueue.create_from_process_group(pg, 40 * 1024, 2, writer)
-        rng = np.random.default_rng(7)
-        arrays = [rng.integers(1, 100, n) for n in (10, 9000, 3, 7000)]  # some over a chunk
-        if rank == writer:
-            for a in arrays:
-                mq.broadcast_object(a)
-        else:
-            for a in arrays:
-                assert np.array_equal(mq.broadcast_object(None), a)
-        pg.barrier()
-        # vLLM's shutdown test: a reader put into idle mode, shut down from another thread.
-        if rank != writer:
-            mq._spin_condition.last_read = 0
-            ev = threading.Event()
-            t = threading.Thread(target=lambda: (ev.wait(30), mq.shutdown()), daemon=True)
-            t.start()
-            with pytest.raises(TimeoutError):
-                mq.dequeue(timeout=0.001)
-            ev.set()
-            t.join(10)
-            with pytest.raises(RuntimeError, match="cancelled"):
-                mq.dequeue(timeout=1)
-            assert mq.shutting_down
-        else:
-            mq.shutdown()
+        globals()[body](rank, pg, mq, writer)
         pg.barrier()
         mq.close()
         pg.close()
         q.put((rank, "ok"))
     except BaseException as e:  # reported, not lost in the child
         q.put((rank, repr(e)))
+
+
+def _stateless_body(rank, pg, mq, writer):
+    rng = np.random.default_rng(7)
+    arrays = [rng.integers(1, 100, n) for n in (10, 9000, 3, 7000)]  # some over a chunk
+    if rank == writer:
+        for a in arrays:
+            mq.broadcast_object(a)
+    else:
+        for a in arrays:
+            assert np.array_equal(mq.broadcast_object(None), a)
+    pg.barrier()
+    # vLLM's shutdown test: a reader put into idle mode, shut down from another thread.
+    if rank != writer:
+        mq._spin_condition.last_read = 0
+        ev = threading.Event()
+        t = threading.Thread(target=lambda: (ev.wait(30), mq.shutdown()), daemon=True)
+        t.start()
+        with pytest.raises(TimeoutError):
+            mq.dequeue(timeout=0.001)
+        ev.set()
+        t.join(10)
+        with pytest.raises(RuntimeError, match="cancelled"):
+            mq.dequeue(timeout=1)
+        assert mq.shutting_down
+    else:
+        mq.shutdown()
 
 
 def test_stateless_process_group_and_vllm_shutdown_flow(mq_clean):
     # vLLM's own queue test builds the queue from a StatelessProcessGroup (no torch.distributed
     # state) and reaches for the reader's _spin_condition; both must work here.
     pytest.importorskip("torch")
-    results = _run_group(_stateless_worker, 4)
+    results = _run_group(_group_worker, 4, "_stateless_body")
     assert results == [(r, "ok") for r in range(4)], results
 
 
-def _spin_worker(rank, world, port, q):
+def _spin_body(rank, pg, mq, writer):
     """vLLM's idle-to-busy and busy-to-idle tests: the reader's loop calls its SpinCondition's
     `wait` once per wait while idle, and many times (each within 1 ms) while busy."""
     from unittest import mock
-    try:
-        pg = _StoreGroup(port, rank, world)
-        writer = 2
-        mq = stagelink.MessageQueue.create_from_process_group(pg, 40 * 1024, 2, writer)
-        with mock.patch.object(mq._spin_condition, "wait", wraps=mq._spin_condition.wait) as wait:
-            if rank != writer:
-                # idle -> busy
-                mq._spin_condition.last_read = 0
-                with pytest.raises(TimeoutError):
-                    mq.dequeue(timeout=0.01)
-                assert wait.call_count == 1, wait.call_count  # one wait while idle
+    with mock.patch.object(mq._spin_condition, "wait", wraps=mq._spin_condition.wait) as wait:
+        if rank != writer:
+            # idle -> busy
+            mq._spin_condition.last_read = 0
+            with pytest.raises(TimeoutError):
+                mq.dequeue(timeout=0.01)
+            assert wait.call_count == 1, wait.call_count  # one wait while idle
+            pg.barrier()
+            assert mq.dequeue(timeout=5) == "hello world"
+            assert wait.call_count == 2, wait.call_count  # woken by the message, not by a slice
+            pg.barrier()
+            assert np.array_equal(mq.dequeue(timeout=1), np.arange(100))
+            assert wait.call_count > 3, wait.call_count  # busy after a read: short waits
+            # busy -> idle
+            mq._spin_condition.busy_loop_s = 9999
+            pg.barrier()
+            assert mq.dequeue(timeout=1) == 12345
+            assert wait.call_count > 5, wait.call_count
+            mq._spin_condition.busy_loop_s = 0
+            with pytest.raises(TimeoutError):
+                mq.dequeue(timeout=0.01)
+            n = wait.call_count
+            pg.barrier()
+            assert mq.dequeue(timeout=1) == [0, 1, 2]
+            assert wait.call_count == n + 1, (wait.call_count, n)
+        else:
+            for msg in ("hello world", np.arange(100), 12345, [0, 1, 2]):
                 pg.barrier()
-                assert mq.dequeue(timeout=5) == "hello world"
-                assert wait.call_count == 2, wait.call_count  # woken by the message, not by a slice
-                pg.barrier()
-                assert np.array_equal(mq.dequeue(timeout=1), np.arange(100))
-                assert wait.call_count > 3, wait.call_count  # busy after a read: short waits
-                # busy -> idle
-                mq._spin_condition.busy_loop_s = 9999
-                pg.barrier()
-                assert mq.dequeue(timeout=1) == 12345
-                assert wait.call_count > 5, wait.call_count
-                mq._spin_condition.busy_loop_s = 0
-                with pytest.raises(TimeoutError):
-                    mq.dequeue(timeout=0.01)
-                n = wait.call_count
-                pg.barrier()
-                assert mq.dequeue(timeout=1) == [0, 1, 2]
-                assert wait.call_count == n + 1, (wait.call_count, n)
-            else:
-                for msg in ("hello world", np.arange(100), 12345, [0, 1, 2]):
-                    pg.barrier()
-                    time.sleep(0.1)  # the readers are waiting by then
-                    mq.enqueue(msg)
-        pg.barrier()
-        mq.shutdown()
-        assert mq.shutting_down
-        mq.close()
-        pg.close()
-        q.put((rank, "ok"))
-    except BaseException as e:  # reported, not lost in the child
-        q.put((rank, repr(e)))
+                time.sleep(0.1)  # the readers are waiting by then
+                mq.enqueue(msg)
+    pg.barrier()
+    mq.shutdown()
+    assert mq.shutting_down
 
 
 def test_vllm_spin_condition_idle_and_busy_waits(mq_clean):
     pytest.importorskip("torch")
-    results = _run_group(_spin_worker, 4)
+    results = _run_group(_group_worker, 4, "_spin_body")
     assert results == [(r, "ok") for r in range(4)], results
 
 
