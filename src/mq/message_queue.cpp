@@ -659,7 +659,6 @@ class MqRemoteReader final : public MqReader {
 
   Status dequeue_with(double timeout_s, const std::function<void(std::span<const std::byte>)>& fn) override {
     const uint64_t dl = deadline_from(timeout_s);
-    zmq::pollitem_t items[2] = {{sub_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, efd_, ZMQ_POLLIN, 0}};
     for (;;) {
       if (cancelled_.load()) return make_error(Errc::cancelled, kShutDown);
       zmq::message_t head;
@@ -686,31 +685,20 @@ class MqRemoteReader final : public MqReader {
         fn(std::span<const std::byte>(static_cast<const std::byte*>(rest[0].data()), rest[0].size()));
         return {};
       }
-      int wait_ms = -1;
-      if (dl) {
-        const uint64_t now = mono_ns();
-        if (now >= dl)
-          return make_error(Errc::timeout, "remote reader rank " + std::to_string(rank_) + ": no message " +
-                                               std::to_string(next_) + " from " + h_.remote_addr + " before the timeout");
-        wait_ms = int(std::min<uint64_t>((dl - now + 999999) / 1000000, 1u << 30));
-      }
-      poll_through_signals(items, 2, std::chrono::milliseconds(wait_ms));
+      if (dl && mono_ns() >= dl)
+        return make_error(Errc::timeout, "remote reader rank " + std::to_string(rank_) + ": no message " +
+                                             std::to_string(next_) + " from " + h_.remote_addr + " before the timeout");
+      poll_until(dl);
     }
   }
 
   Result<bool> wait_message(double timeout_s) override {
     const uint64_t dl = deadline_from(timeout_s);
-    zmq::pollitem_t items[2] = {{sub_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, efd_, ZMQ_POLLIN, 0}};
     for (;;) {
       if (cancelled_.load()) return false;
       if (sub_->get(zmq::sockopt::events) & ZMQ_POLLIN) return true;
-      int wait_ms = -1;
-      if (dl) {
-        const uint64_t now = mono_ns();
-        if (now >= dl) return false;
-        wait_ms = int(std::min<uint64_t>((dl - now + 999999) / 1000000, 1u << 30));
-      }
-      poll_through_signals(items, 2, std::chrono::milliseconds(wait_ms));
+      if (dl && mono_ns() >= dl) return false;
+      poll_until(dl);
     }
   }
 
@@ -730,6 +718,17 @@ class MqRemoteReader final : public MqReader {
   const char* kind() const override { return "remote reader"; }
 
  private:
+  // Sleep until the socket has a message, shutdown() writes the eventfd, or `dl` (0: no limit).
+  void poll_until(uint64_t dl) {
+    zmq::pollitem_t items[2] = {{sub_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, efd_, ZMQ_POLLIN, 0}};
+    int wait_ms = -1;
+    if (dl) {
+      const uint64_t now = mono_ns();
+      wait_ms = now >= dl ? 0 : int(std::min<uint64_t>((dl - now + 999999) / 1000000, 1u << 30));
+    }
+    poll_through_signals(items, 2, std::chrono::milliseconds(wait_ms));
+  }
+
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> sub_;
   ForkStamp fork_;

@@ -337,9 +337,7 @@ bool Ring::still_valid(RingChunk* c) const {
 bool Ring::writer_alive() const { return proc_alive(ProcId{hdr_->writer_pid, hdr_->writer_start}); }
 
 Status Ring::wait_read(uint64_t deadline_ns) {
-  RingChunk* c = chunk(rseq_);
-  const uint64_t want = rseq_ + 1;
-  auto ready = [&] { return c->seq.load(std::memory_order_seq_cst) == want; };
+  auto ready = [&] { return next_ready(); };
   auto dropped = [&] { return hdr_->readers[rank_].state.load(std::memory_order_acquire) == kReaderDropped; };
   if (spin_until([&] { return ready() || is_shutdown(); }, opts_.spin_ns, yield_) && ready()) return {};
   for (;;) {
