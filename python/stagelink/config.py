@@ -41,7 +41,7 @@ class TransferConfig:
         self.named_connectors = {k: ConnectorSpec(**v) for k, v in raw["connectors"].items()}
         self.stages = list(raw["stages"])
         #: the shm_threshold_bytes of the SharedMemoryConnector an undeclared edge gets
-        self.default_shm_threshold = int(raw.get("default_shm_threshold_bytes", 65536))
+        self.default_shm_threshold = int(raw["default_shm_threshold_bytes"])
         #: what loading decided that you should know (a connector defined twice, which one won)
         self.notes = list(raw.get("notes", []))
         for n in self.notes:
