@@ -25,6 +25,10 @@ inline Deadline deadline_after(double seconds) {
                             std::chrono::duration<double>(seconds));
 }
 inline constexpr Deadline kNoWait = Deadline::min();
+// `d` plus `by`, saturating at Deadline::max() (for ever stays for ever, never wraps around).
+inline Deadline later(Deadline d, Clock::duration by) {
+  return d > Deadline::max() - by ? Deadline::max() : d + by;
+}
 
 struct PutOptions {
   uint32_t readers = 0;  // fan-out: how many gets may read this put; 0 = connector default (1)
@@ -49,7 +53,18 @@ struct GetOptions {
   // With zero_copy: leave the tree as msgpack bytes in Payload::packed_tree (valid while the
   // tensors are) instead of building it; for bindings that build their own objects from it.
   bool raw_tree = false;
+  // Asked on the getting thread at least every kWaitCheckEvery while the get waits for its key to be
+  // put (never during a transfer: a payload found is always read whole); false ends the get with
+  // Errc::cancelled. The Python binding runs Python's signal handlers here, so Ctrl-C ends a long
+  // get. Empty: the get waits until its deadline.
+  std::function<bool()> keep_waiting;
 };
+inline constexpr std::chrono::milliseconds kWaitCheckEvery{200};
+// The end of the next stretch of a get's wait for its key: `deadline`, or sooner when the get has
+// a keep_waiting to ask.
+inline Deadline wait_slice_end(Deadline deadline, const GetOptions& go) {
+  return go.keep_waiting ? std::min(deadline, later(Clock::now(), kWaitCheckEvery)) : deadline;
+}
 
 struct GetResult {
   Payload payload;

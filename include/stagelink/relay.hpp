@@ -16,6 +16,7 @@
 // (same process, payload by reference), or any connector by name (`connector`).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -51,6 +52,7 @@ struct RelayGetOptions {
   std::span<std::byte> dest;       // copy the payload's single tensor here (one memcpy); empty: none
   bool zero_copy = false;          // tensors are views holding the slot until dropped
   double timeout_s = -1;           // < 0: the relay's timeout_s
+  std::function<bool()> keep_waiting;  // passed to the connector's get (GetOptions::keep_waiting)
 };
 
 class RelayCore;

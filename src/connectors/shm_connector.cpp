@@ -610,20 +610,28 @@ class ShmConnector final : public Connector {
       }
       if (!cl.ok()) return std::move(cl).error();
     } else {
-      uint64_t dl = 0;
-      if (deadline != kNoWait) {
-        auto rem = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now()).count();
-        dl = mono_ns() + uint64_t(std::max<int64_t>(rem, 1));
-      }
-      if (dl == 0) {
+      // The directory's clock (CLOCK_MONOTONIC ns; 0: one look) at `d`.
+      auto mono_at = [](Deadline d) {
+        auto rem = std::chrono::duration_cast<std::chrono::nanoseconds>(d - Clock::now()).count();
+        return mono_ns() + uint64_t(std::max<int64_t>(rem, 1));
+      };
+      if (deadline == kNoWait) {
         cl = dir->wait_claim_key(ikey, shm::key_hash(ikey), 0);
-      } else {  // a blocking wait: abandon_get() and close() can end it
+      } else {  // a blocking wait: abandon_get() and close() can end it, and go.keep_waiting
         Waiter w{key};
         {
           std::lock_guard<std::mutex> lock(wait_mu_);
           waiters_.push_back(&w);
         }
-        cl = dir->wait_claim_key(ikey, shm::key_hash(ikey), dl, &w.stop);
+        for (;;) {
+          const Deadline until = wait_slice_end(deadline, go);
+          cl = dir->wait_claim_key(ikey, shm::key_hash(ikey), mono_at(until), &w.stop);
+          if (cl.ok() || cl.error().code != Errc::timeout || until >= deadline) break;
+          if (!go.keep_waiting()) {
+            cl = make_error(Errc::cancelled, "the get of '" + ikey.str() + "' was interrupted while it waited");
+            break;
+          }
+        }
         std::lock_guard<std::mutex> lock(wait_mu_);
         waiters_.erase(std::find(waiters_.begin(), waiters_.end(), &w));
       }

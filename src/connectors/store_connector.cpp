@@ -516,6 +516,7 @@ class StoreConnector final : public Connector {
     claim.arg("EVAL").arg(kClaim).arg("3").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":c:")
         .arg(o_.redis.cluster ? "0" : "1").arg(ik).arg(std::to_string(kInlineChunk));
     std::optional<Reply> woken_claim;  // the claim that ran the moment the wait returned
+    bool waited = false;               // go.keep_waiting is asked before every wait but the first
     for (;;) {
       // Claim a reader of the put there is, if any (with its first chunk).
       Result<std::vector<Reply>> r = std::vector<Reply>{};
@@ -547,11 +548,15 @@ class StoreConnector final : public Connector {
       }
       // Nothing yet: wait on the signal list until the put pushes (no polling).
       if (deadline == kNoWait) return make_error(Errc::not_found, "no '" + ik + "' in the store");
-      const double left_s = std::chrono::duration<double>(deadline - Clock::now()).count();
-      if (left_s <= 0) {
+      if (Clock::now() >= deadline) {
         timeouts_.fetch_add(1);
         return make_error(Errc::timeout, "no '" + ik + "' in the store before the deadline");
       }
+      if (waited && go.keep_waiting && !go.keep_waiting())
+        return make_error(Errc::cancelled, "the get of '" + ik + "' was interrupted while it waited");
+      waited = true;
+      const Deadline until = wait_slice_end(deadline, go);  // the BLPOP waits this long at most
+      const double left_s = std::chrono::duration<double>(until - Clock::now()).count();
       char secs[32];
       std::snprintf(secs, sizeof secs, "%.3f", std::max(0.001, left_s));
       // The claim follows the BLPOP in one pipeline: the server runs it the moment the pop
@@ -566,7 +571,7 @@ class StoreConnector final : public Connector {
         if (closed_.load()) return make_error(Errc::cancelled, name_ + " closed while '" + ik + "' was awaited");
         waiters_.emplace(key, &me);
       }
-      auto w = redis_->blocking(base, wait_then_claim, deadline, &me.fd);
+      auto w = redis_->blocking(base, wait_then_claim, until, &me.fd);
       {
         std::lock_guard<std::mutex> l(wait_mu_);
         for (auto it = waiters_.lower_bound(key); it != waiters_.end() && it->first == key; ++it)
@@ -722,7 +727,7 @@ class StoreConnector final : public Connector {
       }
       items.push_back({chunk_name(base, m.gen, i), {buf.get() + off, n}});
     }
-    const Deadline big = dl + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(double(m.size) / 50e6));
+    const Deadline big = later(dl, std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(double(m.size) / 50e6)));
     // The checksum as the chunks land, while each is still in cache (read on one connection, in
     // order); where that did not cover the frame, finish() hashes it whole.
     HashState st_owner = hash_state();

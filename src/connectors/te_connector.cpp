@@ -256,6 +256,8 @@ class TeConnector final : public Connector {
         if (st.error().code != Errc::not_found || deadline == kNoWait ||
             Clock::now() + std::chrono::microseconds(backoff_us) >= deadline)
           return std::move(st).error();
+        if (go.keep_waiting && !go.keep_waiting())
+          return make_error(Errc::cancelled, "the get of '" + ik + "' was interrupted while it waited");
         std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
       }
     }

@@ -102,6 +102,22 @@ auto sliced_nogil(double timeout_s, Op&& op) -> decltype(op(0.0)) {
     if (PyErr_CheckSignals() != 0) throw nb::python_error();
   }
 }
+// GetOptions::keep_waiting for a get called from Python: at most every kSignalSliceS, takes the
+// GIL and runs Python's signal handlers. A handler that raised (Ctrl-C) ends the get, and the
+// caller raises its exception when the get returns. Only the wait for the key is cut so; a
+// payload found is read whole (a network transfer is never left half-done).
+struct SignalCheck {
+  Deadline next = deadline_after(kSignalSliceS);
+  bool raised = false;
+  bool operator()() {
+    if (Clock::now() < next) return true;
+    nb::gil_scoped_acquire gil;
+    next = deadline_after(kSignalSliceS);
+    raised = PyErr_CheckSignals() != 0;
+    return !raised;
+  }
+};
+
 // sliced_nogil for a Status: raises its error.
 template <class Op>
 void check_sliced(double timeout_s, Op&& op) {
@@ -1474,18 +1490,17 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   Connector& conn = *keep;
   Result<GetResult> r = make_error(Errc::io, "");
   // Zero-copy, inline payloads viewing `md`, the tree left packed: the caller builds its objects.
-  const GetOptions go{true, true, true};
-  if (self.networked) {  // may cross a network (a transfer engine's pull): one call, without the GIL
+  GetOptions go{true, true, true};
+  SignalCheck sig;  // a get that may wait for its key: Ctrl-C ends the wait
+  if (secs > 0) go.keep_waiting = std::ref(sig);
+  const Deadline dl = secs < 0 ? kNoWait : deadline_after(secs);
+  if (self.networked || !lookup) {  // may cross a network, or wait for the key: without the GIL
     nb::gil_scoped_release nogil;
-    r = conn.get(f, t, key, has_md ? &md : nullptr, secs < 0 ? kNoWait : deadline_after(secs), go);
-  } else if (!lookup && secs >= 0) {  // waits for the key: in slices, so Ctrl-C ends the wait
-    r = sliced_nogil(secs, [&](double slice) { return conn.get(f, t, key, has_md ? &md : nullptr, deadline_after(slice), go); });
-  } else if (!lookup) {
-    nb::gil_scoped_release nogil;
-    r = conn.get(f, t, key, has_md ? &md : nullptr, kNoWait, go);
-  } else {
-    r = conn.get(f, t, key, has_md ? &md : nullptr, secs < 0 ? kNoWait : deadline_after(secs), go);
+    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
+  } else {  // our metadata: a direct lookup (microseconds)
+    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
   }
+  if (sig.raised) throw nb::python_error();
   if (!r.ok()) {
     const Errc c = r.error().code;  // absent, timed out, abandoned: None, as vLLM-Omni's get
     if (c == Errc::not_found || c == Errc::timeout || c == Errc::cancelled) return std::nullopt;
@@ -1814,10 +1829,14 @@ RelayOp relay_get(PyRelay& self, nb::handle metadata, const RelayGetOptions& o) 
   const Value md = from_py(metadata);
   auto relay = self.get();
   Result<RelayOp> r = make_error(Errc::io, "");
+  SignalCheck sig;  // Ctrl-C ends a get still waiting for its payload
+  RelayGetOptions opts = o;
+  opts.keep_waiting = std::ref(sig);
   {
     nb::gil_scoped_release nogil;
-    r = relay->get_async(md, o);
+    r = relay->get_async(md, opts);
   }
+  if (sig.raised) throw nb::python_error();
   return unwrap(std::move(r));
 }
 

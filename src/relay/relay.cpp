@@ -328,6 +328,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       const double tmo = o.timeout_s >= 0 ? o.timeout_s : cfg.timeout_s;
       GetOptions go;
       go.zero_copy = o.zero_copy || !o.dest.empty();
+      go.keep_waiting = o.keep_waiting;
       SL_ASSIGN(GetResult g, conn->get("relay", "r", kv->as<std::string>(), &md, deadline_after(tmo), go));
       st->payload = std::move(g.payload);
       st->size = g.size;

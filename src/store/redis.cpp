@@ -878,7 +878,7 @@ Result<std::vector<Reply>> Redis::blocking(std::string_view slot_key, std::span<
   if (cmds.empty()) return make_error(Errc::invalid_argument, "redis: blocking() of no command");
   Node* n = impl_->owner(slot_key);
   // The socket waits a little longer than the command, so that the server's own timeout answers.
-  const Deadline sock = deadline + std::chrono::milliseconds(int(impl_->o.timeout_s * 1000));
+  const Deadline sock = later(deadline, std::chrono::milliseconds(int(impl_->o.timeout_s * 1000)));
   SL_ASSIGN(auto c, impl_->acquire(*n, sock, true));
   bool ok = false;
   if (fd_slot) {

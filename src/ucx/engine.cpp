@@ -825,7 +825,7 @@ Status Engine::send(std::span<const std::byte> peer, uint64_t token, std::span<c
   });
   std::unique_lock<std::mutex> l(d->mu);
   // At the deadline the progress thread cancels what is under way, which completes it.
-  if (!d->cv.wait_until(l, deadline + std::chrono::seconds(5), [&] { return d->done; }))
+  if (!d->cv.wait_until(l, later(deadline, std::chrono::seconds(5)), [&] { return d->done; }))
     return make_error(Errc::timeout, "sending to the receiver: not complete before the deadline");
   return d->st;
 }
@@ -873,7 +873,7 @@ Status Engine::request(std::span<const std::byte> peer, std::span<const std::byt
   std::unique_lock<std::mutex> l(op->mu);
   if (!op->done) {
     ucp_worker_signal(I.worker);
-    if (!op->cv.wait_until(l, deadline + std::chrono::seconds(5), [&] { return op->done; }))
+    if (!op->cv.wait_until(l, later(deadline, std::chrono::seconds(5)), [&] { return op->done; }))
       return make_error(Errc::timeout, "sending a request: not complete before the deadline");
   }
   if (op->status != UCS_OK) return make_error(Errc::peer_dead, "sending a request to the peer failed");

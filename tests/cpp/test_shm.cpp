@@ -654,6 +654,47 @@ TEST(Shm, AbandonGetAndCloseEndABlockedGet) {
   EXPECT_EQ(c->abandon_get("nobody"), 0u);
 }
 
+// GetOptions::keep_waiting (how the Python binding lets Ctrl-C end a long get): asked about every
+// kWaitCheckEvery while the get waits for its key, false ends it (cancelled); a get that waits out
+// its deadline so is one timeout in health(), not one per check.
+TEST(Shm, KeepWaitingIsAskedWhileAGetWaitsAndCanEndIt) {
+  const std::string ns = unique_ns("keepw");
+  auto c = make(extra(ns));
+  auto p = make(extra(ns));
+  int asked = 0;
+  GetOptions stop_third;
+  stop_third.keep_waiting = [&] { return ++asked < 3; };
+  for (const Deadline dl : {deadline_after(20), Deadline::max()}) {
+    asked = 0;
+    const auto t0 = Clock::now();
+    auto got = c->get("0", "1", "never", nullptr, dl, stop_third);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.error().code, Errc::cancelled) << got.error().message;
+    EXPECT_EQ(asked, 3);
+    EXPECT_GE(Clock::now() - t0, 2 * kWaitCheckEvery);
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3));
+  }
+  auto timeouts = [&] { return c->health().find("timeouts")->as<uint64_t>(); };
+  const uint64_t before = timeouts();
+  asked = 0;
+  GetOptions wait_on;
+  wait_on.keep_waiting = [&] { return ++asked > 0; };
+  auto late = c->get("0", "1", "never", nullptr, deadline_after(0.7), wait_on);
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.error().code, Errc::timeout);
+  EXPECT_GE(asked, 2);
+  EXPECT_EQ(timeouts(), before + 1);
+  std::vector<std::byte> d(3000, std::byte{7});
+  std::thread putter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    ASSERT_TRUE(p->put("0", "1", "later", payload_of(d, 0)).ok());
+  });
+  auto got = c->get("0", "1", "later", nullptr, deadline_after(20), wait_on);  // found between checks
+  putter.join();
+  ASSERT_TRUE(got.ok()) << got.error().message;
+  EXPECT_EQ(checksum(got->payload.tensors[0].data), checksum(d));
+}
+
 // vLLM-Omni's _pending_keys and arrival wake-ups (get_wakeup_generation / wait_for_change).
 TEST(Shm, PendingKeysFollowReadsCleanupAndClose) {
   const std::string ns = unique_ns("pend");

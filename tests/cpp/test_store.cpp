@@ -52,6 +52,24 @@ store::Reply admin(int port, std::vector<std::string> args, const std::string& p
 }
 long long dbsize(int port) { return store::integer(admin(port, {"DBSIZE"})); }
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+// A get of `key` from `rcv` (until `dl`) while `snd` puts `d` under it `delay_ms` later.
+struct LateGet {
+  Result<GetResult> got = make_error(Errc::io, "not run");
+  Clock::time_point put_done, returned;
+};
+LateGet get_put_later(Connector& snd, Connector& rcv, const std::string& key, const std::vector<std::byte>& d,
+                      int delay_ms, Deadline dl, const GetOptions& go = {}) {
+  LateGet out;
+  std::thread producer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    EXPECT_TRUE(snd.put("0", "1", key, payload_of(d)).ok());
+    out.put_done = Clock::now();
+  });
+  out.got = rcv.get("0", "1", key, nullptr, dl, go);
+  out.returned = Clock::now();
+  producer.join();
+  return out;
+}
 }  // namespace
 
 #define NEED_REDIS() \
@@ -87,25 +105,26 @@ TEST(Store, RoundTripsVerifiedAcrossProcessesAndNothingLeftBehind) {
   EXPECT_TRUE(pr->metadata.is_nil());
 }
 
-TEST(Store, BlockingGetIsWokenByThePutNotByPolling) {
-  NEED_REDIS();
-  RedisServer srv;
-  auto rcv = store_conn(srv.port());
-  auto snd = store_conn(srv.port());
-  ASSERT_TRUE(rcv && snd);
-  Clock::time_point put_done;
-  std::thread producer([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    ASSERT_TRUE(snd->put("0", "1", "late", payload_of(pattern(5000, 3))).ok());
-    put_done = Clock::now();
-  });
+// A server of the test's own and two connectors to it: a sender and a receiver.
+class StorePair : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    NEED_REDIS();
+    srv = std::make_unique<RedisServer>();
+    rcv = store_conn(srv->port());
+    snd = store_conn(srv->port());
+    ASSERT_TRUE(rcv && snd);
+  }
+  std::unique_ptr<RedisServer> srv;
+  std::unique_ptr<Connector> rcv, snd;
+};
+
+TEST_F(StorePair, BlockingGetIsWokenByThePutNotByPolling) {
   const auto t0 = Clock::now();
-  auto g = rcv->get("0", "1", "late", nullptr, deadline_after(5), {});
-  const auto woke = Clock::now();
-  producer.join();
-  ASSERT_TRUE(g.ok()) << g.error().to_string();
+  LateGet g = get_put_later(*snd, *rcv, "late", pattern(5000, 3), 300, deadline_after(5));
+  ASSERT_TRUE(g.got.ok()) << g.got.error().to_string();
   EXPECT_GT(since(t0), 0.25);
-  EXPECT_LT(std::chrono::duration<double>(woke - put_done).count(), 0.1);  // woken, not a poll period later
+  EXPECT_LT(std::chrono::duration<double>(g.returned - g.put_done).count(), 0.1);  // woken, not a poll period later
   EXPECT_EQ(rcv->health().find("waits")->as<uint64_t>(), 1u);             // one wait, no retries
   // Nothing comes: the deadline, then timeout (None in Python).
   const auto t1 = Clock::now();
@@ -463,6 +482,37 @@ TEST(Store, AbandonGetAndCloseWakeBlockedGets) {
   ASSERT_FALSE(late.ok());
   EXPECT_EQ(late.error().code, Errc::closed);
   EXPECT_EQ(c->health().find("status")->as<std::string>(), "closed");
+}
+
+// GetOptions::keep_waiting ends a get waiting on the store (Ctrl-C from Python); a get without a
+// deadline (Deadline::max()) waits until the put, asked or not.
+TEST_F(StorePair, KeepWaitingEndsAWaitAndAGetWithoutDeadlineWaits) {
+  Connector *c = rcv.get(), *p = snd.get();
+  int asked = 0;
+  GetOptions stop_third;
+  stop_third.keep_waiting = [&] { return ++asked < 3; };
+  auto t0 = Clock::now();
+  auto got = c->get("0", "1", "never", nullptr, Deadline::max(), stop_third);
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.error().code, Errc::cancelled) << got.error().to_string();
+  EXPECT_EQ(asked, 3);
+  EXPECT_LT(since(t0), 3.0);
+  const auto d = pattern(5000, 3);
+  for (bool checked : {false, true}) {
+    GetOptions go;
+    if (checked) go.keep_waiting = [] { return true; };
+    t0 = Clock::now();
+    LateGet g = get_put_later(*p, *c, checked ? "b" : "a", d, 500, Deadline::max(), go);
+    ASSERT_TRUE(g.got.ok()) << g.got.error().to_string();
+    EXPECT_EQ(checksum(g.got->payload.tensors[0].data), checksum(d));
+    EXPECT_GE(since(t0), 0.4);
+  }
+  const uint64_t before = c->health().find("timeouts")->as<uint64_t>();
+  GetOptions wait_on;
+  wait_on.keep_waiting = [] { return true; };
+  auto late = c->get("0", "1", "never", nullptr, deadline_after(0.7), wait_on);
+  EXPECT_EQ(late.error().code, Errc::timeout);
+  EXPECT_EQ(c->health().find("timeouts")->as<uint64_t>(), before + 1);
 }
 
 // Small chunks (chunk 0 comes with the claim, the rest from the socket), one reader and two.

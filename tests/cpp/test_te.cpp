@@ -138,6 +138,15 @@ TEST(TransferEngine, GetWithoutMetadataAsksTheSenderGivenByUpdateSenderInfo) {
   EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(d));
   auto gone = rcv->get("0", "1", "never", nullptr, deadline_after(0.2), {});
   EXPECT_EQ(gone.error().code, Errc::not_found);
+  // keep_waiting (Ctrl-C from Python) ends the wait for a put the sender does not have yet.
+  int asked = 0;
+  GetOptions stop;
+  stop.keep_waiting = [&] { return ++asked < 3; };
+  const auto t0 = Clock::now();
+  auto ended = rcv->get("0", "1", "never", nullptr, deadline_after(30), stop);
+  EXPECT_EQ(ended.error().code, Errc::cancelled) << ended.error().message;
+  EXPECT_EQ(asked, 3);
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(2));
 }
 
 TEST(TransferEngine, FanOutToThreeReadersThenGone) {

@@ -1,7 +1,10 @@
 import os
+import shutil
 import uuid
 
 import pytest
+
+from redis_util import start_redis
 
 
 @pytest.fixture
@@ -25,3 +28,14 @@ def mq_clean():
     yield
     left = _mq_files() - before
     assert not left, f"test left message-queue segments behind: {left}"
+
+
+@pytest.fixture
+def redis():
+    """The port of a redis-server started for the test (skipped where none is installed)."""
+    if not shutil.which("redis-server"):
+        pytest.skip("redis-server is not installed (./scripts/setup installs it)")
+    p, port = start_redis()
+    yield port
+    p.kill()
+    p.wait()

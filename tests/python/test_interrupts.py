@@ -83,6 +83,40 @@ def test_connector_and_control_waits_end_on_a_signal(ns):
         rel.cleanup("r")
 
 
+def test_network_connector_gets_end_on_a_signal(redis):
+    # Before, a get from the store or the transfer engine waited out its timeout (or for ever).
+    # Only the wait for the key is cut short: a payload found is read whole, and the connectors
+    # work on after the signal.
+    with stagelink.create_connector("StoreConnector", {"host": "127.0.0.1", "port": redis}) as c:
+        _ends_on_a_signal(lambda: c.get(0, 1, "never", timeout=30))
+        _ends_on_a_signal(lambda: c.get(0, 1, "never", timeout=float("inf")))
+        assert c.put(0, 1, "k", b"x" * 5000)[0] and c.get(0, 1, "k", timeout=30)[0] == b"x" * 5000
+    s = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "zmq_port": 0, "role": "sender",
+                                                               "memory_pool_size": 16 << 20})
+    r = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "role": "receiver",
+                                                               "memory_pool_size": 16 << 20})
+    try:
+        r.update_sender_info("127.0.0.1", s.health()["zmq_port"])
+        _ends_on_a_signal(lambda: r.get(0, 1, "never", timeout=30))  # asks the sender until the put
+        assert s.put(0, 1, "k", b"y" * 5000)[0] and r.get(0, 1, "k", timeout=30)[0] == b"y" * 5000
+    finally:
+        r.close()
+        s.close()
+
+
+def test_a_timed_out_get_counts_one_timeout(ns, redis):
+    # Regression: the binding waited in 0.2 s slices, each a get of its own, so one get that timed
+    # out after 1.5 s counted 8 timeouts in health().
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c, \
+            stagelink.create_connector("StoreConnector", {"host": "127.0.0.1", "port": redis}) as st:
+        for conn in (c, st):
+            before = conn.health()["timeouts"]
+            t0 = time.monotonic()
+            assert conn.get(0, 1, "never", timeout=1.5) is None
+            assert time.monotonic() - t0 >= 1.4
+            assert conn.health()["timeouts"] == before + 1
+
+
 def test_a_signal_whose_handler_returns_does_not_break_a_wait(ns):
     # Regression: a signal arriving while a ZeroMQ socket waited (any Python handler makes the
     # kernel call return EINTR) raised "RuntimeError: Interrupted system call" out of recv.

@@ -7,7 +7,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,36 +16,9 @@ import numpy as np
 import pytest
 
 import stagelink
+from redis_util import start_redis as _start
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not installed")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(prefix=(), bind="127.0.0.1"):
-    port = _free_port()
-    p = subprocess.Popen(list(prefix) + ["redis-server", "--port", str(port), "--bind", bind, "--save", "",
-                                         "--appendonly", "no", "--protected-mode", "no"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        r = subprocess.run(list(prefix) + ["redis-cli", "-h", bind, "-p", str(port), "PING"], capture_output=True, text=True)
-        if r.stdout.strip() == "PONG":
-            return p, port
-        time.sleep(0.02)
-    p.kill()
-    raise RuntimeError("redis-server did not start")
-
-
-@pytest.fixture
-def redis():
-    p, port = _start()
-    yield port
-    p.kill()
-    p.wait()
 
 
 def _dbsize(port, prefix=(), host="127.0.0.1"):
