@@ -60,10 +60,10 @@ struct GetOptions {
   std::function<bool()> keep_waiting;
 };
 inline constexpr std::chrono::milliseconds kWaitCheckEvery{200};
-// The end of the next stretch of a get's wait for its key: `deadline`, or sooner when the get has
-// a keep_waiting to ask.
-inline Deadline wait_slice_end(Deadline deadline, const GetOptions& go) {
-  return go.keep_waiting ? std::min(deadline, later(Clock::now(), kWaitCheckEvery)) : deadline;
+// The end of the next stretch of a wait that ends at `deadline`: `deadline`, or sooner when there
+// is a keep_waiting to ask (GetOptions', RelayPutOptions').
+inline Deadline wait_slice_end(Deadline deadline, const std::function<bool()>& keep_waiting) {
+  return keep_waiting ? std::min(deadline, later(Clock::now(), kWaitCheckEvery)) : deadline;
 }
 
 struct GetResult {

@@ -45,6 +45,9 @@ struct RelayPutOptions {
   std::optional<int> dst_rank;     // the seed's destination rank (an edge of its own)
   std::string_view edge;           // destination name (credits are per edge); empty: by dst_rank
   uint32_t readers = 1;            // fan-out: gets that may read it before it is released
+  // Asked at least every 200 ms while the put waits for a credit; false ends it (cancelled). The
+  // Python binding runs Python's signal handlers here (Ctrl-C).
+  std::function<bool()> keep_waiting;
 };
 
 struct RelayGetOptions {

@@ -624,7 +624,7 @@ class ShmConnector final : public Connector {
           waiters_.push_back(&w);
         }
         for (;;) {
-          const Deadline until = wait_slice_end(deadline, go);
+          const Deadline until = wait_slice_end(deadline, go.keep_waiting);
           cl = dir->wait_claim_key(ikey, shm::key_hash(ikey), mono_at(until), &w.stop);
           if (cl.ok() || cl.error().code != Errc::timeout || until >= deadline) break;
           if (!go.keep_waiting()) {

@@ -555,7 +555,7 @@ class StoreConnector final : public Connector {
       if (waited && go.keep_waiting && !go.keep_waiting())
         return make_error(Errc::cancelled, "the get of '" + ik + "' was interrupted while it waited");
       waited = true;
-      const Deadline until = wait_slice_end(deadline, go);  // the BLPOP waits this long at most
+      const Deadline until = wait_slice_end(deadline, go.keep_waiting);  // the BLPOP waits this long at most
       const double left_s = std::chrono::duration<double>(until - Clock::now()).count();
       char secs[32];
       std::snprintf(secs, sizeof secs, "%.3f", std::max(0.001, left_s));

@@ -1793,10 +1793,14 @@ RelayPutOptions relay_put_options(nb::handle rid, nb::handle dst_rank, const std
 PyRelayOp relay_put_payload(PyRelay& self, const Payload& p, const RelayPutOptions& o) {
   auto relay = self.get();
   Result<RelayOp> r = make_error(Errc::io, "");
+  SignalCheck sig;  // Ctrl-C ends a wait for a credit
+  RelayPutOptions opts = o;
+  opts.keep_waiting = std::ref(sig);
   {
     nb::gil_scoped_release nogil;  // a credit wait may block up to timeout_s
-    r = relay->put_async(p, o);
+    r = relay->put_async(p, opts);
   }
+  if (sig.raised) throw nb::python_error();
   RelayOp op = unwrap(std::move(r));
   nb::object md = to_py(op.metadata());
   return PyRelayOp{std::move(op), std::move(md)};

@@ -192,7 +192,8 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     if (conn) conn->wait_release_epoch(seen, slice);
   }
 
-  Result<std::shared_ptr<PutRec>> take_credit(const std::string& edge, std::string_view rid, Deadline deadline) {
+  Result<std::shared_ptr<PutRec>> take_credit(const std::string& edge, std::string_view rid, Deadline deadline,
+                                               const std::function<bool()>& keep_waiting) {
     auto rec = std::make_shared<PutRec>();
     rec->edge = edge;
     rec->rid = std::string(rid);
@@ -220,8 +221,10 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
                                                  (q.size() > 4 ? ", ..." : "") + "); is the receiver reading?");
         }
       }
+      if (waited && keep_waiting && !keep_waiting())
+        return make_error(Errc::cancelled, "relay: the put on edge '" + edge + "' was interrupted while it waited for a credit");
       waited = true;
-      wait_epoch(seen, deadline);
+      wait_epoch(seen, wait_slice_end(deadline, keep_waiting));
     }
   }
 
@@ -254,7 +257,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
         local_ext = p.ext;
       }
     }
-    SL_ASSIGN(auto rec, take_credit(edge, o.request_id, deadline_after(cfg.timeout_s)));
+    SL_ASSIGN(auto rec, take_credit(edge, o.request_id, deadline_after(cfg.timeout_s), o.keep_waiting));
     auto st = std::make_shared<RelayOp::State>();
     if (is_local()) {
       auto& t = local_table();

@@ -195,6 +195,30 @@ TEST(Relay, CloseEndsACreditWaitAtOnce) {
   EXPECT_FALSE(held->wait(0).ok());
 }
 
+// RelayPutOptions::keep_waiting (Ctrl-C from Python) ends a credit wait; the relay works on.
+TEST(Relay, KeepWaitingEndsACreditWait) {
+  for (const std::string backend : {"shm", "local"}) {
+    auto relay = make(cfg(1, 30, backend));
+    ASSERT_TRUE(relay);
+    const auto data = pattern(10 << 10, 6);
+    auto held = relay->put_async(bytes_payload(data), {.edge = "e"});
+    ASSERT_TRUE(held.ok());
+    int asked = 0;
+    const auto t0 = Clock::now();
+    auto blocked = relay->put_async(bytes_payload(data),
+                                    {.request_id = "cut", .edge = "e", .keep_waiting = [&] { return ++asked < 3; }});
+    ASSERT_FALSE(blocked.ok());
+    EXPECT_EQ(blocked.error().code, Errc::cancelled) << blocked.error().message;
+    EXPECT_EQ(asked, 3);
+    EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 3.0);
+    EXPECT_EQ(relay->cleanup("cut"), 0u);  // the cancelled put holds nothing
+    auto got = relay->get_async(held->metadata(), {});
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_TRUE(held->wait(5).ok());
+    EXPECT_TRUE(relay->put_async(bytes_payload(data), {.edge = "e"}).ok());  // its credit came back
+  }
+}
+
 // Reference: reads are destructive; a second reader fails.
 TEST(Relay, FanOutToTwoReaders) {
   auto relay = make(cfg(2, 1));

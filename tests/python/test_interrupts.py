@@ -80,7 +80,9 @@ def test_connector_and_control_waits_end_on_a_signal(ns):
     with stagelink.Relay({"extra": {"namespace": ns}, "timeout_s": 60, "credits": 2}) as rel:
         op = rel.put_async(b"unread", request_id="r", edge="e")
         _ends_on_a_signal(lambda: op.wait())  # nobody reads it
-        rel.cleanup("r")
+        rel.put_async(b"unread too", request_id="r", edge="e")
+        _ends_on_a_signal(lambda: rel.put_async(b"no credit", request_id="r2", edge="e"))  # both held
+        assert rel.cleanup("r2") == 0 and rel.cleanup("r") == 2
 
 
 def test_network_connector_gets_end_on_a_signal(redis):
