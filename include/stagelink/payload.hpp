@@ -14,10 +14,14 @@
 
 namespace stagelink {
 
+// Wire codes: never renumbered, new ones only appended. f8* are torch's float8 types (e4m3fn and
+// e5m2 for FP8 weights and KV caches; the *fnuz ones AMD's; e8m0fnu the MX scales), c32 is
+// complex32 (two float16), f4e2m1fn_x2 two FP4 values packed in each byte.
 enum class DType : uint8_t {
   u8 = 0, i8, u16, i16, u32, i32, u64, i64, f16, bf16, f32, f64, boolean, c64, c128,
+  f8e4m3fn, f8e5m2, f8e4m3fnuz, f8e5m2fnuz, f8e8m0fnu, c32, f4e2m1fn_x2,
 };
-inline constexpr int kDTypeCount = 15;
+inline constexpr int kDTypeCount = 22;
 size_t dtype_size(DType d) noexcept;
 const char* dtype_name(DType d) noexcept;
 Result<DType> dtype_from_name(std::string_view name);

@@ -343,7 +343,14 @@ int npy_type(DType d) {
     case DType::boolean: return NPY_BOOL;
     case DType::c64: return NPY_COMPLEX64;
     case DType::c128: return NPY_COMPLEX128;
-    case DType::bf16: return -1;  // numpy has none: travels as raw uint8
+    case DType::bf16:  // numpy has none of these: raw bytes to numpy, a view's dtype to torch
+    case DType::f8e4m3fn:
+    case DType::f8e5m2:
+    case DType::f8e4m3fnuz:
+    case DType::f8e5m2fnuz:
+    case DType::f8e8m0fnu:
+    case DType::c32:
+    case DType::f4e2m1fn_x2: return -1;
   }
   return -1;
 }
@@ -420,7 +427,8 @@ nb::object copied_array(std::span<const std::byte> src, int type, const Dims& di
 }
 
 // A received tensor as a numpy array: a copy the array owns, or (zero_copy) a read-only view whose
-// base holds the slot until the array is dropped. bfloat16 comes back as its raw bytes (uint8).
+// base holds the slot until the array is dropped. A dtype numpy lacks (bfloat16, float8, ...) comes
+// back as its raw bytes (uint8).
 nb::object tensor_array(const Tensor& t, bool zero_copy) {
   int type = npy_type(t.dtype);
   Dims dims;
@@ -481,6 +489,11 @@ struct DlExchangeApi {
   int (*current_work_stream)(int32_t, int32_t, void**);
 };
 constexpr int32_t kDlCpu = 1;
+// A DLPack data type: code, bits, lanes.
+struct DlType {
+  uint8_t code, bits;
+  uint16_t lanes = 1;
+};
 
 // ---- torch tensors over DLPack (the exchange ABI every array framework reads) ----
 // A received tensor handed to torch: DLPack's managed-tensor struct, legacy (DLManagedTensor:
@@ -518,12 +531,12 @@ struct DlOut {
     return m;
   }
   // Describes `data` as a C-contiguous tensor of `dims` (of `code`/`bits`) in both structs.
-  void describe(std::byte* data, int ndim, const npy_intp* dims, std::pair<uint8_t, uint8_t> type) {
+  void describe(std::byte* data, int ndim, const npy_intp* dims, DlType type) {
     nb::dlpack::dltensor& dl = legacy.dl;
     dl.data = data ? static_cast<void*>(data) : static_cast<void*>(this);  // never null, even when empty
     dl.device = {kDlCpu, 0};
     dl.ndim = ndim;
-    dl.dtype = {type.first, type.second, 1};
+    dl.dtype = {type.code, type.bits, type.lanes};
     int64_t stride = 1;
     for (int i = ndim - 1; i >= 0; --i) {
       shape[i] = int64_t(dims[i]);
@@ -536,8 +549,8 @@ struct DlOut {
   }
 };
 
-// DLPack's type of `d`: (code, bits).
-std::pair<uint8_t, uint8_t> dl_type(DType d) {
+// DLPack's type of `d`: code, bits, lanes (DLPack 1.1's codes for the float8 and float4 kinds).
+DlType dl_type(DType d) {
   using C = nb::dlpack::dtype_code;
   switch (d) {
     case DType::u8: return {uint8_t(C::UInt), 8};
@@ -555,16 +568,22 @@ std::pair<uint8_t, uint8_t> dl_type(DType d) {
     case DType::c64: return {uint8_t(C::Complex), 64};
     case DType::c128: return {uint8_t(C::Complex), 128};
     case DType::boolean: return {uint8_t(C::Bool), 8};
+    case DType::f8e4m3fn: return {10, 8};
+    case DType::f8e4m3fnuz: return {11, 8};
+    case DType::f8e5m2: return {12, 8};
+    case DType::f8e5m2fnuz: return {13, 8};
+    case DType::f8e8m0fnu: return {14, 8};
+    case DType::c32: return {uint8_t(C::Complex), 32};
+    case DType::f4e2m1fn_x2: return {17, 4, 2};  // two 4-bit lanes per byte, as torch exports it
   }
-  return {0, 0};
+  return {0, 0, 0};
 }
 
 // The DType of a DLPack type; nullopt for the ones frames do not carry (float8, vectors, ...).
 std::optional<DType> dtype_of_dl(nb::dlpack::dtype t) {
-  if (t.lanes != 1) return std::nullopt;
   for (int i = 0; i < kDTypeCount; ++i) {
-    const auto [code, bits] = dl_type(DType(i));
-    if (code == t.code && bits == t.bits) return DType(i);
+    const DlType d = dl_type(DType(i));
+    if (d.code == t.code && d.bits == t.bits && d.lanes == t.lanes) return DType(i);
   }
   return std::nullopt;
 }
@@ -583,7 +602,6 @@ struct TorchApi {
   PyObject* tensor_type = nullptr;
   PyObject* param_type = nullptr;
   PyObject* from_numpy = nullptr;
-  PyObject* bfloat16 = nullptr;
   std::vector<std::pair<PyObject*, DType>> dtypes;  // torch dtype objects (singletons)
   // Interned attribute names: attribute reads and method calls without building a str each time.
   PyObject *s_requires_grad, *s_is_cpu, *s_cpu, *s_is_conj, *s_resolve_conj, *s_is_neg, *s_resolve_neg,
@@ -626,7 +644,6 @@ struct TorchApi {
     a->tensor_type = nb::object(torch.attr("Tensor")).release().ptr();
     a->param_type = nb::object(torch.attr("nn").attr("Parameter")).release().ptr();
     a->from_numpy = nb::object(torch.attr("from_numpy")).release().ptr();
-    a->bfloat16 = nb::object(torch.attr("bfloat16")).release().ptr();
     a->cuda_available = nb::object(torch.attr("cuda").attr("is_available")).release().ptr();
     nb::object c = torch.attr("_C");
     if (nb::hasattr(c, "_from_dlpack")) {
@@ -659,7 +676,10 @@ struct TorchApi {
         {"uint8", DType::u8}, {"int8", DType::i8}, {"int16", DType::i16}, {"int32", DType::i32},
         {"int64", DType::i64}, {"float16", DType::f16}, {"bfloat16", DType::bf16}, {"float32", DType::f32},
         {"float64", DType::f64}, {"bool", DType::boolean}, {"complex64", DType::c64}, {"complex128", DType::c128},
-        {"uint16", DType::u16}, {"uint32", DType::u32}, {"uint64", DType::u64}};
+        {"uint16", DType::u16}, {"uint32", DType::u32}, {"uint64", DType::u64},
+        {"float8_e4m3fn", DType::f8e4m3fn}, {"float8_e5m2", DType::f8e5m2}, {"float8_e4m3fnuz", DType::f8e4m3fnuz},
+        {"float8_e5m2fnuz", DType::f8e5m2fnuz}, {"float8_e8m0fnu", DType::f8e8m0fnu}, {"complex32", DType::c32},
+        {"float4_e2m1fn_x2", DType::f4e2m1fn_x2}};
     for (auto& [n, d] : names)
       if (nb::hasattr(torch, n)) a->dtypes.emplace_back(nb::object(torch.attr(n)).release().ptr(), d);
     if (a->xapi) {  // which dtypes this torch takes through it: a one-element tensor of each
@@ -1191,9 +1211,19 @@ struct PyDecoder {
     for (int i = 0; i < dims.n; ++i) dims.v[i] = npy_intp(t.shape[size_t(i)]);
     if ((k & kFlagScalar) && t.nbytes() != dtype_size(t.dtype))
       raise(make_error(Errc::corrupt, "a 0-d tensor of " + std::to_string(t.nbytes()) + " bytes"));
-    const bool bf16 = t.dtype == DType::bf16;
-    const int type = bf16 ? NPY_INT16 : npy_type(t.dtype);
-    if (type < 0) raise(make_error(Errc::corrupt, "torch tensor of an unknown dtype"));
+    // A dtype numpy lacks (bfloat16, float8, ...) goes the numpy route as integers of its size,
+    // then torch views them as that dtype.
+    int type = npy_type(t.dtype);
+    PyObject* view_as = nullptr;
+    if (type < 0) {
+      for (auto& [o, d] : T->dtypes)
+        if (d == t.dtype) view_as = o;
+      const size_t w = dtype_size(t.dtype);
+      type = w == 1 ? NPY_UINT8 : w == 2 ? NPY_INT16 : w == 4 ? NPY_INT32 : -1;
+      if (!view_as || type < 0)
+        raise(make_error(Errc::unsupported, std::string("a torch tensor of ") + dtype_name(t.dtype) +
+                                                ", which this torch does not have"));
+    }
     // Put from a device: back to that GPU where this process has it (found by UUID: ordinals
     // differ between processes), else to a device of that name, else on the host.
     std::string dev;
@@ -1214,7 +1244,7 @@ struct PyDecoder {
       PyArray_ENABLEFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
       out = nb::steal(PyObject_CallOneArg(T->from_numpy, arr.ptr()));
       if (!out.is_valid()) throw nb::python_error();
-      if (bf16) out = out.attr(nb::handle(T->s_view))(nb::handle(T->bfloat16));
+      if (view_as) out = out.attr(nb::handle(T->s_view))(nb::handle(view_as));
     }
     if (!dev.empty()) out = out.attr(nb::handle(T->s_to))(dev);
     const bool rg = k & kFlagRequiresGrad;

@@ -284,6 +284,46 @@ def test_torch_through_dlpack_every_dtype_shape_and_a_held_slot(ns):
         assert c.put(0, 1, "b", t)[0], c.last_error
 
 
+def test_fp8_fp4_and_complex32_tensors_travel_native(ns, mq_clean):
+    """FP8 (weights, KV caches), FP4 and complex32 tensors are native frames like any other torch
+    dtype: with pickle off (the network connectors' default) they used to be refused ("a dtype
+    without a native frame"). A C++ stage sees the dtype by name; the bytes come back exact."""
+    torch = pytest.importorskip("torch")
+    names = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "complex32",
+             "float4_e2m1fn_x2")
+    dtypes = [(n, getattr(torch, n)) for n in names if hasattr(torch, n)]
+    assert dtypes
+    raw = lambda t: t.contiguous().view(torch.uint8) if t.dtype.itemsize == 1 else t.contiguous().view(torch.int32)  # noqa: E731
+
+    def same(a, b):
+        return type(a) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+
+    with shm(ns, allow_pickle=False) as c:
+        for name, dt in dtypes:
+            for shape in ((4, 8), (0, 3), (), (700, 300)):  # the last one is past the inline size
+                n = int(np.prod(shape))
+                bits = torch.randint(0, 256, (n * dt.itemsize,), dtype=torch.uint8)
+                t = bits.view(dt).reshape(shape)
+                for zc in (False, True):
+                    got, meta = roundtrip(c, {"kv": t, "layer": 3}, zero_copy=zc)
+                    assert same(got["kv"], t), (name, shape, zc)
+                    assert got["layer"] == 3
+            got, meta = roundtrip(c, bits[:64].view(dt))
+            assert cpp_view(meta)["tree"][0] == name  # a C++ stage sees the dtype by name
+        nc = torch.randint(0, 256, (16, 8), dtype=torch.uint8).view(torch.float8_e4m3fn).t()  # non-contiguous
+        assert same(roundtrip(c, nc)[0], nc)
+    w = stagelink.MessageQueue(1, 1)
+    r = stagelink.MessageQueue.create_from_handle(w.export_handle(), 0)
+    try:
+        w.wait_until_ready(10)
+        t = torch.randint(0, 256, (3, 5), dtype=torch.uint8).view(torch.float8_e5m2)
+        w.enqueue({"codes": t})
+        assert same(r.dequeue(timeout=5)["codes"], t)
+    finally:
+        r.close()
+        w.close()
+
+
 def test_lists_of_ids_of_every_size_and_sign(ns):
     """Lists of ints are packed and rebuilt without a call per item (ids up to 2^18 share one int
     object per value): every width and sign still comes back as the same values."""
