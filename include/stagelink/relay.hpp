@@ -75,6 +75,9 @@ class RelayOp {
   // timeout_s < 0: forever. Errors: timeout, cancelled (cleanup/close before it was read).
   Status wait(double timeout_s);
   bool done();
+  // Put: withdraw it while unread (its reader failed): its slot and credit come back and a wait
+  // ends cancelled. Returns whether it was withdrawn (false: already read, gone, or a get).
+  bool withdraw();
   // Get: the payload (empty for a put), its frame size, and bytes copied into dest.
   Payload& payload();
   size_t size() const;

@@ -34,7 +34,7 @@ class RelayOperation:
     operation is awaitable and gives itself) and ``await op.wait_for_completion(timeout=...)``
     (the wait runs in the loop's executor, so the event loop is not blocked)."""
 
-    __slots__ = ("_op", "_result", "_size")
+    __slots__ = ("_op", "_result", "_size", "_failed")
 
     def __await__(self):
         if False:  # a generator that returns at once: `await op` is `op`
@@ -45,6 +45,7 @@ class RelayOperation:
         self._op = op
         self._result = result
         self._size = size
+        self._failed = None
 
     @property
     def metadata(self) -> Any:
@@ -53,13 +54,32 @@ class RelayOperation:
     def wait(self, timeout: Optional[float] = None) -> None:
         """Put: until every reader released the data (its credit is back). Get: returns at once
         (the data is here). ``timeout`` None waits forever. Raises TimeoutError, CancelledError
-        (``cleanup`` before it was read) or ClosedError."""
+        (``cleanup`` before it was read), ClosedError, or what :meth:`mark_receiver_failed` was
+        given."""
+        if self._failed is not None:
+            raise self._failed
         if self._op is not None:
             self._op.wait(timeout)
+
+    def mark_receiver_done(self) -> None:
+        """SGLang-Omni's receiver acknowledgement, which its put waits for. Here a put completes
+        by itself once every reader released the data (across processes, no message needed), so
+        an acknowledgement relayed by the control plane changes nothing; it is accepted."""
+
+    def mark_receiver_failed(self, exc: BaseException) -> None:
+        """The receiver could not take the data: a put still unread is withdrawn (its slot and
+        credit come back at once) and :meth:`wait` / :meth:`wait_for_completion` raise ``exc``.
+        The first failure reported is kept."""
+        if self._failed is None:
+            self._failed = exc
+        if self._op is not None and hasattr(self._op, "withdraw"):
+            self._op.withdraw()
 
     async def wait_for_completion(self, timeout: Optional[float] = None) -> None:
         """The seed's awaitable wait: ``await op.wait_for_completion(timeout=5)``. Same errors as
         :meth:`wait`; synchronous callers use :meth:`wait`."""
+        if self._failed is not None:
+            raise self._failed
         if self._op is None or self.done():
             return self.wait(0) if self._op is not None else None
         import asyncio
@@ -97,12 +117,15 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         else:
             self._native = _core._Relay(config, allow_pickle)
 
-    def put_async(self, data, request_id: Optional[str] = None, dst_rank: Optional[int] = None, *,
-                  edge: Optional[str] = None, readers: int = 1) -> RelayOperation:
+    def put_async(self, data, request_id: Optional[str] = None, dst_rank: Optional[int] = None,
+                  receiver_id: Optional[str] = None, *, edge: Optional[str] = None, readers: int = 1) -> RelayOperation:
         """Publish ``data`` (numpy arrays, torch tensors, bytes, trees of them; other objects are
         pickled where allowed) for ``readers`` gets. Takes a credit of the edge (``edge``, else
-        ``dst_rank``), waiting up to ``timeout_s`` (ExhaustedError after it). Returns at once
-        after the copy; the operation's ``metadata`` goes into the control message."""
+        SGLang-Omni's ``receiver_id``, else ``dst_rank``), waiting up to ``timeout_s``
+        (ExhaustedError after it). Returns at once after the copy; the operation's ``metadata``
+        goes into the control message."""
+        if edge is None and receiver_id is not None:
+            edge = f"receiver:{receiver_id}"
         if self._native is None:
             return self._local.put(data, request_id, edge if edge is not None else f"rank{dst_rank}", readers)
         n = self._live()
@@ -116,16 +139,19 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
             op = n._put_parts(kind, regions, request_id, dst_rank, e, readers)
         return RelayOperation(op)
 
-    def get_async(self, metadata, dest=None, request_id: Optional[str] = None, *,
+    def get_async(self, metadata, dest=None, request_id: Optional[str] = None, *, dest_tensor=None,
                   timeout: Optional[float] = None, zero_copy: bool = False) -> RelayOperation:
-        """Read what ``put_async`` published, given its ``metadata``. ``dest``: a writable
-        buffer (numpy array, bytearray, CPU torch tensor's ``.numpy()``) the payload's one array
-        is copied into (one memcpy); otherwise ``result()`` is the object. ``zero_copy``: arrays
-        are read-only views that hold the slot until dropped. Raises CorruptError for metadata
-        that is not a relay's, NotFoundError when it was already read by every reader or cleaned
-        up, InvalidArgumentError for a ``dest`` that is too small."""
+        """Read what ``put_async`` published, given its ``metadata``. ``dest`` (SGLang-Omni's
+        ``dest_tensor``): a writable buffer (numpy array, bytearray, contiguous CPU torch tensor of
+        any dtype) the payload's one array is copied into, as bytes (one memcpy); otherwise
+        ``result()`` is the object. ``zero_copy``: arrays are read-only views that hold the slot
+        until dropped. Raises CorruptError for metadata that is not a relay's, NotFoundError when
+        it was already read by every reader or cleaned up, InvalidArgumentError for a ``dest``
+        that is too small."""
+        if dest is None:
+            dest = dest_tensor
         if dest is not None and not _is_buffer(dest) and hasattr(dest, "numpy"):
-            dest = dest.numpy()  # a CPU torch tensor: its memory, as numpy sees it
+            dest = _tensor_memory(dest)
         if self._native is None:
             obj = self._local.get(metadata)
             if dest is not None:
@@ -163,6 +189,27 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         return self._native
 
 
+_RELAY_TYPES = {"shm": {"slot_size_mb": 64, "credits": 2}, "local": {}, "ucx": {}}
+_RELAY_KEYS = ("slot_size_mb", "credits", "rank", "world_size", "device", "timeout_s", "extra", "connector")
+
+
+def create_relay(relay_type: str, **kwargs) -> Relay:
+    """SGLang-Omni's factory, ``create_relay("shm", engine_id="e0", slot_size_mb=64, credits=2)``:
+    a :class:`Relay` of backend ``relay_type`` (``shm``, ``local`` or ``ucx``). As there, keyword
+    arguments the relay does not take (``engine_id``, ...) are left out, and ``shm`` defaults to
+    SGLang-Omni's 64 MiB slots and 2 credits. ``allow_pickle`` is passed on. An unknown type is a
+    ``ValueError``; SGLang-Omni's ``nccl``, ``cuda_ipc``, ``mooncake`` and ``nixl`` relays are
+    :class:`stagelink.UnsupportedError` (``ucx`` is stagelink's cross-host relay)."""
+    if relay_type in ("nccl", "cuda_ipc", "mooncake", "nixl"):
+        raise _core.UnsupportedError(f"relay type '{relay_type}' is SGLang-Omni's; stagelink's relays are shm "
+                                     f"(same host), local (same process) and ucx (across hosts, RDMA or TCP)")
+    if relay_type not in _RELAY_TYPES:
+        raise ValueError(f"Unknown relay type: '{relay_type}'. Available types: {sorted(_RELAY_TYPES)}")
+    config = dict(_RELAY_TYPES[relay_type], backend=relay_type)
+    config.update({k: v for k, v in kwargs.items() if k in _RELAY_KEYS})
+    return Relay(config, allow_pickle=kwargs.get("allow_pickle", True))
+
+
 def _is_buffer(obj) -> bool:
     try:
         memoryview(obj)
@@ -171,8 +218,23 @@ def _is_buffer(obj) -> bool:
         return False
 
 
+def _tensor_memory(t):
+    """A CPU torch tensor's own memory as a numpy array (written in place): as its dtype, or as
+    bytes for one numpy lacks (bfloat16, float8)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        raise _core.InvalidArgumentError("relay get: a destination tensor must be contiguous")
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        import torch
+        return t.reshape(-1).view(torch.uint8).numpy()
+
+
 def _copy_into(obj, dest):
     import numpy as np
+    if not _is_buffer(obj) and hasattr(obj, "numpy"):  # a torch tensor (any dtype)
+        obj = _tensor_memory(obj.contiguous())
     src = np.asarray(obj).reshape(-1).view(np.uint8)
     dst = np.asarray(memoryview(dest)).reshape(-1).view(np.uint8)
     if src.nbytes > dst.nbytes:
@@ -257,6 +319,15 @@ class _LocalRelay:
 class _LocalOp:
     def __init__(self, key, metadata, flag):
         self.key, self.metadata, self.flag = key, metadata, flag
+
+    def withdraw(self):
+        """Its reader failed: gone if still unread (the credit is back; the wait says cancelled)."""
+        with _TABLE_LOCK:
+            if _TABLE.pop(self.key, None) is None:
+                return False
+            self.flag[0] = True
+            _TABLE_LOCK.notify_all()
+            return True
 
     def done(self):
         with _TABLE_LOCK:

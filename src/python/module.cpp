@@ -2262,7 +2262,8 @@ NB_MODULE(_core, m) {
              const double t = timeout_arg(timeout);
              check_sliced(t, [&](double slice) { return self.op.wait(slice); });
            }, nb::arg("timeout").none() = nb::none())
-      .def("done", [](PyRelayOp& self) { return self.op.done(); });
+      .def("done", [](PyRelayOp& self) { return self.op.done(); })
+      .def("withdraw", [](PyRelayOp& self) { return self.op.withdraw(); });
   nb::class_<PyRelay>(m, "_Relay")
       .def("__init__", [](PyRelay* self, nb::handle config, bool allow_pickle) {
              RelayConfig c = unwrap(RelayConfig::from_value(config.is_none() ? Value() : from_py(config)));

@@ -382,6 +382,33 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     return n;
   }
 
+  // One unread put withdrawn: cancelled, its data released (the key of a relay put is its own,
+  // so cleanup by it frees exactly that put), its credit back.
+  bool withdraw(const std::shared_ptr<PutRec>& r) {
+    if (released(*r)) return false;
+    if (is_local()) {
+      auto& t = local_table();
+      std::lock_guard<std::mutex> l(t.mu);
+      for (auto it = t.items.begin(); it != t.items.end(); ++it)
+        if (it->second.rec == r) {
+          r->cancelled.store(true);
+          r->released.store(true, std::memory_order_release);
+          t.items.erase(it);
+          ++t.epoch;
+          t.cv.notify_all();
+          return true;
+        }
+      return false;
+    }
+    std::lock_guard<std::mutex> l(mu);
+    const Value* k = r->md.find("relay_key");
+    if (!conn || !k || !k->is<std::string>()) return false;
+    r->cancelled.store(true);
+    conn->cleanup(k->as<std::string>());
+    for (auto& [edge, q] : inflight) reap_locked(q);
+    return true;
+  }
+
   Value health() {
     Value::Map m;
     m.emplace_back("backend", cfg.backend);
@@ -472,6 +499,8 @@ Status RelayOp::wait(double timeout_s) {
     s_->core->wait_epoch(seen, deadline);
   }
 }
+
+bool RelayOp::withdraw() { return s_ && s_->is_put && s_->core->withdraw(s_->rec); }
 
 Payload& RelayOp::payload() {
   static thread_local Payload empty;

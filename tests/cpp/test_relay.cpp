@@ -219,6 +219,31 @@ TEST(Relay, KeepWaitingEndsACreditWait) {
   }
 }
 
+// A put whose reader failed (SGLang-Omni's mark_receiver_failed) is withdrawn: its wait ends
+// cancelled, its data is gone, its credit is back; a read put is not withdrawn.
+TEST(Relay, WithdrawnPutEndsCancelledAndReturnsItsCredit) {
+  for (const std::string backend : {"shm", "local"}) {
+    auto relay = make(cfg(1, 0.3, backend));
+    ASSERT_TRUE(relay);
+    const auto data = pattern(200 << 10, 7);  // past the inline size: no copy rides in the metadata
+    auto put = relay->put_async(bytes_payload(data), {.request_id = "r", .edge = "e"});
+    ASSERT_TRUE(put.ok());
+    EXPECT_TRUE(put->withdraw()) << backend;
+    EXPECT_FALSE(put->withdraw());
+    Status w = put->wait(1);
+    ASSERT_FALSE(w.ok());
+    EXPECT_EQ(w.error().code, Errc::cancelled) << w.error().message;
+    EXPECT_FALSE(relay->get_async(put->metadata(), {}).ok());  // its data is gone
+    auto next = relay->put_async(bytes_payload(data), {.edge = "e"});  // the only credit is back
+    ASSERT_TRUE(next.ok()) << next.error().message;
+    auto got = relay->get_async(next->metadata(), {});
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_TRUE(next->wait(5).ok());
+    EXPECT_FALSE(next->withdraw());  // read already
+    EXPECT_FALSE(got->withdraw());   // a get
+  }
+}
+
 // Reference: reads are destructive; a second reader fails.
 TEST(Relay, FanOutToTwoReaders) {
   auto relay = make(cfg(2, 1));

@@ -165,3 +165,47 @@ def test_get_into_a_torch_tensor(ns):
         dest = torch.zeros(1000, dtype=torch.float32)
         r.get_async(r.put_async(x, edge="e").metadata, dest)  # the seed's positional dest_tensor
         assert torch.equal(dest, torch.arange(1000, dtype=torch.float32))
+
+
+def test_sglang_omnis_newer_relay_api(ns):
+    """SGLang-Omni's current Relay: create_relay(type, **kwargs), put_async(..., receiver_id=),
+    get_async(metadata, dest_tensor=) of any dtype, and the receiver's acknowledgement on the
+    put (mark_receiver_done / mark_receiver_failed)."""
+    import asyncio
+    torch = pytest.importorskip("torch")
+
+    async def main(r):
+        x = torch.randn(64, 32).to(torch.bfloat16)
+        op = await r.put_async(x, request_id="a", receiver_id="talker")
+        dest = torch.empty(64, 32, dtype=torch.bfloat16)  # numpy has no bfloat16: filled as bytes
+        got = await r.get_async(op.metadata, dest_tensor=dest, request_id="a")
+        await got.wait_for_completion()
+        assert torch.equal(dest, x)
+        op.mark_receiver_done()  # the control plane relays the receiver's ack: accepted
+        await op.wait_for_completion(timeout=5)
+        # The receiver failed: the put is withdrawn, its one credit is back, its wait raises that.
+        failed = await r.put_async(x, request_id="b", receiver_id="talker")
+        failed.mark_receiver_failed(RuntimeError("talker could not decode"))
+        with pytest.raises(RuntimeError, match="could not decode"):
+            await failed.wait_for_completion(timeout=5)
+        again = await r.put_async(x, request_id="c", receiver_id="talker")  # would wait 0.3 s, then fail
+        r.get_async(again.metadata)
+        await again.wait_for_completion(timeout=5)
+
+    for kind in ("shm", "local"):
+        r = stagelink.create_relay(kind, engine_id="e0", credits=1, timeout_s=0.3, extra={"namespace": ns})
+        try:
+            assert r.health()["credits"] == 1
+            asyncio.run(main(r))
+        finally:
+            r.close()
+    assert stagelink.create_relay("shm", engine_id="e1", extra={"namespace": ns}).health()["credits"] == 2
+    with pytest.raises(ValueError, match="Unknown relay type"):
+        stagelink.create_relay("bogus")
+    with pytest.raises(stagelink.UnsupportedError, match="ucx"):
+        stagelink.create_relay("nccl")
+    with relay(ns) as r:  # a non-contiguous destination would be filled in a copy: refused
+        op = r.put_async(np.arange(16, dtype=np.float32), edge="e")
+        with pytest.raises(stagelink.InvalidArgumentError, match="contiguous"):
+            r.get_async(op.metadata, torch.zeros(4, 4).t())
+        r.cleanup(None)
