@@ -117,15 +117,69 @@ def load_omni_transfer_config(config_path: Union[str, os.PathLike, None] = None,
 
 
 
+# vLLM-Omni's role-bound connectors: a sender serves a side channel on ``zmq_port`` that its
+# receivers reach at ``sender_host:sender_zmq_port``.
+_ROLE_BOUND = ("TransferEngineConnector", "MooncakeTransferEngineConnector", "MoriTransferEngineConnector")
+
+
+def _detect_local_ip() -> str:
+    """This host's address for peers (``STAGELINK_HOST_IP`` / ``VLLM_HOST_IP``, else the first
+    interface that is up and not loopback, else 127.0.0.1)."""
+    return _core.host_address()
+
+
+def _inject_chunk_path_endpoints(extra: dict, connector_name: str, role: str, own_stage, upstream_stage) -> None:
+    """vLLM-Omni's endpoint derivation for co-located stages, in place: for a role-bound connector
+    a stage that sends (``sender``, ``dual``) listens on ``zmq_port`` + its stage id, and one that
+    receives (``receiver``, ``dual``) is pointed at its upstream stage's listener
+    (``sender_zmq_port`` = ``zmq_port`` + the upstream id; ``sender_host`` = ``host`` unless it is
+    ``auto``, else this host's address). ``sender_host`` / ``sender_zmq_port`` the user set are
+    kept. Any other connector, a stage id that is not an integer (``"prefill"``) or ``zmq_port: 0``
+    (pick any port) is left as it is. The ports are the seed's request-forwarding ports
+    (:func:`stagelink.transfer_engine_port`, purpose offset 0, one replica)."""
+    if connector_name not in _ROLE_BOUND:
+        return
+    try:
+        own = int(own_stage)
+        upstream = None if upstream_stage is None else int(upstream_stage)
+        base = int(extra.get("zmq_port", 50051))
+    except (TypeError, ValueError):
+        return
+    if base <= 0:
+        return
+    if role in ("sender", "dual"):
+        extra["zmq_port"] = base + own
+    if role in ("receiver", "dual") and upstream is not None:
+        host = extra.get("host", "auto")
+        if "sender_host" not in extra:
+            extra["sender_host"] = _detect_local_ip() if host in (None, "", "auto") else host
+        extra.setdefault("sender_zmq_port", base + upstream)
+
+
 def get_connectors_config_for_stage(transfer_config, stage_id) -> dict:
     """vLLM-Omni's per-stage view: ``{"from_stage_X": {"spec": {"name", "extra"}}, "to_stage_Y":
     ...}`` for the stage's incoming and outgoing edges, with ``role`` injected into each ``extra``
-    ("receiver" incoming, "sender" outgoing; one the user set is kept). ``None`` (no config
-    loaded) gives ``{}``."""
+    ("receiver" incoming, "sender" outgoing; one the user set is kept). A role-bound connector
+    (the transfer engines) on both sides of a stage makes it ``dual`` on both entries, which then
+    carry the same extra, and gets its endpoints derived (:func:`_inject_chunk_path_endpoints`),
+    so co-located stages do not collide on one port. ``None`` (no config loaded) gives ``{}``."""
     if transfer_config is None:
         return {}
+    entries = transfer_config.stage_connectors(stage_id)
+    upstream = next((c["peer"] for c in entries if c["direction"] == "input"), None)
     out = {}
-    for c in transfer_config.stage_connectors(stage_id):
-        side = "from_stage_" if c["direction"] == "input" else "to_stage_"
-        out[side + str(c["peer"])] = {"spec": {"name": c["connector"].name, "extra": dict(c["connector"].extra)}}
+    for c in entries:
+        name, incoming = c["connector"].name, c["direction"] == "input"
+        extra = dict(c["connector"].extra)
+        if name in _ROLE_BOUND:
+            edge = (c["peer"], stage_id) if incoming else (stage_id, c["peer"])
+            role = transfer_config.connector_for_edge(*edge).extra.get("role")
+            if role is None:
+                sides = {d["direction"] for d in entries if d["connector"].name == name}
+                role = "dual" if sides == {"input", "output"} else ("receiver" if incoming else "sender")
+            extra["role"] = role
+            _inject_chunk_path_endpoints(extra, connector_name=name, role=role, own_stage=stage_id,
+                                         upstream_stage=upstream)
+        side = "from_stage_" if incoming else "to_stage_"
+        out[side + str(c["peer"])] = {"spec": {"name": name, "extra": extra}}
     return out

@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from redis_util import start_redis
+from net_util import start_redis
 
 
 @pytest.fixture

@@ -2,9 +2,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import stagelink
+from net_util import free_port_run
 
 BIN = os.path.join(os.path.dirname(sys.executable), "stagelink")
 
@@ -265,3 +267,66 @@ def test_cli_shm_ls_and_reap(ns):
     c.close()
     out = subprocess.run([BIN, "shm", "reap"], capture_output=True, text=True, check=True).stdout
     assert "resources reclaimed" in out
+
+
+def test_stage_view_derives_transfer_engine_endpoints_as_vllm_omni(monkeypatch):
+    """vLLM-Omni's per-stage view for role-bound connectors: a middle stage is dual on both sides
+    (one extra), each sending stage listens on zmq_port + its id, each receiving one is pointed at
+    its upstream's listener; the shared-memory connector only gets its role. Then the derived
+    endpoints carry a real three-stage transfer-engine pipeline on one host, no port taken twice."""
+    monkeypatch.setattr(stagelink.config, "_detect_local_ip", lambda: "10.20.30.40")
+
+    def linear(name, extra):
+        return stagelink.OmniTransferConfig(connectors={e: stagelink.ConnectorSpec(name, dict(extra))
+                                                        for e in (("0", "1"), ("1", "2"))})
+
+    cfg = linear("MooncakeTransferEngineConnector", {"zmq_port": 50051, "host": "auto"})
+    view = stagelink.get_connectors_config_for_stage
+    first, mid, last = view(cfg, 0), view(cfg, 1), view(cfg, 2)
+    assert list(first) == ["to_stage_1"]
+    assert first["to_stage_1"]["spec"]["extra"] == {"zmq_port": 50051, "host": "auto", "role": "sender"}
+    assert list(last) == ["from_stage_1"]
+    assert last["from_stage_1"]["spec"]["extra"] == {"zmq_port": 50051, "host": "auto", "role": "receiver",
+                                                     "sender_host": "10.20.30.40", "sender_zmq_port": 50052}
+    assert set(mid) == {"from_stage_0", "to_stage_2"}
+    assert mid["from_stage_0"] == mid["to_stage_2"]
+    assert mid["from_stage_0"]["spec"]["extra"] == {"zmq_port": 50052, "host": "auto", "role": "dual",
+                                                    "sender_host": "10.20.30.40", "sender_zmq_port": 50051}
+    given = view(linear("MoriTransferEngineConnector", {"zmq_port": 50051, "sender_host": "192.168.1.10",
+                                                        "sender_zmq_port": 60000}), 1)["from_stage_0"]["spec"]["extra"]
+    assert (given["sender_host"], given["sender_zmq_port"], given["zmq_port"]) == ("192.168.1.10", 60000, 50052)
+    named = view(linear("MooncakeTransferEngineConnector", {"zmq_port": 50051, "host": "172.16.0.5"}), 1)
+    assert named["from_stage_0"]["spec"]["extra"]["sender_host"] == "172.16.0.5"
+    assert view(linear("MooncakeTransferEngineConnector", {"zmq_port": 50051, "role": "receiver"}), 1)[
+        "to_stage_2"]["spec"]["extra"]["role"] == "receiver"  # the user's role is kept
+    for sid in (0, 1, 2):
+        for entry in view(linear("SharedMemoryConnector", {"shm_threshold_bytes": 65536}), sid).values():
+            assert set(entry["spec"]["extra"]) == {"shm_threshold_bytes", "role"}
+    for stage, name in (("prefill", "MooncakeTransferEngineConnector"), ("1", "SomeFutureConnector")):
+        extra = {"zmq_port": 50051, "host": "auto"}
+        stagelink.config._inject_chunk_path_endpoints(extra, connector_name=name, role="dual", own_stage=stage,
+                                                      upstream_stage="0")
+        assert extra == {"zmq_port": 50051, "host": "auto"}
+
+    # The derived endpoints, used: stage 0 puts, stage 1 (dual) gets without metadata and puts on,
+    # stage 2 gets without metadata. Each sender binds its own port.
+    base = free_port_run(3)
+    assert base is not None, "no free run of 3 ports on loopback"
+    cfg = linear("TransferEngineConnector", {"zmq_port": base, "host": "127.0.0.1", "protocol": "tcp",
+                                             "memory_pool_size": 16 << 20})
+    made = []
+    try:
+        s0 = stagelink.create_connector("TransferEngineConnector", view(cfg, 0)["to_stage_1"]["spec"]["extra"])
+        made.append(s0)
+        s1 = stagelink.create_connector("TransferEngineConnector", view(cfg, 1)["from_stage_0"]["spec"]["extra"])
+        made.append(s1)
+        s2 = stagelink.create_connector("TransferEngineConnector", view(cfg, 2)["from_stage_1"]["spec"]["extra"])
+        made.append(s2)
+        assert (s0.health()["zmq_port"], s1.health()["zmq_port"]) == (base, base + 1)
+        assert s0.put(0, 1, "req", np.arange(1000))[0]
+        got, _ = s1.get(0, 1, "req", timeout=10)
+        assert s1.put(1, 2, "req", got * 2)[0]
+        assert np.array_equal(s2.get(1, 2, "req", timeout=10)[0], np.arange(1000) * 2)
+    finally:
+        for c in made:
+            c.close()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import stagelink
+from net_util import free_port_run
 from stagelink.control import Outbox
 from stagelink.pipeline.worker import endpoint
 from stagelink.pipeline import (Pipeline, PipelineConfigError, PipelineStartError, StageDiedError, StageError,
@@ -332,23 +333,10 @@ def test_two_pipelines_side_by_side(ns, control):
 
 
 def _free_base_port(n):
-    import random
-    import socket
-    for _ in range(50):
-        base = random.randint(20000, 60000)
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    pytest.skip("no free port range on loopback")
+    base = free_port_run(n)
+    if base is None:
+        pytest.skip("no free port range on loopback")
+    return base
 
 
 def test_tcp_control_with_a_base_port_and_a_clear_error_when_taken(ns):

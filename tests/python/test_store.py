@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import stagelink
-from redis_util import start_redis as _start
+from net_util import start_redis as _start
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server is not installed")
 

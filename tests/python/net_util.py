@@ -1,5 +1,6 @@
-"""redis-server instances the tests start and stop themselves (loopback, or a network namespace
-through ``prefix``): the ``redis`` fixture (conftest.py) and test_store.py's servers."""
+"""Loopback ports for the tests, and the redis-server instances they start and stop themselves
+(loopback, or a network namespace through ``prefix``): the ``redis`` fixture (conftest.py) and
+test_store.py's servers."""
 import socket
 import subprocess
 import time
@@ -9,6 +10,26 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n):
+    """A base port whose ``n`` ports from it are free on 127.0.0.1 now; None if none was found."""
+    import random
+    for _ in range(100):
+        base = random.randint(20000, 60000)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    return None
 
 
 def start_redis(prefix=(), bind="127.0.0.1"):
