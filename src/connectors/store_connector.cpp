@@ -554,6 +554,7 @@ class StoreConnector final : public Connector {
       }
       if (waited && go.keep_waiting && !go.keep_waiting())
         return make_error(Errc::cancelled, "the get of '" + ik + "' was interrupted while it waited");
+      if (!waited) waits_.fetch_add(1);  // "waits": gets that waited, each once however many stretches
       waited = true;
       const Deadline until = wait_slice_end(deadline, go.keep_waiting);  // the BLPOP waits this long at most
       const double left_s = std::chrono::duration<double>(until - Clock::now()).count();
@@ -564,7 +565,6 @@ class StoreConnector final : public Connector {
       Cmd& b = wait_then_claim[0];
       b = Cmd();
       b.arg("BLPOP").arg(base + ":s").arg(std::string(secs));
-      waits_.fetch_add(1);
       Waiter me;
       {
         std::lock_guard<std::mutex> l(wait_mu_);

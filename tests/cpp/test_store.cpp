@@ -507,12 +507,14 @@ TEST_F(StorePair, KeepWaitingEndsAWaitAndAGetWithoutDeadlineWaits) {
     EXPECT_EQ(checksum(g.got->payload.tensors[0].data), checksum(d));
     EXPECT_GE(since(t0), 0.4);
   }
-  const uint64_t before = c->health().find("timeouts")->as<uint64_t>();
+  auto counter = [&](const char* k) { return c->health().find(k)->as<uint64_t>(); };
+  const uint64_t timeouts = counter("timeouts"), waits = counter("waits");
   GetOptions wait_on;
   wait_on.keep_waiting = [] { return true; };
-  auto late = c->get("0", "1", "never", nullptr, deadline_after(0.7), wait_on);
+  auto late = c->get("0", "1", "never", nullptr, deadline_after(0.7), wait_on);  // 4 stretches
   EXPECT_EQ(late.error().code, Errc::timeout);
-  EXPECT_EQ(c->health().find("timeouts")->as<uint64_t>(), before + 1);
+  EXPECT_EQ(counter("timeouts"), timeouts + 1);
+  EXPECT_EQ(counter("waits"), waits + 1);  // one get that waited
 }
 
 // Small chunks (chunk 0 comes with the claim, the rest from the socket), one reader and two.
