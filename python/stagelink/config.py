@@ -142,7 +142,7 @@ def _inject_chunk_path_endpoints(extra: dict, connector_name: str, role: str, ow
     try:
         own = int(own_stage)
         upstream = None if upstream_stage is None else int(upstream_stage)
-        base = int(extra.get("zmq_port", 50051))
+        base = int(extra.get("zmq_port", 50051))  # the transfer engines' default port
     except (TypeError, ValueError):
         return
     if base <= 0:

@@ -72,7 +72,7 @@ class RelayOperation:
         The first failure reported is kept."""
         if self._failed is None:
             self._failed = exc
-        if self._op is not None and hasattr(self._op, "withdraw"):
+        if self._op is not None:  # a put (native or local); a get has none
             self._op.withdraw()
 
     async def wait_for_completion(self, timeout: Optional[float] = None) -> None:

@@ -530,7 +530,7 @@ struct DlOut {
       *data = reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(m + 1) + 63) & ~uintptr_t(63));
     return m;
   }
-  // Describes `data` as a C-contiguous tensor of `dims` (of `code`/`bits`) in both structs.
+  // Describes `data` as a C-contiguous tensor of `dims` (of DLPack type `type`) in both structs.
   void describe(std::byte* data, int ndim, const npy_intp* dims, DlType type) {
     nb::dlpack::dltensor& dl = legacy.dl;
     dl.data = data ? static_cast<void*>(data) : static_cast<void*>(this);  // never null, even when empty
@@ -579,7 +579,7 @@ DlType dl_type(DType d) {
   return {0, 0, 0};
 }
 
-// The DType of a DLPack type; nullopt for the ones frames do not carry (float8, vectors, ...).
+// The DType of a DLPack type; nullopt for the ones frames do not carry (bit types, vectors, ...).
 std::optional<DType> dtype_of_dl(nb::dlpack::dtype t) {
   for (int i = 0; i < kDTypeCount; ++i) {
     const DlType d = dl_type(DType(i));
@@ -1211,19 +1211,6 @@ struct PyDecoder {
     for (int i = 0; i < dims.n; ++i) dims.v[i] = npy_intp(t.shape[size_t(i)]);
     if ((k & kFlagScalar) && t.nbytes() != dtype_size(t.dtype))
       raise(make_error(Errc::corrupt, "a 0-d tensor of " + std::to_string(t.nbytes()) + " bytes"));
-    // A dtype numpy lacks (bfloat16, float8, ...) goes the numpy route as integers of its size,
-    // then torch views them as that dtype.
-    int type = npy_type(t.dtype);
-    PyObject* view_as = nullptr;
-    if (type < 0) {
-      for (auto& [o, d] : T->dtypes)
-        if (d == t.dtype) view_as = o;
-      const size_t w = dtype_size(t.dtype);
-      type = w == 1 ? NPY_UINT8 : w == 2 ? NPY_INT16 : w == 4 ? NPY_INT32 : -1;
-      if (!view_as || type < 0)
-        raise(make_error(Errc::unsupported, std::string("a torch tensor of ") + dtype_name(t.dtype) +
-                                                ", which this torch does not have"));
-    }
     // Put from a device: back to that GPU where this process has it (found by UUID: ordinals
     // differ between processes), else to a device of that name, else on the host.
     std::string dev;
@@ -1239,6 +1226,19 @@ struct PyDecoder {
     const bool view = (zero_copy || !dev.empty()) && t.keepalive;
     nb::object out = torch_via_dlpack(*T, t, dims, view);
     if (!out.is_valid()) {  // the numpy route: an array, then torch.from_numpy
+      // A dtype numpy lacks (bfloat16, float8, ...) goes as integers of its size, then torch
+      // views them as that dtype.
+      int type = npy_type(t.dtype);
+      PyObject* view_as = nullptr;
+      if (type < 0) {
+        for (auto& [o, d] : T->dtypes)
+          if (d == t.dtype) view_as = o;
+        const size_t w = dtype_size(t.dtype);
+        type = w == 1 ? NPY_UINT8 : w == 2 ? NPY_INT16 : w == 4 ? NPY_INT32 : -1;
+        if (!view_as || type < 0)
+          raise(make_error(Errc::unsupported, std::string("a torch tensor of ") + dtype_name(t.dtype) +
+                                                  ", which this torch does not have"));
+      }
       nb::object arr = view ? array_over(t.data.data(), type, dims, t.keepalive, false) : copied_array(t.data, type, dims);
       // torch warns for each read-only array.
       PyArray_ENABLEFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
