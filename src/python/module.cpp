@@ -597,6 +597,13 @@ void dl_capsule_free(PyObject* cap) {
 }
 
 
+// Which of torch's routes tensors may take (all of them, but in tests that check the routes an
+// older torch leaves: no exchange API (before 2.10), no DLPack import of some dtypes).
+struct TorchRoutes {
+  bool exchange_api = true, dlpack = true;
+};
+TorchRoutes g_torch_routes;
+
 // torch, bound once it has been imported by someone (stagelink never imports it to put).
 struct TorchApi {
   PyObject* tensor_type = nullptr;
@@ -922,7 +929,7 @@ struct PyEncoder {
       return o;
     };
     if (truthy(ok(attr(T.s_requires_grad)))) kind |= kFlagRequiresGrad;
-    if (T.xapi) {  // two calls into torch instead of seven, for a CPU tensor
+    if (T.xapi && g_torch_routes.exchange_api) {  // two calls into torch instead of seven, for a CPU tensor
       // DLPack describes memory, not torch's lazy bits: a negative (or, below, conjugated) view
       // is resolved first, or its raw memory would travel as if it were the values.
       if (truthy(ok(call(T.s_is_neg)))) t = ok(call(T.s_resolve_neg));
@@ -1139,8 +1146,8 @@ struct PyEncoder {
 // buffer). An invalid object (no error set) when this torch cannot import it so: the caller takes
 // the numpy route.
 nb::object torch_via_dlpack(const TorchApi& T, const Tensor& t, const Dims& dims, bool view) {
-  const bool x = T.xapi && (T.xapi_dtypes >> int(t.dtype) & 1u);
-  if ((!x && !T.from_dlpack) || dims.n > kMaxDlDims) return {};
+  const bool x = g_torch_routes.exchange_api && T.xapi && (T.xapi_dtypes >> int(t.dtype) & 1u);
+  if ((!x && !(g_torch_routes.dlpack && T.from_dlpack)) || dims.n > kMaxDlDims) return {};
   const size_t n = t.nbytes();
   std::byte* data = nullptr;
   DlOut* m;
@@ -2150,6 +2157,13 @@ NB_MODULE(_core, m) {
 
   // A frame as C++ sees it (tree with tensor leaves as (dtype, shape, bytes), and the ext a C++ reader
   // ignores): what tests use to check that Python payloads are native frames.
+  m.def("_torch_routes", [](bool exchange_api, bool dlpack) {
+        const TorchRoutes was = g_torch_routes;
+        g_torch_routes = TorchRoutes{exchange_api, dlpack};
+        return nb::make_tuple(was.exchange_api, was.dlpack);
+      }, nb::arg("exchange_api"), nb::arg("dlpack"),
+      "For tests: which of torch's routes tensors may take (DLPack's C exchange API, DLPack capsules; "
+      "off: the attribute and numpy routes an older torch leaves). Returns the previous setting.");
   m.def("_frame_as_cpp_sees_it", [](nb::bytes frame) {
     auto p = unwrap(decode_frame(std::span<const std::byte>(reinterpret_cast<const std::byte*>(frame.c_str()), frame.size())));
     std::vector<nb::object> leaves;

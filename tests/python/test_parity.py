@@ -324,6 +324,42 @@ def test_fp8_fp4_and_complex32_tensors_travel_native(ns, mq_clean):
         w.close()
 
 
+@pytest.mark.parametrize("routes", [(True, True), (False, True), (False, False)],
+                         ids=["exchange-api", "dlpack-capsules", "numpy-route"])
+def test_every_torch_dtype_on_the_routes_an_older_torch_leaves(ns, routes):
+    """Before torch 2.10 there is no DLPack exchange API, and older DLPack imports lack float8:
+    tensors then take the attribute route on put and DLPack capsules or the numpy route (an
+    integer array viewed as the dtype) on get. Every dtype must come back exact on each."""
+    torch = pytest.importorskip("torch")
+    names = ("float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
+             "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+             "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "complex32", "float4_e2m1fn_x2")
+    was = _core._torch_routes(*routes)
+    try:
+        with shm(ns, allow_pickle=False) as c:
+            for name in names:
+                dt = getattr(torch, name, None)
+                if dt is None:
+                    continue
+                width = dt.itemsize
+                for shape in ((3, 4), (0,), (300, 256)):  # the last one past the inline size
+                    n = int(np.prod(shape))
+                    raw = torch.randint(0, 2 if dt is torch.bool else 256, (n * width,), dtype=torch.uint8)
+                    t = raw.to(torch.bool).reshape(shape) if dt is torch.bool else raw.view(dt).reshape(shape)
+                    for zc in (False, True):
+                        got, _ = roundtrip(c, {"t": t, "p": torch.nn.Parameter(t, requires_grad=False)},
+                                           zero_copy=zc)
+                        for k in ("t", "p"):
+                            g = got[k]
+                            assert g.dtype == dt and g.shape == t.shape, (name, routes, k)
+                            if n:  # (an empty tensor's strides are its own business)
+                                assert torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), \
+                                    (name, shape, routes, zc)
+                        assert type(got["p"]) is torch.nn.Parameter
+    finally:
+        _core._torch_routes(*was)
+
+
 def test_lists_of_ids_of_every_size_and_sign(ns):
     """Lists of ints are packed and rebuilt without a call per item (ids up to 2^18 share one int
     object per value): every width and sign still comes back as the same values."""
