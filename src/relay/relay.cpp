@@ -180,7 +180,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
   }
 
   // Sleep until a release may have happened, `deadline`, or close(). The shared-memory wait is cut
-  // into 200 ms slices only to notice close() of this relay (releases wake it at once).
+  // into kWaitCheckEvery slices only to notice close() of this relay (releases wake it at once).
   void wait_epoch(uint64_t seen, Deadline deadline) {
     if (is_local()) {
       auto& t = local_table();
@@ -188,8 +188,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       t.cv.wait_until(l, deadline, [&] { return t.epoch != seen || closed.load(); });
       return;
     }
-    const Deadline slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(200));
-    if (conn) conn->wait_release_epoch(seen, slice);
+    if (conn) conn->wait_release_epoch(seen, std::min(deadline, later(Clock::now(), kWaitCheckEvery)));
   }
 
   Result<std::shared_ptr<PutRec>> take_credit(const std::string& edge, std::string_view rid, Deadline deadline,
