@@ -32,11 +32,14 @@ struct RelayConfig {
   Value extra;                   // the connector's `extra` (shm: ns, shm_dir, ttl_s, ...)
   double slot_size_mb = 16;      // the seed's slot: arena = slot_size_mb * credits (shm)
   uint32_t credits = 8;          // per edge: puts in flight to one destination
-  int rank = 0, world_size = 1;  // the seed's topology fields (kept for dst_rank checks)
+  // The seed's topology fields. world_size 0 (not given): any dst_rank >= 0 is an edge of its own,
+  // as SGLang-Omni's shm relay takes one it does not use; given: dst_rank must be below it.
+  int rank = 0, world_size = 0;
   std::string device = "cpu";
   double timeout_s = 30;         // credit waits and gets without their own timeout
+  std::string engine_id;         // SGLang-Omni's sender name, carried in every put's metadata
   // Keys of the seed's RelayConfig (slot_size_mb, credits, rank, world_size, device) plus
-  // backend, connector, extra, timeout_s. Errors: invalid_argument naming the key.
+  // backend, connector, extra, timeout_s, engine_id. Errors: invalid_argument naming the key.
   static Result<RelayConfig> from_value(const Value& v);
 };
 
@@ -101,8 +104,9 @@ class Relay {
   // invalid_argument (dest too small, several tensors for one dest), corrupt (metadata),
   // timeout, cancelled, closed.
   Result<RelayOp> get_async(const Value& metadata, const RelayGetOptions& opts = {});
-  // Release every unread put of `request_id` by any producer on this host and the credits of
-  // this relay's; returns how many.
+  // Withdraw this relay's unread puts of `request_id` (their slots and credits come back, their
+  // waits end cancelled); returns how many. Other relays' puts of the request, in this process
+  // or another, are theirs to clean up.
   size_t cleanup(const std::string& request_id);
   // Counters and per-edge credits in use.
   Value health();

@@ -20,7 +20,8 @@ from .initialization import (build_stage_connectors, create_connectors_from_conf
                              initialize_orchestrator_connectors)
 from .control import ControlMessage  # noqa: F401
 from .mq import MessageQueue  # noqa: F401
-from .relay import Relay, RelayOperation, create_relay  # noqa: F401
+from .relay import (LocalRelay, Relay, RelayOperation, ShmRelay, UcxRelay, create_relay,  # noqa: F401
+                    register_relay)
 from .pipeline import Pipeline  # noqa: F401
 
 __version__ = "0.1.0"

@@ -75,15 +75,31 @@ class RelayOperation:
         if self._op is not None:  # a put (native or local); a get has none
             self._op.withdraw()
 
-    async def wait_for_completion(self, timeout: Optional[float] = None) -> None:
-        """The seed's awaitable wait: ``await op.wait_for_completion(timeout=5)``. Same errors as
-        :meth:`wait`; synchronous callers use :meth:`wait`."""
+    async def wait_for_completion(self, timeout: Optional[float] = 30.0) -> None:
+        """SGLang-Omni's awaitable wait, with its contract: ``await op.wait_for_completion()``
+        waits up to ``timeout`` seconds (30 by default; None: no limit) for the put to be
+        consumed. A put not consumed in time is withdrawn (its slot and credit come back at once,
+        a later get of it fails) and ``TimeoutError`` ("was not consumed in time") is raised.
+        Otherwise the same errors as :meth:`wait`, which keeps an unread put on timeout; a get
+        returns at once. The wait runs in the loop's executor: the event loop is not blocked."""
         if self._failed is not None:
             raise self._failed
         if self._op is None or self.done():
             return self.wait(0) if self._op is not None else None
         import asyncio
-        await asyncio.get_running_loop().run_in_executor(None, self.wait, timeout)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.wait, timeout)
+        except _core.TimeoutError:
+            if self._op.withdraw():
+                raise _core.TimeoutError(f"relay put {self._name()} was not consumed in time ({timeout} s); it was "
+                                         f"withdrawn: its slot and credit are back") from None
+            self.wait(0)  # read just as the wait ended: done after all
+
+    def _name(self) -> str:
+        md = self.metadata
+        if isinstance(md, dict):
+            return repr(md.get("relay_key", md.get("local", "")))
+        return ""
 
     def done(self) -> bool:
         return self._op.done() if self._op is not None else True
@@ -99,19 +115,23 @@ class RelayOperation:
 
 class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on collection
     """``config``: the seed's RelayConfig keys (``slot_size_mb``, ``credits``, ``rank``,
-    ``world_size``, ``device``) plus ``backend`` (shm | local | connector), ``connector``,
-    ``extra`` (the connector's) and ``timeout_s`` (credit and get waits, default 30). Unknown keys
-    raise InvalidArgumentError. ``allow_pickle``: objects with no native frame are pickled (and
-    read back) only when true."""
+    ``world_size``, ``device``) plus ``backend`` (shm | local | ucx | connector), ``connector``,
+    ``extra`` (the connector's), ``timeout_s`` (credit and get waits, default 30) and
+    ``engine_id`` (SGLang-Omni's sender name, in every put's metadata). Unknown keys raise
+    InvalidArgumentError. ``allow_pickle``: objects with no native frame are pickled (and read
+    back) only when true. ``device`` and ``engine_id`` are attributes, as SGLang-Omni's relays
+    have them (its stage code reads ``relay.device``)."""
 
     def __init__(self, config: Optional[dict] = None, allow_pickle: bool = True, **kw):
         config = dict(config or {}, **kw)
         self.backend = config.get("backend", "shm")
         self.timeout_s = float(config.get("timeout_s", 30))
         self.allow_pickle = allow_pickle
+        self.device = config.get("device", "cpu")
+        self.engine_id = config.get("engine_id", "")
         if self.backend == "local":
             self._native = None
-            self._local = _LocalRelay(int(config.get("credits", 8)), self.timeout_s)
+            self._local = _LocalRelay(int(config.get("credits", 8)), self.timeout_s, self.engine_id)
             # Validated like the others (unknown keys, bad values) though nothing native runs.
             _core._Relay(dict(config, backend="local"), allow_pickle).close()
         else:
@@ -127,7 +147,9 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         if edge is None and receiver_id is not None:
             edge = f"receiver:{receiver_id}"
         if self._native is None:
-            return self._local.put(data, request_id, edge if edge is not None else f"rank{dst_rank}", readers)
+            if edge is None:
+                edge = f"rank{dst_rank}" if dst_rank is not None else "any"  # as the native backends
+            return self._local.put(data, request_id, edge, readers)
         n = self._live()
         e = edge or ""
         op = n._put_obj(data, request_id, dst_rank, e, readers)
@@ -167,8 +189,9 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         return RelayOperation(None, obj, size)
 
     def cleanup(self, request_id: str) -> int:
-        """Release every unread put of ``request_id`` (on this host, for shm) and the credits
-        this relay holds for them. Returns how many were released."""
+        """Withdraw this relay's own unread puts of ``request_id``: their slots and credits come
+        back and their waits raise CancelledError. Other relays' puts of the request (another
+        stage's, another receiver's) are left alone. Returns how many were withdrawn."""
         if self._native is None:
             return self._local.cleanup(str(request_id))
         return self._live().cleanup(str(request_id))
@@ -189,25 +212,78 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         return self._native
 
 
-_RELAY_TYPES = {"shm": {"slot_size_mb": 64, "credits": 2}, "local": {}, "ucx": {}}
-_RELAY_KEYS = ("slot_size_mb", "credits", "rank", "world_size", "device", "timeout_s", "extra", "connector")
+class _TypedRelay(Relay):
+    """A relay of one backend with SGLang-Omni's constructor: ``(engine_id, slot_size_mb, credits,
+    device)``, then stagelink's keywords."""
+
+    _backend, _slot_size_mb, _credits = "shm", 16, 8
+
+    def __init__(self, engine_id: str = "", slot_size_mb: Optional[float] = None, credits: Optional[int] = None,
+                 device: str = "cpu", *, timeout_s: float = 30, extra: Optional[dict] = None, rank: int = 0,
+                 world_size: int = 0, allow_pickle: bool = True):
+        config = {"backend": self._backend, "engine_id": str(engine_id), "device": device,
+                  "slot_size_mb": self._slot_size_mb if slot_size_mb is None else slot_size_mb,
+                  "credits": self._credits if credits is None else credits, "timeout_s": timeout_s,
+                  "rank": rank, "world_size": world_size}
+        if extra is not None:
+            config["extra"] = extra
+        super().__init__(config, allow_pickle=allow_pickle)
+
+
+class ShmRelay(_TypedRelay):
+    """SGLang-Omni's ``ShmRelay(engine_id, slot_size_mb=64, credits=2, device="cpu")``: the
+    shared-memory relay with its defaults (one arena of ``slot_size_mb * credits``, reused)."""
+    _backend, _slot_size_mb, _credits = "shm", 64, 2
+
+
+class LocalRelay(_TypedRelay):
+    """The same-process relay (Python objects by reference)."""
+    _backend = "local"
+
+
+class UcxRelay(_TypedRelay):
+    """The cross-host relay over the transfer engine (UCX: RDMA or TCP); ``extra`` takes its keys."""
+    _backend = "ucx"
+
+
+# SGLang-Omni's registry: relay type name -> class. create_relay looks types up here;
+# register_relay adds (or replaces) one.
+RELAY_REGISTRY: dict = {"shm": ShmRelay, "local": LocalRelay, "ucx": UcxRelay}
+_SGLANG_ONLY = ("nccl", "cuda_ipc", "mooncake", "nixl")
+
+
+def register_relay(name: str):
+    """SGLang-Omni's decorator, ``@register_relay("mine") class MyRelay(...)``: ``create_relay("mine",
+    ...)`` then makes a ``MyRelay``. Registering a name again replaces it (logged)."""
+    def decorator(cls):
+        if name in RELAY_REGISTRY:
+            import logging
+            logging.getLogger("stagelink").warning("relay type '%s' is already registered; replacing it", name)
+        RELAY_REGISTRY[name] = cls
+        return cls
+    return decorator
 
 
 def create_relay(relay_type: str, **kwargs) -> Relay:
     """SGLang-Omni's factory, ``create_relay("shm", engine_id="e0", slot_size_mb=64, credits=2)``:
-    a :class:`Relay` of backend ``relay_type`` (``shm``, ``local`` or ``ucx``). As there, keyword
-    arguments the relay does not take (``engine_id``, ...) are left out, and ``shm`` defaults to
-    SGLang-Omni's 64 MiB slots and 2 credits. ``allow_pickle`` is passed on. An unknown type is a
-    ``ValueError``; SGLang-Omni's ``nccl``, ``cuda_ipc``, ``mooncake`` and ``nixl`` relays are
-    :class:`stagelink.UnsupportedError` (``ucx`` is stagelink's cross-host relay)."""
-    if relay_type in ("nccl", "cuda_ipc", "mooncake", "nixl"):
+    an instance of the class registered for ``relay_type`` (``shm`` -> :class:`ShmRelay`, with
+    SGLang-Omni's 64 MiB slots and 2 credits; ``local`` -> :class:`LocalRelay`; ``ucx`` ->
+    :class:`UcxRelay`; or one of yours, :func:`register_relay`). As there, keyword arguments the
+    class's constructor does not take are left out (all are passed to one taking ``**kwargs``).
+    An unknown type is a ``ValueError``; SGLang-Omni's ``nccl``, ``cuda_ipc``, ``mooncake`` and
+    ``nixl`` relays, unless registered, are :class:`stagelink.UnsupportedError` (``ucx`` is
+    stagelink's cross-host relay)."""
+    cls = RELAY_REGISTRY.get(relay_type)
+    if cls is None and relay_type in _SGLANG_ONLY:
         raise _core.UnsupportedError(f"relay type '{relay_type}' is SGLang-Omni's; stagelink's relays are shm "
                                      f"(same host), local (same process) and ucx (across hosts, RDMA or TCP)")
-    if relay_type not in _RELAY_TYPES:
-        raise ValueError(f"Unknown relay type: '{relay_type}'. Available types: {sorted(_RELAY_TYPES)}")
-    config = dict(_RELAY_TYPES[relay_type], backend=relay_type)
-    config.update({k: v for k, v in kwargs.items() if k in _RELAY_KEYS})
-    return Relay(config, allow_pickle=kwargs.get("allow_pickle", True))
+    if cls is None:
+        raise ValueError(f"Unknown relay type: '{relay_type}'. Available types: {sorted(RELAY_REGISTRY)}")
+    import inspect
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params and k != "self"}
+    return cls(**kwargs)
 
 
 def _is_buffer(obj) -> bool:
@@ -231,6 +307,20 @@ def _tensor_memory(t):
         return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def _nbytes(obj) -> int:
+    """The bytes a destination needs for ``obj`` (SGLang-Omni's transfer_info.size): an array's or
+    a tensor's data, a bytes-like's length; 0 for other objects."""
+    n = getattr(obj, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):  # a torch tensor
+        return int(obj.element_size() * obj.numel())
+    try:
+        return memoryview(obj).nbytes
+    except TypeError:
+        return 0
+
+
 def _copy_into(obj, dest):
     import numpy as np
     if not _is_buffer(obj) and hasattr(obj, "numpy"):  # a torch tensor (any dtype)
@@ -250,8 +340,8 @@ _NEXT = [1]
 
 
 class _LocalRelay:
-    def __init__(self, credits: int, timeout_s: float):
-        self.credits, self.timeout_s = credits, timeout_s
+    def __init__(self, credits: int, timeout_s: float, engine_id: str):
+        self.credits, self.timeout_s, self.engine_id = credits, timeout_s, engine_id
         self.inflight: dict = {}   # edge -> set of item ids
         self.closed = False
         self.puts = self.gets = 0
@@ -276,7 +366,10 @@ class _LocalRelay:
             _TABLE[key] = [data, readers, str(request_id) if request_id is not None else None, self, flag]
             live.add(key)
             self.puts += 1
-        return RelayOperation(_LocalOp(key, {"local": key, "pid": _pid()}, flag))
+        rid = str(request_id) if request_id is not None else ""
+        md = {"local": key, "pid": _pid(), "engine_id": self.engine_id,
+              "transfer_info": {"size": _nbytes(data), "req_id": rid}}
+        return RelayOperation(_LocalOp(key, md, flag))
 
     def get(self, metadata):
         if not isinstance(metadata, dict) or "local" not in metadata:
@@ -295,8 +388,9 @@ class _LocalRelay:
             return item[0]
 
     def cleanup(self, rid):
+        """This relay's own unread puts of the request only (as the native backends)."""
         with _TABLE_LOCK:
-            gone = [k for k, v in _TABLE.items() if v[2] == rid]
+            gone = [k for k, v in _TABLE.items() if v[2] == rid and v[3] is self]
             for k in gone:
                 _TABLE.pop(k)[4][0] = True
             _TABLE_LOCK.notify_all()

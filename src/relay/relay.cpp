@@ -11,6 +11,7 @@
 #include <deque>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "core/proc.hpp"
 
@@ -75,20 +76,21 @@ Result<RelayConfig> RelayConfig::from_value(const Value& v) {
   if (v.is_nil()) return c;
   if (!v.is<Value::Map>()) return make_error(Errc::invalid_argument, "relay config must be a map");
   static const char* kKnown[] = {"backend", "connector", "extra", "slot_size_mb", "credits", "rank",
-                                 "world_size", "device", "timeout_s"};
+                                 "world_size", "device", "timeout_s", "engine_id"};
   for (const auto& [k, _] : v.as<Value::Map>()) {
     if (std::none_of(std::begin(kKnown), std::end(kKnown), [&](const char* n) { return k == n; }))
       return make_error(Errc::invalid_argument, "relay config: unknown key '" + k +
                                                     "' (known: backend, connector, extra, slot_size_mb, credits, "
-                                                    "rank, world_size, device, timeout_s)");
+                                                    "rank, world_size, device, timeout_s, engine_id)");
   }
   SL_ASSIGN(c.backend, str_field(v, "backend", c.backend));
   SL_ASSIGN(c.connector, str_field(v, "connector", ""));
   SL_ASSIGN(c.device, str_field(v, "device", c.device));
+  SL_ASSIGN(c.engine_id, str_field(v, "engine_id", ""));
   SL_ASSIGN(c.slot_size_mb, num_field(v, "slot_size_mb", c.slot_size_mb, 0.001, 1 << 20));
   SL_ASSIGN(double credits, num_field(v, "credits", c.credits, 1, 65536));
   SL_ASSIGN(double rank, num_field(v, "rank", c.rank, 0, 1 << 20));
-  SL_ASSIGN(double ws, num_field(v, "world_size", c.world_size, 1, 1 << 20));
+  SL_ASSIGN(double ws, num_field(v, "world_size", c.world_size, 0, 1 << 20));
   SL_ASSIGN(c.timeout_s, num_field(v, "timeout_s", c.timeout_s, 0, 1e9));
   c.credits = uint32_t(credits);
   c.rank = int(rank);
@@ -227,6 +229,17 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     }
   }
 
+  // SGLang-Omni's put metadata fields, which its stage code reads: the sender's engine_id, and
+  // transfer_info.size, the bytes a receiver's destination buffer needs (relay_io sizes its
+  // uint8 buffer by it before get_async(metadata, dest_tensor)).
+  void add_sglang_fields(Value::Map& md, const Payload& p, std::string_view rid) const {
+    md.emplace_back("engine_id", cfg.engine_id);
+    Value::Map ti;
+    ti.emplace_back("size", uint64_t(p.tensor_bytes()));
+    ti.emplace_back("req_id", std::string(rid));
+    md.emplace_back("transfer_info", Value(std::move(ti)));
+  }
+
   void drop_credit(const std::shared_ptr<PutRec>& rec) {
     std::lock_guard<std::mutex> l(mu);
     auto& q = inflight[rec->edge];
@@ -235,9 +248,10 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
 
   Result<RelayOp> put(const Payload& p, const RelayPutOptions& o) {
     if (o.readers == 0) return make_error(Errc::invalid_argument, "relay put: readers must be at least 1");
-    if (o.dst_rank && (*o.dst_rank < 0 || *o.dst_rank >= cfg.world_size))
+    if (o.dst_rank && (*o.dst_rank < 0 || (cfg.world_size > 0 && *o.dst_rank >= cfg.world_size)))
       return make_error(Errc::invalid_argument, "relay put: dst_rank " + std::to_string(*o.dst_rank) +
-                                                    " outside world_size " + std::to_string(cfg.world_size));
+                                                    (*o.dst_rank < 0 ? " is negative"
+                                                                     : " outside world_size " + std::to_string(cfg.world_size)));
     std::string edge = !o.edge.empty() ? std::string(o.edge)
                        : o.dst_rank    ? "rank" + std::to_string(*o.dst_rank)
                                        : std::string("any");
@@ -275,6 +289,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       md.emplace_back("local", key);
       md.emplace_back("pid", uint64_t(getpid()));
       md.emplace_back("size", uint64_t(p.tensor_bytes()));
+      add_sglang_fields(md, p, o.request_id);
       rec->md = Value(std::move(md));
     } else {
       const std::string key = prefix + std::to_string(seq.fetch_add(1, std::memory_order_relaxed));
@@ -285,6 +300,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       }
       Value::Map md = r->metadata.is<Value::Map>() ? std::move(r->metadata.as<Value::Map>()) : Value::Map{};
       md.emplace_back("relay_key", key);
+      add_sglang_fields(md, p, o.request_id);
       rec->md = Value(std::move(md));
       bytes_out.fetch_add(r->size, std::memory_order_relaxed);
     }
@@ -352,32 +368,23 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     return RelayOp(std::move(st));
   }
 
+  // This relay's own unread puts of the request, withdrawn one by one. Never another relay's or
+  // another process's puts of that request: a receiver that cleans a request up after reading it
+  // (SGLang-Omni's read_payload does) would otherwise cancel what its producer put for the
+  // request's other receivers.
   size_t cleanup(const std::string& rid) {
-    size_t n = 0;
-    if (is_local()) {
-      auto& t = local_table();
-      std::lock_guard<std::mutex> l(t.mu);
-      for (auto it = t.items.begin(); it != t.items.end();) {
-        if (it->second.rec->rid == rid) {
-          it->second.rec->cancelled.store(true);
-          it->second.rec->released.store(true, std::memory_order_release);
-          it = t.items.erase(it);
-          ++n;
-        } else {
-          ++it;
-        }
-      }
-      ++t.epoch;
-      t.cv.notify_all();
-      return n;
+    std::vector<std::shared_ptr<PutRec>> mine;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      for (auto& [edge, q] : inflight)
+        for (auto& r : q)
+          if (r->rid == rid) mine.push_back(r);
     }
-    std::lock_guard<std::mutex> l(mu);
-    // Puts of the request still unread now end cancelled (their waits say so), then go.
-    for (auto& [edge, q] : inflight)
-      for (auto& r : q)
-        if (r->rid == rid && !released(*r)) r->cancelled.store(true);
-    if (conn) n = conn->cleanup(rid);
-    for (auto& [edge, q] : inflight) reap_locked(q);
+    size_t n = 0;
+    for (auto& r : mine) n += withdraw(r) ? 1 : 0;
+    // Puts every reader already released hold their memory until this producer's next put; a
+    // request cleaned up (an abort) returns it now.
+    if (conn) conn->reap_consumed();
     return n;
   }
 

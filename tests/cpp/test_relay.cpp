@@ -176,6 +176,72 @@ TEST(Relay, CleanupReleasesUnreadPutsAndCredits) {
   EXPECT_TRUE(next.ok());
 }
 
+// A receiver that cleans a request up after reading it (SGLang-Omni's read_payload does) must not
+// cancel what the producer put for that request's other receivers: cleanup is the relay's own
+// puts only. Before, it cancelled every unread put of the request on the host.
+TEST(Relay, CleanupTakesOnlyThisRelaysOwnPuts) {
+  for (const std::string backend : {"shm", "local"}) {
+    auto c = cfg(2, 1.0, backend);
+    auto producer = make(c);
+    auto receiver = make(c);  // same namespace: it reads the producer's puts
+    ASSERT_TRUE(producer && receiver);
+    const auto data = pattern(200 << 10, 8);
+    auto to_b = producer->put_async(bytes_payload(data), {.request_id = "req", .edge = "b"});
+    auto to_c = producer->put_async(bytes_payload(data), {.request_id = "req", .edge = "c"});
+    ASSERT_TRUE(to_b.ok() && to_c.ok());
+    auto got = receiver->get_async(to_b->metadata(), {});
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_EQ(receiver->cleanup("req"), 0u) << backend;
+    auto other = receiver->get_async(to_c->metadata(), {.timeout_s = 0});
+    ASSERT_TRUE(other.ok()) << backend << ": " << other.error().message;
+    EXPECT_EQ(checksum(other->payload().tensors[0].data), checksum(data));
+    EXPECT_TRUE(to_c->wait(1).ok());
+    EXPECT_EQ(producer->cleanup("req"), 0u);  // everything was read
+    if (backend == "shm") {  // the memory of the puts read is back now, not at its next put (asked of
+      // the receiver: the producer's own health() would return it)
+      uint64_t live = 1;
+      ASSERT_TRUE(receiver->health().find("connector")->find("directory_live_entries")->get_u64(live));
+      EXPECT_EQ(live, 0u);
+    }
+    auto unread = producer->put_async(bytes_payload(data), {.request_id = "req", .edge = "c"});
+    ASSERT_TRUE(unread.ok());
+    EXPECT_EQ(producer->cleanup("req"), 1u);  // its own unread put
+    auto w = unread->wait(1);
+    ASSERT_FALSE(w.ok());
+    EXPECT_EQ(w.error().code, Errc::cancelled);
+  }
+}
+
+// Every put's metadata carries SGLang-Omni's fields: the sender's engine_id and transfer_info
+// {size: the bytes a destination needs, req_id}.
+TEST(Relay, MetadataCarriesEngineIdAndTransferInfo) {
+  for (const std::string backend : {"shm", "local"}) {
+    auto c = cfg(2, 1.0, backend);
+    c.engine_id = "thinker-0";
+    auto relay = make(c);
+    ASSERT_TRUE(relay);
+    const auto data = pattern(1000, 9);
+    auto op = relay->put_async(bytes_payload(data), {.request_id = "r7", .edge = "e"});
+    ASSERT_TRUE(op.ok()) << op.error().message;
+    const Value& md = op->metadata();
+    ASSERT_TRUE(md.find("engine_id") && md.find("engine_id")->is<std::string>());
+    EXPECT_EQ(md.find("engine_id")->as<std::string>(), "thinker-0");
+    const Value* ti = md.find("transfer_info");
+    ASSERT_TRUE(ti);
+    uint64_t size = 0;
+    ASSERT_TRUE(ti->find("size") && ti->find("size")->get_u64(size));
+    EXPECT_EQ(size, data.size()) << backend;
+    EXPECT_EQ(ti->find("req_id")->as<std::string>(), "r7");
+    std::vector<std::byte> dest(size);
+    auto got = relay->get_async(md, {.dest = std::span<std::byte>(dest)});
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_EQ(checksum(dest), checksum(data));
+  }
+  Value::Map m;
+  m.emplace_back("engine_id", uint64_t(3));
+  EXPECT_FALSE(RelayConfig::from_value(Value(std::move(m))).ok());  // a string, or a clear error
+}
+
 TEST(Relay, CloseEndsACreditWaitAtOnce) {
   auto c = cfg(1, 30);
   auto relay = make(c);
@@ -326,7 +392,17 @@ TEST(Relay, BadInputIsAClearError) {
   auto g2 = relay->get_async(op->metadata(), {.dest = small});
   ASSERT_FALSE(g2.ok());
   EXPECT_EQ(g2.error().code, Errc::invalid_argument);
-  auto r = relay->put_async(bytes_payload(data), {.dst_rank = 3});
+  auto neg = relay->put_async(bytes_payload(data), {.dst_rank = -1});
+  ASSERT_FALSE(neg.ok());
+  EXPECT_EQ(neg.error().code, Errc::invalid_argument);
+  // Without world_size any dst_rank is an edge of its own (SGLang-Omni's shm relay takes one it
+  // ignores); with it, dst_rank must be below it.
+  EXPECT_TRUE(relay->put_async(bytes_payload(data), {.dst_rank = 3}).ok());
+  auto sized_cfg = cfg();
+  sized_cfg.world_size = 2;
+  auto sized = make(sized_cfg);
+  ASSERT_TRUE(sized);
+  auto r = sized->put_async(bytes_payload(data), {.dst_rank = 3});
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error().code, Errc::invalid_argument);
 

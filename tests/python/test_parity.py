@@ -769,3 +769,53 @@ def test_connector_classes_by_name_as_vllm_omni_constructs_them(ns):
     assert stagelink.MooncakeStoreConnector.__name__ == "MooncakeStoreConnector"
     with pytest.raises(AttributeError):
         stagelink.NoSuchConnector
+
+
+class _Metrics:
+    def __init__(self):
+        self.calls = []
+
+    def on_forward(self, *args):
+        self.calls.append(args)
+
+
+def test_vllm_omni_adapter_send_and_receive(ns):
+    """vLLM-Omni's orchestrator glue (omni_connectors.adapter) over a real connector: the payload
+    under the request id, the notification through the stage queue, the receive through the
+    edge's connector; failures are reported, not raised, and leave nothing behind."""
+    from stagelink.adapter import try_recv_via_connector, try_send_via_connector
+    queue, metrics = [], _Metrics()
+    with shm(ns) as c:
+        inputs = {"prompt_token_ids": list(range(40)), "hidden": np.ones((4, 8), np.float32)}
+        prompt = {"prompt": "hi", "mm_kwargs": object(), "mm_hashes": ["h"]}  # features left out
+        assert try_send_via_connector(c, 0, 1, "req-1", inputs, {"temperature": 0.7}, prompt, queue.append, metrics)
+        (note,) = queue
+        assert note["from_connector"] is True and (note["from_stage"], note["to_stage"]) == ("0", "1")
+        assert note["request_id"] == "req-1" and note["sampling_params"] == {"temperature": 0.7}
+        assert "connector_metadata" in note
+        (call,) = metrics.calls
+        assert call[:3] == (0, 1, "req-1") and call[3] > 0 and call[5] is True
+        got, rx = try_recv_via_connector(note, {("0", "1"): c}, stage_id=1)
+        assert got["prompt_token_ids"] == inputs["prompt_token_ids"]
+        np.testing.assert_array_equal(got["hidden"], inputs["hidden"])
+        assert rx["rx_transfer_bytes"] > 0 and rx["rx_decode_time_ms"] >= 0
+        # Read once: gone, reported as (None, None); no connector for the edge, or no from_stage: the same.
+        assert try_recv_via_connector(dict(note, connector_metadata={}), {("0", "1"): c}, 1) == (None, None)
+        assert try_recv_via_connector(note, {}, 1) == (None, None)
+        assert try_recv_via_connector({"request_id": "x", "from_connector": True}, {("0", "1"): c}, 1) == (None, None)
+        # A seed request carries its inputs itself.
+        assert try_recv_via_connector({"request_id": "s", "engine_inputs": [1, 2]}, {}, 0)[0] == [1, 2]
+
+        # The queue refuses the notification: False, and the put it went with is cleaned up.
+        def full(_):
+            raise RuntimeError("queue full")
+        assert not try_send_via_connector(c, 0, 1, "req-2", inputs, {}, "", full)
+        assert c.get(0, 1, "req-2", timeout=0) is None
+        # A payload the connector cannot take (pickle off): False, nothing submitted.
+        with shm(ns, allow_pickle=False) as strict:
+            assert not try_send_via_connector(strict, 0, 1, "req-3", object(), {}, "", queue.append)
+            assert len(queue) == 1
+            # The prompt's multimodal features are left out of the payload (the object() in them
+            # would need pickle, which this connector refuses).
+            assert try_send_via_connector(strict, 0, 1, "req-4", {"ids": [1]}, {}, prompt, queue.append)
+            assert try_recv_via_connector(queue[-1], {("0", "1"): strict}, 1)[0] == {"ids": [1]}

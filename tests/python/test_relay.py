@@ -117,7 +117,139 @@ def test_bad_config_and_metadata_are_clear_errors(ns):
         with pytest.raises(stagelink.CorruptError, match="relay_key"):
             r.get_async({"size": 3})
         with pytest.raises(stagelink.InvalidArgumentError, match="dst_rank"):
+            r.put_async(b"x", dst_rank=-1)
+    with stagelink.Relay({"extra": {"namespace": ns}, "world_size": 2}) as r:
+        with pytest.raises(stagelink.InvalidArgumentError, match="dst_rank"):
             r.put_async(b"x", dst_rank=5)
+
+
+def _sglang_stage_reader(ns, q_in, q_out):
+    """A receiving stage as SGLang-Omni's relay_io reads a payload: a uint8 buffer sized by the
+    metadata's transfer_info.size on relay.device, get_async(metadata=, dest_tensor=,
+    request_id=), await wait_for_completion, then relay.cleanup(request_id)."""
+    import asyncio
+    import torch
+    r = stagelink.create_relay("shm", engine_id="talker", extra={"namespace": ns})
+
+    async def read(relay_info, rid):
+        buf = torch.zeros(relay_info["transfer_info"]["size"], dtype=torch.uint8, device=getattr(r, "device", "cpu"))
+        op = await r.get_async(metadata=relay_info, dest_tensor=buf, request_id=rid)
+        await op.wait_for_completion()
+        r.cleanup(rid)
+        return buf
+
+    try:
+        md = q_in.get(timeout=60)
+        buf = asyncio.run(read(md["relay_info"], md["rid"]))
+        q_out.put(buf.view(torch.bfloat16).reshape(md["shape"]).float().tolist())
+    finally:
+        r.close()
+
+
+def test_sglang_omni_stage_io_across_processes_and_a_receivers_cleanup(ns):
+    """SGLang-Omni's relay_io as a client, across processes: the metadata carries engine_id and
+    transfer_info {size, req_id}; a receiver cleans the request up after reading it, which must
+    not cancel what the producer put for the request's other receiver (it did: cleanup took every
+    unread put of the request on the host); an unrelated dst_rank is taken (no world_size)."""
+    import asyncio
+    torch = pytest.importorskip("torch")
+    x = torch.randn(8, 16).to(torch.bfloat16)
+    flat = x.contiguous().view(torch.uint8).reshape(-1)
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_sglang_stage_reader, args=(ns, q_in, q_out))
+    p.start()
+    sender = stagelink.ShmRelay("thinker", 1, 2, "cpu", extra={"namespace": ns})
+    try:
+        async def send():
+            to_talker = await sender.put_async(flat, request_id="req", dst_rank=1, receiver_id="talker")
+            to_vocoder = await sender.put_async(flat, request_id="req", receiver_id="vocoder")
+            md = to_talker.metadata
+            assert md["engine_id"] == "thinker"
+            assert md["transfer_info"]["size"] == flat.numel() and md["transfer_info"]["req_id"] == "req"
+            q_in.put({"relay_info": md, "rid": "req", "shape": list(x.shape)})  # pickled, as a control message
+            await to_talker.wait_for_completion(timeout=60)
+            got = q_out.get(timeout=60)
+            assert got == x.float().tolist()
+            # The talker's cleanup("req") left the vocoder's put alone:
+            dest = torch.zeros(to_vocoder.metadata["transfer_info"]["size"], dtype=torch.uint8)
+            op = await sender.get_async(metadata=to_vocoder.metadata, dest_tensor=dest, request_id="req")
+            await op.wait_for_completion()
+            assert torch.equal(dest.view(torch.bfloat16).reshape(x.shape), x)
+            await to_vocoder.wait_for_completion(timeout=5)
+
+        asyncio.run(send())
+        p.join(60)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+        sender.close()
+
+
+def test_sglang_wait_for_completion_withdraws_an_unconsumed_put(ns):
+    """SGLang-Omni's put contract: wait_for_completion(timeout) of a put nobody consumed raises
+    TimeoutError ("was not consumed in time") and gives the put's slot and credit back; a later get
+    of it fails (a payload above the inline threshold: a small one travels in its metadata). The
+    synchronous wait() keeps the put (it can be waited on again)."""
+    import asyncio
+    torch = pytest.importorskip("torch")
+
+    async def main(r):
+        t = torch.arange(100_000, dtype=torch.int32).to(torch.uint8)
+        op = await r.put_async(t, request_id="r0")
+        with pytest.raises(TimeoutError, match="was not consumed in time"):
+            await op.wait_for_completion(timeout=0.0)
+        with pytest.raises(stagelink.StagelinkError):
+            r.get_async(op.metadata, timeout=0)
+        op2 = await asyncio.wait_for(r.put_async(t, request_id="r1"), timeout=1.0)  # the one credit is back
+        with pytest.raises(stagelink.TimeoutError):
+            op2.wait(0)  # sync: still there
+        assert torch.equal(r.get_async(op2.metadata).result(), t)
+        await op2.wait_for_completion()
+        assert r.health()["credits_in_use"] == {"any": 0}  # the local backend named it "rankNone"
+
+    for kind in ("shm", "local"):
+        with stagelink.create_relay(kind, engine_id="sender", device="cpu", credits=1, timeout_s=0.3,
+                                    extra={"namespace": ns}) as r:
+            asyncio.run(main(r))
+
+
+def test_sglang_relay_classes_and_registry(ns):
+    """ShmRelay(engine_id, slot_size_mb, credits, device) by position, its attributes, and the
+    registry: register_relay adds a type, create_relay passes only the keyword arguments a
+    class's constructor takes (all of them to one taking **kwargs)."""
+    r = stagelink.ShmRelay("e0", extra={"namespace": ns})
+    try:
+        assert (r.engine_id, r.device) == ("e0", "cpu")
+        assert r.health()["credits"] == 2  # SGLang-Omni's defaults: 2 credits of 64 MiB
+        r.get_async(r.put_async(b"x" * 100_000).metadata)  # the arena is made at the first put
+        assert r.health()["connector"]["arena_bytes"] == 128 << 20
+    finally:
+        r.close()
+    from stagelink.relay import RELAY_REGISTRY, register_relay
+    assert RELAY_REGISTRY["shm"] is stagelink.ShmRelay
+    seen = {}
+
+    @register_relay("test-narrow")
+    class Narrow(stagelink.LocalRelay):
+        def __init__(self, engine_id, credits=1):
+            seen["narrow"] = (engine_id, credits)
+            super().__init__(engine_id, credits=credits)
+
+    @register_relay("test-wide")
+    class Wide(stagelink.LocalRelay):
+        def __init__(self, **kwargs):
+            seen["wide"] = kwargs
+            super().__init__(kwargs["engine_id"])
+
+    try:
+        with stagelink.create_relay("test-narrow", engine_id="n", credits=3, rank=0, world_size=2) as a:
+            assert isinstance(a, Narrow) and seen["narrow"] == ("n", 3)
+        with stagelink.create_relay("test-wide", engine_id="w", send_to_ranks=[1]) as b:
+            assert isinstance(b, Wide) and seen["wide"] == {"engine_id": "w", "send_to_ranks": [1]}
+    finally:
+        del RELAY_REGISTRY["test-narrow"], RELAY_REGISTRY["test-wide"]
 
 
 def _reader(ns, md, q):
