@@ -237,6 +237,24 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         never frees ``"X_1"`` unless it was tied to ``"X"``. Returns how many were released."""
         return self._reported("cleanup", self._cleanup, str(request_id))
 
+    def cleanup_prefix(self, prefix: str) -> int:
+        """vLLM-Omni's chunk cleanup: release this connector's unread puts whose key is ``prefix``
+        followed by a chunk number (``cleanup_prefix("req_0_")`` frees ``req_0_0`` and
+        ``req_0_1``, never ``req_0_10other`` or ``request_0_0``). Returns how many were released.
+        Connectors that do not list their puts (network ones) raise UnsupportedError: tie chunk
+        puts to their request with ``put(..., request_id=)`` and ``cleanup`` that instead."""
+        keys = self._pending_key_list()
+        if keys is None:
+            raise _core.UnsupportedError(f"{self.name} does not list its puts: cleanup_prefix needs them; tie the "
+                                         "chunks to their request with put(..., request_id=) and cleanup it")
+        prefix = str(prefix)
+        n = 0
+        for key in dict.fromkeys(keys):
+            rest = key[len(prefix):]
+            if key.startswith(prefix) and rest.isascii() and rest.isdigit():
+                n += self.cleanup(key)
+        return n
+
     def health(self) -> dict:
         return self._health()
 

@@ -819,3 +819,17 @@ def test_vllm_omni_adapter_send_and_receive(ns):
             # would need pickle, which this connector refuses).
             assert try_send_via_connector(strict, 0, 1, "req-4", {"ids": [1]}, {}, prompt, queue.append)
             assert try_recv_via_connector(queue[-1], {("0", "1"): strict}, 1)[0] == {"ids": [1]}
+
+
+def test_cleanup_prefix_takes_chunk_numbers_only(ns):
+    """vLLM-Omni's cleanup_prefix: the puts whose key is the prefix and a chunk number, unread,
+    of this connector; never a key that merely starts with the prefix."""
+    with shm(ns) as sender, shm(ns) as other:
+        for key in ("req_0_0", "req_0_1", "req_0_10other", "request_0_0"):
+            assert sender.put(0, 1, key, np.arange(56))[0]
+        assert other.put(0, 1, "req_0_2", np.arange(56))[0]  # another producer's chunk
+        assert sender.cleanup_prefix("req_0_") == 2
+        assert sender.get(0, 1, "req_0_0", timeout=0) is None
+        for left in ("req_0_10other", "request_0_0", "req_0_2"):
+            assert sender.get(0, 1, left, timeout=0) is not None
+        assert sender.cleanup_prefix("req_0_") == 0
