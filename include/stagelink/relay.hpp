@@ -61,6 +61,12 @@ struct RelayGetOptions {
   std::function<bool()> keep_waiting;  // passed to the connector's get (GetOptions::keep_waiting)
 };
 
+// One piece of a put_segments payload: `data` written at byte `offset` of its one uint8 tensor.
+struct RelaySegment {
+  size_t offset = 0;
+  std::span<const std::byte> data;
+};
+
 class RelayCore;
 
 // A put or get in flight. Move-only; dropping it loses nothing (see above).
@@ -100,6 +106,12 @@ class Relay {
   // Errors: exhausted (no credit in time, naming the edge and what holds its credits),
   // invalid_argument, closed, the connector's.
   Result<RelayOp> put_async(const Payload& payload, const RelayPutOptions& opts = {});
+  // SGLang-Omni's put_many_async: a payload of one uint8 tensor of `total` bytes with `segments`
+  // written at their offsets (zeros between), straight into the relay's shared memory (one copy;
+  // other backends build it in one owned buffer). Errors: as put_async, and invalid_argument for
+  // a segment that overlaps another or ends past `total`.
+  Result<RelayOp> put_segments(std::span<const RelaySegment> segments, size_t total,
+                               const RelayPutOptions& opts = {});
   // Read what put_async published, given its metadata (from the control message). Errors:
   // invalid_argument (dest too small, several tensors for one dest), corrupt (metadata),
   // timeout, cancelled, closed.

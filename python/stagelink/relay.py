@@ -161,6 +161,32 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
             op = n._put_parts(kind, regions, request_id, dst_rank, e, readers)
         return RelayOperation(op)
 
+    def put_many_async(self, segments, total_size: int, request_id: Optional[str] = None,
+                       dst_rank: Optional[int] = None, receiver_id: Optional[str] = None, *,
+                       edge: Optional[str] = None, readers: int = 1) -> RelayOperation:
+        """SGLang-Omni's segmented put: ``segments`` is a list of ``(offset, tensor)`` (CPU torch
+        tensors of any dtype, numpy arrays or bytes-likes, contiguous), written as their bytes at
+        their offsets into one uint8 payload of ``total_size`` bytes (zeros between) straight
+        into the relay's shared memory: one copy, no concatenation first. A receiver reads it as
+        any put (``get_async(metadata, dest_tensor=uint8[total_size])``). Credits and errors as
+        :meth:`put_async`; InvalidArgumentError for segments that overlap or end past
+        ``total_size``."""
+        if edge is None and receiver_id is not None:
+            edge = f"receiver:{receiver_id}"
+        parts = [(int(off), _byte_view(t)) for off, t in segments]
+        if self._native is None:
+            import numpy as np
+            buf = np.zeros(int(total_size), np.uint8)
+            end = 0
+            for off, view in sorted(parts, key=lambda p: p[0]):
+                if off < end or off + view.nbytes > buf.nbytes:
+                    raise _core.InvalidArgumentError(f"relay put_many_async: the segment at offset {off} overlaps "
+                                                     f"another or ends past total_size {total_size}")
+                buf[off:off + view.nbytes] = view
+                end = off + view.nbytes
+            return self.put_async(buf, request_id, dst_rank, edge=edge, readers=readers)
+        return RelayOperation(self._live()._put_segments(parts, int(total_size), request_id, dst_rank, edge or "", readers))
+
     def get_async(self, metadata, dest=None, request_id: Optional[str] = None, *, dest_tensor=None,
                   timeout: Optional[float] = None, zero_copy: bool = False) -> RelayOperation:
         """Read what ``put_async`` published, given its ``metadata``. ``dest`` (SGLang-Omni's
@@ -305,6 +331,18 @@ def _tensor_memory(t):
     except (TypeError, RuntimeError):
         import torch
         return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _byte_view(obj):
+    """A contiguous object's bytes as a flat uint8 numpy view (no copy): a CPU torch tensor of any
+    dtype, a numpy array, a bytes-like."""
+    import numpy as np
+    if not _is_buffer(obj) and hasattr(obj, "numpy"):
+        obj = _tensor_memory(obj)
+    arr = np.asarray(memoryview(obj))
+    if not arr.flags.c_contiguous:
+        raise _core.InvalidArgumentError("relay put_many_async: a segment must be contiguous")
+    return arr.reshape(-1).view(np.uint8)
 
 
 def _nbytes(obj) -> int:

@@ -1827,20 +1827,51 @@ RelayPutOptions relay_put_options(nb::handle rid, nb::handle dst_rank, const std
   return o;
 }
 
-PyRelayOp relay_put_payload(PyRelay& self, const Payload& p, const RelayPutOptions& o) {
+// A relay put by `put(relay, options)`: without the GIL (a credit wait may block up to
+// timeout_s), Ctrl-C ending a wait for a credit.
+template <class Put>
+PyRelayOp relay_put_with(PyRelay& self, const RelayPutOptions& o, Put&& put) {
   auto relay = self.get();
   Result<RelayOp> r = make_error(Errc::io, "");
-  SignalCheck sig;  // Ctrl-C ends a wait for a credit
+  SignalCheck sig;
   RelayPutOptions opts = o;
   opts.keep_waiting = std::ref(sig);
   {
-    nb::gil_scoped_release nogil;  // a credit wait may block up to timeout_s
-    r = relay->put_async(p, opts);
+    nb::gil_scoped_release nogil;
+    r = put(*relay, opts);
   }
   if (sig.raised) throw nb::python_error();
   RelayOp op = unwrap(std::move(r));
   nb::object md = to_py(op.metadata());
   return PyRelayOp{std::move(op), std::move(md)};
+}
+
+PyRelayOp relay_put_payload(PyRelay& self, const Payload& p, const RelayPutOptions& o) {
+  return relay_put_with(self, o, [&](Relay& r, const RelayPutOptions& opts) { return r.put_async(p, opts); });
+}
+
+// SGLang-Omni's put_many_async: (offset, buffer) pairs, each a C-contiguous buffer, into one
+// uint8 tensor of `total` bytes (Relay::put_segments).
+PyRelayOp relay_put_segments(PyRelay& self, nb::handle segments, size_t total, const RelayPutOptions& o) {
+  BufferViews bv;
+  std::vector<RelaySegment> segs;
+  nb::object seq = nb::steal(PySequence_Fast(segments.ptr(), "put_segments: segments must be a sequence"));
+  if (!seq.is_valid()) throw nb::python_error();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  bv.views.reserve(size_t(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2)
+      throw nb::type_error("put_segments: each segment is an (offset, buffer) pair");
+    const long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 0));
+    if (off == -1 && PyErr_Occurred()) throw nb::python_error();
+    if (off < 0) raise(make_error(Errc::invalid_argument, "put_segments: a negative offset"));
+    Py_buffer v;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &v, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+    bv.views.push_back(v);
+    segs.push_back({size_t(off), std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len))});
+  }
+  return relay_put_with(self, o, [&](Relay& r, const RelayPutOptions& opts) { return r.put_segments(segs, total, opts); });
 }
 
 // Native frames for arrays, tensors, bytes and trees; None when the object needs pickling (the
@@ -2293,6 +2324,12 @@ NB_MODULE(_core, m) {
              std::string rh;
              return relay_put_payload(self, p, relay_put_options(rid, dst_rank, edge, readers, rh));
            }, nb::arg("kind"), nb::arg("regions"), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
+           nb::arg("edge"), nb::arg("readers"))
+      .def("_put_segments", [](PyRelay& self, nb::handle segments, size_t total, nb::handle rid, nb::handle dst_rank,
+                               const std::string& edge, uint32_t readers) {
+             std::string rh;
+             return relay_put_segments(self, segments, total, relay_put_options(rid, dst_rank, edge, readers, rh));
+           }, nb::arg("segments"), nb::arg("total"), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
            nb::arg("edge"), nb::arg("readers"))
       .def("_get_found", [](PyRelay& self, nb::handle metadata, nb::handle rid, nb::handle timeout, bool zero_copy) {
              std::string rh;

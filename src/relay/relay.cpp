@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -232,10 +233,10 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
   // SGLang-Omni's put metadata fields, which its stage code reads: the sender's engine_id, and
   // transfer_info.size, the bytes a receiver's destination buffer needs (relay_io sizes its
   // uint8 buffer by it before get_async(metadata, dest_tensor)).
-  void add_sglang_fields(Value::Map& md, const Payload& p, std::string_view rid) const {
+  void add_sglang_fields(Value::Map& md, size_t data_bytes, std::string_view rid) const {
     md.emplace_back("engine_id", cfg.engine_id);
     Value::Map ti;
-    ti.emplace_back("size", uint64_t(p.tensor_bytes()));
+    ti.emplace_back("size", uint64_t(data_bytes));
     ti.emplace_back("req_id", std::string(rid));
     md.emplace_back("transfer_info", Value(std::move(ti)));
   }
@@ -246,7 +247,10 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     q.erase(std::remove(q.begin(), q.end(), rec), q.end());
   }
 
-  Result<RelayOp> put(const Payload& p, const RelayPutOptions& o) {
+  // `publish`, when given, writes and publishes the put of `publish_bytes` data bytes under its key
+  // instead of conn->put(p) (the segments' loan; shared memory only).
+  using Publish = std::function<Result<PutResult>(const std::string& key, const PutOptions& po)>;
+  Result<RelayOp> put(const Payload& p, const RelayPutOptions& o, const Publish& publish = {}, size_t publish_bytes = 0) {
     if (o.readers == 0) return make_error(Errc::invalid_argument, "relay put: readers must be at least 1");
     if (o.dst_rank && (*o.dst_rank < 0 || (cfg.world_size > 0 && *o.dst_rank >= cfg.world_size)))
       return make_error(Errc::invalid_argument, "relay put: dst_rank " + std::to_string(*o.dst_rank) +
@@ -289,18 +293,19 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       md.emplace_back("local", key);
       md.emplace_back("pid", uint64_t(getpid()));
       md.emplace_back("size", uint64_t(p.tensor_bytes()));
-      add_sglang_fields(md, p, o.request_id);
+      add_sglang_fields(md, p.tensor_bytes(), o.request_id);
       rec->md = Value(std::move(md));
     } else {
       const std::string key = prefix + std::to_string(seq.fetch_add(1, std::memory_order_relaxed));
-      auto r = conn->put("relay", "r", key, p, PutOptions{o.readers, o.request_id});
+      const PutOptions po{o.readers, o.request_id};
+      auto r = publish ? publish(key, po) : conn->put("relay", "r", key, p, po);
       if (!r.ok()) {
         drop_credit(rec);
         return std::move(r).error();
       }
       Value::Map md = r->metadata.is<Value::Map>() ? std::move(r->metadata.as<Value::Map>()) : Value::Map{};
       md.emplace_back("relay_key", key);
-      add_sglang_fields(md, p, o.request_id);
+      add_sglang_fields(md, publish ? publish_bytes : p.tensor_bytes(), o.request_id);
       rec->md = Value(std::move(md));
       bytes_out.fetch_add(r->size, std::memory_order_relaxed);
     }
@@ -310,6 +315,48 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     st->metadata = rec->md;
     st->is_put = true;
     return RelayOp(std::move(st));
+  }
+
+  Result<RelayOp> put_segments(std::span<const RelaySegment> segs, size_t total, const RelayPutOptions& o) {
+    std::vector<RelaySegment> sorted(segs.begin(), segs.end());
+    std::sort(sorted.begin(), sorted.end(), [](auto& a, auto& b) { return a.offset < b.offset; });
+    size_t end = 0;
+    for (const auto& sg : sorted) {
+      if (sg.offset < end || sg.offset > total || sg.data.size() > total - sg.offset)
+        return make_error(Errc::invalid_argument, "relay put_segments: the segment at offset " + std::to_string(sg.offset) +
+                                                      " (" + std::to_string(sg.data.size()) + " bytes) " +
+                                                      (sg.offset < end ? "overlaps the one before it"
+                                                                       : "ends past total_size " + std::to_string(total)));
+      end = sg.offset + sg.data.size();
+    }
+    auto fill = [&](std::span<std::byte> dst) {  // the segments at their offsets, zeros between
+      size_t at = 0;
+      for (const auto& sg : sorted) {
+        std::memset(dst.data() + at, 0, sg.offset - at);
+        if (!sg.data.empty()) std::memcpy(dst.data() + sg.offset, sg.data.data(), sg.data.size());
+        at = sg.offset + sg.data.size();
+      }
+      std::memset(dst.data() + at, 0, total - at);
+    };
+    Payload p;
+    p.tree = Value(TensorRef{0});
+    if (is_local() || !conn || conn->name() != "SharedMemoryConnector" || total == 0) {
+      // No loans here: one buffer the payload owns.
+      auto buf = std::make_shared<std::vector<std::byte>>(total);
+      fill(*buf);
+      p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(*buf)));
+      p.tensors.back().keepalive = buf;
+      return put(p, o);
+    }
+    const TensorSpec spec{DType::u8, {int64_t(total)}, total, "cpu"};
+    return put(
+        p, o,
+        [&](const std::string& key, const PutOptions& po) -> Result<PutResult> {
+          SL_ASSIGN(Loan loan, conn->loan(p.tree, std::span<const TensorSpec>(&spec, 1)));
+          fill(loan.region(0));
+          return conn->put_loan("relay", "r", key, std::move(loan), po);
+        },
+        total);
   }
 
   Result<RelayOp> get(const Value& md, const RelayGetOptions& o) {
@@ -526,6 +573,9 @@ Relay::~Relay() { close(); }
 const RelayConfig& Relay::config() const { return core_->cfg; }
 Result<RelayOp> Relay::put_async(const Payload& p, const RelayPutOptions& o) { return core_->put(p, o); }
 Result<RelayOp> Relay::get_async(const Value& md, const RelayGetOptions& o) { return core_->get(md, o); }
+Result<RelayOp> Relay::put_segments(std::span<const RelaySegment> segments, size_t total, const RelayPutOptions& o) {
+  return core_->put_segments(segments, total, o);
+}
 size_t Relay::cleanup(const std::string& rid) { return core_->cleanup(rid); }
 Value Relay::health() { return core_->health(); }
 void Relay::close() { core_->close(); }

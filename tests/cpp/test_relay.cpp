@@ -242,6 +242,43 @@ TEST(Relay, MetadataCarriesEngineIdAndTransferInfo) {
   EXPECT_FALSE(RelayConfig::from_value(Value(std::move(m))).ok());  // a string, or a clear error
 }
 
+// SGLang-Omni's put_many_async: segments written at their offsets into one uint8 tensor, zeros
+// between, in the relay's shared memory (a loan: one copy) or one owned buffer (local).
+TEST(Relay, PutSegmentsLaysOutOneBufferAndRefusesBadSegments) {
+  for (const std::string backend : {"shm", "local"}) {
+    auto relay = make(cfg(2, 1.0, backend));
+    ASSERT_TRUE(relay);
+    const auto a = pattern(300 << 10, 1), b = pattern(100, 2);
+    const size_t total = (300 << 10) + 64 + 100 + 36;
+    std::vector<RelaySegment> segs{{(300 << 10) + 64, b}, {0, a}};  // any order
+    auto op = relay->put_segments(segs, total, {.request_id = "seg", .edge = "e"});
+    ASSERT_TRUE(op.ok()) << backend << ": " << op.error().message;
+    uint64_t size = 0;
+    ASSERT_TRUE(op->metadata().find("transfer_info")->find("size")->get_u64(size));
+    EXPECT_EQ(size, total);
+    std::vector<std::byte> dest(total, std::byte{0x5a});
+    auto got = relay->get_async(op->metadata(), {.dest = std::span<std::byte>(dest)});
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_EQ(got->size(), total);
+    EXPECT_EQ(std::memcmp(dest.data(), a.data(), a.size()), 0);
+    for (size_t i = a.size(); i < a.size() + 64; ++i) ASSERT_EQ(dest[i], std::byte{0}) << i;
+    EXPECT_EQ(std::memcmp(dest.data() + a.size() + 64, b.data(), b.size()), 0);
+    for (size_t i = total - 36; i < total; ++i) ASSERT_EQ(dest[i], std::byte{0}) << i;
+    EXPECT_TRUE(op->wait(1).ok());
+    std::vector<RelaySegment> overlap{{0, a}, {100, b}};
+    auto bad = relay->put_segments(overlap, total, {.edge = "e"});
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.error().code, Errc::invalid_argument);
+    EXPECT_NE(bad.error().message.find("overlaps"), std::string::npos);
+    std::vector<RelaySegment> past{{total - 10, b}};
+    auto far = relay->put_segments(past, total, {.edge = "e"});
+    ASSERT_FALSE(far.ok());
+    EXPECT_NE(far.error().message.find("past total_size"), std::string::npos);
+    EXPECT_TRUE(relay->put_async(bytes_payload(b), {.edge = "e"}).ok());  // refusals took no credit
+    EXPECT_TRUE(relay->put_async(bytes_payload(b), {.edge = "e"}).ok());
+  }
+}
+
 TEST(Relay, CloseEndsACreditWaitAtOnce) {
   auto c = cfg(1, 30);
   auto relay = make(c);

@@ -252,6 +252,42 @@ def test_sglang_relay_classes_and_registry(ns):
         del RELAY_REGISTRY["test-narrow"], RELAY_REGISTRY["test-wide"]
 
 
+def test_sglang_put_many_async_writes_segments_in_one_payload(ns):
+    """SGLang-Omni's segmented put (relay_io uses it when a relay has it): tensors of any dtype at
+    their offsets in one uint8 payload, zeros between, read back by size; bad segments refused
+    without taking a credit."""
+    import asyncio
+    torch = pytest.importorskip("torch")
+    video = torch.arange(96, dtype=torch.float32).reshape(12, 8).bfloat16()
+    grid = torch.tensor([[2, 4, 4]], dtype=torch.long)
+    big = torch.randn(300_000)  # past the inline threshold: written into the arena
+    segs = [(0, video.contiguous().view(torch.uint8).reshape(-1)), (256, grid.view(torch.uint8).reshape(-1)),
+            (512, big)]
+    total = 512 + big.numel() * 4
+
+    async def main(r):
+        op = await r.put_many_async(segs, total_size=total, request_id="req")
+        assert op.metadata["transfer_info"] == {"size": total, "req_id": "req"}
+        buf = torch.full((op.metadata["transfer_info"]["size"],), 7, dtype=torch.uint8)
+        got = await r.get_async(metadata=op.metadata, dest_tensor=buf, request_id="req")
+        await got.wait_for_completion()
+        assert torch.equal(buf[:192].view(torch.bfloat16).reshape(12, 8), video)
+        assert torch.equal(buf[256:280].view(torch.long).reshape(1, 3), grid)
+        assert torch.equal(buf[512:].view(torch.float32), big)
+        assert int(buf[192:256].sum()) == 0 and int(buf[280:512].sum()) == 0  # zeros between
+        await op.wait_for_completion(timeout=5)
+        with pytest.raises(stagelink.InvalidArgumentError, match="overlap"):
+            await r.put_many_async([(0, big), (8, grid)], total_size=total)
+        with pytest.raises(stagelink.InvalidArgumentError, match="past total_size"):
+            await r.put_many_async([(total - 4, grid)], total_size=total)
+        assert r.health()["credits_in_use"].get("any", 0) == 0
+
+    for kind in ("shm", "local"):
+        with stagelink.create_relay(kind, engine_id="e", slot_size_mb=4, credits=1, timeout_s=0.3,
+                                    extra={"namespace": ns}) as r:
+            asyncio.run(main(r))
+
+
 def _reader(ns, md, q):
     r = stagelink.Relay({"extra": {"namespace": ns}})
     x = r.get_async(md).result()
