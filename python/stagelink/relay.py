@@ -173,7 +173,11 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         ``total_size``."""
         if edge is None and receiver_id is not None:
             edge = f"receiver:{receiver_id}"
+        total_size = int(total_size)
         parts = [(int(off), _byte_view(t)) for off, t in segments]
+        if total_size < 0 or any(off < 0 for off, _ in parts):
+            raise _core.InvalidArgumentError(f"relay put_many_async: total_size ({total_size}) and offsets must not "
+                                             "be negative")
         if self._native is None:
             import numpy as np
             buf = np.zeros(int(total_size), np.uint8)
@@ -185,7 +189,7 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
                 buf[off:off + view.nbytes] = view
                 end = off + view.nbytes
             return self.put_async(buf, request_id, dst_rank, edge=edge, readers=readers)
-        return RelayOperation(self._live()._put_segments(parts, int(total_size), request_id, dst_rank, edge or "", readers))
+        return RelayOperation(self._live()._put_segments(parts, total_size, request_id, dst_rank, edge or "", readers))
 
     def get_async(self, metadata, dest=None, request_id: Optional[str] = None, *, dest_tensor=None,
                   timeout: Optional[float] = None, zero_copy: bool = False) -> RelayOperation:

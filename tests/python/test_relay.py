@@ -280,6 +280,8 @@ def test_sglang_put_many_async_writes_segments_in_one_payload(ns):
             await r.put_many_async([(0, big), (8, grid)], total_size=total)
         with pytest.raises(stagelink.InvalidArgumentError, match="past total_size"):
             await r.put_many_async([(total - 4, grid)], total_size=total)
+        with pytest.raises(stagelink.InvalidArgumentError, match="negative"):
+            await r.put_many_async([(0, grid)], total_size=-1)
         assert r.health()["credits_in_use"].get("any", 0) == 0
 
     for kind in ("shm", "local"):
