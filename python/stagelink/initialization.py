@@ -15,6 +15,15 @@ from .connector import OmniConnectorFactory
 
 log = logging.getLogger("stagelink")
 
+# vLLM-Omni's KV-transfer port constants, by its names, for its KV managers' port arithmetic
+# (zmq_port = base + KV_TRANSFER_PORT_OFFSET + replica * KV_REPLICA_PORT_STRIDE
+#  + tp_rank * KV_RANK_PORT_STRIDE + stage). stagelink's own derivation follows the seed
+# (stagelink.transfer_engine_port; docs/te.md says how the two differ); a transfer-engine
+# connector listens on whatever zmq_port it is given, so ports computed either way work.
+KV_TRANSFER_PORT_OFFSET = 100
+KV_RANK_PORT_STRIDE = 16
+KV_REPLICA_PORT_STRIDE = 1024
+
 
 def create_connectors_from_config(connectors_config: dict, purpose: Optional[str] = None,
                                   caller_stage_id: Any = None, is_sender: Optional[bool] = None) -> dict:

@@ -79,3 +79,33 @@ def test_a_connector_inherited_through_fork_says_so_and_leaves_the_parents_alone
     finally:
         s.close()
         r.close()
+
+
+def test_tp_rank_aware_get_with_partial_metadata_reaches_that_ranks_sender():
+    """vLLM-Omni's KV manager with TP > 1: each sender rank listens on base + KV_TRANSFER_PORT_OFFSET
+    + rank * KV_RANK_PORT_STRIDE, puts under the same key, and the receiver passes only
+    {source_host, source_port} to get(). The get must ask that rank's sender, not the configured
+    one, and find the key there (no data_size: it queries first)."""
+    from net_util import free_port_run
+    from stagelink.initialization import KV_RANK_PORT_STRIDE, KV_TRANSFER_PORT_OFFSET
+
+    def ports(base):
+        return [base + KV_TRANSFER_PORT_OFFSET + rank * KV_RANK_PORT_STRIDE for rank in (0, 1)]
+
+    base = free_port_run(KV_TRANSFER_PORT_OFFSET + KV_RANK_PORT_STRIDE + 1)
+    assert base is not None
+    senders = [stagelink.create_connector("TransferEngineConnector", {
+        "host": "127.0.0.1", "zmq_port": p, "role": "sender", "memory_pool_size": 8 << 20}) for p in ports(base)]
+    r = stagelink.create_connector("TransferEngineConnector", {
+        "host": "127.0.0.1", "role": "receiver", "memory_pool_size": 8 << 20,
+        "sender_host": "127.0.0.1", "sender_zmq_port": ports(base)[0]})  # rank 0's, as configured
+    try:
+        for rank, s in enumerate(senders):
+            assert s.put("prefill", "decode", "req-1_kv", np.full(1000, rank, np.int32))[0]
+        for rank, p in enumerate(ports(base)):
+            got, _ = r.get("prefill", "decode", "req-1_kv", {"source_host": "127.0.0.1", "source_port": p}, timeout=5)
+            assert (got == rank).all()
+    finally:
+        r.close()
+        for s in senders:
+            s.close()
