@@ -91,8 +91,10 @@ class RelayOperation:
             await asyncio.get_running_loop().run_in_executor(None, self.wait, timeout)
         except _core.TimeoutError:
             if self._op.withdraw():
+                back = ("its slot and credit are back" if self._op.done() else
+                        "its slot and credit come back when the reader already reading it is done")
                 raise _core.TimeoutError(f"relay put {self._name()} was not consumed in time ({timeout} s); it was "
-                                         f"withdrawn: its slot and credit are back") from None
+                                         f"withdrawn: {back}") from None
             self.wait(0)  # read just as the wait ended: done after all
 
     def _name(self) -> str:

@@ -208,6 +208,16 @@ def test_sglang_wait_for_completion_withdraws_an_unconsumed_put(ns):
         assert torch.equal(r.get_async(op2.metadata).result(), t)
         await op2.wait_for_completion()
         assert r.health()["credits_in_use"] == {"any": 0}  # the local backend named it "rankNone"
+        if r.backend == "shm":  # a reader holding a view when the put is withdrawn keeps it whole
+            held = await r.put_async(t, request_id="r2")
+            view = r.get_async(held.metadata, zero_copy=True).result()
+            with pytest.raises(TimeoutError, match="when the reader already reading it is done"):
+                await held.wait_for_completion(timeout=0.0)
+            assert r.health()["credits_in_use"] == {"any": 1}  # its slot is still in use
+            await asyncio.sleep(0.01)
+            assert torch.equal(view, t)
+            del view
+            assert r.health()["credits_in_use"] == {"any": 0}
 
     for kind in ("shm", "local"):
         with stagelink.create_relay(kind, engine_id="sender", device="cpu", credits=1, timeout_s=0.3,
