@@ -153,7 +153,7 @@ def test_sglang_omni_stage_io_across_processes_and_a_receivers_cleanup(ns):
     unread put of the request on the host); an unrelated dst_rank is taken (no world_size)."""
     import asyncio
     torch = pytest.importorskip("torch")
-    x = torch.randn(8, 16).to(torch.bfloat16)
+    x = torch.randn(256, 256).to(torch.bfloat16)  # 128 KiB: past the inline threshold, in the arena
     flat = x.contiguous().view(torch.uint8).reshape(-1)
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
