@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import stagelink
+from proc_util import queues, spawned
 
 
 def relay(ns, **kw):
@@ -155,12 +156,9 @@ def test_sglang_omni_stage_io_across_processes_and_a_receivers_cleanup(ns):
     torch = pytest.importorskip("torch")
     x = torch.randn(256, 256).to(torch.bfloat16)  # 128 KiB: past the inline threshold, in the arena
     flat = x.contiguous().view(torch.uint8).reshape(-1)
-    ctx = mp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_sglang_stage_reader, args=(ns, q_in, q_out))
-    p.start()
-    sender = stagelink.ShmRelay("thinker", 1, 2, "cpu", extra={"namespace": ns})
-    try:
+    q_in, q_out = queues()
+    with spawned(_sglang_stage_reader, ns, q_in, q_out), \
+            stagelink.ShmRelay("thinker", 1, 2, "cpu", extra={"namespace": ns}) as sender:
         async def send():
             to_talker = await sender.put_async(flat, request_id="req", dst_rank=1, receiver_id="talker")
             to_vocoder = await sender.put_async(flat, request_id="req", receiver_id="vocoder")
@@ -179,12 +177,6 @@ def test_sglang_omni_stage_io_across_processes_and_a_receivers_cleanup(ns):
             await to_vocoder.wait_for_completion(timeout=5)
 
         asyncio.run(send())
-        p.join(60)
-        assert p.exitcode == 0
-    finally:
-        if p.is_alive():
-            p.kill()
-        sender.close()
 
 
 def test_sglang_wait_for_completion_withdraws_an_unconsumed_put(ns):

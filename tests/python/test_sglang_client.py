@@ -7,7 +7,6 @@ needs are imported (stage_io, data_ref, proto, relay.base), unchanged.
 """
 import asyncio
 import importlib
-import multiprocessing as mp
 import os
 import sys
 import types
@@ -15,6 +14,7 @@ import types
 import pytest
 
 import stagelink
+from proc_util import queues, spawned
 
 CLIENTS = os.path.join(os.path.dirname(__file__), "..", "..", "build", "clients")
 
@@ -74,44 +74,35 @@ def test_sglang_omnis_stage_io_across_processes_with_fan_out(ns):
     grid = torch.tensor([[2, 4, 4]])
     payload = StagePayload(request_id="req-1", request=OmniRequest(inputs={"prompt": "hi"}),
                            data={"video": video, "grid": grid, "text": "caption"})
-    ctx = mp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_reading_stage, args=(os.path.abspath(os.path.join(CLIENTS, "sglang_omni")), ns, q_in, q_out))
-    p.start()
-    # Three puts to the talker before it reads any (the payload, the chunk, its metadata tensor).
-    thinker = stagelink.ShmRelay("thinker", 4, 3, extra={"namespace": ns})
-    vocoder = stagelink.ShmRelay("vocoder", 4, 2, extra={"namespace": ns})
-    try:
-        async def run():
-            kw = dict(transport=TransportKind.SHM, from_stage="thinker")
-            to_talker, op_t = await sio.write_payload(thinker, "req-1", payload, to_stage="talker", **kw)
-            to_vocoder, op_v = await sio.write_payload(thinker, "req-1", payload, to_stage="vocoder", **kw)
-            chunk_ref, chunk_ops = await sio.write_stream_chunk(
-                thinker, request_id="req-1", data=torch.arange(25, dtype=torch.int32), target_stage="talker",
-                from_stage="thinker", chunk_id=0, metadata={"finished": torch.tensor(True), "step": 3},
-                transport=TransportKind.SHM)
-            assert len(chunk_ops) == 2  # the chunk and its metadata tensor: two puts on the edge
-            q_in.put(to_talker.to_dict())  # the control plane's message, pickled
-            q_in.put(chunk_ref.to_dict())
-            got = await asyncio.get_running_loop().run_in_executor(None, q_out.get, True, 60)
-            for op in [op_t, *chunk_ops]:
-                await op.wait_for_completion(timeout=10)
-            assert got["grid"] == [[2, 4, 4]] and got["text"] == "caption" and got["inputs"] == {"prompt": "hi"}
-            assert got["video"] == video.float().tolist()
-            assert got["chunk"] == list(range(25)) and got["finished"] is True and got["step"] == 3
-            # The talker's cleanup("req-1") did not touch the vocoder's payload:
-            read = await sio.read_payload(vocoder, "req-1", DataRef.from_dict(to_vocoder.to_dict()))
-            assert torch.equal(read.data["video"], video) and torch.equal(read.data["grid"], grid)
-            await op_v.wait_for_completion(timeout=10)
+    q_in, q_out = queues()
 
-        asyncio.run(run())
-        p.join(60)
-        assert p.exitcode == 0
-    finally:
-        if p.is_alive():
-            p.kill()
-        thinker.close()
-        vocoder.close()
+    async def run(thinker, vocoder):
+        kw = dict(transport=TransportKind.SHM, from_stage="thinker")
+        to_talker, op_t = await sio.write_payload(thinker, "req-1", payload, to_stage="talker", **kw)
+        to_vocoder, op_v = await sio.write_payload(thinker, "req-1", payload, to_stage="vocoder", **kw)
+        chunk_ref, chunk_ops = await sio.write_stream_chunk(
+            thinker, request_id="req-1", data=torch.arange(25, dtype=torch.int32), target_stage="talker",
+            from_stage="thinker", chunk_id=0, metadata={"finished": torch.tensor(True), "step": 3},
+            transport=TransportKind.SHM)
+        assert len(chunk_ops) == 2  # the chunk and its metadata tensor: two puts on the edge
+        q_in.put(to_talker.to_dict())  # the control plane's message, pickled
+        q_in.put(chunk_ref.to_dict())
+        got = await asyncio.get_running_loop().run_in_executor(None, q_out.get, True, 60)
+        for op in [op_t, *chunk_ops]:
+            await op.wait_for_completion(timeout=10)
+        assert got["grid"] == [[2, 4, 4]] and got["text"] == "caption" and got["inputs"] == {"prompt": "hi"}
+        assert got["video"] == video.float().tolist()
+        assert got["chunk"] == list(range(25)) and got["finished"] is True and got["step"] == 3
+        # The talker's cleanup("req-1") did not touch the vocoder's payload:
+        read = await sio.read_payload(vocoder, "req-1", DataRef.from_dict(to_vocoder.to_dict()))
+        assert torch.equal(read.data["video"], video) and torch.equal(read.data["grid"], grid)
+        await op_v.wait_for_completion(timeout=10)
+
+    # Three puts to the talker before it reads any (the payload, the chunk, its metadata tensor).
+    with spawned(_reading_stage, os.path.abspath(os.path.join(CLIENTS, "sglang_omni")), ns, q_in, q_out), \
+            stagelink.ShmRelay("thinker", 4, 3, extra={"namespace": ns}) as thinker, \
+            stagelink.ShmRelay("vocoder", 4, 2, extra={"namespace": ns}) as vocoder:
+        asyncio.run(run(thinker, vocoder))
 
 
 def test_a_stream_chunk_needing_more_credits_than_the_edge_has_fails_in_time(ns):
