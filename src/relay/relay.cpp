@@ -340,21 +340,27 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     };
     Payload p;
     p.tree = Value(TensorRef{0});
-    if (is_local() || !conn || conn->name() != "SharedMemoryConnector" || total == 0) {
-      // No loans here: one buffer the payload owns.
+    // Where the backend cannot lend its memory: one buffer the payload owns, put as any payload.
+    auto owned = [&] {
+      Payload q;
+      q.tree = p.tree;
       auto buf = std::make_shared<std::vector<std::byte>>(total);
       fill(*buf);
-      p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(*buf)));
-      p.tensors.back().keepalive = buf;
-      return put(p, o);
-    }
+      q.tensors.push_back(Tensor::view_of(std::span<const std::byte>(*buf)));
+      q.tensors.back().keepalive = buf;
+      return q;
+    };
+    if (is_local() || !conn || total == 0) return put(owned(), o);
     const TensorSpec spec{DType::u8, {int64_t(total)}, total, "cpu"};
     return put(
         p, o,
         [&](const std::string& key, const PutOptions& po) -> Result<PutResult> {
-          SL_ASSIGN(Loan loan, conn->loan(p.tree, std::span<const TensorSpec>(&spec, 1)));
-          fill(loan.region(0));
-          return conn->put_loan("relay", "r", key, std::move(loan), po);
+          auto loan = conn->loan(p.tree, std::span<const TensorSpec>(&spec, 1));
+          if (!loan.ok() && loan.error().code == Errc::unsupported)  // the transfer engine lends nothing
+            return conn->put("relay", "r", key, owned(), po);
+          if (!loan.ok()) return std::move(loan).error();
+          fill(loan->region(0));
+          return conn->put_loan("relay", "r", key, std::move(loan).value(), po);
         },
         total);
   }

@@ -492,4 +492,15 @@ TEST(Relay, UcxBackendMovesPayloadsAndReturnsCreditsWhenPulled) {
   EXPECT_TRUE(op->wait(2).ok());
   EXPECT_TRUE(a->put_async(bytes_payload(data), {.request_id = "r", .edge = "b"}).ok());
   EXPECT_EQ(a->cleanup("r"), 1u);
+  // put_segments where the connector lends no memory: one owned buffer, put as any payload.
+  const auto seg = pattern(1000, 12);
+  std::vector<RelaySegment> segs{{64, seg}};
+  auto sp = a->put_segments(segs, 2048, {.edge = "b"});
+  ASSERT_TRUE(sp.ok()) << sp.error().message;
+  std::vector<std::byte> dest(2048, std::byte{0x5a});
+  auto sg = b->get_async(sp->metadata(), {.dest = std::span<std::byte>(dest)});
+  ASSERT_TRUE(sg.ok()) << sg.error().message;
+  EXPECT_EQ(std::memcmp(dest.data() + 64, seg.data(), seg.size()), 0);
+  EXPECT_EQ(dest[0], std::byte{0});
+  EXPECT_EQ(dest[2047], std::byte{0});
 }
