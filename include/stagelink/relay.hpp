@@ -107,9 +107,9 @@ class Relay {
   // invalid_argument, closed, the connector's.
   Result<RelayOp> put_async(const Payload& payload, const RelayPutOptions& opts = {});
   // SGLang-Omni's put_many_async: a payload of one uint8 tensor of `total` bytes with `segments`
-  // written at their offsets (zeros between), straight into the relay's shared memory (one copy, into a
-  // loan; where the connector lends no memory, one owned buffer). Errors: as put_async, and invalid_argument for
-  // a segment that overlaps another or ends past `total`.
+  // written at their offsets (zeros between), straight into the relay's shared memory (one copy,
+  // into a loan; where the connector lends no memory, one owned buffer). Errors: as put_async,
+  // and invalid_argument for a segment that overlaps another or ends past `total`.
   Result<RelayOp> put_segments(std::span<const RelaySegment> segments, size_t total,
                                const RelayPutOptions& opts = {});
   // Read what put_async published, given its metadata (from the control message). Errors:
