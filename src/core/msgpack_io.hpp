@@ -17,6 +17,18 @@ namespace stagelink::detail {
 
 // TensorRef travels as msgpack ext type 1 holding a big-endian u32.
 inline constexpr int8_t kExtTensorRef = 1;
+// A list (or tuple) of integers in [0, 2^32) -- token ids, codec codes -- may travel as msgpack
+// ext type 2: one byte giving the width w (1, 2 or 4), then the values, w bytes each,
+// little-endian. Readers build the same list an array of those integers gives; the Python layer
+// writes it for lists of 16 or more such ints (no per-value type tag to write or branch on).
+inline constexpr int8_t kExtIdList = 2;
+// Value i of an id list's values of width w (checked by the reader: 1, 2 or 4).
+[[gnu::always_inline]] inline uint32_t id_at(const uint8_t* d, uint32_t w, size_t i) {
+  if (w == 1) return d[i];
+  if (w == 2) return uint32_t(d[2 * i]) | uint32_t(d[2 * i + 1]) << 8;
+  const uint8_t* q = d + 4 * i;
+  return uint32_t(q[0]) | uint32_t(q[1]) << 8 | uint32_t(q[2]) << 16 | uint32_t(q[3]) << 24;
+}
 
 // Appends to *out from byte `len` on. The vector's size is the room in use and grows by
 // doubling; writes are a bounds check and a memcpy (msgpack-c writes 1-9 bytes per call).
@@ -279,6 +291,17 @@ bool MpReader::read_any(B& b, typename B::Out& out, int depth) {
       else if (!len_prefix(t, 0xc7, n)) return false;
       if (!need(size_t(n) + 1)) return false;
       const int8_t type = int8_t(*p_++);
+      if (type == kExtIdList) {
+        const uint32_t w = n ? *p_ : 0;
+        if ((w != 1 && w != 2 && w != 4) || (n - 1) % w) {
+          --p_;
+          return fail("malformed id list");
+        }
+        const uint8_t* values = p_ + 1;
+        p_ += n;
+        if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
+        return b.id_list(out, w, values, (n - 1) / w);
+      }
       if (type != kExtTensorRef || n != 4) {
         --p_;
         return fail("unknown msgpack ext type");

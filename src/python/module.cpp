@@ -998,6 +998,39 @@ struct PyEncoder {
     return true;
   }
 
+  // A list of ints in [0, 2^30) (every compact one: token ids, codes) as an id list (ext type
+  // 2, msgpack_io.hpp): one pass over the items writes each as 4 bytes while OR-ing them, then
+  // the values are narrowed in place to the width the largest needs. False, with nothing
+  // written, at the first item that is anything else: the caller packs the list item by item.
+  static constexpr Py_ssize_t kIdListMin = 16;
+  bool id_list(PyObject** items, Py_ssize_t n) {
+    if (size_t(n) > (UINT32_MAX - 1) / 4) return false;
+    sink.reserve(7 + 4 * size_t(n));
+    uint8_t* const h = sink.at();
+    uint8_t* const d = h + 7;
+    uint32_t all = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      long long v;
+      if (!Py_IS_TYPE(items[i], &PyLong_Type) || !compact_int(items[i], v) || v < 0 || v > INT32_MAX) return false;
+      const uint32_t u = uint32_t(v);
+      all |= u;
+      uint8_t* q = d + 4 * i;
+      q[0] = uint8_t(u), q[1] = uint8_t(u >> 8), q[2] = uint8_t(u >> 16), q[3] = uint8_t(u >> 24);
+    }
+    const uint32_t w = all < 0x100 ? 1 : all < 0x10000 ? 2 : 4;
+    if (w == 1)
+      for (Py_ssize_t i = 0; i < n; ++i) d[i] = d[4 * i];
+    else if (w == 2)
+      for (Py_ssize_t i = 0; i < n; ++i) d[2 * i] = d[4 * i], d[2 * i + 1] = d[4 * i + 1];
+    const uint32_t body = 1 + uint32_t(n) * w;
+    h[0] = 0xc9;  // ext 32: a big-endian u32 length, the type, the body
+    h[1] = uint8_t(body >> 24), h[2] = uint8_t(body >> 16), h[3] = uint8_t(body >> 8), h[4] = uint8_t(body);
+    h[5] = uint8_t(detail::kExtIdList);
+    h[6] = uint8_t(w);
+    sink.len += 6 + body;
+    return true;
+  }
+
   bool encode(nb::handle h, int depth) {
     if (depth > 64) return fail(h, " nested deeper than 64");
     PyObject* o = h.ptr();
@@ -1034,8 +1067,9 @@ struct PyEncoder {
       if (PyTuple_CheckExact(o)) tuples.push_back(lists);
       ++lists;
       const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
-      pk.pack_array(uint32_t(n));
       PyObject** items = PySequence_Fast_ITEMS(o);
+      if (n >= kIdListMin && id_list(items, n)) return true;
+      pk.pack_array(uint32_t(n));
       // Runs of compact ints are written through a cursor of our own, in room reserved 4096 ints
       // at a time (a huge list reserves no more): no bounds check nor call per int.
       for (Py_ssize_t i = 0; i < n;) {
@@ -1304,6 +1338,28 @@ struct PyDecoder {
     return set(o, PyBytes_FromStringAndSize(reinterpret_cast<const char*>(b.data()), Py_ssize_t(b.size())));
   }
   bool tensor(Out& o, uint32_t i) { o = tensor(size_t(i)); return true; }
+  bool id_list(Out& o, uint32_t w, const uint8_t* d, uint32_t n) {
+    const bool tup = next_is_tuple();
+    set(o, tup ? PyTuple_New(Py_ssize_t(n)) : PyList_New(Py_ssize_t(n)));
+    PyObject** items = tup ? reinterpret_cast<PyTupleObject*>(o.ptr())->ob_item : reinterpret_cast<PyListObject*>(o.ptr())->ob_item;
+    PyObject** ids = id_table();
+    auto fill = [&](auto width) {
+      for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t v = detail::id_at(d, width, i);
+        PyObject* x;
+        if (ids && v < kIdCache && (x = ids[v])) {
+          Py_INCREF(x);
+        } else if (!(x = id_int(v))) {
+          throw nb::python_error();
+        }
+        items[i] = x;
+      }
+    };
+    if (w == 1) fill(std::integral_constant<uint32_t, 1>{});
+    else if (w == 2) fill(std::integral_constant<uint32_t, 2>{});
+    else fill(std::integral_constant<uint32_t, 4>{});
+    return true;
+  }
   template <class F>
   bool array(Out& o, uint32_t n, F elem) {
     const bool tup = next_is_tuple();

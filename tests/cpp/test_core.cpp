@@ -314,6 +314,40 @@ TEST(Msgpack, EveryWidthRoundTrips) {
   EXPECT_EQ(m->find("-1")->as<bool>(), true);
 }
 
+// Lists of ids as the Python layer writes them (msgpack ext type 2: a width byte, then the values
+// little-endian): a C++ reader gets the same list of integers an array gives, in every width; a
+// bad width, a body that is not whole values, or a truncated one is an error, never a list.
+TEST(Msgpack, IdListsReadAsListsOfIntegersAndBadOnesAreErrors) {
+  auto id_list = [](uint8_t width, const std::vector<uint32_t>& vals, int cut = 0) {
+    std::vector<std::byte> b;
+    const uint32_t body = 1 + uint32_t(vals.size()) * width;
+    for (uint8_t x : {uint8_t(0xc9), uint8_t(body >> 24), uint8_t(body >> 16), uint8_t(body >> 8), uint8_t(body),
+                      uint8_t(2), width})
+      b.push_back(std::byte{x});
+    for (uint32_t v : vals)
+      for (int i = 0; i < width; ++i) b.push_back(std::byte(uint8_t(v >> (8 * i))));
+    b.resize(b.size() - size_t(cut));
+    return b;
+  };
+  const std::pair<uint8_t, std::vector<uint32_t>> cases[] = {
+      {1, {0, 1, 127, 128, 255}}, {2, {0, 256, 65535, 300}}, {4, {0, 65536, 151645, 4294967295u}}, {1, {}}};
+  for (const auto& [w, vals] : cases) {
+    auto dec = value_from_msgpack(id_list(w, vals));
+    ASSERT_TRUE(dec.ok()) << dec.error().to_string();
+    const auto& l = dec->as<Value::List>();
+    ASSERT_EQ(l.size(), vals.size());
+    size_t i = 0;
+    for (uint32_t v : vals) EXPECT_EQ(l[i++].as<uint64_t>(), v) << "width " << int(w);
+  }
+  EXPECT_FALSE(value_from_msgpack(id_list(3, {1, 2})).ok());        // no such width
+  EXPECT_FALSE(value_from_msgpack(id_list(0, {})).ok());            // nor this one
+  EXPECT_FALSE(value_from_msgpack(id_list(2, {1, 2}, 1)).ok());     // truncated
+  auto ragged = id_list(4, {7, 8});                                 // 9 bytes of body: not whole
+  ragged[4] = std::byte{8};
+  ragged.pop_back();
+  EXPECT_FALSE(value_from_msgpack(ragged).ok());
+}
+
 // Regression: msgpack-c 4 packs a double holding a whole number as an int, so 2.0 came back as
 // the integer 2 (and -0.0 as 0): a float must stay a float, with its sign.
 TEST(Msgpack, WholeNumberDoublesStayDoubles) {
