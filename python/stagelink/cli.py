@@ -137,6 +137,8 @@ def _cmd_demo(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="stagelink", description="Move data between the stages of inference pipelines.")
+    from . import __version__
+    p.add_argument("--version", action="version", version=f"stagelink {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser(

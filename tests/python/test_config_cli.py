@@ -253,8 +253,10 @@ stage_args:
     assert "0 -> 1: MooncakeTransferEngineConnector rdma" in out
     assert "role=sender" in out and "role=receiver" in out and "kv_transfer=50151" in out
     h = subprocess.run([BIN, "--help"], capture_output=True, text=True, check=True).stdout
-    for cmd in ("bench", "config", "shm", "health", "run"):
+    for cmd in ("bench", "config", "shm", "health", "run", "--version"):
         assert cmd in h
+    v = subprocess.run([BIN, "--version"], capture_output=True, text=True, check=True).stdout
+    assert v.strip() == f"stagelink {stagelink.__version__}"
     bad = subprocess.run([BIN, "config", "check", str(tmp_path / "nope.yaml")], capture_output=True, text=True)
     assert bad.returncode == 1 and "cannot read" in bad.stderr
 
