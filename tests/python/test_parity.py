@@ -542,7 +542,8 @@ def test_damaged_frames_and_handles_raise_only_stagelink_errors(mq_clean):
     rng = random.Random(20261123)
     objs = [np.arange(12, dtype=np.float32).reshape(3, 4), b"abc" * 10, {"t": (1, 2.5, None, True, "x\u00e9")},
             {"ids": list(range(300)), "b": bytearray(b"zz"), "m": memoryview(b"mv")},
-            [np.float32(1.5), np.arange(5)[::2], np.zeros((0, 3))], {"a": [[1, [2, (3,)]], {"k": -7}], "u": 2**63 + 5}]
+            [np.float32(1.5), np.arange(5)[::2], np.zeros((0, 3))], {"a": [[1, [2, (3,)]], {"k": -7}], "u": 2**63 + 5},
+            {"vocab": [151645, 7] * 20, "codes": tuple(range(256, 290))}]  # packed id lists, 4 and 2 bytes wide
     try:
         import torch
         objs += [torch.ones(5, dtype=torch.bfloat16), torch.nn.Parameter(torch.ones(2)), torch.tensor(3.0),
