@@ -1338,22 +1338,28 @@ struct PyDecoder {
     return set(o, PyBytes_FromStringAndSize(reinterpret_cast<const char*>(b.data()), Py_ssize_t(b.size())));
   }
   bool tensor(Out& o, uint32_t i) { o = tensor(size_t(i)); return true; }
-  bool id_list(Out& o, uint32_t w, const uint8_t* d, uint32_t n) {
+  // A new list, or a tuple where the put had one (the tree's next sequence): its item slots,
+  // every one empty until set.
+  PyObject** new_sequence(Out& o, uint32_t n) {
     const bool tup = next_is_tuple();
     set(o, tup ? PyTuple_New(Py_ssize_t(n)) : PyList_New(Py_ssize_t(n)));
-    PyObject** items = tup ? reinterpret_cast<PyTupleObject*>(o.ptr())->ob_item : reinterpret_cast<PyListObject*>(o.ptr())->ob_item;
+    return tup ? reinterpret_cast<PyTupleObject*>(o.ptr())->ob_item : reinterpret_cast<PyListObject*>(o.ptr())->ob_item;
+  }
+  // The int v: the shared one where `ids` has it (an incref), else id_int's.
+  [[gnu::always_inline]] static PyObject* shared_int(PyObject** ids, uint64_t v) {
+    PyObject* x;
+    if (ids && v < kIdCache && (x = ids[v])) {
+      Py_INCREF(x);
+      return x;
+    }
+    if (!(x = id_int(v))) throw nb::python_error();
+    return x;
+  }
+  bool id_list(Out& o, uint32_t w, const uint8_t* d, uint32_t n) {
+    PyObject** items = new_sequence(o, n);
     PyObject** ids = id_table();
-    auto fill = [&](auto width) {
-      for (uint32_t i = 0; i < n; ++i) {
-        const uint32_t v = detail::id_at(d, width, i);
-        PyObject* x;
-        if (ids && v < kIdCache && (x = ids[v])) {
-          Py_INCREF(x);
-        } else if (!(x = id_int(v))) {
-          throw nb::python_error();
-        }
-        items[i] = x;
-      }
+    auto fill = [&](auto width) {  // the width a constant: one loop per width, no branch per value
+      for (uint32_t i = 0; i < n; ++i) items[i] = shared_int(ids, detail::id_at(d, width, i));
     };
     if (w == 1) fill(std::integral_constant<uint32_t, 1>{});
     else if (w == 2) fill(std::integral_constant<uint32_t, 2>{});
@@ -1362,27 +1368,17 @@ struct PyDecoder {
   }
   template <class F>
   bool array(Out& o, uint32_t n, F elem) {
-    const bool tup = next_is_tuple();
-    set(o, tup ? PyTuple_New(Py_ssize_t(n)) : PyList_New(Py_ssize_t(n)));
-    // The items in place (a new list or tuple: every slot empty until set here).
-    PyObject** items = tup ? reinterpret_cast<PyTupleObject*>(o.ptr())->ob_item : reinterpret_cast<PyListObject*>(o.ptr())->ob_item;
+    PyObject** items = new_sequence(o, n);
     PyObject** ids = id_table();
     for (uint32_t i = 0; i < n; ++i) {
-      PyObject* x;
       uint64_t v;
       if (rd->try_small_uint(v)) {  // ids: no call through the reader per item
-        if (ids && v < kIdCache && ids[v]) {  // met before: an incref
-          x = ids[v];
-          Py_INCREF(x);
-        } else if (!(x = id_int(v))) {
-          throw nb::python_error();
-        }
+        items[i] = shared_int(ids, v);
       } else {
         Out e;
         if (!elem(e)) return false;
-        x = e.release().ptr();
+        items[i] = e.release().ptr();
       }
-      items[i] = x;
     }
     return true;
   }
