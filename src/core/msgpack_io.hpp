@@ -17,17 +17,24 @@ namespace stagelink::detail {
 
 // TensorRef travels as msgpack ext type 1 holding a big-endian u32.
 inline constexpr int8_t kExtTensorRef = 1;
-// A list (or tuple) of integers in [0, 2^32) -- token ids, codec codes -- may travel as msgpack
-// ext type 2: one byte giving the width w (1, 2 or 4), then the values, w bytes each,
+// A list (or tuple) of 32-bit integers -- token ids, codec codes, -1 paddings -- may travel as
+// msgpack ext type 2: one byte giving the width w (1, 2 or 4: unsigned values; 0x81, 0x82 or
+// 0x84: two's-complement signed ones of width w & 0xf), then the values, w bytes each,
 // little-endian. Readers build the same list an array of those integers gives; the Python layer
 // writes it for lists of 16 or more such ints (no per-value type tag to write or branch on).
 inline constexpr int8_t kExtIdList = 2;
-// Value i of an id list's values of width w (checked by the reader: 1, 2 or 4).
+inline constexpr uint8_t kIdListSigned = 0x80;
+// Value i of an id list's values of width w (checked by the reader: 1, 2 or 4), unsigned.
 [[gnu::always_inline]] inline uint32_t id_at(const uint8_t* d, uint32_t w, size_t i) {
   if (w == 1) return d[i];
   if (w == 2) return uint32_t(d[2 * i]) | uint32_t(d[2 * i + 1]) << 8;
   const uint8_t* q = d + 4 * i;
   return uint32_t(q[0]) | uint32_t(q[1]) << 8 | uint32_t(q[2]) << 16 | uint32_t(q[3]) << 24;
+}
+// The same value read as a signed one of that width.
+[[gnu::always_inline]] inline int32_t signed_id_at(const uint8_t* d, uint32_t w, size_t i) {
+  const uint32_t shift = 32 - 8 * w;
+  return int32_t(id_at(d, w, i) << shift) >> shift;
 }
 
 // Appends to *out from byte `len` on. The vector's size is the room in use and grows by
@@ -292,7 +299,7 @@ bool MpReader::read_any(B& b, typename B::Out& out, int depth) {
       if (!need(size_t(n) + 1)) return false;
       const int8_t type = int8_t(*p_++);
       if (type == kExtIdList) {
-        const uint32_t w = n ? *p_ : 0;
+        const uint32_t code = n ? *p_ : 0, w = code & ~uint32_t(kIdListSigned);
         if ((w != 1 && w != 2 && w != 4) || (n - 1) % w) {
           --p_;
           return fail("malformed id list");
@@ -300,7 +307,7 @@ bool MpReader::read_any(B& b, typename B::Out& out, int depth) {
         const uint8_t* values = p_ + 1;
         p_ += n;
         if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
-        return b.id_list(out, w, values, (n - 1) / w);
+        return b.id_list(out, w, code & kIdListSigned, values, (n - 1) / w);
       }
       if (type != kExtTensorRef || n != 4) {
         --p_;

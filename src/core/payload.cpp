@@ -266,10 +266,17 @@ struct ValueBuilder {
   bool str(Value& o, std::string_view s) { o = Value(std::string(s)); return true; }
   bool bin(Value& o, std::span<const std::byte> b) { o = Value::copy_bytes(b); return true; }
   bool tensor(Value& o, uint32_t i) { o = Value(TensorRef{i}); return true; }
-  bool id_list(Value& o, uint32_t w, const uint8_t* d, uint32_t n) {
+  bool id_list(Value& o, uint32_t w, bool sign, const uint8_t* d, uint32_t n) {
     Value::List l;
     l.reserve(n);
-    for (uint32_t i = 0; i < n; ++i) l.emplace_back(uint64_t(id_at(d, w, i)));
+    for (uint32_t i = 0; i < n; ++i) {
+      if (!sign) {
+        l.emplace_back(uint64_t(id_at(d, w, i)));
+        continue;
+      }
+      const int32_t v = signed_id_at(d, w, i);  // as an array gives them: unsigned unless negative
+      v < 0 ? l.emplace_back(int64_t(v)) : l.emplace_back(uint64_t(v));
+    }
     o = Value(std::move(l));
     return true;
   }
@@ -316,7 +323,7 @@ struct SkipBuilder {
   bool str(char&, std::string_view) { return true; }
   bool bin(char&, std::span<const std::byte>) { return true; }
   bool tensor(char&, uint32_t) { return true; }
-  bool id_list(char&, uint32_t, const uint8_t*, uint32_t) { return true; }
+  bool id_list(char&, uint32_t, bool, const uint8_t*, uint32_t) { return true; }
   template <class F>
   bool array(char& o, uint32_t n, F elem) {
     for (uint32_t i = 0; i < n; ++i)

@@ -998,27 +998,32 @@ struct PyEncoder {
     return true;
   }
 
-  // A list of ints in [0, 2^30) (every compact one: token ids, codes) as an id list (ext type
-  // 2, msgpack_io.hpp): one pass over the items writes each as 4 bytes while OR-ing them, then
-  // the values are narrowed in place to the width the largest needs. False, with nothing
-  // written, at the first item that is anything else: the caller packs the list item by item.
+  // A list of compact ints (|v| < 2^30: token ids, codes, -1 paddings) as an id list (ext type
+  // 2, msgpack_io.hpp): one pass over the items writes each as 4 bytes while OR-ing them (a
+  // negative one sets bit 31) and their magnitudes (v, or ~v for a negative v: the bits a signed
+  // width must hold below its sign), then the values are narrowed in place to the width those
+  // need (unsigned when none is negative). False, with nothing written, at the first item that
+  // is anything else: the caller packs the list item by item.
   static constexpr Py_ssize_t kIdListMin = 16;
   bool id_list(PyObject** items, Py_ssize_t n) {
     if (size_t(n) > (UINT32_MAX - 1) / 4) return false;
     sink.reserve(7 + 4 * size_t(n));
     uint8_t* const h = sink.at();
     uint8_t* const d = h + 7;
-    uint32_t all = 0;
+    uint32_t all = 0, mag = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
       long long v;
-      if (!Py_IS_TYPE(items[i], &PyLong_Type) || !compact_int(items[i], v) || v < 0 || v > INT32_MAX) return false;
+      if (!Py_IS_TYPE(items[i], &PyLong_Type) || !compact_int(items[i], v) || v < INT32_MIN || v > INT32_MAX)
+        return false;
       const uint32_t u = uint32_t(v);
       all |= u;
+      mag |= u ^ uint32_t(int32_t(u) >> 31);
       uint8_t* q = d + 4 * i;
       q[0] = uint8_t(u), q[1] = uint8_t(u >> 8), q[2] = uint8_t(u >> 16), q[3] = uint8_t(u >> 24);
     }
-    const uint32_t w = all < 0x100 ? 1 : all < 0x10000 ? 2 : 4;
-    if (w == 1)
+    const bool sign = all >> 31;
+    const uint32_t w = sign ? (mag < 0x80 ? 1 : mag < 0x8000 ? 2 : 4) : (all < 0x100 ? 1 : all < 0x10000 ? 2 : 4);
+    if (w == 1)  // the low bytes: a value's two's complement narrowed
       for (Py_ssize_t i = 0; i < n; ++i) d[i] = d[4 * i];
     else if (w == 2)
       for (Py_ssize_t i = 0; i < n; ++i) d[2 * i] = d[4 * i], d[2 * i + 1] = d[4 * i + 1];
@@ -1026,7 +1031,7 @@ struct PyEncoder {
     h[0] = 0xc9;  // ext 32: a big-endian u32 length, the type, the body
     h[1] = uint8_t(body >> 24), h[2] = uint8_t(body >> 16), h[3] = uint8_t(body >> 8), h[4] = uint8_t(body);
     h[5] = uint8_t(detail::kExtIdList);
-    h[6] = uint8_t(w);
+    h[6] = uint8_t(w | (sign ? detail::kIdListSigned : 0));
     sink.len += 6 + body;
     return true;
   }
@@ -1355,11 +1360,22 @@ struct PyDecoder {
     if (!(x = id_int(v))) throw nb::python_error();
     return x;
   }
-  bool id_list(Out& o, uint32_t w, const uint8_t* d, uint32_t n) {
+  bool id_list(Out& o, uint32_t w, bool sign, const uint8_t* d, uint32_t n) {
     PyObject** items = new_sequence(o, n);
     PyObject** ids = id_table();
     auto fill = [&](auto width) {  // the width a constant: one loop per width, no branch per value
-      for (uint32_t i = 0; i < n; ++i) items[i] = shared_int(ids, detail::id_at(d, width, i));
+      if (!sign) {
+        for (uint32_t i = 0; i < n; ++i) items[i] = shared_int(ids, detail::id_at(d, width, i));
+        return;
+      }
+      for (uint32_t i = 0; i < n; ++i) {
+        const int32_t v = detail::signed_id_at(d, width, i);
+        if (v >= 0) {
+          items[i] = shared_int(ids, uint64_t(v));
+        } else if (!(items[i] = PyLong_FromLong(v))) {  // -5..-1 are Python's own cached ints
+          throw nb::python_error();
+        }
+      }
     };
     if (w == 1) fill(std::integral_constant<uint32_t, 1>{});
     else if (w == 2) fill(std::integral_constant<uint32_t, 2>{});

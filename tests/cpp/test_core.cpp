@@ -315,17 +315,18 @@ TEST(Msgpack, EveryWidthRoundTrips) {
 }
 
 // Lists of ids as the Python layer writes them (msgpack ext type 2: a width byte, then the values
-// little-endian): a C++ reader gets the same list of integers an array gives, in every width; a
-// bad width, a body that is not whole values, or a truncated one is an error, never a list.
+// little-endian, signed where the width byte has 0x80): a C++ reader gets the same list of
+// integers an array gives, in every width; a bad width, a body that is not whole values, or a
+// truncated one is an error, never a list.
 TEST(Msgpack, IdListsReadAsListsOfIntegersAndBadOnesAreErrors) {
   auto id_list = [](uint8_t width, const std::vector<uint32_t>& vals, int cut = 0) {
     std::vector<std::byte> b;
-    const uint32_t body = 1 + uint32_t(vals.size()) * width;
+    const uint32_t bytes = width & 0xf, body = 1 + uint32_t(vals.size()) * bytes;
     for (uint8_t x : {uint8_t(0xc9), uint8_t(body >> 24), uint8_t(body >> 16), uint8_t(body >> 8), uint8_t(body),
                       uint8_t(2), width})
       b.push_back(std::byte{x});
     for (uint32_t v : vals)
-      for (int i = 0; i < width; ++i) b.push_back(std::byte(uint8_t(v >> (8 * i))));
+      for (uint32_t i = 0; i < bytes; ++i) b.push_back(std::byte(uint8_t(v >> (8 * i))));
     b.resize(b.size() - size_t(cut));
     return b;
   };
@@ -339,6 +340,20 @@ TEST(Msgpack, IdListsReadAsListsOfIntegersAndBadOnesAreErrors) {
     size_t i = 0;
     for (uint32_t v : vals) EXPECT_EQ(l[i++].as<uint64_t>(), v) << "width " << int(w);
   }
+  // Signed (width | 0x80): negatives come back as int64, the rest as uint64, as an array gives them.
+  for (uint8_t w : {uint8_t(0x81), uint8_t(0x82), uint8_t(0x84)}) {
+    const uint32_t bits = 8 * (w & 0xf);
+    const int64_t lo = -(int64_t(1) << (bits - 1)), hi = (int64_t(1) << (bits - 1)) - 1;
+    auto dec = value_from_msgpack(id_list(w, {uint32_t(lo), uint32_t(-1), 0, uint32_t(hi)}));
+    ASSERT_TRUE(dec.ok()) << dec.error().to_string();
+    const auto& l = dec->as<Value::List>();
+    ASSERT_EQ(l.size(), 4u);
+    EXPECT_EQ(l[0].as<int64_t>(), lo) << int(w);
+    EXPECT_EQ(l[1].as<int64_t>(), -1) << int(w);
+    EXPECT_EQ(l[2].as<uint64_t>(), 0u) << int(w);
+    EXPECT_EQ(l[3].as<uint64_t>(), uint64_t(hi)) << int(w);
+  }
+  EXPECT_FALSE(value_from_msgpack(id_list(0x83, {1})).ok());       // no such signed width
   EXPECT_FALSE(value_from_msgpack(id_list(3, {1, 2})).ok());        // no such width
   EXPECT_FALSE(value_from_msgpack(id_list(0, {})).ok());            // nor this one
   EXPECT_FALSE(value_from_msgpack(id_list(2, {1, 2}, 1)).ok());     // truncated

@@ -225,12 +225,15 @@ def test_trees_bytes_and_numpy_travel_without_pickle(ns):
 
 
 def test_lists_of_ids_travel_packed_and_come_back_as_they_were(ns):
-    """Lists and tuples of 16 or more ints in [0, 2^30) travel as one packed block of 1, 2 or 4
-    bytes per value; a C++ stage reads them as lists of integers. Anything else in the list (a
-    bool, a negative or huge int, a float) sends it item by item, each item as it was."""
+    """Lists and tuples of 16 or more ints of 31 bits (|v| < 2^30) travel as one packed block of 1,
+    2 or 4 bytes per value, signed where one is negative; a C++ stage reads them as lists of
+    integers. Anything else in the list (a bool, a huge int, a float) sends it item by item, each
+    item as it was."""
     cases = [list(range(300)), tuple(range(16)), [255] * 16, [256] * 16, [65535] * 20, [65536] * 20,
              [2 ** 30 - 1] * 16, list(range(15)), [1] * 15 + [True], [1] * 15 + [-1], [1] * 15 + [2 ** 40],
-             [1] * 15 + [1.5], [True] * 20, {"ids": [7] * 40, "codes": (3,) * 25, "nested": [[9] * 16, (1, 2)]}]
+             [1] * 15 + [1.5], [True] * 20, [-1] * 20, [-128, 127] * 8, [-129, 127] * 8, [-32768, 32767] * 8,
+             [-32769, 5] * 8, [-(2 ** 30) + 1, 2 ** 30 - 1] * 8, [-100] + list(range(40)) + [-7],
+             {"ids": [7] * 40, "codes": (3,) * 25, "nested": [[9] * 16, (1, 2)]}]
     with shm(ns, allow_pickle=False) as c:
         for obj in cases:
             got, meta = roundtrip(c, obj)
@@ -240,11 +243,13 @@ def test_lists_of_ids_travel_packed_and_come_back_as_they_were(ns):
                 assert cpp_view(meta)["tree"]["ids"] == [7] * 40
                 continue
             assert [type(x) for x in got] == [type(x) for x in obj], obj
-            if not any(isinstance(x, (bool, float)) or x < 0 for x in obj):
+            if not any(isinstance(x, (bool, float)) or abs(x) >= 2 ** 30 for x in obj):
                 assert list(cpp_view(meta)["tree"]) == list(obj), obj  # a C++ stage's view
-        # Packed: 4 bytes per vocabulary-sized id where msgpack takes 5.
+        # Packed: 4 bytes per vocabulary-sized id where msgpack takes 5; 1 per -1 padding, not 2.
         _, meta = roundtrip(c, [151645] * 1000)
         assert meta["size"] < 4600, meta["size"]
+        _, padded = roundtrip(c, [-100] * 1000)
+        assert padded["size"] < 1600, padded["size"]
 
 
 def test_torch_tensors_keep_what_they_are(ns):
@@ -543,7 +548,7 @@ def test_damaged_frames_and_handles_raise_only_stagelink_errors(mq_clean):
     objs = [np.arange(12, dtype=np.float32).reshape(3, 4), b"abc" * 10, {"t": (1, 2.5, None, True, "x\u00e9")},
             {"ids": list(range(300)), "b": bytearray(b"zz"), "m": memoryview(b"mv")},
             [np.float32(1.5), np.arange(5)[::2], np.zeros((0, 3))], {"a": [[1, [2, (3,)]], {"k": -7}], "u": 2**63 + 5},
-            {"vocab": [151645, 7] * 20, "codes": tuple(range(256, 290))}]  # packed id lists, 4 and 2 bytes wide
+            {"vocab": [151645, 7] * 20, "codes": tuple(range(256, 290)), "pad": [-1, 5] * 10}]  # packed id lists
     try:
         import torch
         objs += [torch.ones(5, dtype=torch.bfloat16), torch.nn.Parameter(torch.ones(2)), torch.tensor(3.0),
