@@ -101,7 +101,7 @@ struct Payload {
   Value ext;
   // The tree as msgpack bytes, for bindings that build their own objects without a Value tree:
   // on put, when not empty, it is written instead of `tree` (tensor references as ext type 1,
-  // big-endian u32; lists of ints may be ext type 2, read as lists of integers, see
+  // big-endian u32; lists of ints and of floats may be ext types 2 and 3, read as lists, see
   // core/msgpack_io.hpp; the caller keeps the bytes alive for the call); on a decode that was asked
   // not to build the tree (decode_frame_into's build_tree, GetOptions::raw_tree) it views the
   // frame's bytes and lives as long as they do. Nobody else needs it.

@@ -158,19 +158,20 @@ def _payload_cases():
     try:
         import torch
     except ImportError:
-        return cases + [_token_ids_case()]
+        return cases + _list_cases()
     cases[1:1] = [("torch float32[256] (1 KiB)", torch.ones(256)),
                   ("torch bfloat16[512] (1 KiB)", torch.ones(512, dtype=torch.bfloat16))]
     cases.append(("dict {hidden: torch 1 KiB, ids: [300 ints]}", {"hidden": torch.ones(256), "ids": list(range(300))}))
-    cases.append(_token_ids_case())
-    return cases
+    return cases + _list_cases()
 
 
-def _token_ids_case():
-    """A list of 4096 token ids of a 151,646-token vocabulary (Qwen's), as a thinker hands them on."""
+def _list_cases():
+    """Python lists as stages hand them on: 4096 token ids of a 151,646-token vocabulary (Qwen's),
+    and 4096 audio samples as floats."""
     import random
     rng = random.Random(4096)
-    return ("list of 4096 token ids (vocab 151,646)", [rng.randrange(151646) for _ in range(4096)])
+    return [("list of 4096 token ids (vocab 151,646)", [rng.randrange(151646) for _ in range(4096)]),
+            ("list of 4096 floats (audio samples)", [rng.uniform(-1.0, 1.0) for _ in range(4096)])]
 
 
 def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):

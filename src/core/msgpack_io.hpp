@@ -6,6 +6,7 @@
 #include <msgpack.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -35,6 +36,19 @@ inline constexpr uint8_t kIdListSigned = 0x80;
 [[gnu::always_inline]] inline int32_t signed_id_at(const uint8_t* d, uint32_t w, size_t i) {
   const uint32_t shift = 32 - 8 * w;
   return int32_t(id_at(d, w, i) << shift) >> shift;
+}
+// A list (or tuple) of floats -- audio samples, scores, embeddings handed on as Python lists --
+// may travel as msgpack ext type 3: the values as IEEE-754 doubles, 8 little-endian bytes each
+// (every bit kept: -0.0, NaN payloads, infinities). The Python layer writes it for lists of 16 or
+// more floats; readers build the list of doubles an array of float64 gives.
+inline constexpr int8_t kExtFloatList = 3;
+[[gnu::always_inline]] inline double float_at(const uint8_t* d, size_t i) {
+  uint64_t bits;
+  std::memcpy(&bits, d + 8 * i, 8);
+  if constexpr (std::endian::native == std::endian::big) bits = __builtin_bswap64(bits);
+  double v;
+  std::memcpy(&v, &bits, 8);
+  return v;
 }
 
 // Appends to *out from byte `len` on. The vector's size is the room in use and grows by
@@ -308,6 +322,16 @@ bool MpReader::read_any(B& b, typename B::Out& out, int depth) {
         p_ += n;
         if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
         return b.id_list(out, w, code & kIdListSigned, values, (n - 1) / w);
+      }
+      if (type == kExtFloatList) {
+        if (n % 8) {
+          --p_;
+          return fail("malformed float list");
+        }
+        const uint8_t* values = p_;
+        p_ += n;
+        if (depth >= kMaxDepth) return fail("msgpack nesting deeper than 64");
+        return b.float_list(out, values, n / 8);
       }
       if (type != kExtTensorRef || n != 4) {
         --p_;

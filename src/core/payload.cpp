@@ -280,6 +280,13 @@ struct ValueBuilder {
     o = Value(std::move(l));
     return true;
   }
+  bool float_list(Value& o, const uint8_t* d, uint32_t n) {
+    Value::List l;
+    l.reserve(n);
+    for (uint32_t i = 0; i < n; ++i) l.emplace_back(float_at(d, i));
+    o = Value(std::move(l));
+    return true;
+  }
   template <class F>
   bool array(Value& o, uint32_t n, F elem) {
     Value::List l;
@@ -324,6 +331,7 @@ struct SkipBuilder {
   bool bin(char&, std::span<const std::byte>) { return true; }
   bool tensor(char&, uint32_t) { return true; }
   bool id_list(char&, uint32_t, bool, const uint8_t*, uint32_t) { return true; }
+  bool float_list(char&, const uint8_t*, uint32_t) { return true; }
   template <class F>
   bool array(char& o, uint32_t n, F elem) {
     for (uint32_t i = 0; i < n; ++i)

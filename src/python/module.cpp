@@ -1036,6 +1036,30 @@ struct PyEncoder {
     return true;
   }
 
+  // A list of floats as a float list (ext type 3, msgpack_io.hpp): each value's 8 bytes,
+  // little-endian, in one pass. False, with nothing written, at the first item that is not an
+  // exact float (an int among them keeps its type: the caller packs the list item by item).
+  bool float_list(PyObject** items, Py_ssize_t n) {
+    if (size_t(n) > (UINT32_MAX - 8) / 8) return false;
+    sink.reserve(6 + 8 * size_t(n));
+    uint8_t* const h = sink.at();
+    uint8_t* const d = h + 6;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!PyFloat_CheckExact(items[i])) return false;
+      uint64_t bits;
+      const double v = PyFloat_AS_DOUBLE(items[i]);
+      std::memcpy(&bits, &v, 8);
+      if constexpr (std::endian::native == std::endian::big) bits = __builtin_bswap64(bits);
+      std::memcpy(d + 8 * i, &bits, 8);
+    }
+    const uint32_t body = 8 * uint32_t(n);
+    h[0] = 0xc9;  // ext 32: a big-endian u32 length, the type, the body
+    h[1] = uint8_t(body >> 24), h[2] = uint8_t(body >> 16), h[3] = uint8_t(body >> 8), h[4] = uint8_t(body);
+    h[5] = uint8_t(detail::kExtFloatList);
+    sink.len += 6 + body;
+    return true;
+  }
+
   bool encode(nb::handle h, int depth) {
     if (depth > 64) return fail(h, " nested deeper than 64");
     PyObject* o = h.ptr();
@@ -1073,7 +1097,7 @@ struct PyEncoder {
       ++lists;
       const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
       PyObject** items = PySequence_Fast_ITEMS(o);
-      if (n >= kIdListMin && id_list(items, n)) return true;
+      if (n >= kIdListMin && (PyFloat_CheckExact(items[0]) ? float_list(items, n) : id_list(items, n))) return true;
       pk.pack_array(uint32_t(n));
       // Runs of compact ints are written through a cursor of our own, in room reserved 4096 ints
       // at a time (a huge list reserves no more): no bounds check nor call per int.
@@ -1380,6 +1404,12 @@ struct PyDecoder {
     if (w == 1) fill(std::integral_constant<uint32_t, 1>{});
     else if (w == 2) fill(std::integral_constant<uint32_t, 2>{});
     else fill(std::integral_constant<uint32_t, 4>{});
+    return true;
+  }
+  bool float_list(Out& o, const uint8_t* d, uint32_t n) {
+    PyObject** items = new_sequence(o, n);
+    for (uint32_t i = 0; i < n; ++i)
+      if (!(items[i] = PyFloat_FromDouble(detail::float_at(d, i)))) throw nb::python_error();
     return true;
   }
   template <class F>

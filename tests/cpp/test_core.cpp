@@ -363,6 +363,36 @@ TEST(Msgpack, IdListsReadAsListsOfIntegersAndBadOnesAreErrors) {
   EXPECT_FALSE(value_from_msgpack(ragged).ok());
 }
 
+// Lists of floats as the Python layer writes them (msgpack ext type 3: 8-byte little-endian
+// doubles): a C++ reader gets a list of doubles, every bit kept; a body that is not whole doubles
+// is an error.
+TEST(Msgpack, FloatListsReadAsListsOfDoublesAndRaggedOnesAreErrors) {
+  const std::vector<double> vals{1.5, -0.0, std::numeric_limits<double>::infinity(), -2.25e300, 0.1};
+  std::vector<std::byte> b;
+  const uint32_t body = 8 * uint32_t(vals.size());
+  for (uint8_t x : {uint8_t(0xc9), uint8_t(body >> 24), uint8_t(body >> 16), uint8_t(body >> 8), uint8_t(body), uint8_t(3)})
+    b.push_back(std::byte{x});
+  for (double v : vals) {
+    uint64_t bits;
+    std::memcpy(&bits, &v, 8);
+    for (int i = 0; i < 8; ++i) b.push_back(std::byte(uint8_t(bits >> (8 * i))));
+  }
+  auto dec = value_from_msgpack(b);
+  ASSERT_TRUE(dec.ok()) << dec.error().to_string();
+  const auto& l = dec->as<Value::List>();
+  ASSERT_EQ(l.size(), vals.size());
+  for (size_t i = 0; i < vals.size(); ++i) {
+    EXPECT_EQ(l[i].as<double>(), vals[i]);
+    EXPECT_EQ(std::signbit(l[i].as<double>()), std::signbit(vals[i]));
+  }
+  auto ragged = b;  // 39 bytes of body: not whole doubles
+  ragged[4] = std::byte{39};
+  ragged.pop_back();
+  EXPECT_FALSE(value_from_msgpack(ragged).ok());
+  b.pop_back();  // truncated
+  EXPECT_FALSE(value_from_msgpack(b).ok());
+}
+
 // Regression: msgpack-c 4 packs a double holding a whole number as an int, so 2.0 came back as
 // the integer 2 (and -0.0 as 0): a float must stay a float, with its sign.
 TEST(Msgpack, WholeNumberDoublesStayDoubles) {

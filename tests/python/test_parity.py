@@ -252,6 +252,35 @@ def test_lists_of_ids_travel_packed_and_come_back_as_they_were(ns):
         assert padded["size"] < 1600, padded["size"]
 
 
+def test_lists_of_floats_travel_packed_and_keep_every_bit(ns):
+    """Lists and tuples of 16 or more floats travel as one block of 8-byte doubles: -0.0, NaN,
+    the infinities kept; a C++ stage reads a list of doubles. An int among them keeps the list
+    item by item, so the int stays an int."""
+    import math
+    special = [-0.0, float("nan"), float("inf"), -float("inf"), 5e-324, 1.7976931348623157e308, 0.1]
+    cases = [[0.5] * 16, special * 3, tuple(x / 7 for x in range(40)), [1.5] * 15, [1.0] * 15 + [2], [2] + [1.0] * 20,
+             [1.0] * 15 + [True], {"audio_data": [0.25] * 64, "modality": "audio", "t": (1.5,) * 16}]
+
+    def same(a, b):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+
+    with shm(ns, allow_pickle=False) as c:
+        for obj in cases:
+            got, meta = roundtrip(c, obj)
+            assert type(got) is type(obj), obj
+            if isinstance(obj, dict):
+                assert got == obj and type(got["t"]) is tuple
+                assert cpp_view(meta)["tree"]["audio_data"] == [0.25] * 64
+                continue
+            assert [type(x) for x in got] == [type(x) for x in obj], obj
+            assert all(same(a, b) for a, b in zip(got, obj)), (obj, got)
+            if all(type(x) is float for x in obj):
+                assert all(same(a, b) for a, b in zip(cpp_view(meta)["tree"], obj))  # a C++ stage's view
+        # Packed: 8 bytes per value where msgpack takes 9.
+        _, meta = roundtrip(c, [0.1] * 1000)
+        assert meta["size"] < 8600, meta["size"]
+
+
 def test_torch_tensors_keep_what_they_are(ns):
     torch = pytest.importorskip("torch")
     with shm(ns, allow_pickle=False) as c:
@@ -548,7 +577,8 @@ def test_damaged_frames_and_handles_raise_only_stagelink_errors(mq_clean):
     objs = [np.arange(12, dtype=np.float32).reshape(3, 4), b"abc" * 10, {"t": (1, 2.5, None, True, "x\u00e9")},
             {"ids": list(range(300)), "b": bytearray(b"zz"), "m": memoryview(b"mv")},
             [np.float32(1.5), np.arange(5)[::2], np.zeros((0, 3))], {"a": [[1, [2, (3,)]], {"k": -7}], "u": 2**63 + 5},
-            {"vocab": [151645, 7] * 20, "codes": tuple(range(256, 290)), "pad": [-1, 5] * 10}]  # packed id lists
+            {"vocab": [151645, 7] * 20, "codes": tuple(range(256, 290)), "pad": [-1, 5] * 10},  # packed id lists
+            {"audio": [0.5, -0.0] * 10, "t": (float("nan"),) * 16}]  # packed float lists
     try:
         import torch
         objs += [torch.ones(5, dtype=torch.bfloat16), torch.nn.Parameter(torch.ones(2)), torch.tensor(3.0),
