@@ -1004,7 +1004,13 @@ struct PyEncoder {
   // width must hold below its sign), then the values are narrowed in place to the width those
   // need (unsigned when none is negative). False, with nothing written, at the first item that
   // is anything else: the caller packs the list item by item.
-  static constexpr Py_ssize_t kIdListMin = 16;
+  static constexpr Py_ssize_t kPackedListMin = 16;  // the shortest list packed as ids or floats
+  // msgpack's ext 32 header at h (6 bytes): the tag, the body's length (big-endian), the type.
+  static void ext32_header(uint8_t* h, uint32_t body, int8_t type) {
+    h[0] = 0xc9;
+    h[1] = uint8_t(body >> 24), h[2] = uint8_t(body >> 16), h[3] = uint8_t(body >> 8), h[4] = uint8_t(body);
+    h[5] = uint8_t(type);
+  }
   bool id_list(PyObject** items, Py_ssize_t n) {
     if (size_t(n) > (UINT32_MAX - 1) / 4) return false;
     sink.reserve(7 + 4 * size_t(n));
@@ -1028,9 +1034,7 @@ struct PyEncoder {
     else if (w == 2)
       for (Py_ssize_t i = 0; i < n; ++i) d[2 * i] = d[4 * i], d[2 * i + 1] = d[4 * i + 1];
     const uint32_t body = 1 + uint32_t(n) * w;
-    h[0] = 0xc9;  // ext 32: a big-endian u32 length, the type, the body
-    h[1] = uint8_t(body >> 24), h[2] = uint8_t(body >> 16), h[3] = uint8_t(body >> 8), h[4] = uint8_t(body);
-    h[5] = uint8_t(detail::kExtIdList);
+    ext32_header(h, body, detail::kExtIdList);
     h[6] = uint8_t(w | (sign ? detail::kIdListSigned : 0));
     sink.len += 6 + body;
     return true;
@@ -1053,9 +1057,7 @@ struct PyEncoder {
       std::memcpy(d + 8 * i, &bits, 8);
     }
     const uint32_t body = 8 * uint32_t(n);
-    h[0] = 0xc9;  // ext 32: a big-endian u32 length, the type, the body
-    h[1] = uint8_t(body >> 24), h[2] = uint8_t(body >> 16), h[3] = uint8_t(body >> 8), h[4] = uint8_t(body);
-    h[5] = uint8_t(detail::kExtFloatList);
+    ext32_header(h, body, detail::kExtFloatList);
     sink.len += 6 + body;
     return true;
   }
@@ -1097,7 +1099,7 @@ struct PyEncoder {
       ++lists;
       const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
       PyObject** items = PySequence_Fast_ITEMS(o);
-      if (n >= kIdListMin && (PyFloat_CheckExact(items[0]) ? float_list(items, n) : id_list(items, n))) return true;
+      if (n >= kPackedListMin && (PyFloat_CheckExact(items[0]) ? float_list(items, n) : id_list(items, n))) return true;
       pk.pack_array(uint32_t(n));
       // Runs of compact ints are written through a cursor of our own, in room reserved 4096 ints
       // at a time (a huge list reserves no more): no bounds check nor call per int.
