@@ -998,12 +998,6 @@ struct PyEncoder {
     return true;
   }
 
-  // A list of compact ints (|v| < 2^30: token ids, codes, -1 paddings) as an id list (ext type
-  // 2, msgpack_io.hpp): one pass over the items writes each as 4 bytes while OR-ing them (a
-  // negative one sets bit 31) and their magnitudes (v, or ~v for a negative v: the bits a signed
-  // width must hold below its sign), then the values are narrowed in place to the width those
-  // need (unsigned when none is negative). False, with nothing written, at the first item that
-  // is anything else: the caller packs the list item by item.
   static constexpr Py_ssize_t kPackedListMin = 16;  // the shortest list packed as ids or floats
   // msgpack's ext 32 header at h (6 bytes): the tag, the body's length (big-endian), the type.
   static void ext32_header(uint8_t* h, uint32_t body, int8_t type) {
@@ -1011,8 +1005,15 @@ struct PyEncoder {
     h[1] = uint8_t(body >> 24), h[2] = uint8_t(body >> 16), h[3] = uint8_t(body >> 8), h[4] = uint8_t(body);
     h[5] = uint8_t(type);
   }
+  // A list of compact ints (|v| < 2^30: token ids, codes, -1 paddings) as an id list (ext type
+  // 2, msgpack_io.hpp): one pass over the items writes each as 4 bytes while OR-ing them (a
+  // negative one sets bit 31) and their magnitudes (v, or ~v for a negative v: the bits a signed
+  // width must hold below its sign), then the values are narrowed in place to the width those
+  // need (unsigned when none is negative). False, with nothing written, at the first item that
+  // is anything else: the caller packs the list item by item.
   bool id_list(PyObject** items, Py_ssize_t n) {
-    if (size_t(n) > (UINT32_MAX - 1) / 4) return false;
+    // A list of anything else (strs, dicts) is turned away before room is reserved for it.
+    if (!Py_IS_TYPE(items[0], &PyLong_Type) || size_t(n) > (UINT32_MAX - 1) / 4) return false;
     sink.reserve(7 + 4 * size_t(n));
     uint8_t* const h = sink.at();
     uint8_t* const d = h + 7;

@@ -245,6 +245,8 @@ def test_lists_of_ids_travel_packed_and_come_back_as_they_were(ns):
             assert [type(x) for x in got] == [type(x) for x in obj], obj
             if not any(isinstance(x, (bool, float)) or abs(x) >= 2 ** 30 for x in obj):
                 assert list(cpp_view(meta)["tree"]) == list(obj), obj  # a C++ stage's view
+        for other in (["tok"] * 20, [{"k": 1}] * 16, [None] * 16, [[1, 2]] * 16):  # not ints: item by item
+            assert roundtrip(c, other)[0] == other
         # Packed: 4 bytes per vocabulary-sized id where msgpack takes 5; 1 per -1 padding, not 2.
         _, meta = roundtrip(c, [151645] * 1000)
         assert meta["size"] < 4600, meta["size"]
