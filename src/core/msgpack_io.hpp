@@ -61,6 +61,7 @@ struct ByteSink {
     if (out->size() < len) out->resize(len);
   }
   void write(const char* p, size_t n) {
+    if (n == 0) return;  // msgpack-c passes (nullptr, 0) for an empty str or bin
     if (n > out->size() - len) out->resize(std::max(out->size() * 2, len + n + 64));
     std::memcpy(out->data() + len, p, n);
     len += n;

@@ -35,7 +35,8 @@ TEST(Config, SeedSharedMemoryExampleAndDefaultFill) {
   ASSERT_EQ(c->edges.size(), 2u);
   EXPECT_EQ(c->connector_for_edge("0", "1").name, "SharedMemoryConnector");
   EXPECT_EQ(c->connector_for_edge("0", "1").ref, "connector_of_shared_memory");
-  const Value* thr = c->connector_for_edge("0", "1").extra.find("shm_threshold_bytes");
+  const ConnectorSpec spec = c->connector_for_edge("0", "1");  // by value: find() points into it
+  const Value* thr = spec.extra.find("shm_threshold_bytes");
   ASSERT_TRUE(thr);
   int64_t v;
   ASSERT_TRUE(thr->get_i64(v));

@@ -172,7 +172,7 @@ TEST(Ring, ThreadsSeeEveryMessageInOrderIntact) {
         if (!c.ok()) { bad++; return; }
         auto want = message(i, 248);
         if ((*c)->len != want.size() + 8 || std::memcmp((*rd)->data(*c), &i, 8) != 0 ||
-            std::memcmp((*rd)->data(*c) + 8, want.data(), want.size()) != 0)
+            (!want.empty() && std::memcmp((*rd)->data(*c) + 8, want.data(), want.size()) != 0))
           bad++;
         (*rd)->release_read(*c);
         jitter(g);
