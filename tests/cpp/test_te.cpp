@@ -332,6 +332,11 @@ TEST(TransferEngine, PutOfAKeyJustReadWaitsForItsTransferToEnd) {
   }
 }
 
+// The sender killed in the middle of a transfer: the get fails within its timeout and the pool
+// region comes back. Two small gets connect the two first (the first pull goes over the side
+// channel and the sender connects to send; the second is a UCX message, the receiver connecting),
+// so the kill lands in the transfer: a peer that dies while UCX 1.13 is still setting up a
+// connection can abort the survivor in UCX's own code (docs/te.md, "Known issues").
 TEST(TransferEngine, SenderKilledMidTransferIsAnErrorWithinTheTimeout) {
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
@@ -339,21 +344,28 @@ TEST(TransferEngine, SenderKilledMidTransferIsAnErrorWithinTheTimeout) {
   if (pid == 0) {
     auto s = create_connector("TransferEngineConnector", te_extra("sender"));
     if (!s.ok()) _exit(2);
-    const auto d = pattern(200 << 20, 7);
-    auto pr = s.value()->put("0", "1", "huge", payload_of(d));
-    if (!pr.ok()) _exit(3);
-    const auto md = value_to_msgpack(pr->metadata);
-    const uint32_t n = uint32_t(md.size());
-    if (write(fds[1], &n, 4) != 4 || write(fds[1], md.data(), n) != ssize_t(n)) _exit(4);
+    const auto small = pattern(4096, 3), d = pattern(200 << 20, 7);
+    for (const auto& [key, data] : {std::pair{"warm0", &small}, std::pair{"warm1", &small}, std::pair{"huge", &d}}) {
+      auto pr = s.value()->put("0", "1", key, payload_of(*data));
+      if (!pr.ok()) _exit(3);
+      const auto md = value_to_msgpack(pr->metadata);
+      const uint32_t n = uint32_t(md.size());
+      if (write(fds[1], &n, 4) != 4 || write(fds[1], md.data(), n) != ssize_t(n)) _exit(4);
+    }
     pause();
     _exit(0);
   }
-  uint32_t n = 0;
-  ASSERT_EQ(read(fds[0], &n, 4), 4);
-  std::vector<std::byte> buf(n);
-  ASSERT_EQ(read(fds[0], buf.data(), n), ssize_t(n));
-  const Value md = value_from_msgpack(buf).value();
+  auto read_md = [&] {
+    uint32_t n = 0;
+    EXPECT_EQ(read(fds[0], &n, 4), 4);
+    std::vector<std::byte> buf(n);
+    EXPECT_EQ(read(fds[0], buf.data(), n), ssize_t(n));
+    return value_from_msgpack(buf).value();
+  };
+  const Value warm0 = read_md(), warm1 = read_md(), md = read_md();
   auto rcv = te("receiver");
+  ASSERT_TRUE(rcv->get("0", "1", "warm0", &warm0, kNoWait, {}).ok());
+  ASSERT_TRUE(rcv->get("0", "1", "warm1", &warm1, kNoWait, {}).ok());
   std::thread killer([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
     kill(pid, SIGKILL);

@@ -1,6 +1,7 @@
 """vLLM-Omni parity: exact cleanup, foreign metadata, replacement, the rest of the base contract,
 native payloads (no pickle) and allow_pickle."""
 import multiprocessing as mp
+import os
 import threading
 import time
 
@@ -588,19 +589,24 @@ def test_damaged_frames_and_handles_raise_only_stagelink_errors(mq_clean):
     except ImportError:
         pass
     others = []
+    # STAGELINK_FUZZ_ROUNDS: more damaged copies per object, for a deeper run on an extension built
+    # with the sanitizers (./scripts/test-sanitizers --python).
+    rounds = int(os.environ.get("STAGELINK_FUZZ_ROUNDS", "1500"))
     for obj in objs:
         frame = _core.encode_object(obj)
         assert frame is not None, obj
-        for bad in _mutations(rng, frame, 1500):
-            try:
-                _core.decode_frame_parts(bad)
-            except stagelink.StagelinkError:
-                pass
-            except Exception as e:  # noqa: BLE001 - what this test looks for
-                others.append((type(e).__name__, str(e)[:80], bad))
+        for bad in _mutations(rng, frame, rounds):
+            # Python's reader (objects), then C++'s (the Value tree a C++ stage gets).
+            for read in (_core.decode_frame_parts, _core._frame_as_cpp_sees_it):
+                try:
+                    read(bad)
+                except stagelink.StagelinkError:
+                    pass
+                except Exception as e:  # noqa: BLE001 - what this test looks for
+                    others.append((read.__name__, type(e).__name__, str(e)[:80], bad))
     mq = stagelink.MessageQueue(2, 1, max_chunk_bytes=1024, max_chunks=4)
     try:
-        for bad in _mutations(rng, mq.export_handle().data, 3000):
+        for bad in _mutations(rng, mq.export_handle().data, 2 * rounds):
             try:
                 stagelink.mq.Handle(bad)
             except stagelink.StagelinkError:
