@@ -1321,8 +1321,13 @@ struct PyDecoder {
     }
     if (!dev.empty()) out = out.attr(nb::handle(T->s_to))(dev);
     const bool rg = k & kFlagRequiresGrad;
-    if (k & kFlagParameter) return nb::handle(T->param_type)(out, nb::arg("requires_grad") = rg);
-    if (rg) out.attr(nb::handle(T->s_requires_grad_))(true);
+    try {
+      if (k & kFlagParameter) return nb::handle(T->param_type)(out, nb::arg("requires_grad") = rg);
+      if (rg) out.attr(nb::handle(T->s_requires_grad_))(true);
+    } catch (nb::python_error&) {  // damage: no put marks an integer tensor so (torch refuses it)
+      raise(make_error(Errc::corrupt, std::string("the frame marks a tensor of ") + dtype_name(t.dtype) +
+                                          " as requiring gradients, which torch refuses"));
+    }
     return out;
   }
   nb::object tensor(size_t i) {

@@ -618,6 +618,22 @@ def test_damaged_frames_and_handles_raise_only_stagelink_errors(mq_clean):
     assert not others, others[:5]
 
 
+def test_a_frame_marking_an_integer_tensor_as_requiring_gradients_is_corrupt():
+    """Regression (found by the deeper fuzz on the sanitizer build): a damaged frame whose tensor
+    kind says requires_grad (or a Parameter requiring it) for an integer tensor raised torch's
+    RuntimeError from get instead of CorruptError."""
+    torch = pytest.importorskip("torch")
+    frame = _core.encode_object(torch.ones(2, dtype=torch.int32))
+    kinds = b"\xa2tk\x91\x01"  # ext "tk": [torch]
+    assert frame.count(kinds) == 1
+    for flags in (0x11, 0x31):  # | requires_grad; | requires_grad | Parameter
+        bad = frame.replace(kinds, kinds[:-1] + bytes([flags]))
+        with pytest.raises(stagelink.CorruptError, match="int32 as requiring gradients"):
+            _core.decode_frame_parts(bad)
+    got = _core.decode_frame_parts(frame.replace(kinds, kinds[:-1] + b"\x21"))[1]  # a Parameter without
+    assert type(got) is torch.nn.Parameter and not got.requires_grad  # gradients: allowed, as torch does
+
+
 def test_the_queue_keeps_types_too(mq_clean):
     torch = pytest.importorskip("torch")
     w = stagelink.MessageQueue(1, 1)
