@@ -243,10 +243,14 @@ class MqWriter final : public MessageQueue {
   }
 
   Status enqueue(const Payload& p, double timeout_s) override {
-    SL_ASSIGN(FramePlan plan, plan_frame(p));
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return make_error(Errc::closed, "enqueue on a closed message queue");
     if (shutdown_flag_.load()) return make_error(Errc::cancelled, kShutDown);
+    // The plan is kept from one message to the next: a message laid out as the one before (byte
+    // messages of one size, tensors of one shape) is not planned again, and any other reuses its
+    // buffers instead of allocating them.
+    SL_TRY(plan_frame_into(plan_, p));
+    const FramePlan& plan = plan_;
     const uint64_t dl = deadline_from(timeout_s);
     std::span<const std::byte> written;  // the frame as written to shared memory (for remote)
     if (ring_) {
@@ -496,6 +500,7 @@ class MqWriter final : public MessageQueue {
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> pub_;
   std::vector<std::byte> scratch_;
+  FramePlan plan_;  // the last message's layout (enqueue, under mu_)
   uint64_t seq_ = 0;  // messages sent (to the ring, the remote readers, or both)
   uint64_t bytes_ = 0, overflow_msgs_ = 0, dedicated_msgs_ = 0;
 };

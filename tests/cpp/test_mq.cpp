@@ -236,6 +236,50 @@ TEST_P(MqFanOut, EveryReaderGetsEveryMessageOnceInOrderIntact) {
 }
 INSTANTIATE_TEST_SUITE_P(Readers, MqFanOut, ::testing::Values(1u, 4u, 8u));
 
+// The writer keeps its frame plan from one message to the next: messages of one size whose
+// layout differs (dtype, shape, the tree, ext) must each be planned again, never sent with the
+// last one's header. Every reader sees each message as it was enqueued.
+TEST(Mq, MessagesOfOneSizeButAnotherLayoutKeepTheirOwn) {
+  Trio t(small(4096, 4));
+  ASSERT_TRUE(t.w && t.r0 && t.r1);
+  const auto bytes = testing_util::pattern(64, 1);
+  auto tensor = [&](DType dt, std::vector<int64_t> shape) {
+    Payload p;
+    p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(bytes), dt, std::move(shape)));
+    p.tree = Value(TensorRef{0});
+    return p;
+  };
+  std::vector<Payload> msgs;
+  msgs.push_back(tensor(DType::u8, {64}));
+  msgs.push_back(tensor(DType::f32, {16}));
+  msgs.push_back(tensor(DType::f32, {4, 4}));
+  msgs.push_back(tensor(DType::f32, {4, 4}));  // the same layout again: the kept plan
+  msgs.push_back(tensor(DType::i16, {32}));
+  Payload with_ext = tensor(DType::i16, {32});
+  with_ext.ext = Value(Value::Map{{"k", Value(int64_t(7))}});
+  msgs.push_back(std::move(with_ext));
+  msgs.push_back(tensor(DType::i16, {32}));  // and without it again
+  Payload tree = tensor(DType::u8, {64});
+  tree.tree = Value(Value::List{Value(TensorRef{0}), Value("x")});
+  msgs.push_back(std::move(tree));
+  msgs.push_back(tensor(DType::u8, {64}));
+  for (int round = 0; round < 3; ++round) {
+    for (const auto& m : msgs) {
+      ASSERT_TRUE(t.w->enqueue(m, 5).ok());
+      for (auto* r : {t.r0.get(), t.r1.get()}) {
+        auto got = r->dequeue(5);
+        ASSERT_TRUE(got.ok()) << got.error().message;
+        const Tensor& x = got->payload.tensors.at(0);
+        EXPECT_EQ(x.dtype, m.tensors[0].dtype);
+        EXPECT_EQ(x.shape, m.tensors[0].shape);
+        EXPECT_EQ(checksum(x.data), checksum(bytes));
+        EXPECT_EQ(got->payload.tree.is<TensorRef>(), m.tree.is<TensorRef>());
+        EXPECT_EQ(got->payload.ext.is_nil(), m.ext.is_nil());
+      }
+    }
+  }
+}
+
 TEST(Mq, MessageLargerThanOverflowGetsOwnSegmentFreedWhenRead) {
   const size_t before = mq_files();
   auto o = small(1024, 2);
