@@ -50,6 +50,13 @@ inline constexpr int8_t kExtFloatList = 3;
   std::memcpy(&v, &bits, 8);
   return v;
 }
+// Value i of a float list written (float_at's inverse).
+[[gnu::always_inline]] inline void put_float(uint8_t* d, size_t i, double v) {
+  uint64_t bits;
+  std::memcpy(&bits, &v, 8);
+  if constexpr (std::endian::native == std::endian::big) bits = __builtin_bswap64(bits);
+  std::memcpy(d + 8 * i, &bits, 8);
+}
 
 // Appends to *out from byte `len` on. The vector's size is the room in use and grows by
 // doubling; writes are a bounds check and a memcpy (msgpack-c writes 1-9 bytes per call).

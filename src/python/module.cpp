@@ -1051,11 +1051,7 @@ struct PyEncoder {
     uint8_t* const d = h + 6;
     for (Py_ssize_t i = 0; i < n; ++i) {
       if (!PyFloat_CheckExact(items[i])) return false;
-      uint64_t bits;
-      const double v = PyFloat_AS_DOUBLE(items[i]);
-      std::memcpy(&bits, &v, 8);
-      if constexpr (std::endian::native == std::endian::big) bits = __builtin_bswap64(bits);
-      std::memcpy(d + 8 * i, &bits, 8);
+      detail::put_float(d, size_t(i), PyFloat_AS_DOUBLE(items[i]));
     }
     const uint32_t body = 8 * uint32_t(n);
     ext32_header(h, body, detail::kExtFloatList);
@@ -1324,7 +1320,8 @@ struct PyDecoder {
     try {
       if (k & kFlagParameter) return nb::handle(T->param_type)(out, nb::arg("requires_grad") = rg);
       if (rg) out.attr(nb::handle(T->s_requires_grad_))(true);
-    } catch (nb::python_error&) {  // damage: no put marks an integer tensor so (torch refuses it)
+    } catch (nb::python_error& e) {  // damage: no put marks an integer tensor so (torch refuses it)
+      if (!e.matches(PyExc_RuntimeError)) throw;  // Ctrl-C, out of memory: not the frame's doing
       raise(make_error(Errc::corrupt, std::string("the frame marks a tensor of ") + dtype_name(t.dtype) +
                                           " as requiring gradients, which torch refuses"));
     }
