@@ -149,14 +149,14 @@ def _iters(size):
 
 class TwoHosts:
     """Loopback, or two network namespaces joined by a veth pair (root; `close()` removes them):
-    `a`/`b` prefix a command to run it on either side, `addr_a` is side a's address, `va` its
-    veth. The transfer-engine tests use it too."""
+    `a`/`b` prefix a command to run it on either side, `addr_a`/`addr_b` are the sides' addresses,
+    `va` a's veth. The transfer-engine tests use it too."""
 
     def __init__(self, namespaces: bool):
         self.ns = namespaces
         if not namespaces:
             self.a = self.b = []
-            self.addr_a = "127.0.0.1"
+            self.addr_a = self.addr_b = "127.0.0.1"
             return
         tag = str(os.getpid() % 100000)
         self.na, self.nb, self.va, vb = f"sbta{tag}", f"sbtb{tag}", f"sbva{tag}", f"sbvb{tag}"
@@ -171,7 +171,7 @@ class TwoHosts:
                   ["ip", "-n", self.na, "link", "set", "lo", "up"], ["ip", "-n", self.nb, "link", "set", "lo", "up"]):
             subprocess.run(c, check=True, capture_output=True)
         self.a, self.b = ["ip", "netns", "exec", self.na], ["ip", "netns", "exec", self.nb]
-        self.addr_a = f"10.{net}.1.1"
+        self.addr_a, self.addr_b = f"10.{net}.1.1", f"10.{net}.1.2"
 
     def close(self):
         if self.ns:

@@ -51,7 +51,8 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
         return 2
     args = dict(spec.client.get("args") or {})
     procs = spec.processes()
-    layout = ", ".join(f"{name}: {'+'.join(st)}" for name, st in procs.items())
+    layout = ", ".join(f"{name}: {'+'.join(st)}" + (f" on {spec.host_of(name)}" if spec.host_of(name) else "")
+                       for name, st in procs.items())
     console.print(f"[bold]{spec.name}[/]: {len(spec.stages)} stages in {len(procs)} processes ({layout})")
     t_start = time.monotonic()
     try:

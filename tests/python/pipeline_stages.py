@@ -106,3 +106,24 @@ def cpp_chunks(payload, ctx):
         ids.append(int(c["i"]))
         total += float(c["x"].sum())
     return {"ids": ids, "sum": total}
+
+
+def where_streamer(payload, ctx):
+    """Streams 4 chunks of 200 kB saying where it ran (pid, network namespace); the last carries x + 1."""
+    n = 4
+    where = {"pid": os.getpid(), "net": os.readlink("/proc/self/ns/net")}
+    for i in range(n):
+        c = dict(where, i=i, data=np.full(200_000, i % 251, np.uint8))
+        if i == n - 1:
+            c["x"] = payload["x"] + 1
+        ctx.stream(c)
+    return None
+
+
+def where_collector(payload, ctx):
+    out = {"ids": []}
+    for c in ctx.chunks():
+        assert (c["data"] == c["i"] % 251).all()
+        out["ids"].append(c["i"])
+        out.update((k, c[k]) for k in ("pid", "net", "x") if k in c)
+    return out

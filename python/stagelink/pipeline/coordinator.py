@@ -26,7 +26,7 @@ from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_
 from ..relay import Relay
 from ._wire import from_frame, small_frame
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
-from .worker import endpoint
+from .worker import endpoint, remote_args
 
 
 class StageError(RuntimeError):
@@ -97,7 +97,7 @@ class Pipeline:
         _core.shm_reap("/dev/shm")
         try:
             self._inbox = Inbox(endpoint(spec, self._dir, COORDINATOR))
-            self._relay = Relay(spec.relay)
+            self._relay = Relay(spec.relay_at(COORDINATOR, COORDINATOR, spec.entry))
             self._start(python or sys.executable, env)
         except BaseException:
             self._teardown(kill=True)
@@ -125,9 +125,23 @@ class Pipeline:
             paths.insert(0, os.path.dirname(os.path.abspath(self.spec.source)))
         e["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd()] + paths))
         for proc in self.spec.processes():
-            self._procs[proc] = subprocess.Popen(
-                [python, "-m", "stagelink.pipeline._entry", spec_path, proc, self._dir], env=e,
-                stdin=subprocess.DEVNULL)
+            host = self.spec.host_of(proc)
+            if not host:
+                self._procs[proc] = subprocess.Popen(
+                    [python, "-m", "stagelink.pipeline._entry", spec_path, proc, self._dir], env=e,
+                    stdin=subprocess.DEVNULL)
+                continue
+            # Another host: its `launch` prefix runs the process there. Its stdin is a pipe this
+            # process holds and never writes: when this process ends, however it ends, the stage
+            # process reads end of file and exits (worker._watch_stdin).
+            h = self.spec.hosts[host]
+            argv = list(h["launch"]) + [h.get("python") or python, "-m", "stagelink.pipeline._entry"]
+            argv += remote_args(self.spec, proc, paths)
+            try:
+                self._procs[proc] = subprocess.Popen(argv, env=e, stdin=subprocess.PIPE)
+            except OSError as err:
+                raise PipelineStartError(f"cannot launch stage process '{proc}' on host '{host}' with "
+                                         f"{h['launch']}: {err}") from None
         deadline = time.monotonic() + self.settings["startup_timeout_s"]
         while len(self._ready) < len(self._procs):
             left = deadline - time.monotonic()
@@ -174,6 +188,9 @@ class Pipeline:
     def _teardown(self, kill: bool, deadline: Optional[float] = None):
         self._closed = True
         deadline = deadline or time.monotonic()
+        for p in self._procs.values():
+            if p.stdin is not None:  # a process on another host: end of file ends it there
+                p.stdin.close()
         for p in self._procs.values():
             try:
                 p.wait(max(0.0, deadline - time.monotonic()) if not kill else 0.5)

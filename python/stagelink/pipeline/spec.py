@@ -4,6 +4,8 @@
     relay: {backend: shm, credits: 8, slot_size_mb: 16, timeout_s: 30}   # every edge's default
     control: shm                                      # control messages: shm rings | ipc | tcp (below)
     # control: {transport: tcp, host: 10.0.0.5, base_port: 47100}  # coordinator 47100, stages 47101...
+    hosts:                                            # optional: stage processes on other hosts
+      gpu2: {address: 10.0.0.6, launch: "ssh -o BatchMode=yes 10.0.0.6", python: /opt/venv/bin/python}
     settings: {request_timeout_s: 120, startup_timeout_s: 20}
     stages:
       - name: encoder
@@ -14,6 +16,7 @@
         factory: ...
         stream_to: [talker]                           # chunks sent with ctx.stream()
         process: lm                                   # stages sharing a value share a process
+        host: gpu2                                    # run its process there (control: tcp, relay: ucx)
       - name: talker
         factory: ...
         merge: "mod:fn"                               # fan-in: combine {source: payload}
@@ -37,9 +40,9 @@ from typing import Any, Dict, List, Optional
 from .. import _core
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
-               "inline", "zero_copy"}
+               "inline", "zero_copy", "host"}
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
-             "control"}
+             "control", "hosts"}
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 20.0, "abort_timeout_s": 5.0,
              "shutdown_timeout_s": 10.0, "inline_bytes": 16384}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -68,6 +71,7 @@ class StageSpec:
     # Inputs that came through the relay are read-only views of its shared memory (no copy); each
     # holds its slot, and its edge's credit, until the stage drops it.
     zero_copy: bool = False
+    host: str = ""  # a name under `hosts:`; "" is the coordinator's host
     sources: List[str] = field(default_factory=list)         # stages whose `next` names this one
     stream_sources: List[str] = field(default_factory=list)  # stages whose `stream_to` names it
 
@@ -86,6 +90,8 @@ class PipelineSpec:
     # Control-message transport: {"transport": "shm"} (rings, one host), "ipc" (ZeroMQ sockets in
     # the private directory) or "tcp" (ZeroMQ, with "host" and "base_port").
     control: dict = field(default_factory=lambda: {"transport": "shm"})
+    # Other hosts: name -> {"address", "launch" (argv prefix that runs a command there), "python"}.
+    hosts: Dict[str, dict] = field(default_factory=dict)
 
     def processes(self) -> Dict[str, List[str]]:
         """Process name -> its stages, in file order."""
@@ -97,20 +103,40 @@ class PipelineSpec:
     def relay_for(self, src: str, dst: str) -> dict:
         return self.edge_relays.get(f"{src}->{dst}", self.relay)
 
+    def relay_at(self, proc: str, src: str, dst: str) -> dict:
+        """The relay config process `proc` uses for edge src -> dst. With stages on other hosts, a
+        transfer-engine relay serves on the address of the host the process runs on."""
+        cfg = self.relay_for(src, dst)
+        if self.hosts and cfg.get("backend") == "ucx":
+            cfg = dict(cfg, extra=dict(cfg.get("extra") or {}, host=self.address_of(proc)))
+        return cfg
+
+    def host_of(self, proc: str) -> str:
+        """The `hosts:` name process `proc` runs on; "" for the coordinator's host."""
+        if proc == COORDINATOR:
+            return ""
+        return next(s.host for s in self.stages.values() if s.process == proc)
+
+    def address_of(self, proc: str) -> str:
+        """The address process `proc` serves control messages on (`control: tcp`)."""
+        h = self.host_of(proc)
+        return self.hosts[h]["address"] if h else self.control["host"]
+
     def to_dict(self) -> dict:
         return {"name": self.name, "entry": self.entry, "terminal": self.terminal, "relay": self.relay,
                 "edge_relays": self.edge_relays, "settings": self.settings, "source": self.source,
-                "client": self.client, "control": self.control,
+                "client": self.client, "control": self.control, "hosts": self.hosts,
                 "stages": [{k: getattr(s, k) for k in ("name", "factory", "args", "next", "stream_to", "terminal",
                                                        "process", "merge", "concurrency", "inline", "zero_copy",
-                                                       "sources",
+                                                       "host", "sources",
                                                        "stream_sources")} for s in self.stages.values()]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PipelineSpec":
         stages = {s["name"]: StageSpec(**s) for s in d["stages"]}
         return cls(d["name"], stages, d["entry"], d["terminal"], d["relay"], d["edge_relays"], d["settings"],
-                   d.get("source", "<dict>"), d.get("client") or {}, d.get("control") or {"transport": "shm"})
+                   d.get("source", "<dict>"), d.get("client") or {}, d.get("control") or {"transport": "shm"},
+                   d.get("hosts") or {})
 
 
 def _list(v, where) -> List[str]:
@@ -180,11 +206,14 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         proc = s.get("process", name)
         if not isinstance(proc, str) or not _NAME.match(proc):
             raise PipelineConfigError(f"{where}: 'process' must be a name like a stage's")
+        host = s.get("host") or ""
+        if not isinstance(host, str):
+            raise PipelineConfigError(f"{where}: 'host' must be a name under 'hosts:'")
         stages[name] = StageSpec(name=name, factory=factory, args=args, next=_list(s.get("next"), f"{where}: next"),
                                  stream_to=_list(s.get("stream_to"), f"{where}: stream_to"),
                                  terminal=bool(s.get("terminal", False)), process=proc, merge=merge,
                                  concurrency=conc, inline=bool(s.get("inline", False)),
-                                 zero_copy=bool(s.get("zero_copy", False)))
+                                 zero_copy=bool(s.get("zero_copy", False)), host=host)
     for s in stages.values():
         for key in ("next", "stream_to"):
             for t in getattr(s, key):
@@ -248,8 +277,95 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         if k in client and (not isinstance(client[k], str) or client[k].count(":") != 1):
             raise PipelineConfigError(f"{source}: client.{k} must be 'module:callable'")
     control = _control(raw.get("control", "shm"), len(set(s.process for s in stages.values())), source)
-    return PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source, client,
-                        control)
+    spec = PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source, client,
+                        control, _hosts(raw.get("hosts"), source))
+    _check_hosts(spec, source)
+    return spec
+
+
+# Relay backends and connectors that reach only their own host (or process).
+_HOST_LOCAL_BACKENDS = {"shm", "local"}
+_HOST_LOCAL_CONNECTORS = {"SharedMemoryConnector"}
+_SHELL_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+
+
+def _hosts(v, source) -> Dict[str, dict]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise PipelineConfigError(f"{source}: hosts: a map of host name -> {{address, launch, python}}")
+    out = {}
+    for name, h in v.items():
+        where = f"{source}: hosts.{name}"
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise PipelineConfigError(f"{where}: a host name is 1-64 letters, digits, '_', '.', '-'")
+        if not isinstance(h, dict) or set(h) - {"address", "launch", "python"}:
+            raise PipelineConfigError(f"{where}: a map of address (required), launch and python")
+        addr = h.get("address")
+        if not isinstance(addr, str) or not addr or not _SHELL_SAFE.match(addr):
+            raise PipelineConfigError(f"{where}.address: the address its stage processes serve on and the "
+                                      f"coordinator reaches them at (a name or IP), got {addr!r}")
+        if _loopback(addr):
+            raise PipelineConfigError(f"{where}.address: {addr} is loopback, which names the coordinator's own host; "
+                                      "give the address the other hosts reach it at")
+        launch = h.get("launch", ["ssh", "-o", "BatchMode=yes", addr])
+        if isinstance(launch, str):
+            import shlex
+            launch = shlex.split(launch)
+        if not isinstance(launch, list) or not launch or not all(isinstance(a, str) and a for a in launch):
+            raise PipelineConfigError(f"{where}.launch: a command prefix that runs a command on that host (a string "
+                                      f"or a list of arguments, e.g. 'ssh {addr}'), got {h.get('launch')!r}")
+        python = h.get("python")
+        if python is not None and (not isinstance(python, str) or not _SHELL_SAFE.match(python)):
+            raise PipelineConfigError(f"{where}.python: the Python interpreter there, a path without spaces or shell "
+                                      f"characters, got {python!r}")
+        out[name] = {"address": addr, "launch": launch, "python": python}
+    return out
+
+
+def _loopback(addr: str) -> bool:
+    return addr == "localhost" or addr.startswith("127.") or addr in ("::1", "[::1]")
+
+
+def _check_hosts(spec: PipelineSpec, source):
+    """Stages on other hosts: a known host per process, control messages over TCP on an address the
+    other hosts reach, and every edge between two hosts on a relay that crosses hosts."""
+    where_of = {}
+    for s in spec.stages.values():
+        if s.host and s.host not in spec.hosts:
+            raise PipelineConfigError(f"{source}: stage '{s.name}': host '{s.host}' is not under 'hosts:' "
+                                      f"(hosts: {', '.join(spec.hosts) or 'none'})")
+        other = where_of.setdefault(s.process, (s.host, s.name))
+        if other[0] != s.host:
+            raise PipelineConfigError(f"{source}: stages '{other[1]}' and '{s.name}' share process '{s.process}' but "
+                                      f"name different hosts ('{other[0] or 'the coordinator'}', "
+                                      f"'{s.host or 'the coordinator'}')")
+    remote = sorted({s.host for s in spec.stages.values() if s.host})
+    if not remote:
+        return
+    c = spec.control
+    if c.get("transport") != "tcp":
+        raise PipelineConfigError(f"{source}: stages run on other hosts ({', '.join(remote)}): control must be "
+                                  "{transport: tcp, host: ADDRESS, base_port: PORT}, ADDRESS the coordinator's "
+                                  "address as those hosts reach it (shm and ipc reach one host only)")
+    if _loopback(c["host"]):
+        raise PipelineConfigError(f"{source}: stages run on other hosts ({', '.join(remote)}): control.host "
+                                  f"{c['host']} is loopback; give the coordinator's address as those hosts reach it")
+    edges = [(COORDINATOR, spec.entry), (spec.terminal, COORDINATOR)]
+    edges += [(s.name, t) for s in spec.stages.values() for t in s.next + s.stream_to]
+    host = {n: s.host for n, s in spec.stages.items()}
+    host[COORDINATOR] = ""
+    for a, b in edges:
+        if host[a] == host[b]:
+            continue
+        r = spec.relay_for(a, b)
+        if r.get("backend") in _HOST_LOCAL_BACKENDS or (r.get("backend") == "connector" and
+                                                       r.get("connector") in _HOST_LOCAL_CONNECTORS):
+            what = r.get("connector") if r.get("backend") == "connector" else f"relay backend '{r.get('backend')}'"
+            raise PipelineConfigError(
+                f"{source}: edge {a} -> {b} joins two hosts ('{host[a] or 'the coordinator'}', "
+                f"'{host[b] or 'the coordinator'}') but its data goes through {what}, which reaches one host only: "
+                "use relay: {backend: ucx} (the transfer engine) or an edge connector that crosses hosts")
 
 
 def _control(v, n_procs, source) -> dict:

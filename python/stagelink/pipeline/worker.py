@@ -8,6 +8,7 @@ process they pass by reference (read-only, as the seed's LOCAL_OBJECT).
 """
 from __future__ import annotations
 
+import base64
 import collections
 import ctypes
 import json
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
@@ -39,9 +41,9 @@ def endpoint(spec: PipelineSpec, sock_dir: str, proc: str) -> str:
     t = spec.control.get("transport", "shm")
     if t == "ipc":
         return f"ipc://{sock_dir}/{proc}.sock"
-    if t == "tcp":
+    if t == "tcp":  # each process on the address of its host (`hosts:`), else on control.host
         order = [COORDINATOR] + list(spec.processes())
-        return f"tcp://{spec.control['host']}:{int(spec.control['base_port']) + order.index(proc)}"
+        return f"tcp://{spec.address_of(proc)}:{int(spec.control['base_port']) + order.index(proc)}"
     return f"shm://{os.path.basename(sock_dir)}-{proc}"
 
 
@@ -341,7 +343,7 @@ class Worker:
         return r
 
     def _relay_for(self, src: str, dst: str) -> Relay:
-        cfg = self.spec.relay_for(src, dst)
+        cfg = self.spec.relay_at(self.proc, src, dst)
         key = json.dumps(cfg, sort_keys=True)
         r = self.relays.get(key)
         if r is None:
@@ -516,19 +518,53 @@ def _die_with_parent():
         pass
 
 
+def remote_args(spec: PipelineSpec, proc: str, path: list) -> list:
+    """The arguments of `python -m stagelink.pipeline._entry` for a process on another host: the
+    spec and the coordinator's import path travel in one shell-safe word (base64 of zlib'd JSON),
+    since the host shares no file with the coordinator and `ssh` passes its command through a shell."""
+    blob = zlib.compress(json.dumps({"spec": spec.to_dict(), "path": path}).encode(), 6)
+    return ["--remote", base64.b64encode(blob).decode("ascii"), proc]
+
+
+def _watch_stdin(gone: threading.Event):
+    """A process started on another host ends when its stdin reaches end of file: the coordinator
+    holds the other end (through `ssh`, or whatever `launch` is), so its exit, even by SIGKILL, or
+    its killing the launcher, closes it."""
+    def run():
+        try:
+            while sys.stdin.buffer.read1(4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        gone.set()
+    threading.Thread(target=run, name="stagelink-stdin-watch", daemon=True).start()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    spec_path, proc, sock_dir = argv
+    gone = threading.Event()  # the coordinator is gone
+    if argv and argv[0] == "--remote":
+        _, blob, proc = argv
+        d = json.loads(zlib.decompress(base64.b64decode(blob)))
+        spec, sock_dir = PipelineSpec.from_dict(d["spec"]), ""
+        sys.path[:0] = [p for p in d["path"] if os.path.isdir(p) and p not in sys.path]
+        _watch_stdin(gone)
+    else:
+        spec_path, proc, sock_dir = argv
+        with open(spec_path) as f:
+            spec = PipelineSpec.from_dict(json.load(f))
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     sys.setswitchinterval(0.0002)  # a thread woken by a message gets the GIL in 0.2 ms, not 5
     ppid = os.getppid()
-    with open(spec_path) as f:
-        spec = PipelineSpec.from_dict(json.load(f))
     w = Worker(spec, proc, sock_dir)
     coord = Outbox(endpoint(spec, sock_dir, COORDINATOR))
     try:
         w.start()
+        if gone.is_set():  # /dev/null, or a launcher that does not forward it: it would end at once
+            raise RuntimeError("stdin was closed at start-up: the host's launch prefix must forward stdin (ssh "
+                               "does, unless -n; docker exec needs -i), which tells the process when the "
+                               "coordinator is gone")
     except BaseException as e:  # noqa: BLE001  reported to the coordinator, which rolls back
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         coord.send(ControlMessage("ready", from_stage=proc, error=tb[-60000:]), timeout=5)
@@ -540,7 +576,7 @@ def main(argv=None) -> int:
             try:
                 m = w.inbox.recv(timeout=1.0)
             except _core.TimeoutError:
-                if os.getppid() != ppid:  # orphaned (the coordinator is gone)
+                if os.getppid() != ppid or gone.is_set():  # orphaned (the coordinator is gone)
                     break
                 continue
             except _core.CorruptError as e:

@@ -1,0 +1,208 @@
+"""Stage processes on other hosts (`hosts:` and a stage's `host`): the checks of the file, and a
+pipeline whose middle stage runs in another network namespace, launched there by its `launch`
+prefix, with its data over the transfer engine and its control messages over TCP."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from stagelink.pipeline import PipelineConfigError, load_pipeline
+from stagelink.pipeline.worker import endpoint, remote_args
+
+S = "pipeline_stages"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def remote_spec(**top):
+    d = {"stages": [{"name": "a", "factory": f"{S}:double", "next": "b"},
+                    {"name": "b", "factory": f"{S}:where_streamer", "stream_to": "c", "host": "far"},
+                    {"name": "c", "factory": f"{S}:where_collector", "terminal": True}],
+         "relay": {"backend": "ucx", "credits": 4, "timeout_s": 20, "extra": {"memory_pool_size": 64 << 20}},
+         "control": {"transport": "tcp", "host": "10.9.0.1", "base_port": 47100},
+         "hosts": {"far": {"address": "10.9.0.2", "launch": "ssh -o BatchMode=yes gpu2"}}}
+    d.update(top)
+    return d
+
+
+def test_a_remote_stage_serves_on_its_hosts_address_and_its_relay_too():
+    spec = load_pipeline(remote_spec())
+    assert spec.hosts["far"]["launch"] == ["ssh", "-o", "BatchMode=yes", "gpu2"]
+    assert endpoint(spec, "", "coordinator") == "tcp://10.9.0.1:47100"
+    assert endpoint(spec, "", "a") == "tcp://10.9.0.1:47101"
+    assert endpoint(spec, "", "b") == "tcp://10.9.0.2:47102"
+    assert spec.relay_at("b", "a", "b")["extra"]["host"] == "10.9.0.2"
+    assert spec.relay_at("a", "a", "b")["extra"]["host"] == "10.9.0.1"
+    assert spec.relay_at("coordinator", "coordinator", "a")["extra"]["host"] == "10.9.0.1"
+    # ssh's default, and what the stage process is given: one shell-safe word for the spec
+    d = remote_spec()
+    d["hosts"]["far"].pop("launch")
+    spec = load_pipeline(d)
+    assert spec.hosts["far"]["launch"] == ["ssh", "-o", "BatchMode=yes", "10.9.0.2"]
+    args = remote_args(spec, "b", ["/x"])
+    assert args[0] == "--remote" and args[2] == "b"
+    assert all(c.isalnum() or c in "+/=" for c in args[1])
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d["stages"][1].update(host="nowhere"), ["host 'nowhere' is not under 'hosts:'"]),
+    (lambda d: (d["stages"][0].update(process="p"), d["stages"][1].update(process="p")),
+     ["share process 'p'", "different hosts"]),
+    (lambda d: d.update(control="shm"), ["control must be", "tcp"]),
+    (lambda d: d["control"].update(host="127.0.0.1"), ["control.host 127.0.0.1 is loopback"]),
+    (lambda d: d["hosts"]["far"].update(address="127.0.0.2"), ["hosts.far.address", "loopback"]),
+    (lambda d: d["hosts"]["far"].update(address="a b"), ["hosts.far.address"]),
+    (lambda d: d["hosts"]["far"].update(python="/opt/my venv/python"), ["hosts.far.python"]),
+    (lambda d: d["hosts"]["far"].update(launch=[]), ["hosts.far.launch"]),
+    (lambda d: d["hosts"]["far"].update(port=1), ["hosts.far"]),
+    (lambda d: d.update(hosts=["far"]), ["hosts: a map"]),
+    (lambda d: d.update(relay={"backend": "shm"}), ["edge a -> b", "relay backend 'shm'", "one host only"]),
+])
+def test_bad_host_layouts_are_refused_naming_what_is_wrong(change, words):
+    d = remote_spec()
+    change(d)
+    with pytest.raises(PipelineConfigError) as e:
+        load_pipeline(d)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_an_edge_between_hosts_on_a_shared_memory_connector_is_refused():
+    d = remote_spec(relay={"backend": "ucx"}, edges=[{"from": "a", "to": "b", "connector": "s"}],
+                    connectors={"s": {"name": "SharedMemoryConnector"}})
+    with pytest.raises(PipelineConfigError, match=r"edge a -> b joins two hosts .*SharedMemoryConnector"):
+        load_pipeline(d)
+    # the same edge within one host is fine
+    d["stages"][0]["host"] = "far"
+    load_pipeline(d)
+
+
+# ---- across two network namespaces ----
+
+DRIVER = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    from stagelink.pipeline import Pipeline
+    d = json.loads(sys.argv[1])
+    with Pipeline.from_config(d) as p:
+        futs = [p.submit(f"r{i}", {"x": np.arange(300_000) + i})
+                for i in range(4)]
+        out = []
+        for i, f in enumerate(futs):
+            r = f.result(60)
+            out.append({"ok": bool((r["x"] == (np.arange(300_000) + i) * 2 + 1).all()), "ids": r["ids"],
+                        "net": r["net"], "pid": r["pid"]})
+        print(json.dumps({"results": out, "net": os.readlink("/proc/self/ns/net"), "dir": p._dir}), flush=True)
+        if sys.argv[2] == "hold":
+            sys.stdin.readline()  # killed here by the test
+""")
+
+# A launcher that, like ssh, stays between the coordinator and the stage process: the stage
+# process's parent is not the coordinator, so only its stdin tells it the coordinator is gone.
+MIDDLE = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+
+
+@pytest.fixture
+def two_hosts():
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("network namespaces need root and iproute2")
+    from stagelink.bench_te import TwoHosts
+    h = TwoHosts(True)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+        return f.read().split(") ")[-1][0] != "Z"
+
+
+def _driver(h, hold):
+    d = remote_spec(control={"transport": "tcp", "host": h.addr_a, "base_port": 47100},
+                    hosts={"far": {"address": h.addr_b, "launch": [sys.executable, "-c", MIDDLE] + h.b,
+                                   "python": sys.executable}})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
+    return subprocess.Popen(h.a + [sys.executable, "-c", DRIVER, json.dumps(d), "hold" if hold else "run"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def test_a_stage_on_another_host_runs_there_and_its_data_crosses_both_ways(two_hosts):
+    p = _driver(two_hosts, hold=False)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-4000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    for r in res["results"]:
+        assert r["ok"] and r["ids"] == list(range(4))
+        assert r["net"] != res["net"]  # b ran in the other namespace
+        assert not _alive(r["pid"])  # and the pipeline's close ended it there
+
+
+def test_a_stage_on_another_host_exits_when_the_coordinator_is_killed(two_hosts):
+    p = _driver(two_hosts, hold=True)
+    pid, sock_dir = None, None
+    try:
+        line = p.stdout.readline()
+        assert line, p.stderr.read()[-4000:]
+        res = json.loads(line)
+        pid, sock_dir = res["results"][0]["pid"], res["dir"]
+        assert _alive(pid)
+        p.kill()  # SIGKILL: no close, no shutdown message; the launcher in between lives on
+        p.wait(10)
+        deadline = time.monotonic() + 15
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), "the remote stage process outlived its coordinator"
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        if sock_dir:
+            shutil.rmtree(sock_dir, ignore_errors=True)  # what the killed coordinator could not remove
+
+
+FAILING = textwrap.dedent("""
+    import json, sys
+    from stagelink.pipeline import Pipeline, PipelineStartError
+    out = []
+    for launch in json.loads(sys.argv[2]):
+        d = json.loads(sys.argv[1])
+        d["hosts"]["far"]["launch"] = launch
+        try:
+            Pipeline.from_config(d).close()
+            out.append("started")
+        except PipelineStartError as e:
+            out.append(str(e))
+    print(json.dumps(out))
+""")
+
+
+def test_a_launch_that_fails_is_a_start_error_naming_the_process_and_host(two_hosts):
+    h = two_hosts
+    d = remote_spec(control={"transport": "tcp", "host": h.addr_a, "base_port": 47100},
+                    hosts={"far": {"address": h.addr_b}})
+    launches = [["sh", "-c", "echo 'ssh: connect to host gpu2: No route to host' >&2; exit 255", "--"],
+                ["/nonexistent/ssh"],
+                ["sh", "-c", 'exec "$@" </dev/null', "--"] + h.b]  # like ssh -n: no stdin
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
+    r = subprocess.run(h.a + [sys.executable, "-c", FAILING, json.dumps(d), json.dumps(launches)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    ssh_fails, no_launcher, no_stdin = json.loads(r.stdout)
+    assert "stage process 'b'" in ssh_fails and "exit code 255" in ssh_fails
+    assert "No route to host" in r.stderr  # the launcher's own words reach the coordinator's stderr
+    assert "cannot launch stage process 'b' on host 'far'" in no_launcher and "/nonexistent/ssh" in no_launcher
+    assert "stage process 'b'" in no_stdin and "must forward stdin" in no_stdin
