@@ -165,6 +165,11 @@ def test_pipeline_over_the_ucx_relay(ns):
                 for i in range(4)]
         for f in futs:
             assert f.result(30)["ids"] == list(range(8))  # double() drops "chunks": the default 8
+    # Regression: the per-edge bytes counted only shared-memory metadata's `size` (0 over UCX).
+    st = p.stats()
+    assert st["a"]["edges"]["coordinator->a"]["bytes"] >= 4 * 200_000 * 8
+    assert st["b"]["edges"]["a->b"]["bytes"] >= 4 * 200_000 * 8
+    assert st["c"]["edges"]["b->c"]["bytes"] >= 4 * 8 * 64
 
 
 def test_torch_tensors_through_the_pipeline(ns):

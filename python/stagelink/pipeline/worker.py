@@ -319,6 +319,16 @@ class PerTarget:
         self.targets = dict(targets)
 
 
+def _relay_bytes(md: dict) -> int:
+    """The frame bytes a relay put moved, from its metadata: `size` (shared memory), `data_size`
+    (the transfer engine, vLLM-Omni's name), else the payload's data (`transfer_info.size`)."""
+    n = md.get("size") or md.get("data_size")
+    if not isinstance(n, int):
+        ti = md.get("transfer_info")
+        n = ti.get("size") if isinstance(ti, dict) else 0
+    return int(n) if isinstance(n, int) else 0
+
+
 class Worker:
     def __init__(self, spec: PipelineSpec, proc: str, sock_dir: str):
         self.spec, self.proc, self.dir = spec, proc, sock_dir
@@ -398,7 +408,7 @@ class Worker:
             if kind == "body":
                 e["bytes"] += len(item)
             elif kind == "relay":
-                e["bytes"] += int(item.get("size", 0))
+                e["bytes"] += _relay_bytes(item)
             if len(e["lat_ns"]) < _LAT_CAP:
                 e["lat_ns"].append(time.monotonic_ns() - t_ns)
         return obj
