@@ -98,8 +98,6 @@ bool rid_matches(std::string_view put_key, std::string_view tied_rid, std::strin
 
 size_t directory_bytes(uint32_t n) { return entries_offset(n) + sizeof(Entry) * size_t(n); }
 
-std::string Directory::prefix() const { return shm::user_prefix() + ns_ + "."; }
-
 Result<std::shared_ptr<Directory>> Directory::attach(const std::string& shm_dir, const std::string& ns,
                                                      uint32_t n_entries) {
   if (n_entries < kProbe || (n_entries & (n_entries - 1)) != 0 || n_entries > (1u << 22))
@@ -115,7 +113,8 @@ Result<std::shared_ptr<Directory>> Directory::attach(const std::string& shm_dir,
   auto d = std::shared_ptr<Directory>(new Directory());
   d->shm_dir_ = shm_dir;
   d->ns_ = ns;
-  d->name_ = user_prefix() + ns + ".dir";
+  d->prefix_ = user_prefix() + ns + ".";
+  d->name_ = d->prefix_ + "dir";
   const ProcId me = self_proc();
   const uint64_t give_up = mono_ns() + 5'000'000'000ull;
   for (int attempt = 0;; ++attempt) {
@@ -521,14 +520,14 @@ Result<std::shared_ptr<Segment>> Directory::map_arena(uint32_t idx, uint32_t gen
   ArenaRec& a = hdr_->arenas[idx];
   if (a.state.load(std::memory_order_acquire) != 2 || a.gen.load(std::memory_order_acquire) != gen)
     return make_error(Errc::not_found, "arena " + std::to_string(idx) + " is gone (its producer closed or died)");
-  std::string name(a.name, strnlen(a.name, sizeof a.name));
-  if (name.rfind(prefix(), 0) != 0 || name.find('/') != std::string::npos)
-    return make_error(Errc::corrupt, "arena name '" + name + "' is outside this namespace");
-  if (!a.dedicated) {
+  if (!a.dedicated) {  // mapped before at this generation: its name was checked then
     std::lock_guard<std::mutex> lock(map_mu_);
     auto it = mapped_.find(idx);
     if (it != mapped_.end() && it->second.gen == gen) return it->second.seg;
   }
+  std::string name(a.name, strnlen(a.name, sizeof a.name));
+  if (name.rfind(prefix_, 0) != 0 || name.find('/') != std::string::npos)
+    return make_error(Errc::corrupt, "arena name '" + name + "' is outside this namespace");
   SL_ASSIGN(auto seg, Segment::open(shm_dir_, name, false, true, a.size));
   if (!a.dedicated) {
     std::lock_guard<std::mutex> lock(map_mu_);

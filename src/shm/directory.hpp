@@ -144,7 +144,9 @@ class Directory {
   const std::string& ns() const { return ns_; }
   const std::string& shm_dir() const { return shm_dir_; }
   const std::string& file_name() const { return name_; }
-  std::string prefix() const;  // "sl.<uid>.<ns>." for arenas of this namespace
+  // "sl.<uid>.<ns>." for arenas of this namespace; fixed at attach (a get checks arena names
+  // against it, and getuid() is a system call).
+  const std::string& prefix() const { return prefix_; }
   uint32_t n_entries() const { return hdr_->n_entries; }
   Entry& entry(uint32_t i) { return entries_[i]; }
   ArenaRec& arena(uint32_t i) { return hdr_->arenas[i]; }
@@ -208,7 +210,7 @@ class Directory {
   bool attached_ = false;
   int attach_slot_ = -1;
   ForkStamp fork_;  // of the process that attached
-  std::string shm_dir_, ns_, name_;
+  std::string shm_dir_, ns_, name_, prefix_;
   std::shared_ptr<Segment> seg_;
   DirHeader* hdr_ = nullptr;
   std::atomic<uint64_t>* hashes_ = nullptr;  // hash of each non-free entry, 0 when free

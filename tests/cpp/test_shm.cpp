@@ -869,3 +869,29 @@ TEST(Shm, AConnectorInheritedThroughForkIsTheChildsOwnAndLeavesTheParentsAlone) 
   r->close();
   EXPECT_EQ(files_with(ns), 0u);
 }
+
+// An arena record is shared memory any local process can write: a get maps only arenas named in
+// its own namespace. The check now runs after the lookup of arenas already mapped (it used to
+// run, with a getuid() system call, on every get): a record never mapped is still checked.
+TEST(Shm, AnArenaRecordNamingASegmentOutsideTheNamespaceIsCorrupt) {
+  const std::string ns = unique_ns("arn");
+  auto d = shm::Directory::attach("/dev/shm", ns, 64).value();
+  const uint32_t idx = shm::kMaxArenas - 1;
+  shm::ArenaRec& a = d->arena(idx);
+  ASSERT_EQ(a.state.load(), 0u);
+  a.gen.store(7);
+  a.dedicated = 0;
+  a.size = 4096;
+  for (const std::string forged : {shm::user_prefix() + "another.a1.0", std::string("sl.0.x.a1"),
+                                   d->prefix() + "../../etc/passwd"}) {
+    std::snprintf(a.name, sizeof a.name, "%s", forged.c_str());
+    a.state.store(2);
+    auto m = d->map_arena(idx, 7);
+    ASSERT_FALSE(m.ok()) << forged;
+    EXPECT_EQ(m.error().code, Errc::corrupt) << forged;
+    EXPECT_NE(m.error().message.find("outside this namespace"), std::string::npos) << m.error().message;
+  }
+  a.state.store(0);
+  a.name[0] = '\0';
+  EXPECT_EQ(d->map_arena(idx, 7).error().code, Errc::not_found);
+}

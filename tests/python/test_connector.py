@@ -417,3 +417,57 @@ def test_a_connector_inherited_through_fork_works_in_the_child_and_leaves_nothin
             got = r.get(0, 1, key, None, timeout=5)
             assert got is not None and (got[0] == byte).all(), key
     assert not [f for f in os.listdir("/dev/shm") if ns in f]
+
+
+SYSCALL_LOOP = """
+import sys, numpy as np, stagelink
+ns = sys.argv[2]
+c = stagelink.SharedMemoryConnector({"namespace": ns, "arena_bytes": 64 << 20})
+r = stagelink.SharedMemoryConnector({"namespace": ns})
+small, big = np.ones(256, np.float32), np.ones(1 << 16, np.uint8)  # inline; in the arena
+for i in range(int(sys.argv[1])):
+    for v in (small, big):
+        ok, _, md = c.put("a", "b", "k", v); r.get("a", "b", "k", md)  # with the put's metadata
+        c.put("a", "b", "k", v); r.get("a", "b", "k")                  # by key
+c.close(); r.close()
+"""
+
+
+MQ_LOOP = """
+import sys, numpy as np, stagelink
+w = stagelink.MessageQueue(1, 1)
+r = stagelink.MessageQueue.create_from_handle(w.export_handle(), 0)
+w.wait_until_ready(5); r.wait_until_ready(5)
+msg = {"x": np.ones(16, np.float32), "ids": [1, 2, 3]}
+for i in range(int(sys.argv[1])):
+    w.enqueue(msg); r.dequeue(timeout=5)
+    w.enqueue(b"x" * 100); r.dequeue(timeout=5)
+w.shutdown(); r.shutdown()
+"""
+
+
+def _syscalls(script, n, tmp_path, *args):
+    out = tmp_path / f"strace{n}.txt"
+    subprocess.run(["strace", "-f", "-c", "-o", str(out), sys.executable, "-c", script, str(n), *args],
+                   check=True, timeout=300)
+    return int(out.read_text().strip().splitlines()[-1].split()[3])  # the "total" row's call count
+
+
+needs_strace = pytest.mark.skipif(not __import__("shutil").which("strace"), reason="needs strace")
+
+
+@needs_strace
+def test_put_and_get_make_no_system_call(ns, tmp_path):
+    """The hot path's rule (ARCHITECTURE.md): no system call on the path of a small message. 40,000
+    more round trips (inline and arena payloads, by metadata and by key, across two connectors)
+    add no system call. Regression: every get of an arena payload called getuid() (30,000 more)."""
+    few, many = _syscalls(SYSCALL_LOOP, 100, tmp_path, ns), _syscalls(SYSCALL_LOOP, 10100, tmp_path, ns)
+    assert many - few < 200, f"{many - few} system calls more for 40,000 more round trips"
+
+
+@needs_strace
+def test_queue_messages_make_no_system_call_when_nobody_sleeps(tmp_path):
+    """The queue's half of the rule: a reader that is not asleep costs the writer no futex wake,
+    and neither side makes any other system call (20,000 more messages: none more)."""
+    few, many = _syscalls(MQ_LOOP, 100, tmp_path), _syscalls(MQ_LOOP, 10100, tmp_path)
+    assert many - few < 200, f"{many - few} system calls more for 20,000 more messages"
