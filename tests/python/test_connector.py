@@ -445,6 +445,19 @@ for i in range(int(sys.argv[1])):
 w.shutdown(); r.shutdown()
 """
 
+RELAY_CONTROL_LOOP = """
+import os, sys, numpy as np
+from stagelink.relay import Relay
+from stagelink.control import ControlMessage, Inbox, Outbox
+r = Relay({"backend": "shm", "extra": {"namespace": sys.argv[2]}})
+ib = Inbox("shm://" + sys.argv[2]); ob = Outbox(ib.endpoint)
+x = np.ones(1 << 16, np.uint8)
+for i in range(int(sys.argv[1])):
+    r.get_async(r.put_async(x, request_id="q").metadata).result()
+    ob.send(ControlMessage("submit", "q", body=b"abc"), timeout=5); ib.recv(timeout=5)
+r.close(); ob.close(); ib.close()
+"""
+
 
 def _syscalls(script, n, tmp_path, *args):
     out = tmp_path / f"strace{n}.txt"
@@ -471,3 +484,12 @@ def test_queue_messages_make_no_system_call_when_nobody_sleeps(tmp_path):
     and neither side makes any other system call (20,000 more messages: none more)."""
     few, many = _syscalls(MQ_LOOP, 100, tmp_path), _syscalls(MQ_LOOP, 10100, tmp_path)
     assert many - few < 200, f"{many - few} system calls more for 20,000 more messages"
+
+
+@needs_strace
+def test_relay_puts_and_control_messages_make_no_system_call(ns, tmp_path):
+    """The same for the shared-memory relay (put_async + get_async of 64 KiB) and a control message
+    over the shared-memory rings: 10,000 more of each, no system call more."""
+    few, many = (_syscalls(RELAY_CONTROL_LOOP, 100, tmp_path, ns),
+                 _syscalls(RELAY_CONTROL_LOOP, 10100, tmp_path, ns))
+    assert many - few < 200, f"{many - few} system calls more for 10,000 more relay puts and messages"
