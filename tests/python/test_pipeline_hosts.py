@@ -206,3 +206,33 @@ def test_a_launch_that_fails_is_a_start_error_naming_the_process_and_host(two_ho
     assert "No route to host" in r.stderr  # the launcher's own words reach the coordinator's stderr
     assert "cannot launch stage process 'b' on host 'far'" in no_launcher and "/nonexistent/ssh" in no_launcher
     assert "stage process 'b'" in no_stdin and "must forward stdin" in no_stdin
+
+
+DYING = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from stagelink.pipeline import Pipeline, StageDiedError
+    with Pipeline.from_config(json.loads(sys.argv[1])) as p:
+        first = p.submit("ok", {"x": np.arange(100_000)}).result(60)
+        try:
+            p.submit("dies", {"x": np.arange(100_000), "die": True}).result(60)
+            print(json.dumps({"error": None}))
+        except StageDiedError as e:
+            print(json.dumps({"first": int(first["x"][-1]), "error": str(e)}))
+""")
+
+
+def test_a_stage_dying_on_another_host_fails_its_requests_naming_process_and_host(two_hosts):
+    h = two_hosts
+    d = remote_spec(control={"transport": "tcp", "host": h.addr_a, "base_port": 47100},
+                    hosts={"far": {"address": h.addr_b, "launch": [sys.executable, "-c", MIDDLE] + h.b,
+                                   "python": sys.executable}})
+    d["stages"] = [{"name": "b", "factory": f"{S}:suicide", "next": "c", "host": "far"},
+                   {"name": "c", "factory": f"{S}:add_one", "terminal": True}]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
+    r = subprocess.run(h.a + [sys.executable, "-c", DYING, json.dumps(d)], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["first"] == 100_000  # arange's last + 1, through the remote stage and back
+    assert "stage process 'b'" in res["error"] and "on host 'far'" in res["error"] and "died" in res["error"]

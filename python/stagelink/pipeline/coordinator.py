@@ -423,8 +423,10 @@ class Pipeline:
             return
         for proc, p in self._procs.items():
             if p.poll() is not None and self._broken is None:
+                host = self.spec.host_of(proc)
+                where = f"on host '{host}', its launcher's pid {p.pid}" if host else f"pid {p.pid}"
                 err = StageDiedError(f"stage process '{proc}' (stages {', '.join(self.spec.processes()[proc])}, "
-                                     f"pid {p.pid}) died: {_how(p.returncode)}")
+                                     f"{where}) died: {_how(p.returncode)}")
                 with self._lock:
                     self._broken = err
                     for rid, r in list(self._reqs.items()):
