@@ -49,6 +49,15 @@ def test_a_remote_stage_serves_on_its_hosts_address_and_its_relay_too():
     assert all(c.isalnum() or c in "+/=" for c in args[1])
 
 
+def test_hosts_declared_but_unused_change_nothing():
+    d = remote_spec(control="shm")
+    d["stages"][1].pop("host")
+    spec = load_pipeline(d)
+    # regression: a ucx relay looked up control.host, which shm control has not (KeyError)
+    assert "host" not in spec.relay_at("b", "a", "b")["extra"]
+    assert endpoint(spec, "/tmp/x", "b") == "shm://x-b"
+
+
 @pytest.mark.parametrize("change, words", [
     (lambda d: d["stages"][1].update(host="nowhere"), ["host 'nowhere' is not under 'hosts:'"]),
     (lambda d: (d["stages"][0].update(process="p"), d["stages"][1].update(process="p")),

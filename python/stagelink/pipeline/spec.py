@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -107,7 +108,7 @@ class PipelineSpec:
         """The relay config process `proc` uses for edge src -> dst. With stages on other hosts, a
         transfer-engine relay serves on the address of the host the process runs on."""
         cfg = self.relay_for(src, dst)
-        if self.hosts and cfg.get("backend") == "ucx":
+        if cfg.get("backend") == "ucx" and any(s.host for s in self.stages.values()):
             cfg = dict(cfg, extra=dict(cfg.get("extra") or {}, host=self.address_of(proc)))
         return cfg
 
@@ -310,7 +311,6 @@ def _hosts(v, source) -> Dict[str, dict]:
                                       "give the address the other hosts reach it at")
         launch = h.get("launch", ["ssh", "-o", "BatchMode=yes", addr])
         if isinstance(launch, str):
-            import shlex
             launch = shlex.split(launch)
         if not isinstance(launch, list) or not launch or not all(isinstance(a, str) and a for a in launch):
             raise PipelineConfigError(f"{where}.launch: a command prefix that runs a command on that host (a string "
