@@ -245,3 +245,11 @@ def test_a_stage_dying_on_another_host_fails_its_requests_naming_process_and_hos
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["first"] == 100_000  # arange's last + 1, through the remote stage and back
     assert "stage process 'b'" in res["error"] and "on host 'far'" in res["error"] and "died" in res["error"]
+
+
+def test_the_two_host_example_is_a_valid_pipeline_file():
+    spec = load_pipeline(os.path.join(HERE, "..", "..", "examples", "omni_two_hosts.yaml"))
+    assert {s.name: s.host for s in spec.stages.values()} == {"encoder": "", "thinker": "gpu2", "talker": "gpu2",
+                                                             "vocoder": ""}
+    assert endpoint(spec, "", "thinker") == "tcp://10.0.0.6:47102"
+    assert spec.relay_at("thinker", "encoder", "thinker")["extra"]["host"] == "10.0.0.6"
