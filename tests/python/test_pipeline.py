@@ -356,6 +356,21 @@ def test_tcp_control_with_a_base_port_and_a_clear_error_when_taken(ns):
         load_pipeline(three_stage(ns, control={"transport": "tcp", "base_port": 80}))
 
 
+def test_tcp_control_on_free_ports_by_default_two_pipelines_side_by_side(ns):
+    # Reference: "Address already in use" with several replicas on one node. base_port 0 (the
+    # default of control: tcp) binds free ports, and the stage processes learn each other's.
+    spec = load_pipeline(three_stage(ns, control="tcp"))
+    assert spec.control == {"transport": "tcp", "base_port": 0, "host": "127.0.0.1"}
+    with Pipeline(spec) as p, Pipeline(spec) as q:
+        eps = [p.spec.control["coordinator"], q.spec.control["coordinator"]]
+        eps += list(p.spec.control["peers"].values()) + list(q.spec.control["peers"].values())
+        assert len(set(eps)) == 8 and all(e.startswith("tcp://127.0.0.1:") for e in eps)
+        for pl in (p, q):
+            futs = [pl.submit(f"r{i}", {"x": np.arange(3)}) for i in range(4)]
+            assert all(f.result(20)["ids"] == list(range(8)) for f in futs)
+    assert spec.control == {"transport": "tcp", "base_port": 0, "host": "127.0.0.1"}  # a run's ports stay its own
+
+
 def test_startup_sweeps_what_a_crashed_process_left(ns):
     # Reference: a crash between put and notification leaks segments, with no sweep at start-up.
     import sys

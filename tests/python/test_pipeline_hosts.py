@@ -138,7 +138,8 @@ def _alive(pid):
 
 
 def _driver(h, hold):
-    d = remote_spec(control={"transport": "tcp", "host": h.addr_a, "base_port": 47100},
+    # free ports (base_port 0) when holding, fixed ones otherwise: both across hosts
+    d = remote_spec(control={"transport": "tcp", "host": h.addr_a, "base_port": 0 if hold else 47100},
                     hosts={"far": {"address": h.addr_b, "launch": [sys.executable, "-c", MIDDLE] + h.b,
                                    "python": sys.executable}})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))

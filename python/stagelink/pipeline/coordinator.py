@@ -9,6 +9,7 @@ stream chunks, aborts, and notices stages that die.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -74,7 +75,8 @@ class Pipeline:
     ``with`` and, as a last resort, at interpreter exit)."""
 
     def __init__(self, spec: PipelineSpec, *, python: Optional[str] = None, env: Optional[dict] = None):
-        self.spec = spec
+        # Its own control settings: with base_port 0 the ports this run got are written there.
+        self.spec = spec = dataclasses.replace(spec, control=dict(spec.control))
         self.settings = spec.settings
         self._lock = threading.Condition()
         self._reqs: Dict[str, _Req] = {}
@@ -96,7 +98,9 @@ class Pipeline:
         # Sweep what crashed processes of earlier runs left in shared memory (only the dead's).
         _core.shm_reap("/dev/shm")
         try:
-            self._inbox = Inbox(endpoint(spec, self._dir, COORDINATOR))
+            self._inbox = Inbox(endpoint(spec, self._dir, COORDINATOR, bind=True))
+            if spec.control.get("transport") == "tcp" and int(spec.control["base_port"]) == 0:
+                spec.control["coordinator"] = self._inbox.endpoint  # the port it got, for the stages
             self._relay = Relay(spec.relay_at(COORDINATOR, COORDINATOR, spec.entry))
             self._start(python or sys.executable, env)
         except BaseException:
@@ -152,17 +156,46 @@ class Pipeline:
             try:
                 m = self._inbox.recv(timeout=min(left, 0.2))
             except _core.TimeoutError:
-                for proc, p in self._procs.items():
-                    if proc not in self._ready and p.poll() is not None:
-                        raise PipelineStartError(f"stage process '{proc}' (stages {self.spec.processes()[proc]}) "
-                                                 f"exited during start-up: {_how(p.returncode)}") from None
+                self._raise_if_one_exited(set(self._ready))
                 continue
             if m.type != "ready":
                 continue
             if m.error:
                 raise PipelineStartError(f"stage process '{m.from_stage}' (stages "
                                          f"{self.spec.processes().get(m.from_stage)}) could not start:\n{m.error}")
-            self._ready[m.from_stage] = None
+            md = m.metadata if isinstance(m.metadata, dict) else {}
+            self._ready[m.from_stage] = md.get("endpoint")
+        if self.spec.control.get("transport") == "tcp" and int(self.spec.control["base_port"]) == 0:
+            self._share_endpoints(deadline)
+
+    def _share_endpoints(self, deadline):
+        """control.base_port 0: every stage process bound a free port and said which; tell them all,
+        and wait until each has it before any request can make one send to another."""
+        peers = {proc: ep for proc, ep in self._ready.items()}
+        self.spec.control["peers"] = peers
+        for proc in peers:
+            self._send(proc, ControlMessage("ready", from_stage=COORDINATOR, metadata={"peers": peers}),
+                       max(0.1, deadline - time.monotonic()))
+        known = set()
+        while len(known) < len(peers):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PipelineStartError(f"stage processes {sorted(set(peers) - known)} did not confirm the "
+                                         f"pipeline's endpoints within {self.settings['startup_timeout_s']} s "
+                                         "(settings.startup_timeout_s)")
+            try:
+                m = self._inbox.recv(timeout=min(left, 0.2))
+            except _core.TimeoutError:
+                self._raise_if_one_exited(set())
+                continue
+            if m.type == "ready" and isinstance(m.metadata, dict) and m.metadata.get("peers_known"):
+                known.add(m.from_stage)
+
+    def _raise_if_one_exited(self, except_for):
+        for proc, p in self._procs.items():
+            if proc not in except_for and p.poll() is not None:
+                raise PipelineStartError(f"stage process '{proc}' (stages {self.spec.processes()[proc]}) "
+                                         f"exited during start-up: {_how(p.returncode)}") from None
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Stop every stage process (in-flight requests fail with ClosedError), gather their

@@ -4,6 +4,7 @@
     relay: {backend: shm, credits: 8, slot_size_mb: 16, timeout_s: 30}   # every edge's default
     control: shm                                      # control messages: shm rings | ipc | tcp (below)
     # control: {transport: tcp, host: 10.0.0.5, base_port: 47100}  # coordinator 47100, stages 47101...
+    #                                                 # (base_port 0, the default: free ports, chosen at start)
     hosts:                                            # optional: stage processes on other hosts
       gpu2: {address: 10.0.0.6, launch: "ssh -o BatchMode=yes 10.0.0.6", python: /opt/venv/bin/python}
     settings: {request_timeout_s: 120, startup_timeout_s: 20}
@@ -89,7 +90,8 @@ class PipelineSpec:
     source: str = "<dict>"
     client: dict = field(default_factory=dict)  # for `stagelink run`: request, args, verify
     # Control-message transport: {"transport": "shm"} (rings, one host), "ipc" (ZeroMQ sockets in
-    # the private directory) or "tcp" (ZeroMQ, with "host" and "base_port").
+    # the private directory) or "tcp" (ZeroMQ, with "host" and "base_port"; base_port 0: free
+    # ports, the coordinator's in "coordinator" and the stage processes' in "peers" once known).
     control: dict = field(default_factory=lambda: {"transport": "shm"})
     # Other hosts: name -> {"address", "launch" (argv prefix that runs a command there), "python"}.
     hosts: Dict[str, dict] = field(default_factory=dict)
@@ -375,10 +377,11 @@ def _control(v, n_procs, source) -> dict:
                                   "sockets) or {transport: tcp, host: ADDRESS, base_port: PORT}; got " + repr(v))
     c.setdefault("transport", "shm")
     if c["transport"] == "tcp":
-        port = c.get("base_port")
-        if not isinstance(port, int) or not 1024 <= port <= 65535 - n_procs:
-            raise PipelineConfigError(f"{source}: control.base_port must be a port in [1024, {65535 - n_procs}]: the "
-                                      f"coordinator takes it and the {n_procs} stage processes the ports after it")
+        port = c.setdefault("base_port", 0)
+        if not isinstance(port, int) or isinstance(port, bool) or not (port == 0 or 1024 <= port <= 65535 - n_procs):
+            raise PipelineConfigError(f"{source}: control.base_port must be 0 (free ports, chosen at start) or a port "
+                                      f"in [1024, {65535 - n_procs}]: the coordinator takes it and the {n_procs} stage "
+                                      "processes the ports after it")
         c.setdefault("host", "127.0.0.1")
     return c
 

@@ -33,17 +33,29 @@ SEND_TIMEOUT_S = 30.0
 _LAT_CAP = 200_000
 
 
-def endpoint(spec: PipelineSpec, sock_dir: str, proc: str) -> str:
+def endpoint(spec: PipelineSpec, sock_dir: str, proc: str, bind: bool = False) -> str:
     """Where process `proc` of the pipeline whose private directory is `sock_dir` receives control
     messages: a shared-memory ring named after the directory (unique per pipeline) by default; a
-    ZeroMQ ipc:// socket inside it (`control: ipc`); or tcp://host:port with the coordinator on
-    base_port and the stage processes on the ports after it, in file order (`control: tcp`)."""
+    ZeroMQ ipc:// socket inside it (`control: ipc`); or tcp://ADDRESS:PORT (`control: tcp`), ADDRESS
+    the process's host's (`hosts:`, else control.host) and PORT base_port + its place in file order
+    (the coordinator first). With base_port 0, `bind` gives ADDRESS:0 (a free port) and the others
+    are what the processes bound: the coordinator's in the spec it hands out, the stage processes'
+    as they reported them (`peers`, sent to every process before the first request)."""
     t = spec.control.get("transport", "shm")
     if t == "ipc":
         return f"ipc://{sock_dir}/{proc}.sock"
-    if t == "tcp":  # each process on the address of its host (`hosts:`), else on control.host
+    if t == "tcp":
+        base = int(spec.control["base_port"])
+        if base == 0:
+            if bind:
+                return f"tcp://{spec.address_of(proc)}:0"
+            known = spec.control.get("coordinator") if proc == COORDINATOR else spec.control.get("peers", {}).get(proc)
+            if not known:
+                raise _core.NotFoundError(f"the control endpoint of process '{proc}' is not known yet "
+                                          "(control.base_port 0: stage processes report theirs at start-up)")
+            return known
         order = [COORDINATOR] + list(spec.processes())
-        return f"tcp://{spec.address_of(proc)}:{int(spec.control['base_port']) + order.index(proc)}"
+        return f"tcp://{spec.address_of(proc)}:{base + order.index(proc)}"
     return f"shm://{os.path.basename(sock_dir)}-{proc}"
 
 
@@ -456,7 +468,7 @@ class Worker:
 
     # -- the receive loop
     def start(self):
-        self.inbox = Inbox(endpoint(self.spec, self.dir, self.proc))
+        self.inbox = Inbox(endpoint(self.spec, self.dir, self.proc, bind=True))
         for n in self.names:
             self.stages[n] = StageRuntime(self.spec.stages[n], self)
         for n in self.names:  # every relay this process uses, before any request
@@ -498,6 +510,10 @@ class Worker:
             for r in list(self.relays.values()):
                 r.cleanup(m.request_id)
             self.send(COORDINATOR, ControlMessage("abort_ack", m.request_id, from_stage=self.proc))
+        elif t == "ready" and isinstance(m.metadata, dict) and isinstance(m.metadata.get("peers"), dict):
+            # control.base_port 0: every process's endpoint, before the first request
+            self.spec.control["peers"] = {str(k): str(v) for k, v in m.metadata["peers"].items()}
+            self.send(COORDINATOR, ControlMessage("ready", from_stage=self.proc, metadata={"peers_known": True}))
         elif t == "shutdown":
             return False
         return True
@@ -580,7 +596,7 @@ def main(argv=None) -> int:
         coord.send(ControlMessage("ready", from_stage=proc, error=tb[-60000:]), timeout=5)
         coord.close()
         return 1
-    coord.send(ControlMessage("ready", from_stage=proc), timeout=5)
+    coord.send(ControlMessage("ready", from_stage=proc, metadata={"endpoint": w.inbox.endpoint}), timeout=5)
     try:
         while True:
             try:
