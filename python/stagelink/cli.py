@@ -200,7 +200,9 @@ def main(argv=None):
                                    "send it N requests with K in flight, verify each result with the file's "
                                    "client.verify, then print per-edge bytes and hop latency (p50, p99), "
                                    "throughput, end-to-end latency and time to first chunk. Stage processes "
-                                   "and shared memory are gone when it returns, also after Ctrl-C. "
+                                   "and shared memory are gone when it returns, also after Ctrl-C. Stages "
+                                   "with a `host` run on that host of the file's `hosts:`, started over ssh "
+                                   "(examples/omni_two_hosts.yaml). "
                                    "Example: stagelink run examples/omni_pipeline.yaml --requests 32")
     r.add_argument("pipeline", help="the pipeline file (e.g. examples/omni_pipeline.yaml)")
     r.add_argument("--requests", type=int, default=16, metavar="N", help="requests to send (default 16)")
