@@ -597,12 +597,14 @@ def main(argv=None) -> int:
         coord.close()
         return 1
     coord.send(ControlMessage("ready", from_stage=proc, metadata={"endpoint": w.inbox.endpoint}), timeout=5)
+    orphaned = False
     try:
         while True:
             try:
                 m = w.inbox.recv(timeout=1.0)
             except _core.TimeoutError:
                 if os.getppid() != ppid or gone.is_set():  # orphaned (the coordinator is gone)
+                    orphaned = True
                     break
                 continue
             except _core.CorruptError as e:
@@ -617,7 +619,9 @@ def main(argv=None) -> int:
     finally:
         w.shutdown()
         try:
-            coord.send(ControlMessage("ready", from_stage=proc, body=Connector.serialize_obj(w.stats())), timeout=5)
+            if not orphaned:  # nobody would read the figures: do not wait up to 5 s to send them
+                coord.send(ControlMessage("ready", from_stage=proc, body=Connector.serialize_obj(w.stats())),
+                           timeout=5)
         except _core.StagelinkError:
             pass
         for r in w.relays.values():
