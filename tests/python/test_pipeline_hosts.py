@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import stagelink
 from stagelink.pipeline import PipelineConfigError, load_pipeline
 from stagelink.pipeline.worker import endpoint, remote_args
 
@@ -47,6 +48,10 @@ def test_a_remote_stage_serves_on_its_hosts_address_and_its_relay_too():
     args = remote_args(spec, "b", ["/x"])
     assert args[0] == "--remote" and args[2] == "b"
     assert all(c.isalnum() or c in "+/=" for c in args[1])
+    # a spec no command line can carry is a clear error, not the kernel's E2BIG
+    d["stages"][0]["args"] = {"table": [os.urandom(8).hex() for _ in range(20000)]}
+    with pytest.raises(stagelink.InvalidArgumentError, match="command-line word for process 'b'"):
+        remote_args(load_pipeline(d), "b", [])
 
 
 def test_hosts_declared_but_unused_change_nothing():

@@ -1,4 +1,5 @@
-"""``python -m stagelink.pipeline._entry SPEC PROCESS DIR``: a stage process (see worker.py).
+"""``python -m stagelink.pipeline._entry SPEC PROCESS DIR`` (or ``--remote BLOB PROCESS`` on another
+host, the spec inside BLOB): a stage process (see worker.py).
 A module of its own, not imported by the package, so that runpy runs it cleanly."""
 import sys
 

@@ -548,8 +548,15 @@ def remote_args(spec: PipelineSpec, proc: str, path: list) -> list:
     """The arguments of `python -m stagelink.pipeline._entry` for a process on another host: the
     spec and the coordinator's import path travel in one shell-safe word (base64 of zlib'd JSON),
     since the host shares no file with the coordinator and `ssh` passes its command through a shell."""
-    blob = zlib.compress(json.dumps({"spec": spec.to_dict(), "path": path}).encode(), 6)
-    return ["--remote", base64.b64encode(blob).decode("ascii"), proc]
+    blob = base64.b64encode(zlib.compress(json.dumps({"spec": spec.to_dict(), "path": path}).encode(), 6))
+    if len(blob) > _MAX_REMOTE_ARG:  # Linux caps one argument at 128 KiB
+        raise _core.InvalidArgumentError(
+            f"the pipeline's spec is {len(blob)} bytes as a command-line word for process '{proc}', over the "
+            f"{_MAX_REMOTE_ARG} one argument may carry: give stages large arguments through a file they read")
+    return ["--remote", blob.decode("ascii"), proc]
+
+
+_MAX_REMOTE_ARG = 120_000
 
 
 def _watch_stdin(gone: threading.Event):
