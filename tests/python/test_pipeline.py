@@ -186,6 +186,27 @@ def test_torch_tensors_through_the_pipeline(ns):
             assert torch.equal(r["x"], x * 2 + 1)
 
 
+def test_stage_env_is_set_in_its_process_before_it_is_built(ns):
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:env_seen", "next": "b", "env": {"SL_T_GPU": "1", "SL_T_N": 8}},
+        {"name": "b", "factory": f"{S}:env_seen", "next": "c", "process": "two", "env": {"SL_T_GPU": "0"}},
+        {"name": "c", "factory": f"{S}:env_seen", "terminal": True, "process": "two", "env": {"SL_T_X": "x"}},
+    ])
+    with Pipeline.from_config(d) as p:
+        seen = p.submit("r", {"keys": ["SL_T_GPU", "SL_T_N", "SL_T_X"]}).result(20)["seen"]
+    assert seen["a"] == {"SL_T_GPU": "1", "SL_T_N": "8", "SL_T_X": None}
+    assert seen["b"] == seen["c"] == {"SL_T_GPU": "0", "SL_T_N": None, "SL_T_X": "x"}  # one process: both
+    assert "SL_T_GPU" not in os.environ  # the coordinator's own is untouched
+    d["stages"][2]["env"] = {"SL_T_GPU": "1"}  # one process, two values
+    with pytest.raises(PipelineConfigError, match=r"share process 'two' but set env SL_T_GPU differently"):
+        load_pipeline(d)
+    for bad, words in (({"1X": "a"}, "not an environment variable name"), ({"A": [1]}, "a string or number"),
+                       ("A=1", "a map of environment variables")):
+        d["stages"][2]["env"] = bad
+        with pytest.raises(PipelineConfigError, match=words):
+            load_pipeline(d)
+
+
 def test_colocated_stages_pass_by_reference(ns):
     d = spec(ns, [
         {"name": "a", "factory": f"{S}:double", "next": "b", "process": "one"},

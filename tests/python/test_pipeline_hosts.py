@@ -74,6 +74,7 @@ def test_hosts_declared_but_unused_change_nothing():
     (lambda d: d["hosts"]["far"].update(python="/opt/my venv/python"), ["hosts.far.python"]),
     (lambda d: d["hosts"]["far"].update(launch=[]), ["hosts.far.launch"]),
     (lambda d: d["hosts"]["far"].update(port=1), ["hosts.far"]),
+    (lambda d: d["hosts"]["far"].update(env={"A B": "1"}), ["hosts.far.env", "not an environment variable name"]),
     (lambda d: d.update(hosts=["far"]), ["hosts: a map"]),
     (lambda d: d.update(relay={"backend": "shm"}), ["edge a -> b", "relay backend 'shm'", "one host only"]),
 ])
@@ -110,7 +111,7 @@ DRIVER = textwrap.dedent("""
         for i, f in enumerate(futs):
             r = f.result(60)
             out.append({"ok": bool((r["x"] == (np.arange(300_000) + i) * 2 + 1).all()), "ids": r["ids"],
-                        "net": r["net"], "pid": r["pid"]})
+                        "net": r["net"], "pid": r["pid"], "env": r["env"]})
         print(json.dumps({"results": out, "net": os.readlink("/proc/self/ns/net"), "dir": p._dir}), flush=True)
         if sys.argv[2] == "hold":
             sys.stdin.readline()  # killed here by the test
@@ -146,7 +147,7 @@ def _driver(h, hold):
     # free ports (base_port 0) when holding, fixed ones otherwise: both across hosts
     d = remote_spec(control={"transport": "tcp", "host": h.addr_a, "base_port": 0 if hold else 47100},
                     hosts={"far": {"address": h.addr_b, "launch": [sys.executable, "-c", MIDDLE] + h.b,
-                                   "python": sys.executable}})
+                                   "python": sys.executable, "env": {"SL_HOST_ENV": "far"}}})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
     return subprocess.Popen(h.a + [sys.executable, "-c", DRIVER, json.dumps(d), "hold" if hold else "run"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -161,6 +162,7 @@ def test_a_stage_on_another_host_runs_there_and_its_data_crosses_both_ways(two_h
     for r in res["results"]:
         assert r["ok"] and r["ids"] == list(range(4))
         assert r["net"] != res["net"]  # b ran in the other namespace
+        assert r["env"] == "far"  # with its host's env (ssh forwards none of the coordinator's)
         assert not _alive(r["pid"])  # and the pipeline's close ended it there
 
 

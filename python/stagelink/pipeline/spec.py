@@ -18,6 +18,7 @@
         stream_to: [talker]                           # chunks sent with ctx.stream()
         process: lm                                   # stages sharing a value share a process
         host: gpu2                                    # run its process there (control: tcp, relay: ucx)
+        env: {CUDA_VISIBLE_DEVICES: "1"}              # set in its process before any stage is built
       - name: talker
         factory: ...
         merge: "mod:fn"                               # fan-in: combine {source: payload}
@@ -42,7 +43,7 @@ from typing import Any, Dict, List, Optional
 from .. import _core
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
-               "inline", "zero_copy", "host"}
+               "inline", "zero_copy", "host", "env"}
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
              "control", "hosts"}
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 20.0, "abort_timeout_s": 5.0,
@@ -74,6 +75,7 @@ class StageSpec:
     # holds its slot, and its edge's credit, until the stage drops it.
     zero_copy: bool = False
     host: str = ""  # a name under `hosts:`; "" is the coordinator's host
+    env: Dict[str, str] = field(default_factory=dict)  # set in its process before any stage is built
     sources: List[str] = field(default_factory=list)         # stages whose `next` names this one
     stream_sources: List[str] = field(default_factory=list)  # stages whose `stream_to` names it
 
@@ -120,6 +122,15 @@ class PipelineSpec:
             return ""
         return next(s.host for s in self.stages.values() if s.process == proc)
 
+    def env_of(self, proc: str) -> Dict[str, str]:
+        """The environment process `proc` sets for itself: its host's `env`, then its stages'."""
+        h = self.host_of(proc)
+        out = dict(self.hosts[h].get("env") or {}) if h else {}
+        for s in self.stages.values():
+            if s.process == proc:
+                out.update(s.env)
+        return out
+
     def address_of(self, proc: str) -> str:
         """The address process `proc` serves control messages on (`control: tcp`)."""
         h = self.host_of(proc)
@@ -131,7 +142,7 @@ class PipelineSpec:
                 "client": self.client, "control": self.control, "hosts": self.hosts,
                 "stages": [{k: getattr(s, k) for k in ("name", "factory", "args", "next", "stream_to", "terminal",
                                                        "process", "merge", "concurrency", "inline", "zero_copy",
-                                                       "host", "sources",
+                                                       "host", "env", "sources",
                                                        "stream_sources")} for s in self.stages.values()]}
 
     @classmethod
@@ -212,11 +223,12 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         host = s.get("host") or ""
         if not isinstance(host, str):
             raise PipelineConfigError(f"{where}: 'host' must be a name under 'hosts:'")
+        env = _env(s.get("env"), f"{where}: env")
         stages[name] = StageSpec(name=name, factory=factory, args=args, next=_list(s.get("next"), f"{where}: next"),
                                  stream_to=_list(s.get("stream_to"), f"{where}: stream_to"),
                                  terminal=bool(s.get("terminal", False)), process=proc, merge=merge,
                                  concurrency=conc, inline=bool(s.get("inline", False)),
-                                 zero_copy=bool(s.get("zero_copy", False)), host=host)
+                                 zero_copy=bool(s.get("zero_copy", False)), host=host, env=env)
     for s in stages.values():
         for key in ("next", "stream_to"):
             for t in getattr(s, key):
@@ -292,18 +304,23 @@ _HOST_LOCAL_CONNECTORS = {"SharedMemoryConnector"}
 _SHELL_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
 
-def _hosts(v, source) -> Dict[str, dict]:
+def _map_of(v, where: str, what: str) -> dict:
+    """An optional map of the file: {} when absent, else it must be a map (`what` says of what)."""
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise PipelineConfigError(f"{source}: hosts: a map of host name -> {{address, launch, python}}")
+        raise PipelineConfigError(f"{where}: {what}")
+    return v
+
+
+def _hosts(v, source) -> Dict[str, dict]:
     out = {}
-    for name, h in v.items():
+    for name, h in _map_of(v, f"{source}: hosts", "a map of host name -> {address, launch, python, env}").items():
         where = f"{source}: hosts.{name}"
         if not isinstance(name, str) or not _NAME.match(name):
             raise PipelineConfigError(f"{where}: a host name is 1-64 letters, digits, '_', '.', '-'")
-        if not isinstance(h, dict) or set(h) - {"address", "launch", "python"}:
-            raise PipelineConfigError(f"{where}: a map of address (required), launch and python")
+        if not isinstance(h, dict) or set(h) - {"address", "launch", "python", "env"}:
+            raise PipelineConfigError(f"{where}: a map of address (required), launch, python and env")
         addr = h.get("address")
         if not isinstance(addr, str) or not addr or not _SHELL_SAFE.match(addr):
             raise PipelineConfigError(f"{where}.address: the address its stage processes serve on and the "
@@ -321,7 +338,22 @@ def _hosts(v, source) -> Dict[str, dict]:
         if python is not None and (not isinstance(python, str) or not _SHELL_SAFE.match(python)):
             raise PipelineConfigError(f"{where}.python: the Python interpreter there, a path without spaces or shell "
                                       f"characters, got {python!r}")
-        out[name] = {"address": addr, "launch": launch, "python": python}
+        out[name] = {"address": addr, "launch": launch, "python": python, "env": _env(h.get("env"), f"{where}.env")}
+    return out
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _env(v, where) -> Dict[str, str]:
+    """Environment variables: names as the shell's, values strings (numbers are written out)."""
+    out = {}
+    for k, x in _map_of(v, where, "a map of environment variables, e.g. {CUDA_VISIBLE_DEVICES: '1'}").items():
+        if not isinstance(k, str) or not _ENV_NAME.match(k):
+            raise PipelineConfigError(f"{where}: {k!r} is not an environment variable name")
+        if isinstance(x, bool) or not isinstance(x, (str, int, float)) or "\0" in str(x):
+            raise PipelineConfigError(f"{where}.{k}: a string or number, got {x!r}")
+        out[k] = str(x)
     return out
 
 
@@ -338,6 +370,11 @@ def _check_hosts(spec: PipelineSpec, source):
             raise PipelineConfigError(f"{source}: stage '{s.name}': host '{s.host}' is not under 'hosts:' "
                                       f"(hosts: {', '.join(spec.hosts) or 'none'})")
         other = where_of.setdefault(s.process, (s.host, s.name))
+        first = spec.stages[other[1]]
+        for k in set(first.env) & set(s.env):
+            if first.env[k] != s.env[k]:
+                raise PipelineConfigError(f"{source}: stages '{first.name}' and '{s.name}' share process '{s.process}' "
+                                          f"but set env {k} differently ({first.env[k]!r}, {s.env[k]!r})")
         if other[0] != s.host:
             raise PipelineConfigError(f"{source}: stages '{other[1]}' and '{s.name}' share process '{s.process}' but "
                                       f"name different hosts ('{other[0] or 'the coordinator'}', "

@@ -590,6 +590,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     sys.setswitchinterval(0.0002)  # a thread woken by a message gets the GIL in 0.2 ms, not 5
     ppid = os.getppid()
+    os.environ.update(spec.env_of(proc))  # before any stage, torch or UCX reads it
     w = Worker(spec, proc, sock_dir)
     coord = Outbox(endpoint(spec, sock_dir, COORDINATOR))
     try:
