@@ -115,6 +115,8 @@ DRIVER = textwrap.dedent("""
         print(json.dumps({"results": out, "net": os.readlink("/proc/self/ns/net"), "dir": p._dir}), flush=True)
         if sys.argv[2] == "hold":
             sys.stdin.readline()  # killed here by the test
+    st = p.stats()
+    print(json.dumps({e: len(v["lat_ns"]) for s in st.values() for e, v in s["edges"].items()}), flush=True)
 """)
 
 # A launcher that, like ssh, stays between the coordinator and the stage process: the stage
@@ -158,7 +160,9 @@ def test_a_stage_on_another_host_runs_there_and_its_data_crosses_both_ways(two_h
     p = _driver(two_hosts, hold=False)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err[-4000:]
-    res = json.loads(out.strip().splitlines()[-1])
+    res, lat = (json.loads(x) for x in out.strip().splitlines()[-2:])
+    # hop latencies only where one clock serves both ends (CLOCK_MONOTONIC is per machine)
+    assert lat["coordinator->a"] == 4 and lat["a->b"] == 0 and lat["b->c"] == 0, lat
     for r in res["results"]:
         assert r["ok"] and r["ids"] == list(range(4))
         assert r["net"] != res["net"]  # b ran in the other namespace

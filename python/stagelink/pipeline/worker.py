@@ -356,6 +356,8 @@ class Worker:
         self.edges: Dict[str, dict] = {}
         self.inbox: Optional[Inbox] = None
         self.inline_limit = int(spec.settings.get("inline_bytes", 16384))
+        self.host = spec.host_of(proc)
+        self._same_host: Dict[str, bool] = {}
 
     # -- plumbing
     def relay(self, src: str, dst: str) -> Relay:
@@ -421,9 +423,18 @@ class Worker:
                 e["bytes"] += len(item)
             elif kind == "relay":
                 e["bytes"] += _relay_bytes(item)
-            if len(e["lat_ns"]) < _LAT_CAP:
+            # A hop's latency is two readings of CLOCK_MONOTONIC, which only one machine shares:
+            # across hosts it would be the difference of two boot times. Not measured there.
+            if len(e["lat_ns"]) < _LAT_CAP and self.same_host(src):
                 e["lat_ns"].append(time.monotonic_ns() - t_ns)
         return obj
+
+    def same_host(self, stage: str) -> bool:
+        """Whether `stage` (or the coordinator) runs on this process's host."""
+        v = self._same_host.get(stage)
+        if v is None:
+            v = self._same_host[stage] = self.spec.host_of(self.proc_of(stage)) == self.host
+        return v
 
     def discard(self, src, dst, md):
         try:
