@@ -45,13 +45,13 @@ def test_a_remote_stage_serves_on_its_hosts_address_and_its_relay_too():
     d["hosts"]["far"].pop("launch")
     spec = load_pipeline(d)
     assert spec.hosts["far"]["launch"] == ["ssh", "-o", "BatchMode=yes", "10.9.0.2"]
-    args = remote_args(spec, "b", ["/x"])
+    args = remote_args(spec, "b", ["/x"], ["/y"])
     assert args[0] == "--remote" and args[2] == "b"
     assert all(c.isalnum() or c in "+/=" for c in args[1])
     # a spec no command line can carry is a clear error, not the kernel's E2BIG
     d["stages"][0]["args"] = {"table": [os.urandom(8).hex() for _ in range(20000)]}
     with pytest.raises(stagelink.InvalidArgumentError, match="command-line word for process 'b'"):
-        remote_args(load_pipeline(d), "b", [])
+        remote_args(load_pipeline(d), "b", [], [])
 
 
 def test_hosts_declared_but_unused_change_nothing():
@@ -121,7 +121,13 @@ DRIVER = textwrap.dedent("""
 
 # A launcher that, like ssh, stays between the coordinator and the stage process: the stage
 # process's parent is not the coordinator, so only its stdin tells it the coordinator is gone.
+# Like ssh, it passes on none of the coordinator's environment (PYTHONPATH included): the stage
+# modules are found through the import path the spec carries.
 MIDDLE = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+
+
+def _like_ssh(h):
+    return [sys.executable, "-c", MIDDLE, "env", "-i", "PATH=" + os.environ.get("PATH", "/usr/bin:/bin")] + h.b
 
 
 @pytest.fixture
@@ -148,7 +154,7 @@ def _alive(pid):
 def _driver(h, hold):
     # free ports (base_port 0) when holding, fixed ones otherwise: both across hosts
     d = remote_spec(control={"transport": "tcp", "host": h.addr_a, "base_port": 0 if hold else 47100},
-                    hosts={"far": {"address": h.addr_b, "launch": [sys.executable, "-c", MIDDLE] + h.b,
+                    hosts={"far": {"address": h.addr_b, "launch": _like_ssh(h),
                                    "python": sys.executable, "env": {"SL_HOST_ENV": "far"}}})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
     return subprocess.Popen(h.a + [sys.executable, "-c", DRIVER, json.dumps(d), "hold" if hold else "run"],
@@ -246,7 +252,7 @@ DYING = textwrap.dedent("""
 def test_a_stage_dying_on_another_host_fails_its_requests_naming_process_and_host(two_hosts):
     h = two_hosts
     d = remote_spec(control={"transport": "tcp", "host": h.addr_a, "base_port": 47100},
-                    hosts={"far": {"address": h.addr_b, "launch": [sys.executable, "-c", MIDDLE] + h.b,
+                    hosts={"far": {"address": h.addr_b, "launch": _like_ssh(h),
                                    "python": sys.executable}})
     d["stages"] = [{"name": "b", "factory": f"{S}:suicide", "next": "c", "host": "far"},
                    {"name": "c", "factory": f"{S}:add_one", "terminal": True}]

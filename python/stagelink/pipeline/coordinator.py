@@ -125,9 +125,10 @@ class Pipeline:
         e = dict(os.environ if env is None else env)
         # The coordinator's import path: stage factories import in the stages as they do here.
         paths = [p for p in sys.path if p and os.path.isdir(p)]
+        front = [os.getcwd()]  # where the stages' own modules live
         if self.spec.source != "<dict>":
-            paths.insert(0, os.path.dirname(os.path.abspath(self.spec.source)))
-        e["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd()] + paths))
+            front.append(os.path.dirname(os.path.abspath(self.spec.source)))
+        e["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(front + paths))
         for proc in self.spec.processes():
             host = self.spec.host_of(proc)
             if not host:
@@ -140,7 +141,7 @@ class Pipeline:
             # process reads end of file and exits (worker._watch_stdin).
             h = self.spec.hosts[host]
             argv = list(h["launch"]) + [h.get("python") or python, "-m", "stagelink.pipeline._entry"]
-            argv += remote_args(self.spec, proc, paths)
+            argv += remote_args(self.spec, proc, front, paths)
             try:
                 self._procs[proc] = subprocess.Popen(argv, env=e, stdin=subprocess.PIPE)
             except OSError as err:

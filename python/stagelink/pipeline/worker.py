@@ -555,11 +555,13 @@ def _die_with_parent():
         pass
 
 
-def remote_args(spec: PipelineSpec, proc: str, path: list) -> list:
+def remote_args(spec: PipelineSpec, proc: str, front: list, path: list) -> list:
     """The arguments of `python -m stagelink.pipeline._entry` for a process on another host: the
-    spec and the coordinator's import path travel in one shell-safe word (base64 of zlib'd JSON),
-    since the host shares no file with the coordinator and `ssh` passes its command through a shell."""
-    blob = base64.b64encode(zlib.compress(json.dumps({"spec": spec.to_dict(), "path": path}).encode(), 6))
+    spec and the coordinator's import path (`front`: the directories of the stages' own modules;
+    `path`: its sys.path) travel in one shell-safe word (base64 of zlib'd JSON), since the host
+    shares no file with the coordinator and `ssh` passes its command through a shell."""
+    d = {"spec": spec.to_dict(), "front": front, "path": path}
+    blob = base64.b64encode(zlib.compress(json.dumps(d).encode(), 6))
     if len(blob) > _MAX_REMOTE_ARG:  # Linux caps one argument at 128 KiB
         raise _core.InvalidArgumentError(
             f"the pipeline's spec is {len(blob)} bytes as a command-line word for process '{proc}', over the "
@@ -591,7 +593,11 @@ def main(argv=None) -> int:
         _, blob, proc = argv
         d = json.loads(zlib.decompress(base64.b64decode(blob)))
         spec, sock_dir = PipelineSpec.from_dict(d["spec"]), ""
-        sys.path[:0] = [p for p in d["path"] if os.path.isdir(p) and p not in sys.path]
+        # The coordinator's import path, where its directories exist here: the stages' own
+        # directories in front, the rest behind this interpreter's own (another host's Python
+        # may differ, and must keep its own standard library first).
+        sys.path[:0] = [p for p in dict.fromkeys(d["front"]) if os.path.isdir(p) and p not in sys.path]
+        sys.path.extend(p for p in dict.fromkeys(d["path"]) if os.path.isdir(p) and p not in sys.path)
         _watch_stdin(gone)
     else:
         spec_path, proc, sock_dir = argv
