@@ -54,6 +54,18 @@ def test_a_remote_stage_serves_on_its_hosts_address_and_its_relay_too():
         remote_args(load_pipeline(d), "b", [], [])
 
 
+def test_control_host_defaults_to_this_hosts_address_when_stages_run_elsewhere(monkeypatch):
+    monkeypatch.setenv("STAGELINK_HOST_IP", "10.9.0.7")
+    d = remote_spec(control={"transport": "tcp"})
+    assert load_pipeline(d).control["host"] == "10.9.0.7"  # not 127.0.0.1, which the hosts cannot reach
+    d = remote_spec(control={"transport": "tcp", "host": "auto"})
+    assert load_pipeline(d).control["host"] == "10.9.0.7"
+    d["stages"][1].pop("host")  # one host: loopback stays the default
+    assert load_pipeline(remote_spec(control="tcp", stages=d["stages"])).control["host"] == "127.0.0.1"
+    with pytest.raises(PipelineConfigError, match="loopback"):  # said explicitly: refused, not overridden
+        load_pipeline(remote_spec(control={"transport": "tcp", "host": "127.0.0.1"}))
+
+
 def test_hosts_declared_but_unused_change_nothing():
     d = remote_spec(control="shm")
     d["stages"][1].pop("host")
@@ -152,8 +164,10 @@ def _alive(pid):
 
 
 def _driver(h, hold):
-    # free ports (base_port 0) when holding, fixed ones otherwise: both across hosts
-    d = remote_spec(control={"transport": "tcp", "host": h.addr_a, "base_port": 0 if hold else 47100},
+    # free ports (base_port 0) and this host's address found (no control.host) when holding;
+    # both given otherwise
+    ctl = {"transport": "tcp"} if hold else {"transport": "tcp", "host": h.addr_a, "base_port": 47100}
+    d = remote_spec(control=ctl,
                     hosts={"far": {"address": h.addr_b, "launch": _like_ssh(h),
                                    "python": sys.executable, "env": {"SL_HOST_ENV": "far"}}})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))

@@ -292,6 +292,12 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         if k in client and (not isinstance(client[k], str) or client[k].count(":") != 1):
             raise PipelineConfigError(f"{source}: client.{k} must be 'module:callable'")
     control = _control(raw.get("control", "shm"), len(set(s.process for s in stages.values())), source)
+    if control["transport"] == "tcp" and (control["host"] == "auto" or (
+            not (isinstance(raw.get("control"), dict) and "host" in raw["control"]) and
+            any(s.host for s in stages.values()))):
+        # this host's address: STAGELINK_HOST_IP (or VLLM_HOST_IP), else its first interface's
+        # that is up and not loopback
+        control["host"] = _core.host_address()
     spec = PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source, client,
                         control, _hosts(raw.get("hosts"), source))
     _check_hosts(spec, source)
