@@ -111,7 +111,8 @@ def cpp_chunks(payload, ctx):
 def where_streamer(payload, ctx):
     """Streams 4 chunks of 200 kB saying where it ran (pid, network namespace); the last carries x + 1."""
     n = 4
-    where = {"pid": os.getpid(), "net": os.readlink("/proc/self/ns/net"), "env": os.environ.get("SL_HOST_ENV")}
+    where = {"pid": os.getpid(), "net": os.readlink("/proc/self/ns/net"), "env": os.environ.get("SL_HOST_ENV"),
+             "shm_dev": os.stat("/dev/shm").st_dev}
     for i in range(n):
         c = dict(where, i=i, data=np.full(200_000, i % 251, np.uint8))
         if i == n - 1:
@@ -125,7 +126,7 @@ def where_collector(payload, ctx):
     for c in ctx.chunks():
         assert (c["data"] == c["i"] % 251).all()
         out["ids"].append(c["i"])
-        out.update((k, c[k]) for k in ("pid", "net", "env", "x") if k in c)
+        out.update((k, c[k]) for k in ("pid", "net", "env", "shm_dev", "x") if k in c)
     return out
 
 

@@ -123,8 +123,9 @@ DRIVER = textwrap.dedent("""
         for i, f in enumerate(futs):
             r = f.result(60)
             out.append({"ok": bool((r["x"] == (np.arange(300_000) + i) * 2 + 1).all()), "ids": r["ids"],
-                        "net": r["net"], "pid": r["pid"], "env": r["env"]})
-        print(json.dumps({"results": out, "net": os.readlink("/proc/self/ns/net"), "dir": p._dir}), flush=True)
+                        "net": r["net"], "pid": r["pid"], "env": r["env"], "shm_dev": r["shm_dev"]})
+        print(json.dumps({"results": out, "net": os.readlink("/proc/self/ns/net"), "dir": p._dir,
+                          "shm_dev": os.stat("/dev/shm").st_dev}), flush=True)
         if sys.argv[2] == "hold":
             sys.stdin.readline()  # killed here by the test
     st = p.stats()
@@ -138,8 +139,14 @@ DRIVER = textwrap.dedent("""
 MIDDLE = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
 
 
+# The other "host" also gets a /dev/shm of its own (a mount namespace with a fresh tmpfs): network
+# namespaces share the machine's, and across real hosts nothing can go through it.
+OWN_SHM = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=256m tmpfs /dev/shm && exec "$@"', "--"]
+
+
 def _like_ssh(h):
-    return [sys.executable, "-c", MIDDLE, "env", "-i", "PATH=" + os.environ.get("PATH", "/usr/bin:/bin")] + h.b
+    return ([sys.executable, "-c", MIDDLE, "env", "-i", "PATH=" + os.environ.get("PATH", "/usr/bin:/bin")] + h.b +
+            OWN_SHM)
 
 
 @pytest.fixture
@@ -186,6 +193,7 @@ def test_a_stage_on_another_host_runs_there_and_its_data_crosses_both_ways(two_h
     for r in res["results"]:
         assert r["ok"] and r["ids"] == list(range(4))
         assert r["net"] != res["net"]  # b ran in the other namespace
+        assert r["shm_dev"] != res["shm_dev"]  # with a /dev/shm of its own
         assert r["env"] == "far"  # with its host's env (ssh forwards none of the coordinator's)
         assert not _alive(r["pid"])  # and the pipeline's close ended it there
 
