@@ -114,7 +114,7 @@ def _free_port():
 
 
 def _redis(h: TwoHosts, port: int):
-    bind = h.addr_a if h.ns else "127.0.0.1"
+    bind = h.addr_a
     p = subprocess.Popen(h.a + ["redis-server", "--port", str(port), "--bind", bind, "--save", "", "--appendonly", "no",
                                 "--protected-mode", "no", "--loglevel", "warning"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -188,8 +188,7 @@ def _mooncake_store(h: TwoHosts, sizes, server_segment=False):
     master_bin = shutil.which("mooncake_master") or (os.path.join(os.path.dirname(py), "mooncake_master") if py else None)
     if not py or not master_bin or not os.path.exists(master_bin):
         return None
-    host_a = h.addr_a if h.ns else "127.0.0.1"
-    host_b = h.addr_a.rsplit(".", 1)[0] + ".2" if h.ns else "127.0.0.1"
+    host_a, host_b = h.addr_a, h.addr_b
     rpc, http = _free_port(), _free_port()
     m = subprocess.Popen(h.a + [master_bin, f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
                                 f"--http_metadata_server_port={http}", "--http_metadata_server_host=0.0.0.0",
@@ -240,7 +239,7 @@ def run_store(sizes=None, json_path=None, out=sys.stdout, namespaces=None, round
         h = TwoHosts(where == "namespaces")
         port = _free_port()
         srv = _redis(h, port)
-        host = h.addr_a if h.ns else "127.0.0.1"
+        host = h.addr_a
         extra = {"host": host, "port": port, "timeout_ms": 10000}
         try:
             print(f"\n{where}{' (redis in one namespace, clients in the other, veth)' if h.ns else ' (TCP on lo)'}:",

@@ -122,7 +122,6 @@ def _mooncake(h: TwoHosts, sizes):
     if not py:
         return None
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", GLOG_minloglevel="3")
-    addr_b = h.addr_a.rsplit(".", 1)[0] + ".2" if h.ns else "127.0.0.1"
     big, arg = str(max(sizes)), ",".join(str(s) for s in sizes)
     tgt = subprocess.Popen(h.a + [py, "-c", _MOONCAKE, "target", h.addr_a, big, arg], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -130,7 +129,7 @@ def _mooncake(h: TwoHosts, sizes):
         line = tgt.stdout.readline()
         if not line:
             return None
-        r = subprocess.run(h.b + [py, "-c", _MOONCAKE, "initiator", addr_b, big, arg], input=line, capture_output=True,
+        r = subprocess.run(h.b + [py, "-c", _MOONCAKE, "initiator", h.addr_b, big, arg], input=line, capture_output=True,
                            text=True, timeout=600, env=env)
         if r.returncode != 0:
             return None
