@@ -19,8 +19,65 @@ def _load_config(path):
         return None
 
 
+def _is_pipeline_file(path) -> bool:
+    """A `stagelink run` pipeline file (stages with factories), not a vLLM-Omni transfer config."""
+    try:
+        import yaml
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except Exception:  # noqa: BLE001  the transfer-config loader says what is wrong with it
+        return False
+    stages = raw.get("stages") if isinstance(raw, dict) else None
+    return isinstance(stages, list) and any(isinstance(s, dict) and "factory" in s for s in stages)
+
+
+def _check_pipeline(path) -> int:
+    """`stagelink config check` of a pipeline file: where each process runs and serves, and what
+    carries each edge's data."""
+    from .pipeline import PipelineConfigError, load_pipeline
+    from .pipeline.spec import COORDINATOR
+    try:
+        spec = load_pipeline(path)
+    except PipelineConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    procs = spec.processes()
+    print(f"pipeline {spec.name} ({spec.source}): {len(spec.stages)} stages in {len(procs)} processes, "
+          f"entry {spec.entry}, terminal {spec.terminal}")
+    c = spec.control
+    tcp = c["transport"] == "tcp"
+    port = lambda i: "a free port" if int(c["base_port"]) == 0 else str(int(c["base_port"]) + i)  # noqa: E731
+    print(f"control: {c['transport']}" + (f", the coordinator on {c['host']}:{port(0)}" if tcp else ""))
+    print("\nprocesses:")
+    for i, (proc, names) in enumerate(procs.items(), 1):
+        host = spec.host_of(proc)
+        where = (f"host {host} ({spec.hosts[host]['address']}, launched by {' '.join(spec.hosts[host]['launch'])})"
+                 if host else "this host")
+        line = f"  {proc}: {', '.join(names)} on {where}"
+        if tcp:
+            line += f", control on {spec.address_of(proc)}:{port(i)}"
+        env = spec.env_of(proc)
+        if env:
+            line += ", env " + " ".join(f"{k}={v}" for k, v in env.items())
+        print(line)
+    print("\nedges:")
+    edges = [(COORDINATOR, spec.entry)] + [(s.name, t) for s in spec.stages.values() for t in s.next + s.stream_to]
+    edges.append((spec.terminal, COORDINATOR))
+    host = lambda n: "" if n == COORDINATOR else spec.stages[n].host  # noqa: E731
+    for a, b in edges:
+        r = spec.relay_for(a, b)
+        what = r.get("connector") if r.get("backend") == "connector" else f"relay {r.get('backend')}"
+        kind = ("request" if a == COORDINATOR else "result" if b == COORDINATOR else
+                "stream" if b in spec.stages[a].stream_to else "data")
+        cross = " (between hosts)" if host(a) != host(b) else ""
+        print(f"  {a} -> {b} ({kind}): {what}{cross}")
+    return 0
+
+
 def _cmd_config_check(args):
     from . import transfer_engine_port
+    if _is_pipeline_file(args.file):
+        return _check_pipeline(args.file)
     cfg = _load_config(args.file)
     if cfg is None:
         return 1
@@ -174,6 +231,8 @@ def main(argv=None):
                                      "base_config overlays, ${VAR} expansion) as the runtime would, and print "
                                      "every edge's connector, each stage's role and the transfer-engine ports. "
                                      "Exit status 1 with the key and file named when it does not resolve. "
+                                     "A `stagelink run` pipeline file is checked as `stagelink run` would: "
+                                     "where each process runs and serves, and what carries each edge. "
                                      "Example: stagelink config check stages.yaml")
     cc.add_argument("file", help="the YAML (or JSON) config")
     cc.set_defaults(fn=_cmd_config_check)

@@ -261,6 +261,25 @@ stage_args:
     assert bad.returncode == 1 and "cannot read" in bad.stderr
 
 
+def test_cli_config_check_of_a_pipeline_file(tmp_path):
+    """A `stagelink run` file used to fail as a transfer config ('stages[0].stage_id' expected)."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+    r = subprocess.run([BIN, "config", "check", os.path.join(root, "omni_two_hosts.yaml")], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert "4 stages in 4 processes, entry encoder, terminal vocoder" in r.stdout
+    assert "the coordinator on 10.0.0.5:47100" in r.stdout
+    assert ("thinker: thinker on host gpu2 (10.0.0.6, launched by ssh -o BatchMode=yes 10.0.0.6), control on "
+            "10.0.0.6:47102, env CUDA_VISIBLE_DEVICES=0") in r.stdout
+    assert "encoder -> thinker (data): relay ucx (between hosts)" in r.stdout
+    assert "thinker -> talker (stream): relay ucx\n" in r.stdout
+    assert "vocoder -> coordinator (result): relay ucx" in r.stdout
+    f = tmp_path / "bad.yaml"
+    f.write_text(open(os.path.join(root, "omni_two_hosts.yaml")).read().replace("host: gpu2", "host: gpu3", 1))
+    r = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 1 and "host 'gpu3' is not under 'hosts:'" in r.stderr
+
+
 def test_cli_shm_ls_and_reap(ns):
     c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
     assert c.put(0, 1, "k", b"x" * 100000)[0]
