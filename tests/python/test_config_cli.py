@@ -272,8 +272,8 @@ def test_cli_config_check_of_a_pipeline_file(tmp_path):
     assert ("thinker: thinker on host gpu2 (10.0.0.6, launched by ssh -o BatchMode=yes 10.0.0.6), control on "
             "10.0.0.6:47102, env CUDA_VISIBLE_DEVICES=0") in r.stdout
     assert "encoder -> thinker (data): relay ucx (between hosts)" in r.stdout
-    assert "thinker -> talker (stream): relay ucx\n" in r.stdout
-    assert "vocoder -> coordinator (result): relay ucx" in r.stdout
+    assert "thinker -> talker (stream): relay shm\n" in r.stdout  # relay auto: both on gpu2
+    assert "vocoder -> coordinator (result): relay shm" in r.stdout
     f = tmp_path / "bad.yaml"
     f.write_text(open(os.path.join(root, "omni_two_hosts.yaml")).read().replace("host: gpu2", "host: gpu3", 1))
     r = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True)

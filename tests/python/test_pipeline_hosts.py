@@ -54,6 +54,20 @@ def test_a_remote_stage_serves_on_its_hosts_address_and_its_relay_too():
         remote_args(load_pipeline(d), "b", [], [])
 
 
+def test_relay_auto_is_shared_memory_within_a_host_and_the_transfer_engine_between_hosts():
+    spec = load_pipeline(remote_spec(relay={"backend": "auto", "extra": {"memory_pool_size": 64 << 20}}))
+    backend = {(a, b): spec.relay_for(a, b)["backend"]
+               for a, b in [("coordinator", "a"), ("a", "b"), ("b", "c"), ("c", "coordinator")]}
+    assert backend == {("coordinator", "a"): "shm", ("a", "b"): "ucx", ("b", "c"): "ucx", ("c", "coordinator"): "shm"}
+    assert spec.relay_at("b", "a", "b")["extra"]["host"] == "10.9.0.2"
+    d = remote_spec(relay={"backend": "auto"})
+    for st in d["stages"]:
+        st.pop("host", None)
+    assert {load_pipeline(d).relay_for("a", "b")["backend"]} == {"shm"}  # one host: shared memory throughout
+    with pytest.raises(PipelineConfigError, match="backend must be one of"):
+        load_pipeline(remote_spec(relay={"backend": "rdma"}))
+
+
 def test_control_host_defaults_to_this_hosts_address_when_stages_run_elsewhere(monkeypatch):
     monkeypatch.setenv("STAGELINK_HOST_IP", "10.9.0.7")
     d = remote_spec(control={"transport": "tcp"})
@@ -174,7 +188,9 @@ def _driver(h, hold):
     # free ports (base_port 0) and this host's address found (no control.host) when holding;
     # both given otherwise
     ctl = {"transport": "tcp"} if hold else {"transport": "tcp", "host": h.addr_a, "base_port": 47100}
-    d = remote_spec(control=ctl,
+    # relay auto when not holding: shared memory for the coordinator's edges, UCX for a -> b -> c
+    relay = {"backend": "ucx" if hold else "auto", "credits": 4, "timeout_s": 20, "extra": {"memory_pool_size": 64 << 20}}
+    d = remote_spec(control=ctl, relay=relay,
                     hosts={"far": {"address": h.addr_b, "launch": _like_ssh(h),
                                    "python": sys.executable, "env": {"SL_HOST_ENV": "far"}}})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
@@ -278,6 +294,8 @@ def test_a_stage_dying_on_another_host_fails_its_requests_naming_process_and_hos
                                    "python": sys.executable}})
     d["stages"] = [{"name": "b", "factory": f"{S}:suicide", "next": "c", "host": "far"},
                    {"name": "c", "factory": f"{S}:add_one", "terminal": True}]
+    # auto: the coordinator sends over UCX (to b, there) and receives over shared memory (from c, here)
+    d["relay"] = {"backend": "auto", "timeout_s": 20, "extra": {"memory_pool_size": 64 << 20}}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
     r = subprocess.run(h.a + [sys.executable, "-c", DYING, json.dumps(d)], capture_output=True, text=True, env=env,
                        timeout=120)

@@ -92,7 +92,8 @@ class Pipeline:
         self._dir = private_socket_dir(("stagelink-" + "".join(c if c.isalnum() or c in "-_" else "_"
                                                                  for c in spec.name))[:48])
         self._inbox: Optional[Inbox] = None
-        self._relay: Optional[Relay] = None
+        self._relay: Optional[Relay] = None     # to the entry stage (requests)
+        self._relay_in: Optional[Relay] = None  # from the terminal stage (results, streamed chunks)
         self._thread: Optional[threading.Thread] = None
         t0 = time.monotonic()
         # Sweep what crashed processes of earlier runs left in shared memory (only the dead's).
@@ -101,7 +102,12 @@ class Pipeline:
             self._inbox = Inbox(endpoint(spec, self._dir, COORDINATOR, bind=True))
             if spec.control.get("transport") == "tcp" and int(spec.control["base_port"]) == 0:
                 spec.control["coordinator"] = self._inbox.endpoint  # the port it got, for the stages
-            self._relay = Relay(spec.relay_at(COORDINATOR, COORDINATOR, spec.entry))
+            # Requests go out on the entry's edge, results come in on the terminal stage's: one
+            # relay, or two where they differ (`relay: auto` with one end on another host).
+            out_cfg = spec.relay_at(COORDINATOR, COORDINATOR, spec.entry)
+            in_cfg = spec.relay_at(COORDINATOR, spec.terminal, COORDINATOR)
+            self._relay = Relay(out_cfg)
+            self._relay_in = self._relay if in_cfg == out_cfg else Relay(in_cfg)
             self._start(python or sys.executable, env)
         except BaseException:
             self._teardown(kill=True)
@@ -240,6 +246,8 @@ class Pipeline:
         for ob in self._outboxes.values():
             ob.close()
         self._outboxes.clear()
+        if self._relay_in is not None and self._relay_in is not self._relay:
+            self._relay_in.close()
         if self._relay is not None:
             self._relay.close()
         if self._inbox is not None:
@@ -426,14 +434,14 @@ class Pipeline:
         if r is None:  # finished, aborted or unknown: release what it carried
             if not m.body and isinstance(m.metadata, dict) and "relay_key" in m.metadata:
                 try:
-                    self._relay.get_async(m.metadata, timeout=0)
+                    self._relay_in.get_async(m.metadata, timeout=0)
                 except _core.StagelinkError:
                     pass
             return
         if m.type == "stream":
             if m.is_done:
                 return
-            obj = from_frame(m.body) if m.body else self._relay.get_async(m.metadata).result()
+            obj = from_frame(m.body) if m.body else self._relay_in.get_async(m.metadata).result()
             if r.t_first is None:
                 r.t_first = time.monotonic()
             r.n_chunks += 1
@@ -448,7 +456,7 @@ class Pipeline:
                 self._broadcast_abort(m.request_id)  # release what other stages hold of it
                 self._relay.cleanup(m.request_id)
                 return
-            obj = from_frame(m.body) if m.body else self._relay.get_async(m.metadata).result()
+            obj = from_frame(m.body) if m.body else self._relay_in.get_async(m.metadata).result()
             with self._lock:
                 self._finish_locked(m.request_id, r, result=obj)
 

@@ -2,6 +2,7 @@
 
     name: omni
     relay: {backend: shm, credits: 8, slot_size_mb: 16, timeout_s: 30}   # every edge's default
+    # relay: {backend: auto}    # shm between processes of one host, ucx between hosts
     control: shm                                      # control messages: shm rings | ipc | tcp (below)
     # control: {transport: tcp, host: 10.0.0.5, base_port: 47100}  # coordinator 47100, stages 47101...
     #                                                 # (base_port 0, the default: free ports, chosen at start)
@@ -106,7 +107,13 @@ class PipelineSpec:
         return out
 
     def relay_for(self, src: str, dst: str) -> dict:
-        return self.edge_relays.get(f"{src}->{dst}", self.relay)
+        """The relay config of edge src -> dst (either end may be the coordinator). `backend: auto`
+        is shared memory between two processes of one host, the transfer engine between hosts."""
+        cfg = self.edge_relays.get(f"{src}->{dst}", self.relay)
+        if cfg.get("backend") == "auto":
+            host = lambda n: "" if n == COORDINATOR else self.stages[n].host  # noqa: E731
+            cfg = dict(cfg, backend="shm" if host(src) == host(dst) else "ucx")
+        return cfg
 
     def relay_at(self, proc: str, src: str, dst: str) -> dict:
         """The relay config process `proc` uses for edge src -> dst. With stages on other hosts, a
@@ -429,6 +436,9 @@ def _control(v, n_procs, source) -> dict:
     return c
 
 
+_RELAY_BACKENDS = ("shm", "ucx", "auto", "local", "connector")
+
+
 def _relay_cfg(v, where) -> dict:
     cfg = {"backend": "shm", "credits": 8, "slot_size_mb": 16, "timeout_s": 30}
     if v is None:
@@ -436,6 +446,9 @@ def _relay_cfg(v, where) -> dict:
     if not isinstance(v, dict):
         raise PipelineConfigError(f"{where}: a map of relay settings (backend, credits, slot_size_mb, timeout_s, ...)")
     cfg.update(v)
+    if cfg["backend"] not in _RELAY_BACKENDS:
+        raise PipelineConfigError(f"{where}: backend must be one of {', '.join(_RELAY_BACKENDS)} (auto: shm within a "
+                                  f"host, ucx between hosts), got {cfg['backend']!r}")
     try:  # the core's checks: unknown keys, ranges
         _core._Relay(dict(cfg, backend="local"), True).close()
     except _core.StagelinkError as e:
