@@ -35,7 +35,6 @@ def _check_pipeline(path) -> int:
     """`stagelink config check` of a pipeline file: where each process runs and serves, and what
     carries each edge's data."""
     from .pipeline import PipelineConfigError, load_pipeline
-    from .pipeline.spec import COORDINATOR
     try:
         spec = load_pipeline(path)
     except PipelineConfigError as e:
@@ -46,7 +45,7 @@ def _check_pipeline(path) -> int:
           f"entry {spec.entry}, terminal {spec.terminal}")
     c = spec.control
     tcp = c["transport"] == "tcp"
-    port = lambda i: "a free port" if int(c["base_port"]) == 0 else str(int(c["base_port"]) + i)  # noqa: E731
+    port = lambda i: "a free port" if spec.free_ports else str(int(c["base_port"]) + i)  # noqa: E731
     print(f"control: {c['transport']}" + (f", the coordinator on {c['host']}:{port(0)}" if tcp else ""))
     print("\nprocesses:")
     for i, (proc, names) in enumerate(procs.items(), 1):
@@ -61,15 +60,10 @@ def _check_pipeline(path) -> int:
             line += ", env " + " ".join(f"{k}={v}" for k, v in env.items())
         print(line)
     print("\nedges:")
-    edges = [(COORDINATOR, spec.entry)] + [(s.name, t) for s in spec.stages.values() for t in s.next + s.stream_to]
-    edges.append((spec.terminal, COORDINATOR))
-    host = lambda n: "" if n == COORDINATOR else spec.stages[n].host  # noqa: E731
-    for a, b in edges:
+    for a, b, kind in spec.edges():
         r = spec.relay_for(a, b)
         what = r.get("connector") if r.get("backend") == "connector" else f"relay {r.get('backend')}"
-        kind = ("request" if a == COORDINATOR else "result" if b == COORDINATOR else
-                "stream" if b in spec.stages[a].stream_to else "data")
-        cross = " (between hosts)" if host(a) != host(b) else ""
+        cross = " (between hosts)" if spec.stage_host(a) != spec.stage_host(b) else ""
         print(f"  {a} -> {b} ({kind}): {what}{cross}")
     return 0
 

@@ -100,7 +100,7 @@ class Pipeline:
         _core.shm_reap("/dev/shm")
         try:
             self._inbox = Inbox(endpoint(spec, self._dir, COORDINATOR, bind=True))
-            if spec.control.get("transport") == "tcp" and int(spec.control["base_port"]) == 0:
+            if spec.free_ports:
                 spec.control["coordinator"] = self._inbox.endpoint  # the port it got, for the stages
             # Requests go out on the entry's edge, results come in on the terminal stage's: one
             # relay, or two where they differ (`relay: auto` with one end on another host).
@@ -172,13 +172,13 @@ class Pipeline:
                                          f"{self.spec.processes().get(m.from_stage)}) could not start:\n{m.error}")
             md = m.metadata if isinstance(m.metadata, dict) else {}
             self._ready[m.from_stage] = md.get("endpoint")
-        if self.spec.control.get("transport") == "tcp" and int(self.spec.control["base_port"]) == 0:
+        if self.spec.free_ports:
             self._share_endpoints(deadline)
 
     def _share_endpoints(self, deadline):
         """control.base_port 0: every stage process bound a free port and said which; tell them all,
         and wait until each has it before any request can make one send to another."""
-        peers = {proc: ep for proc, ep in self._ready.items()}
+        peers = dict(self._ready)
         self.spec.control["peers"] = peers
         for proc in peers:
             self._send(proc, ControlMessage("ready", from_stage=COORDINATOR, metadata={"peers": peers}),

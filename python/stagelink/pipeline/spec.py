@@ -106,20 +106,41 @@ class PipelineSpec:
             out.setdefault(s.process, []).append(s.name)
         return out
 
+    @property
+    def multi_host(self) -> bool:
+        """Whether any stage runs on another host (`host:`)."""
+        return any(s.host for s in self.stages.values())
+
+    @property
+    def free_ports(self) -> bool:
+        """Control over TCP on free ports (base_port 0), learned at start-up."""
+        return self.control.get("transport") == "tcp" and int(self.control["base_port"]) == 0
+
+    def stage_host(self, stage: str) -> str:
+        """The `hosts:` name stage `stage` (or the coordinator) runs on; "" for the coordinator's host."""
+        return "" if stage == COORDINATOR else self.stages[stage].host
+
+    def edges(self) -> List[tuple]:
+        """Every edge as (src, dst, kind): the coordinator's request to the entry stage, `next`
+        (data) and `stream_to` (stream) edges, the terminal stage's result to the coordinator."""
+        out = [(COORDINATOR, self.entry, "request")]
+        for s in self.stages.values():
+            out += [(s.name, t, "data") for t in s.next] + [(s.name, t, "stream") for t in s.stream_to]
+        return out + [(self.terminal, COORDINATOR, "result")]
+
     def relay_for(self, src: str, dst: str) -> dict:
         """The relay config of edge src -> dst (either end may be the coordinator). `backend: auto`
         is shared memory between two processes of one host, the transfer engine between hosts."""
         cfg = self.edge_relays.get(f"{src}->{dst}", self.relay)
         if cfg.get("backend") == "auto":
-            host = lambda n: "" if n == COORDINATOR else self.stages[n].host  # noqa: E731
-            cfg = dict(cfg, backend="shm" if host(src) == host(dst) else "ucx")
+            cfg = dict(cfg, backend="shm" if self.stage_host(src) == self.stage_host(dst) else "ucx")
         return cfg
 
     def relay_at(self, proc: str, src: str, dst: str) -> dict:
         """The relay config process `proc` uses for edge src -> dst. With stages on other hosts, a
         transfer-engine relay serves on the address of the host the process runs on."""
         cfg = self.relay_for(src, dst)
-        if cfg.get("backend") == "ucx" and any(s.host for s in self.stages.values()):
+        if cfg.get("backend") == "ucx" and self.multi_host:
             cfg = dict(cfg, extra=dict(cfg.get("extra") or {}, host=self.address_of(proc)))
         return cfg
 
@@ -403,20 +424,17 @@ def _check_hosts(spec: PipelineSpec, source):
     if _loopback(c["host"]):
         raise PipelineConfigError(f"{source}: stages run on other hosts ({', '.join(remote)}): control.host "
                                   f"{c['host']} is loopback; give the coordinator's address as those hosts reach it")
-    edges = [(COORDINATOR, spec.entry), (spec.terminal, COORDINATOR)]
-    edges += [(s.name, t) for s in spec.stages.values() for t in s.next + s.stream_to]
-    host = {n: s.host for n, s in spec.stages.items()}
-    host[COORDINATOR] = ""
-    for a, b in edges:
-        if host[a] == host[b]:
+    for a, b, _ in spec.edges():
+        ha, hb = spec.stage_host(a), spec.stage_host(b)
+        if ha == hb:
             continue
         r = spec.relay_for(a, b)
         if r.get("backend") in _HOST_LOCAL_BACKENDS or (r.get("backend") == "connector" and
                                                        r.get("connector") in _HOST_LOCAL_CONNECTORS):
             what = r.get("connector") if r.get("backend") == "connector" else f"relay backend '{r.get('backend')}'"
             raise PipelineConfigError(
-                f"{source}: edge {a} -> {b} joins two hosts ('{host[a] or 'the coordinator'}', "
-                f"'{host[b] or 'the coordinator'}') but its data goes through {what}, which reaches one host only: "
+                f"{source}: edge {a} -> {b} joins two hosts ('{ha or 'the coordinator'}', "
+                f"'{hb or 'the coordinator'}') but its data goes through {what}, which reaches one host only: "
                 "use relay: {backend: ucx} (the transfer engine) or an edge connector that crosses hosts")
 
 

@@ -45,8 +45,7 @@ def endpoint(spec: PipelineSpec, sock_dir: str, proc: str, bind: bool = False) -
     if t == "ipc":
         return f"ipc://{sock_dir}/{proc}.sock"
     if t == "tcp":
-        base = int(spec.control["base_port"])
-        if base == 0:
+        if spec.free_ports:
             if bind:
                 return f"tcp://{spec.address_of(proc)}:0"
             known = spec.control.get("coordinator") if proc == COORDINATOR else spec.control.get("peers", {}).get(proc)
@@ -55,7 +54,7 @@ def endpoint(spec: PipelineSpec, sock_dir: str, proc: str, bind: bool = False) -
                                           "(control.base_port 0: stage processes report theirs at start-up)")
             return known
         order = [COORDINATOR] + list(spec.processes())
-        return f"tcp://{spec.address_of(proc)}:{base + order.index(proc)}"
+        return f"tcp://{spec.address_of(proc)}:{int(spec.control['base_port']) + order.index(proc)}"
     return f"shm://{os.path.basename(sock_dir)}-{proc}"
 
 
@@ -357,7 +356,6 @@ class Worker:
         self.inbox: Optional[Inbox] = None
         self.inline_limit = int(spec.settings.get("inline_bytes", 16384))
         self.host = spec.host_of(proc)
-        self._same_host: Dict[str, bool] = {}
 
     # -- plumbing
     def relay(self, src: str, dst: str) -> Relay:
@@ -431,10 +429,7 @@ class Worker:
 
     def same_host(self, stage: str) -> bool:
         """Whether `stage` (or the coordinator) runs on this process's host."""
-        v = self._same_host.get(stage)
-        if v is None:
-            v = self._same_host[stage] = self.spec.host_of(self.proc_of(stage)) == self.host
-        return v
+        return self.spec.stage_host(stage) == self.host
 
     def discard(self, src, dst, md):
         try:
