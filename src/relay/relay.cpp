@@ -142,6 +142,9 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       if (!has("arena_bytes"))
         extra.emplace_back("arena_bytes", uint64_t(std::max(1.0, cfg.slot_size_mb * cfg.credits) * (1 << 20)));
       if (!has("put_timeout_s")) extra.emplace_back("put_timeout_s", cfg.timeout_s);
+      // Reserved now, as a transfer engine registers its pool up front: the first put would
+      // otherwise pay for it (posix_fallocate of the whole pool: ~8 ms for 8 x 4 MiB here).
+      if (!has("preallocate_arena")) extra.emplace_back("preallocate_arena", true);
     } else if (name == "TransferEngineConnector") {
       auto has = [&](const char* k) {
         return std::any_of(extra.begin(), extra.end(), [&](auto& kv) { return kv.first == k; });

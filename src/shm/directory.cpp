@@ -528,7 +528,7 @@ Result<std::shared_ptr<Segment>> Directory::map_arena(uint32_t idx, uint32_t gen
   std::string name(a.name, strnlen(a.name, sizeof a.name));
   if (name.rfind(prefix_, 0) != 0 || name.find('/') != std::string::npos)
     return make_error(Errc::corrupt, "arena name '" + name + "' is outside this namespace");
-  SL_ASSIGN(auto seg, Segment::open(shm_dir_, name, false, true, a.size));
+  SL_ASSIGN(auto seg, Segment::open(shm_dir_, name, false, bool(a.dedicated), a.size));
   if (!a.dedicated) {
     std::lock_guard<std::mutex> lock(map_mu_);
     mapped_[idx] = Mapped{gen, seg};

@@ -561,9 +561,42 @@ TEST(Shm, FullShmDirectoryIsExhaustedNotSigbus) {
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.error().code, Errc::exhausted);
     EXPECT_NE(r.error().message.find("no space"), std::string::npos);
+    // Preallocated, the same arena fails when the connector is made, and leaves nothing behind.
+    Value e = extra(unique_ns("fullpre"), 16u << 20, 0.1, dir);
+    e.as<Value::Map>().emplace_back("preallocate_arena", true);
+    auto pre = create_connector("SharedMemoryConnector", e);
+    ASSERT_FALSE(pre.ok());
+    EXPECT_EQ(pre.error().code, Errc::exhausted);
   }
   umount(dir.c_str());
   rmdir(dir.c_str());
+}
+
+// extra.preallocate_arena: the arena is reserved when the connector is made (a full /dev/shm
+// fails there), not at the first put; without it, at the first put. Not faulted in either way.
+TEST(Shm, PreallocatedArenaIsReservedAtCreationNotAtTheFirstPut) {
+  for (bool eager : {false, true}) {
+    const std::string ns = unique_ns(eager ? "eager" : "lazy");
+    Value e = extra(ns, 8u << 20);
+    e.as<Value::Map>().emplace_back("preallocate_arena", eager);
+    auto c = make(e);
+    ASSERT_TRUE(c);
+    EXPECT_EQ(c->health().find("arena_bytes")->as<uint64_t>(), eager ? 8u << 20 : 0u);
+    EXPECT_EQ(files_with(ns), eager ? 2u : 1u);  // the directory, and the arena when eager
+    std::vector<std::byte> d(100000);
+    ASSERT_TRUE(c->put("0", "1", "k", payload_of(d, 0)).ok());
+    EXPECT_EQ(c->health().find("arena_bytes")->as<uint64_t>(), 8u << 20);
+    EXPECT_EQ(files_with(ns), 2u);
+    ASSERT_TRUE(c->get("0", "1", "k", nullptr).ok());
+    c->close();
+    EXPECT_EQ(files_with(ns), 0u);
+  }
+  Value bad = extra(unique_ns("badpre"));
+  bad.as<Value::Map>().emplace_back("preallocate_arena", "yes");
+  auto c = create_connector("SharedMemoryConnector", bad);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().code, Errc::invalid_argument);
+  EXPECT_NE(c.error().message.find("preallocate_arena"), std::string::npos);
 }
 
 // vLLM-Omni: a put of a key whose payload is unread replaces it. A reader already holding a view
