@@ -483,6 +483,33 @@ TEST(Relay, ShmRelayReservesItsPoolAtCreation) {
   }
 }
 
+// Where /dev/shm cannot hold the pool (a container's 64 MiB), a relay is still made, as before
+// the pool moved to creation (one that only receives never needs it); its put says why it fails.
+// Asked for explicitly, preallocation fails at creation.
+TEST(Relay, ShmRelayOnASmallShmDirIsStillMade) {
+  testing_util::SmallTmpfs fs;
+  if (!fs.ok()) GTEST_SKIP() << "cannot mount a tmpfs here (not root)";
+  const std::string& dir = fs.dir();
+  {
+    auto c = cfg(4);
+    c.slot_size_mb = 2;
+    c.extra.as<Value::Map>().emplace_back("shm_dir", dir);
+    auto relay = make(c);
+    ASSERT_TRUE(relay);
+    EXPECT_EQ(relay->health().find("connector")->find("arena_bytes")->as<uint64_t>(), 0u);
+    const auto data = pattern(1 << 20, 5);
+    auto op = relay->put_async(bytes_payload(data), {.edge = "e"});
+    ASSERT_FALSE(op.ok());
+    EXPECT_EQ(op.error().code, Errc::exhausted);
+    EXPECT_NE(op.error().message.find("no space"), std::string::npos);
+    relay->close();
+    c.extra.as<Value::Map>().emplace_back("preallocate_arena", true);
+    auto eager = Relay::create(c);
+    ASSERT_FALSE(eager.ok());
+    EXPECT_EQ(eager.error().code, Errc::exhausted);
+  }
+}
+
 // The ucx backend: the relay on the transfer engine; credits come back when the receiver pulled.
 TEST(Relay, UcxBackendMovesPayloadsAndReturnsCreditsWhenPulled) {
   auto ucx_cfg = [] {

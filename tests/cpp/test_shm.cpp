@@ -2,7 +2,6 @@
 #include <gtest/gtest.h>
 #include <dirent.h>
 #include <signal.h>
-#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -547,13 +546,9 @@ TEST(Shm, ConcurrentProducersAndConsumers) {
 
 // A full /dev/shm: a 4 MiB tmpfs stands in for it (needs root to mount; skipped otherwise).
 TEST(Shm, FullShmDirectoryIsExhaustedNotSigbus) {
-  char tmpl[] = "/tmp/stagelink-tmpfs-XXXXXX";
-  ASSERT_TRUE(mkdtemp(tmpl));
-  std::string dir = tmpl;
-  if (mount("tmpfs", dir.c_str(), "tmpfs", 0, "size=4m") != 0) {
-    rmdir(dir.c_str());
-    GTEST_SKIP() << "cannot mount a tmpfs here (not root)";
-  }
+  testing_util::SmallTmpfs fs;
+  if (!fs.ok()) GTEST_SKIP() << "cannot mount a tmpfs here (not root)";
+  const std::string& dir = fs.dir();
   {
     auto c = create_connector("SharedMemoryConnector", extra(unique_ns("fullfs"), 16u << 20, 0.1, dir));
     ASSERT_TRUE(c.ok()) << c.error().message;
@@ -568,8 +563,6 @@ TEST(Shm, FullShmDirectoryIsExhaustedNotSigbus) {
     ASSERT_FALSE(pre.ok());
     EXPECT_EQ(pre.error().code, Errc::exhausted);
   }
-  umount(dir.c_str());
-  rmdir(dir.c_str());
 }
 
 // extra.preallocate_arena: the arena is reserved when the connector is made (a full /dev/shm

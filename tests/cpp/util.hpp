@@ -1,9 +1,12 @@
 // Helpers shared by the multi-process tests.
 #pragma once
+#include <sys/mount.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "stagelink/payload.hpp"
@@ -21,6 +24,29 @@ inline int wait_child(pid_t pid) {
   waitpid(pid, &st, 0);
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
+// A 4 MiB tmpfs of its own, unmounted and removed when it goes; `ok()` is false where this
+// process may not mount (not root), and the test should skip.
+class SmallTmpfs {
+ public:
+  SmallTmpfs() {
+    char tmpl[] = "/tmp/stagelink-tmpfs-XXXXXX";
+    if (!mkdtemp(tmpl)) return;
+    dir_ = tmpl;
+    mounted_ = mount("tmpfs", dir_.c_str(), "tmpfs", 0, "size=4m") == 0;
+  }
+  ~SmallTmpfs() {
+    if (mounted_) umount(dir_.c_str());
+    if (!dir_.empty()) rmdir(dir_.c_str());
+  }
+  SmallTmpfs(const SmallTmpfs&) = delete;
+  SmallTmpfs& operator=(const SmallTmpfs&) = delete;
+  bool ok() const { return mounted_; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  bool mounted_ = false;
+};
 // Reproducible pseudo-random bytes (xorshift32).
 inline std::vector<std::byte> pattern(size_t n, uint32_t seed) {
   std::vector<std::byte> v(n);
