@@ -278,6 +278,7 @@ class ShmConnector final : public Connector {
     m.emplace_back("outstanding", uint64_t(out_.size()));
     m.emplace_back("arena_bytes", uint64_t(arena_alloc_ ? arena_alloc_->capacity() : 0));
     m.emplace_back("arena_used", uint64_t(arena_alloc_ ? arena_alloc_->used() : 0));
+    m.emplace_back("arena_reserved", uint64_t(arena_reserved_));
     m.emplace_back("arena_largest_free", uint64_t(arena_alloc_ ? arena_alloc_->largest_free() : 0));
     m.emplace_back("arena_name", arena_ ? arena_->name() : std::string());
     m.emplace_back("namespace", opts_.ns);
@@ -379,6 +380,7 @@ class ShmConnector final : public Connector {
     arena_.reset();  // a mapping: its destructor unmaps, never unlinks
     arena_alloc_.reset();
     arena_idx_ = arena_gen_ = 0;
+    arena_reserved_ = 0;
     {
       std::lock_guard<std::mutex> w(wait_mu_);
       waiters_.clear();  // the threads that waited are not in this process
@@ -427,20 +429,45 @@ class ShmConnector final : public Connector {
     if (arena_ || opts_.arena_bytes == 0) return {};
     std::string name = dir_->prefix() + "a" + std::to_string(getpid()) + "." +
                        std::to_string(g_segment_counter.fetch_add(1));
-    // Reserved whole (posix_fallocate: a full /dev/shm fails here, not as SIGBUS later) but not
-    // pre-faulted: a page is mapped where a put first writes it. Faulting in all of it costs
-    // ~0.5 ms per MiB here, wasted where an edge's payloads use the first slots only.
-    SL_ASSIGN(auto seg, Segment::create(opts_.shm_dir, name, opts_.arena_bytes, false));
+    // Never pre-faulted: a page is mapped where a put first writes it (faulting in all of it
+    // costs ~0.5 ms per MiB here, wasted where an edge's payloads use the first slots only).
+    // Reserved whole now when asked (preallocate_arena), else as puts reach into it
+    // (reserve_locked): either way before a byte is written, so a full /dev/shm is an error,
+    // never a SIGBUS.
+    std::shared_ptr<Segment> seg;
+    if (opts_.preallocate_arena) {
+      SL_ASSIGN(seg, Segment::create(opts_.shm_dir, name, opts_.arena_bytes, false));
+    } else {
+      SL_ASSIGN(seg, Segment::create_sparse(opts_.shm_dir, name, opts_.arena_bytes));
+    }
     auto reg = dir_->register_arena(name, opts_.arena_bytes, false);
     if (!reg.ok()) {
       Segment::unlink(opts_.shm_dir, name);
       return std::move(reg).error();
     }
     arena_ = seg;
+    arena_reserved_ = opts_.preallocate_arena ? opts_.arena_bytes : 0;
     arena_idx_ = reg->first;
     arena_gen_ = reg->second;
     arena_alloc_ = std::make_unique<BufferAllocator>(opts_.arena_bytes, 64);
     return {};
+  }
+
+  // The arena is reserved up to a high-water mark, grown in kReserveStep steps as allocations
+  // reach past it (one posix_fallocate per step; none once the puts' working set is covered).
+  // No space: the allocation is given back and the put fails with exhausted.
+  static constexpr size_t kReserveStep = 2u << 20;
+  Result<Region> reserved_locked(size_t off, size_t size) {
+    if (off + size > arena_reserved_) [[unlikely]] {
+      const size_t step_end = (off + size + kReserveStep - 1) / kReserveStep * kReserveStep;
+      const size_t end = std::min(opts_.arena_bytes, step_end);
+      if (auto st = arena_->reserve(arena_reserved_, end - arena_reserved_); !st.ok()) {
+        (void)arena_alloc_->free(off, size);
+        return std::move(st).error();
+      }
+      arena_reserved_ = end;
+    }
+    return Region{arena_->data() + off, off, size, nullptr, arena_idx_, arena_gen_};
   }
 
   // Return memory of entries every reader released (and of expired ones). `all`: scan everything,
@@ -501,10 +528,10 @@ class ShmConnector final : public Connector {
     for (;;) {
       uint32_t seen = dir_->release_seq();
       auto off = arena_alloc_->allocate(size);
-      if (off.ok()) return Region{arena_->data() + off.value(), off.value(), size, nullptr, arena_idx_, arena_gen_};
+      if (off.ok()) return reserved_locked(off.value(), size);
       reclaim_all_locked();
       off = arena_alloc_->allocate(size);
-      if (off.ok()) return Region{arena_->data() + off.value(), off.value(), size, nullptr, arena_idx_, arena_gen_};
+      if (off.ok()) return reserved_locked(off.value(), size);
       if (mono_ns() >= deadline)
         return make_error(Errc::exhausted,
                           "arena " + arena_->name() + " has no room for " + std::to_string(size) + " bytes after " +
@@ -714,6 +741,7 @@ class ShmConnector final : public Connector {
   std::shared_ptr<Segment> arena_;
   std::unique_ptr<BufferAllocator> arena_alloc_;
   uint32_t arena_idx_ = 0, arena_gen_ = 0;
+  size_t arena_reserved_ = 0;  // bytes of the arena reserved in /dev/shm (from its start)
   std::deque<Outstanding> out_;
   std::shared_ptr<LoanGate> gate_;
   uint64_t last_reap_ns_ = 0;

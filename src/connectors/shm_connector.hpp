@@ -8,7 +8,7 @@ namespace stagelink {
 
 struct ShmConnectorOptions {
   size_t shm_threshold_bytes = 65536;  // frames up to this size also travel inline in metadata
-  size_t arena_bytes = 256u << 20;     // reserved at the first put, reused; larger frames get a segment
+  size_t arena_bytes = 256u << 20;     // made at the first put, reserved as used; larger frames: a segment
   uint32_t max_entries = 4096;         // directory size, fixed by the first process of a namespace
   std::string ns = "default";
   std::string shm_dir = "/dev/shm";
@@ -16,7 +16,7 @@ struct ShmConnectorOptions {
   double put_timeout_s = 5.0;          // wait for arena room before failing with exhausted
   double ttl_s = 300.0;                // unread puts older than this are cancelled
   bool replace_existing = true;        // on_existing_key: replace (vLLM-Omni) | error
-  bool preallocate_arena = false;      // create (and fault in) the arena now, not at the first put
+  bool preallocate_arena = false;      // create and reserve the whole arena when the connector is made
   static Result<ShmConnectorOptions> from_extra(const Value& extra);
 };
 

@@ -14,7 +14,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/log.hpp"
 #include "core/proc.hpp"
 
 namespace stagelink {
@@ -135,35 +134,24 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     Value::Map extra;
     if (cfg.extra.is<Value::Map>()) extra = cfg.extra.as<Value::Map>();
     std::string name = cfg.backend == "shm" ? "SharedMemoryConnector" : cfg.connector;
-    auto has = [&](const char* k) {
-      return std::any_of(extra.begin(), extra.end(), [&](auto& kv) { return kv.first == k; });
-    };
-    bool default_prealloc = false;
     if (cfg.backend == "shm") {
+      auto has = [&](const char* k) {
+        return std::any_of(extra.begin(), extra.end(), [&](auto& kv) { return kv.first == k; });
+      };
       // The pool: one slot per credit, reused; larger payloads get a segment of their own.
       if (!has("arena_bytes"))
         extra.emplace_back("arena_bytes", uint64_t(std::max(1.0, cfg.slot_size_mb * cfg.credits) * (1 << 20)));
       if (!has("put_timeout_s")) extra.emplace_back("put_timeout_s", cfg.timeout_s);
-      // Reserved now, as a transfer engine registers its pool up front: the first put would
-      // otherwise pay for it (posix_fallocate of the whole pool: ~8 ms for 8 x 4 MiB here).
-      default_prealloc = !has("preallocate_arena");
-      if (default_prealloc) extra.emplace_back("preallocate_arena", true);
     } else if (name == "TransferEngineConnector") {
+      auto has = [&](const char* k) {
+        return std::any_of(extra.begin(), extra.end(), [&](auto& kv) { return kv.first == k; });
+      };
       // Every relay serves its own side channel: a free port unless one is asked for (stage
       // processes of one host would otherwise collide on the seed's default 50051).
       if (!has("zmq_port")) extra.emplace_back("zmq_port", uint64_t(0));
       if (!has("timeout_s")) extra.emplace_back("timeout_s", cfg.timeout_s);
     }
-    auto made = create_connector(name, Value(extra));
-    if (!made.ok() && default_prealloc && made.error().code == Errc::exhausted) {
-      // A small /dev/shm (a container's 64 MiB): a relay that only receives never needs its
-      // pool, so one that was not asked to preallocate is still made, reserving at its first put.
-      SL_LOG_WARN("relay: %s; the pool will be reserved at the first put", made.error().message.c_str());
-      for (auto& kv : extra)
-        if (kv.first == "preallocate_arena") kv.second = Value(false);
-      made = create_connector(name, Value(std::move(extra)));
-    }
-    SL_ASSIGN(conn, std::move(made));
+    SL_ASSIGN(conn, create_connector(name, Value(std::move(extra))));
     return {};
   }
 

@@ -50,6 +50,47 @@ Result<std::shared_ptr<Segment>> Segment::create(const std::string& dir, const s
   return seg;
 }
 
+Result<std::shared_ptr<Segment>> Segment::create_sparse(const std::string& dir, const std::string& name,
+                                                        size_t size) {
+  std::string path = path_of(dir, name);
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    if (errno == EEXIST) return make_error(Errc::exists, "shared-memory segment " + path + " exists");
+    return make_error(Errc::io, "create " + path + ": " + std::strerror(errno));
+  }
+  auto fail = [&](const char* what) {
+    const int e = errno;
+    ::close(fd);
+    ::unlink(path.c_str());
+    return make_error(Errc::io, std::string(what) + " " + path + ": " + std::strerror(e));
+  };
+  if (size == 0) {
+    errno = EINVAL;
+    return fail("size 0 for");
+  }
+  if (::ftruncate(fd, off_t(size)) != 0) return fail("size");
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return fail("mmap");
+  auto seg = std::shared_ptr<Segment>(new Segment());
+  seg->name_ = name;
+  seg->size_ = size;
+  seg->base_ = static_cast<std::byte*>(p);
+  seg->fd_ = fd;
+  return seg;
+}
+
+Status Segment::reserve(size_t offset, size_t len) {
+  if (fd_ < 0 || offset > size_ || len > size_ - offset)
+    return make_error(Errc::invalid_argument, "reserve of bytes " + std::to_string(offset) + "+" + std::to_string(len) +
+                                                  " of segment " + name_ + " (" + std::to_string(size_) + " bytes)");
+  const int rc = ::posix_fallocate(fd_, off_t(offset), off_t(len));
+  if (rc == ENOSPC)
+    return make_error(Errc::exhausted, "no space in the shared-memory directory for " + std::to_string(len) +
+                                           " more bytes of " + name_);
+  if (rc != 0) return make_error(Errc::io, "reserve bytes of " + name_ + ": " + std::strerror(rc));
+  return {};
+}
+
 Result<std::shared_ptr<Segment>> Segment::open(const std::string& dir, const std::string& name,
                                                bool writable, bool populate, size_t min_size) {
   std::string path = path_of(dir, name);
@@ -87,6 +128,7 @@ bool Segment::unlink(const std::string& dir, const std::string& name) {
 
 Segment::~Segment() {
   if (base_) ::munmap(base_, size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 }  // namespace stagelink::shm

@@ -1,6 +1,7 @@
 // A named shared-memory segment: a file under the shm directory (default /dev/shm), created
 // exclusively with mode 0600 and fully reserved with posix_fallocate, so a full /dev/shm is an
-// error at creation instead of a SIGBUS later.
+// error at creation instead of a SIGBUS later; or created sparse, and reserved range by range
+// (`reserve`) before those bytes are written.
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -15,6 +16,13 @@ class Segment {
   // Errors: exists (name taken), exhausted (no space), io.
   static Result<std::shared_ptr<Segment>> create(const std::string& dir, const std::string& name,
                                                  size_t size, bool populate);
+  // Sized but not reserved: nothing of it may be written before `reserve` covered it (a write to
+  // an unreserved page of a full /dev/shm is a SIGBUS). Errors: exists, io.
+  static Result<std::shared_ptr<Segment>> create_sparse(const std::string& dir, const std::string& name,
+                                                        size_t size);
+  // Reserve [offset, offset + len) of a sparse segment (posix_fallocate). Errors: exhausted (no
+  // space), io.
+  Status reserve(size_t offset, size_t len);
   // Errors: not_found, corrupt (smaller than min_size), io.
   static Result<std::shared_ptr<Segment>> open(const std::string& dir, const std::string& name,
                                                bool writable, bool populate, size_t min_size = 0);
@@ -31,6 +39,7 @@ class Segment {
   Segment() = default;
   std::byte* base_ = nullptr;
   size_t size_ = 0;
+  int fd_ = -1;  // kept open by create_sparse, for reserve
   std::string name_;
 };
 

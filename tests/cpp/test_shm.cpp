@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <dirent.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -550,13 +551,28 @@ TEST(Shm, FullShmDirectoryIsExhaustedNotSigbus) {
   if (!fs.ok()) GTEST_SKIP() << "cannot mount a tmpfs here (not root)";
   const std::string& dir = fs.dir();
   {
+    // A 16 MiB arena on a 4 MiB /dev/shm: puts go on while their bytes can be reserved, then
+    // fail with exhausted; what was put before stays whole.
     auto c = create_connector("SharedMemoryConnector", extra(unique_ns("fullfs"), 16u << 20, 0.1, dir));
     ASSERT_TRUE(c.ok()) << c.error().message;
-    auto r = c.value()->put("0", "1", "k", Payload{});
-    ASSERT_FALSE(r.ok());
-    EXPECT_EQ(r.error().code, Errc::exhausted);
-    EXPECT_NE(r.error().message.find("no space"), std::string::npos);
-    // Preallocated, the same arena fails when the connector is made, and leaves nothing behind.
+    std::vector<std::vector<std::byte>> put;
+    Status failed;
+    for (uint32_t i = 0; i < 8 && failed.ok(); ++i) {
+      auto d = pattern(1u << 20, i);
+      auto r = c.value()->put("0", "1", "k" + std::to_string(i), payload_of(d, checksum(d)));
+      if (r.ok()) put.push_back(std::move(d));
+      else failed = std::move(r).error();
+    }
+    ASSERT_FALSE(failed.ok()) << "8 MiB fit in a 4 MiB tmpfs";
+    EXPECT_EQ(failed.error().code, Errc::exhausted);
+    EXPECT_NE(failed.error().message.find("no space"), std::string::npos) << failed.error().message;
+    EXPECT_GE(put.size(), 1u);
+    for (size_t i = 0; i < put.size(); ++i) {
+      auto g = c.value()->get("0", "1", "k" + std::to_string(i), nullptr);
+      ASSERT_TRUE(g.ok()) << i;
+      EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(put[i]));
+    }
+    // Preallocated, the same arena fails when the connector is made.
     Value e = extra(unique_ns("fullpre"), 16u << 20, 0.1, dir);
     e.as<Value::Map>().emplace_back("preallocate_arena", true);
     auto pre = create_connector("SharedMemoryConnector", e);
@@ -565,9 +581,16 @@ TEST(Shm, FullShmDirectoryIsExhaustedNotSigbus) {
   }
 }
 
-// extra.preallocate_arena: the arena is reserved when the connector is made (a full /dev/shm
-// fails there), not at the first put; without it, at the first put. Not faulted in either way.
-TEST(Shm, PreallocatedArenaIsReservedAtCreationNotAtTheFirstPut) {
+// The arena is reserved in /dev/shm as puts reach into it, in 2 MiB steps, not whole at its
+// creation: an edge whose payloads use its first slots reserves (and zeroes) only those, and a
+// pool larger than /dev/shm still moves what fits. extra.preallocate_arena reserves it whole
+// when the connector is made (a full /dev/shm fails there).
+TEST(Shm, ArenaIsReservedAsPutsReachIntoItOrWholeWhenAsked) {
+  auto allocated = [](const Value& h) {  // bytes tmpfs holds for the arena file
+    struct stat st {};
+    EXPECT_EQ(stat(("/dev/shm/" + h.find("arena_name")->as<std::string>()).c_str(), &st), 0);
+    return size_t(st.st_blocks) * 512;
+  };
   for (bool eager : {false, true}) {
     const std::string ns = unique_ns(eager ? "eager" : "lazy");
     Value e = extra(ns, 8u << 20);
@@ -576,11 +599,21 @@ TEST(Shm, PreallocatedArenaIsReservedAtCreationNotAtTheFirstPut) {
     ASSERT_TRUE(c);
     EXPECT_EQ(c->health().find("arena_bytes")->as<uint64_t>(), eager ? 8u << 20 : 0u);
     EXPECT_EQ(files_with(ns), eager ? 2u : 1u);  // the directory, and the arena when eager
-    std::vector<std::byte> d(100000);
-    ASSERT_TRUE(c->put("0", "1", "k", payload_of(d, 0)).ok());
-    EXPECT_EQ(c->health().find("arena_bytes")->as<uint64_t>(), 8u << 20);
+    if (eager) EXPECT_GE(allocated(c->health()), size_t(8u << 20));
+    const auto small = pattern(100000, 1), big = pattern(3u << 20, 2);
+    ASSERT_TRUE(c->put("0", "1", "small", payload_of(small, checksum(small))).ok());
+    Value h = c->health();
+    EXPECT_EQ(h.find("arena_bytes")->as<uint64_t>(), 8u << 20);
+    EXPECT_EQ(h.find("arena_reserved")->as<uint64_t>(), eager ? 8u << 20 : 2u << 20);
+    if (!eager) EXPECT_LT(allocated(h), size_t(8u << 20));
+    ASSERT_TRUE(c->put("0", "1", "big", payload_of(big, checksum(big))).ok());  // reaches past 2 MiB
+    EXPECT_EQ(c->health().find("arena_reserved")->as<uint64_t>(), eager ? 8u << 20 : 4u << 20);
     EXPECT_EQ(files_with(ns), 2u);
-    ASSERT_TRUE(c->get("0", "1", "k", nullptr).ok());
+    for (auto [k, d] : {std::pair{"small", &small}, std::pair{"big", &big}}) {
+      auto g = c->get("0", "1", k, nullptr);
+      ASSERT_TRUE(g.ok()) << k;
+      EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(*d)) << k;
+    }
     c->close();
     EXPECT_EQ(files_with(ns), 0u);
   }
