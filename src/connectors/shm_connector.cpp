@@ -143,7 +143,7 @@ class ShmConnector final : public Connector {
 
   Status init() {
     SL_ASSIGN(dir_, Directory::attach(opts_.shm_dir, opts_.ns, opts_.max_entries));
-    if (opts_.preallocate_arena) {  // the cost of reserving and faulting in the arena, paid now
+    if (opts_.preallocate_arena) {  // the whole arena reserved now: a full /dev/shm fails here
       std::lock_guard<std::mutex> lock(mu_);
       SL_TRY(ensure_arena_locked());
     }
@@ -432,7 +432,7 @@ class ShmConnector final : public Connector {
     // Never pre-faulted: a page is mapped where a put first writes it (faulting in all of it
     // costs ~0.5 ms per MiB here, wasted where an edge's payloads use the first slots only).
     // Reserved whole now when asked (preallocate_arena), else as puts reach into it
-    // (reserve_locked): either way before a byte is written, so a full /dev/shm is an error,
+    // (reserved_locked): either way before a byte is written, so a full /dev/shm is an error,
     // never a SIGBUS.
     std::shared_ptr<Segment> seg;
     if (opts_.preallocate_arena) {

@@ -12,14 +12,18 @@ namespace stagelink::shm {
 
 static std::string path_of(const std::string& dir, const std::string& name) { return dir + "/" + name; }
 
+// A new file of this user's only (0600), never one that exists or a link to elsewhere.
+static Result<int> create_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd >= 0) return fd;
+  if (errno == EEXIST) return make_error(Errc::exists, "shared-memory segment " + path + " exists");
+  return make_error(Errc::io, "create " + path + ": " + std::strerror(errno));
+}
+
 Result<std::shared_ptr<Segment>> Segment::create(const std::string& dir, const std::string& name,
                                                  size_t size, bool populate) {
   std::string path = path_of(dir, name);
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    if (errno == EEXIST) return make_error(Errc::exists, "shared-memory segment " + path + " exists");
-    return make_error(Errc::io, "create " + path + ": " + std::strerror(errno));
-  }
+  SL_ASSIGN(int fd, create_file(path));
   if (size > 0) {
     int rc = ::posix_fallocate(fd, 0, off_t(size));
     if (rc != 0) {
@@ -53,11 +57,7 @@ Result<std::shared_ptr<Segment>> Segment::create(const std::string& dir, const s
 Result<std::shared_ptr<Segment>> Segment::create_sparse(const std::string& dir, const std::string& name,
                                                         size_t size) {
   std::string path = path_of(dir, name);
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    if (errno == EEXIST) return make_error(Errc::exists, "shared-memory segment " + path + " exists");
-    return make_error(Errc::io, "create " + path + ": " + std::strerror(errno));
-  }
+  SL_ASSIGN(int fd, create_file(path));
   auto fail = [&](const char* what) {
     const int e = errno;
     ::close(fd);
