@@ -14,6 +14,7 @@ struct ResourceInfo {
   uint32_t owner_pid = 0;
   bool owner_alive = false;
   uint64_t size = 0;
+  uint64_t held = 0;      // bytes the shm directory holds for it (an arena is reserved as used)
   double age_s = 0;
   uint64_t live_entries = 0;  // directories: entries in use
   uint64_t attached = 0;      // directories: attached processes

@@ -108,10 +108,14 @@ def _cmd_shm_ls(args):
     if not rows:
         print(f"no stagelink shared memory under {args.shm_dir} (prefix {_core.shm_user_prefix()})")
         return 0
-    print(f"{'name':40} {'kind':22} {'owner':>8} {'alive':>5} {'size':>12} {'age s':>9} {'entries':>7} {'procs':>5}")
+    # size: what the segment spans; held: what the shm directory holds for it (an arena is
+    # reserved as puts reach into it, so it may hold much less than its size).
+    print(f"{'name':40} {'kind':22} {'owner':>8} {'alive':>5} {'size':>12} {'held':>12} {'age s':>9} "
+          f"{'entries':>7} {'procs':>5}")
     for r in rows:
         print(f"{r['name']:40} {r['kind']:22} {r['owner_pid']:>8} {str(r['owner_alive']):>5} {r['size']:>12} "
-              f"{r['age_s']:>9.1f} {r['live_entries']:>7} {r['attached']:>5}")
+              f"{r['held']:>12} {r['age_s']:>9.1f} {r['live_entries']:>7} {r['attached']:>5}")
+    print(f"held in all: {sum(r['held'] for r in rows)} bytes")
     return 0
 
 
@@ -233,7 +237,7 @@ def main(argv=None):
 
     s = sub.add_parser("shm", help="list and reclaim shared-memory resources")
     ssub = s.add_subparsers(dest="sub", required=True)
-    for name, fn, hlp in (("ls", _cmd_shm_ls, "list segments with owner, size and age"),
+    for name, fn, hlp in (("ls", _cmd_shm_ls, "list segments with owner, size, bytes held in the shm directory and age"),
                           ("reap", _cmd_shm_reap, "reclaim what dead processes left")):
         sp = ssub.add_parser(name, help=hlp, description=hlp[0].upper() + hlp[1:] + ": stagelink's segments of "
                              "this user (sl.<uid>.*: connector arenas and directories, queue rings, control "

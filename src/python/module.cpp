@@ -2484,7 +2484,8 @@ NB_MODULE(_core, m) {
     for (auto& r : shm::list_resources(dir)) {
       nb::dict d;
       d["name"] = r.name; d["kind"] = r.kind; d["owner_pid"] = r.owner_pid; d["owner_alive"] = r.owner_alive;
-      d["size"] = r.size; d["age_s"] = r.age_s; d["live_entries"] = r.live_entries; d["attached"] = r.attached;
+      d["size"] = r.size; d["held"] = r.held; d["age_s"] = r.age_s; d["live_entries"] = r.live_entries;
+      d["attached"] = r.attached;
       l.append(d);
     }
     return l;

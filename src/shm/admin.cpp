@@ -73,6 +73,7 @@ std::vector<ResourceInfo> list_resources(const std::string& shm_dir) {
     struct stat st{};
     if (::stat((shm_dir + "/" + n).c_str(), &st) == 0) {
       r.size = uint64_t(st.st_size);
+      r.held = uint64_t(st.st_blocks) * 512;
       r.age_s = now - double(st.st_mtim.tv_sec);
     }
     auto d = Directory::open_admin(shm_dir, n);
@@ -96,6 +97,8 @@ std::vector<ResourceInfo> list_resources(const std::string& shm_dir) {
         ar.owner_pid = a.owner_pid;
         ar.owner_alive = proc_alive(ProcId{a.owner_pid, a.owner_start});
         ar.size = a.size;
+        if (struct stat ast{}; ::stat((shm_dir + "/" + ar.name).c_str(), &ast) == 0)
+          ar.held = uint64_t(ast.st_blocks) * 512;
         ar.age_s = now - double(a.created_ns) / 1e9;
         listed.insert(ar.name);
         out.push_back(ar);
@@ -123,6 +126,7 @@ std::vector<ResourceInfo> list_resources(const std::string& shm_dir) {
     struct stat st{};
     if (::stat((shm_dir + "/" + n).c_str(), &st) == 0) {
       r.size = uint64_t(st.st_size);
+      r.held = uint64_t(st.st_blocks) * 512;
       r.age_s = now - double(st.st_mtim.tv_sec);
     }
     out.push_back(r);

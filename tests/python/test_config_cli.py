@@ -281,10 +281,14 @@ def test_cli_config_check_of_a_pipeline_file(tmp_path):
 
 
 def test_cli_shm_ls_and_reap(ns):
-    c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
+    c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 64 << 20})
     assert c.put(0, 1, "k", b"x" * 100000)[0]
     out = subprocess.run([BIN, "shm", "ls"], capture_output=True, text=True, check=True).stdout
     assert f"{ns}.dir" in out and "arena" in out
+    # An arena spans its size and holds what puts reached: the first 2 MiB step here.
+    arena = [r for r in stagelink._core.shm_list("/dev/shm") if r["kind"] == "arena" and f".{ns}.a" in r["name"]]
+    assert len(arena) == 1 and arena[0]["size"] == 64 << 20 and arena[0]["held"] == 2 << 20, arena
+    assert str(2 << 20) in next(line for line in out.splitlines() if arena[0]["name"] in line)
     c.close()
     out = subprocess.run([BIN, "shm", "reap"], capture_output=True, text=True, check=True).stdout
     assert "resources reclaimed" in out
