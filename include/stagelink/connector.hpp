@@ -170,6 +170,19 @@ class Connector {
     (void)host; (void)port;
     return make_error(Errc::unsupported, name() + " has no sender to update");
   }
+  // Where a receiver reaches this connector's puts, as the keys its put metadata carries (a
+  // transfer engine's source_host and source_port); nil for a connector nothing connects to (shared
+  // memory, the store) or one that cannot put.
+  virtual Value sender_info() { return Value(); }
+  // Set up ahead of the first get what a get from the sender `sender_info` describes (those keys,
+  // or a whole put's metadata; nil: the sender given by update_sender_info or the config) would
+  // otherwise set up on first use: connections, endpoints, on both sides. The first get then costs
+  // what the next ones do. Connectors with nothing to connect return ok. Errors: timeout, io,
+  // peer_dead, not_found (no sender known), corrupt (an info that is not this connector's).
+  virtual Status connect(const Value& sender_info, Deadline deadline) {
+    (void)sender_info; (void)deadline;
+    return {};
+  }
   // Counters (puts, gets, bytes_transferred, errors, timeouts, ...) and transport state.
   virtual Value health() = 0;
   // Release everything this connector owns. Idempotent; also run by the destructor.

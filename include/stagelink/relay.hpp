@@ -116,6 +116,13 @@ class Relay {
   // invalid_argument (dest too small, several tensors for one dest), corrupt (metadata),
   // timeout, cancelled, closed.
   Result<RelayOp> get_async(const Value& metadata, const RelayGetOptions& opts = {});
+  // Where another process's relay of the same backend reaches this one's puts (a transfer
+  // engine's source_host and source_port); nil where nothing needs connecting (shared memory).
+  Value sender_info();
+  // Connect ahead of the first get to the relay `sender_info` describes (its sender_info(), or a
+  // put's metadata), so that first get costs what the next ones do; within `timeout_s` (negative:
+  // the relay's timeout_s). Nothing to do for shared memory. Errors: the connector's connect.
+  Status connect(const Value& sender_info, double timeout_s = -1);
   // Withdraw this relay's unread puts of `request_id` (their slots and credits come back, their
   // waits end cancelled); returns how many. Other relays' puts of the request, in this process
   // or another, are theirs to clean up.

@@ -220,6 +220,23 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
             obj = _serde.decode(kind, obj, zero_copy)
         return RelayOperation(None, obj, size)
 
+    def sender_info(self) -> Optional[dict]:
+        """Where another process's relay of this backend reaches this one's puts (``ucx``: the
+        ``source_host`` and ``source_port`` of its side channel); ``None`` where nothing needs
+        connecting (``shm``, ``local``)."""
+        if self._native is None:
+            return None
+        return self._native.sender_info()
+
+    def connect(self, sender_info, timeout: Optional[float] = None) -> None:
+        """Connect to the relay ``sender_info`` describes (its :meth:`sender_info`, or one of its
+        puts' metadata) before the first ``get_async`` from it, which then costs what the next ones
+        do (a UCX relay's first get from a sender otherwise connects: milliseconds over TCP).
+        Within ``timeout`` (default ``timeout_s``). Nothing to do for ``shm`` and ``local``."""
+        if self._native is None:
+            return
+        self._live()._connect(sender_info, timeout)
+
     def cleanup(self, request_id: str) -> int:
         """Withdraw this relay's own unread puts of ``request_id``: their slots and credits come
         back and their waits raise CancelledError. Other relays' puts of the request (another

@@ -213,32 +213,9 @@ class TeConnector final : public Connector {
     SL_TRY(validate_name("to_stage", to, 64));
     SL_TRY(validate_name("key", key, 160));
     const std::string ik = make_internal_key(key, from, to);
-    std::string host;
-    uint64_t port = 0, size = 0;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      host = o_.sender_host;
-      port = uint64_t(o_.sender_port);
-    }
+    uint64_t size = 0;
     bool have_size = false;
-    if (md && md->is<Value::Map>()) {
-      const Value* m = md;
-      if (m->as<Value::Map>().size() == 1 && m->find(key)) m = m->find(key);  // {key: metadata}
-      const Value *h = m->find("source_host"), *pt = m->find("source_port"), *ds = m->find("data_size");
-      if (h && pt) {
-        if (!h->is<std::string>() || !pt->get_u64(port) || port > 65535 || (ds && !ds->get_u64(size)))
-          return make_error(Errc::corrupt, "transfer-engine metadata: source_host must be a string, source_port a "
-                                           "port, data_size a size");
-        host = h->as<std::string>();
-        have_size = ds != nullptr;
-      }
-    }
-    if (host.empty() || port == 0)
-      return make_error(Errc::not_found, "get of '" + ik + "' needs the put's metadata (source_host, source_port) "
-                                         "or the sender's address (update_sender_info / extra sender_host, "
-                                         "sender_zmq_port)");
-    const std::string peer = "tcp://" + (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" +
-                             std::to_string(port);
+    SL_ASSIGN(const std::string peer, sender_endpoint(md, key, "get of '" + ik + "'", &size, &have_size));
     if (!have_size) {  // ask the sender (query) first; until `deadline` while it has no such put
       for (uint64_t backoff_us = 1000;; backoff_us = std::min<uint64_t>(backoff_us * 2, 50'000)) {
         Value::Map q;
@@ -331,6 +308,41 @@ class TeConnector final : public Connector {
     return finish_get(off, size, region, go);
   }
 
+  Value sender_info() override {
+    if (!router_) return Value();
+    Value::Map m;
+    m.emplace_back("source_host", advertised_);
+    m.emplace_back("source_port", uint64_t(port_));
+    return Value(std::move(m));
+  }
+
+  // The side channel's hello: the sender connects its engine to ours (every lane it sends on) and
+  // says how to reach its engine, which ours connects to (the lane pull requests take). What the
+  // first get would otherwise do, and the endpoints ready for the next ones.
+  Status connect(const Value& info, Deadline deadline) override {
+    SL_TRY(same_process());
+    if (closed_) return make_error(Errc::closed, name_ + " is closed");
+    SL_ASSIGN(const std::string peer, sender_endpoint(info.is_nil() ? nullptr : &info, "", "connect", nullptr, nullptr));
+    Value::Map hello;
+    hello.emplace_back("op", "hello");
+    hello.emplace_back("key", "");
+    hello.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+    const double left_s = std::chrono::duration<double>(deadline - Clock::now()).count();
+    if (!(left_s > 0)) return make_error(Errc::timeout, "connect to " + peer + ": the deadline has passed");
+    SL_ASSIGN(Value rep, call(peer, std::move(hello), std::min(left_s, 1e9)));
+    SL_TRY(reply_status(rep, "connect"));
+    const Value* w = rep.find("worker");
+    if (!w || !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty())
+      return make_error(Errc::corrupt, "the sender at " + peer + " replied to connect without its worker address");
+    SL_TRY(engine_->connect(w->as<Value::Bytes>(), 1, deadline));  // pull requests take lane 0
+    if (o_.pull_channel == "ucx") {
+      std::lock_guard<std::mutex> l(peers_mu_);
+      workers_[peer].assign(w->as<Value::Bytes>().begin(), w->as<Value::Bytes>().end());
+    }
+    connects_.fetch_add(1);
+    return {};
+  }
+
   Result<GetResult> finish_get(size_t off, size_t size, const std::shared_ptr<void>& region, const GetOptions& go) {
     const std::span<const std::byte> bytes(engine_->pool_base() + off, size);
     GetResult g;
@@ -394,6 +406,7 @@ class TeConnector final : public Connector {
     m.emplace_back("pulls_served", uint64_t(pulls_.load()));
     m.emplace_back("gets_over_ucx", uint64_t(gets_ucx_.load()));  // pull request sent as a UCX message
     m.emplace_back("gets_over_side_channel", uint64_t(gets_side_.load()));
+    m.emplace_back("connects", uint64_t(connects_.load()));  // connect() calls that set up a sender
     m.emplace_back("errors", uint64_t(errors_.load()));
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -464,6 +477,41 @@ class TeConnector final : public Connector {
     const Value* err = rep.find("err");
     return make_error(code && code->is<std::string>() ? errc_from(code->as<std::string>()) : Errc::io,
                       "sender, for '" + ik + "': " + (err && err->is<std::string>() ? err->as<std::string>() : "failed"));
+  }
+
+  // The side channel ("tcp://host:port") of the sender a get (of `key`) or a connect asks: the
+  // source_host and source_port of `md` (a put's metadata, or {key: metadata}), else the sender
+  // of update_sender_info or the config. `size`/`have_size`: the metadata's data_size. Errors:
+  // corrupt (those keys malformed; a non-map is ignored, as other connectors' metadata is),
+  // not_found (no sender known).
+  Result<std::string> sender_endpoint(const Value* md, const std::string& key, const std::string& what, uint64_t* size,
+                                      bool* have_size) {
+    std::string host;
+    uint64_t port = 0;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      host = o_.sender_host;
+      port = uint64_t(o_.sender_port);
+    }
+    if (md && md->is<Value::Map>()) {
+      const Value* m = md;
+      if (!key.empty() && m->as<Value::Map>().size() == 1 && m->find(key)) m = m->find(key);  // {key: metadata}
+      const Value *h = m->find("source_host"), *pt = m->find("source_port"), *ds = m->find("data_size");
+      if (h && pt) {
+        uint64_t sz = 0;
+        if (!h->is<std::string>() || !pt->get_u64(port) || port > 65535 || (ds && !ds->get_u64(sz)))
+          return make_error(Errc::corrupt, "transfer-engine metadata: source_host must be a string, source_port a "
+                                           "port, data_size a size");
+        host = h->as<std::string>();
+        if (size) *size = sz;
+        if (have_size) *have_size = ds != nullptr;
+      }
+    }
+    if (host.empty() || port == 0)
+      return make_error(Errc::not_found, what + " needs the put's metadata (source_host, source_port) "
+                                                "or the sender's address (update_sender_info / extra sender_host, "
+                                                "sender_zmq_port)");
+    return "tcp://" + (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
   }
 
   // One request/reply with the sender at `peer` (a DEALER per sender, requests numbered).
@@ -561,6 +609,18 @@ class TeConnector final : public Connector {
     if (!op || !op->is<std::string>() || !key || !key->is<std::string>())
       return fail(Errc::corrupt, "request without op/key", rq);
     const std::string& ik = key->as<std::string>();
+    if (op->as<std::string>() == "hello") {  // a receiver's connect
+      const Value* w = v->find("worker");
+      if (!w || !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty())
+        return fail(Errc::corrupt, "hello without the receiver's worker address", rq);
+      Status st = engine_->connect(w->as<Value::Bytes>(), 0, deadline_after(o_.timeout_s));
+      if (!st.ok()) return fail(st.error().code, "connecting back to the receiver: " + st.error().message, rq);
+      Value::Map m;
+      m.emplace_back("ok", true);
+      m.emplace_back("rq", rq);
+      m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+      return Value(std::move(m));
+    }
     if (op->as<std::string>() == "query") {
       std::lock_guard<std::mutex> l(mu_);
       auto it = entries_.find(ik);
@@ -721,7 +781,7 @@ class TeConnector final : public Connector {
   std::map<std::string, std::shared_ptr<Peer>> peers_;
   std::map<std::string, std::vector<std::byte>> workers_;  // side-channel address -> its engine's worker address
   std::atomic<uint64_t> puts_{0}, gets_{0}, put_bytes_{0}, get_bytes_{0}, pulls_{0}, errors_{0}, gets_ucx_{0},
-      gets_side_{0};
+      gets_side_{0}, connects_{0};
 };
 
 }  // namespace

@@ -2197,6 +2197,18 @@ NB_MODULE(_core, m) {
              for (auto& s : k.value()) out.append(nb::str(s.data(), s.size()));
              return out;
            })
+      .def("_sender_info", [](PyConnector& self) { return self.c ? to_py(self.c->sender_info()) : nb::none(); })
+      .def("_connect", [](PyConnector& self, nb::handle info, double timeout_s) {
+             const Value v = info.is_none() ? Value() : from_py(info);
+             const std::shared_ptr<Connector> c = self.get();
+             Status st;
+             {
+               nb::gil_scoped_release nogil;
+               const double t = timeout_secs(timeout_s);
+               st = c->connect(v, deadline_after(t < 0 ? 1e9 : t));
+             }
+             if (!st.ok()) raise(st.error());
+           }, nb::arg("sender_info").none(), nb::arg("timeout_s"))
       .def("_update_sender_info", [](PyConnector& self, const std::string& host, int port) {
              auto st = self.get()->update_sender_info(host, port);
              if (!st.ok()) raise(st.error());
@@ -2451,6 +2463,24 @@ NB_MODULE(_core, m) {
              o.dest = std::span<std::byte>(static_cast<std::byte*>(view.buf), size_t(view.len));
              return relay_get(self, metadata, o).size();
            }, nb::arg("metadata").none(), nb::arg("out"), nb::arg("request_id").none(), nb::arg("timeout").none())
+      .def("sender_info", [](PyRelay& self) { return self.r ? to_py(self.r->sender_info()) : nb::none(); },
+           "Where another process's relay reaches this one's puts (a transfer engine's source_host and "
+           "source_port), or None where nothing needs connecting (shared memory).")
+      .def("_connect", [](PyRelay& self, nb::handle info, nb::handle timeout) {
+             const Value v = info.is_none() ? Value() : from_py(info);
+             double t = -1.0;  // None: the relay's timeout_s
+             if (!timeout.is_none()) {
+               t = timeout_secs(nb::cast<double>(timeout));
+               if (t < 0) t = 1e9;  // infinity: for ever
+             }
+             auto r = self.get();
+             Status st;
+             {
+               nb::gil_scoped_release nogil;
+               st = r->connect(v, t);
+             }
+             if (!st.ok()) raise(st.error());
+           }, nb::arg("sender_info").none(), nb::arg("timeout").none())
       .def("cleanup", [](PyRelay& self, const std::string& rid) { return self.get()->cleanup(rid); },
            "Release every unread put of ``request_id`` on this host and this relay's credits for them; returns how many.")
       .def("health", [](PyRelay& self) { return self.r ? to_py(self.r->health()) : nb::object(nb::dict()); })

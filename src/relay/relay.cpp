@@ -582,6 +582,15 @@ Result<RelayOp> Relay::get_async(const Value& md, const RelayGetOptions& o) { re
 Result<RelayOp> Relay::put_segments(std::span<const RelaySegment> segments, size_t total, const RelayPutOptions& o) {
   return core_->put_segments(segments, total, o);
 }
+Value Relay::sender_info() {
+  if (core_->closed || !core_->conn) return Value();
+  return core_->conn->sender_info();
+}
+Status Relay::connect(const Value& sender_info, double timeout_s) {
+  if (core_->closed) return make_error(Errc::closed, "relay closed");
+  if (!core_->conn) return {};  // the same-process backend: nothing to connect
+  return core_->conn->connect(sender_info, deadline_after(timeout_s < 0 ? core_->cfg.timeout_s : timeout_s));
+}
 size_t Relay::cleanup(const std::string& rid) { return core_->cleanup(rid); }
 Value Relay::health() { return core_->health(); }
 void Relay::close() { core_->close(); }

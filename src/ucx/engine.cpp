@@ -233,6 +233,7 @@ struct Engine::Impl {
                              const ucp_am_recv_param_t* param) {
     auto* self = static_cast<Impl*>(arg);
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return UCS_ERR_CANCELED;  // requests are small
+    if (length == 0) return UCS_OK;  // a ping of connect()
     if (self->req_handler) self->req_handler(std::span<const std::byte>(static_cast<const std::byte*>(data), length));
     return UCS_OK;
   }
@@ -806,8 +807,12 @@ void Engine::send_async(std::span<const std::byte> peer, uint64_t token, std::sp
   ucp_worker_signal(I.worker);      // the progress thread may be asleep
 }
 
-Status Engine::send(std::span<const std::byte> peer, uint64_t token, std::span<const std::byte> src,
-                    Deadline deadline) {
+namespace {
+// Runs `start(done)` (which posts operations whose completion calls `done` once, from any thread)
+// and waits for `done`. At the deadline the progress thread cancels what is under way, which
+// completes it; the 5 s beyond it only guard against a completion that never comes.
+template <class Start>
+Status await_done(Start&& start, Deadline deadline, const char* what) {
   struct Done {
     std::mutex mu;
     std::condition_variable cv;
@@ -815,7 +820,7 @@ Status Engine::send(std::span<const std::byte> peer, uint64_t token, std::span<c
     Status st;
   };
   auto d = std::make_shared<Done>();
-  send_async(peer, token, src, deadline, [d](Status st) {
+  start([d](Status st) {
     {
       std::lock_guard<std::mutex> l(d->mu);
       d->done = true;
@@ -824,10 +829,43 @@ Status Engine::send(std::span<const std::byte> peer, uint64_t token, std::span<c
     d->cv.notify_all();
   });
   std::unique_lock<std::mutex> l(d->mu);
-  // At the deadline the progress thread cancels what is under way, which completes it.
   if (!d->cv.wait_until(l, later(deadline, std::chrono::seconds(5)), [&] { return d->done; }))
-    return make_error(Errc::timeout, "sending to the receiver: not complete before the deadline");
+    return make_error(Errc::timeout, std::string(what) + ": not complete before the deadline");
   return d->st;
+}
+}  // namespace
+
+Status Engine::send(std::span<const std::byte> peer, uint64_t token, std::span<const std::byte> src,
+                    Deadline deadline) {
+  return await_done([&](std::function<void(Status)> done) { send_async(peer, token, src, deadline, std::move(done)); },
+                    deadline, "sending to the receiver");
+}
+
+Status Engine::connect(std::span<const std::byte> peer, unsigned lanes, Deadline deadline) {
+  auto& I = *impl_;
+  if (I.closed) return make_error(Errc::closed, "transfer engine closed");
+  lanes = lanes == 0 ? std::max(1u, I.opts.lanes) : std::min(lanes, std::max(1u, I.opts.lanes));
+  std::vector<std::shared_ptr<Impl::Ep>> eps;
+  for (unsigned i = 0; i < lanes; ++i) {
+    SL_ASSIGN(auto ep, I.endpoint(peer, i));
+    eps.push_back(std::move(ep));
+  }
+  return await_done(
+      [&](std::function<void(Status)> done) {
+        auto b = I.new_batch(deadline, "connecting to the peer", std::move(done));
+        b->eps = eps;
+        b->left += int(2 * lanes);  // an empty message and a flush per lane
+        ucp_request_param_t rp = I.batch_param(b.get()), am = rp;
+        am.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        am.flags = UCP_AM_SEND_FLAG_EAGER;
+        // An empty request is a ping (the peer's engine drops it): it makes UCX finish wiring the
+        // endpoint up, which a flush of an endpoint nothing was sent on may not wait for.
+        for (auto& e : eps) I.track(b.get(), ucp_am_send_nbx(e->ep, Impl::kReqId, nullptr, 0, nullptr, 0, &am));
+        for (auto& e : eps) I.track(b.get(), ucp_ep_flush_nbx(e->ep, &rp));
+        I.op_finished(b.get(), UCS_OK);  // posted
+        ucp_worker_signal(I.worker);      // the progress thread may be asleep
+      },
+      deadline, "connecting to the peer");
 }
 
 void Engine::send_error(std::span<const std::byte> peer, uint64_t token, const Error& e) {
@@ -910,6 +948,10 @@ Value Engine::info() const {
   m.emplace_back("writes", uint64_t(impl_->writes.load()));
   m.emplace_back("write_bytes", uint64_t(impl_->write_bytes.load()));
   m.emplace_back("write_errors", uint64_t(impl_->write_errors.load()));
+  {
+    std::lock_guard<std::mutex> l(impl_->ep_mu);
+    m.emplace_back("endpoints", uint64_t(impl_->eps.size()));  // one per peer and lane
+  }
   m.emplace_back("endpoints_discarded", uint64_t(impl_->eps_discarded.load()));
   // Parts received: rendezvous (UCX moved them straight into the pool) or eager (copied once).
   m.emplace_back("parts_rendezvous", uint64_t(impl_->parts_rndv.load()));

@@ -67,6 +67,11 @@ class Engine {
   // `src` must stay valid until `done` runs.
   void send_async(std::span<const std::byte> peer, uint64_t token, std::span<const std::byte> src, Deadline deadline,
                   std::function<void(Status)> done);
+  // Set up the endpoints to `peer` ahead of the first transfer (UCX connects and wires an
+  // endpoint up at its first use: milliseconds over TCP): the first `lanes` of them (0: all the
+  // lanes a send uses), each sent an empty message and flushed, so the peer's side is connected
+  // too. Errors: timeout, peer_dead, io, closed.
+  Status connect(std::span<const std::byte> peer, unsigned lanes, Deadline deadline);
   // Tell the peer that the transfer `token` failed: its wait_landed() returns `e` (code and text).
   void send_error(std::span<const std::byte> peer, uint64_t token, const Error& e);
 

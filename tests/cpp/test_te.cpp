@@ -294,6 +294,64 @@ TEST(TransferEngine, LaterPullsGoOverUcxAndLanesSplitPayloads) {
   }
 }
 
+// connect() sets up ahead of the first get what that get would (side channel, the sender's
+// endpoints on every lane, the receiver's for pull requests): the first get then already goes
+// over UCX, as later ones do. Bad or unreachable senders are clear errors within the deadline.
+TEST(TransferEngine, ConnectSetsUpTheFirstGetsPathAhead) {
+  auto snd = te("sender", 0, 256u << 20, 4);
+  auto rcv = te("receiver");
+  ASSERT_TRUE(snd && rcv);
+  EXPECT_TRUE(rcv->sender_info().is_nil());  // a receiver serves nothing
+  const Value info = snd->sender_info();
+  ASSERT_TRUE(info.find("source_host") && info.find("source_port"));
+  auto ucx_counter = [](Connector& c, const char* k) { return c.health().find("ucx")->find(k)->as<uint64_t>(); };
+  EXPECT_EQ(ucx_counter(*snd, "endpoints"), 0u);
+  Status st = rcv->connect(info, deadline_after(5));
+  ASSERT_TRUE(st.ok()) << st.error().message;
+  EXPECT_EQ(counter(*rcv, "connects"), 1u);
+  EXPECT_EQ(ucx_counter(*snd, "endpoints"), 4u);  // one per lane
+  EXPECT_EQ(ucx_counter(*rcv, "endpoints"), 1u);
+  const auto data = pattern((4u << 20) + 3, 9);
+  auto pr = snd->put("0", "1", "k", payload_of(data));
+  ASSERT_TRUE(pr.ok()) << pr.error().message;
+  auto g = rcv->get("0", "1", "k", &pr->metadata, kNoWait, {});
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(data));
+  EXPECT_EQ(counter(*rcv, "gets_over_side_channel"), 0u);  // without connect: 1
+  EXPECT_EQ(counter(*rcv, "gets_over_ucx"), 1u);
+  EXPECT_EQ(ucx_counter(*snd, "endpoints"), 4u);  // none made by the get
+  EXPECT_TRUE(rcv->connect(pr->metadata, deadline_after(5)).ok());  // a put's metadata works too
+  // Nothing known: not_found. Malformed: corrupt. Nobody there: timeout at the deadline.
+  auto other = te("receiver");
+  ASSERT_TRUE(other);
+  st = other->connect(Value(), deadline_after(1));
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, Errc::not_found) << st.error().to_string();
+  Value::Map bad{{"source_host", Value("127.0.0.1")}, {"source_port", Value("x")}};
+  st = other->connect(Value(std::move(bad)), deadline_after(1));
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, Errc::corrupt) << st.error().to_string();
+  Value gone_info;
+  {
+    auto gone = te("sender");  // its port, with nobody serving it any more
+    ASSERT_TRUE(gone);
+    gone_info = gone->sender_info();
+    gone->close();
+  }
+  const auto t0 = Clock::now();
+  st = other->connect(gone_info, deadline_after(0.5));
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, Errc::timeout) << st.error().to_string();
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0);
+  // Connectors with nothing to connect: no info, and connect is ok.
+  Value::Map shm_extra{{"namespace", Value("teconnect" + std::to_string(getpid()))}};
+  auto shm = create_connector("SharedMemoryConnector", Value(std::move(shm_extra)));
+  ASSERT_TRUE(shm.ok()) << shm.error().message;
+  EXPECT_TRUE(shm.value()->sender_info().is_nil());
+  EXPECT_TRUE(shm.value()->connect(Value(), deadline_after(1)).ok());
+  shm.value()->close();
+}
+
 // A sender that restarts on the same port has a new engine: the receiver's UCX path to the old
 // one fails, and the pull goes by the side channel again (regression: it must not time out).
 TEST(TransferEngine, SenderRestartedOnTheSamePortIsReachedAgain) {

@@ -165,11 +165,20 @@ def test_pipeline_over_the_ucx_relay(ns):
                 for i in range(4)]
         for f in futs:
             assert f.result(30)["ids"] == list(range(8))  # double() drops "chunks": the default 8
+        results = p._relay_in.health()["connector"]
+    # Every receiver connected to its senders at start-up: no get, the first included, had to find
+    # its sender through the side channel (without the start-up connect: one per pair of processes).
+    assert results["connects"] == 1 and results["gets_over_side_channel"] == 0
+    assert results["gets_over_ucx"] >= 4
     # Regression: the per-edge bytes counted only shared-memory metadata's `size` (0 over UCX).
     st = p.stats()
     assert st["a"]["edges"]["coordinator->a"]["bytes"] >= 4 * 200_000 * 8
     assert st["b"]["edges"]["a->b"]["bytes"] >= 4 * 200_000 * 8
     assert st["c"]["edges"]["b->c"]["bytes"] >= 4 * 8 * 64
+    for stage, src in (("a", "coordinator"), ("b", "a"), ("c", "b")):
+        (r,) = [r for r in st[stage]["relays"] if f"{src}->{stage}" in r["edges"]]
+        assert r["backend"] == "connector" and r["connects"] == 1, r
+        assert r["gets_over_side_channel"] == 0 and r["gets_over_ucx"] >= 4, r
 
 
 def test_torch_tensors_through_the_pipeline(ns):

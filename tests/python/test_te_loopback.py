@@ -1,5 +1,8 @@
 """The transfer-engine connector on loopback (no namespaces needed): what the Python caller gets."""
+import time
+
 import numpy as np
+import pytest
 
 import stagelink
 
@@ -109,3 +112,40 @@ def test_tp_rank_aware_get_with_partial_metadata_reaches_that_ranks_sender():
         r.close()
         for s in senders:
             s.close()
+
+
+def test_connect_ahead_makes_the_first_get_take_the_ucx_path_and_relays_expose_it(ns):
+    # Connector: connect() to sender_info() (or a put's metadata) before any put; the first get
+    # then goes over UCX like later ones (without it: by the side channel).
+    s, r = _pair()
+    try:
+        assert r.sender_info() is None  # a receiver serves nothing
+        info = s.sender_info()
+        assert info["source_host"] == "127.0.0.1" and info["source_port"] > 0
+        r.connect(info, timeout=5)
+        data = np.arange(1 << 18, dtype=np.float32)
+        ok, _, md = s.put(0, 1, "k", data)
+        assert ok and np.array_equal(r.get(0, 1, "k", md)[0], data)
+        h = r.health()
+        assert h["connects"] == 1 and h["gets_over_side_channel"] == 0 and h["gets_over_ucx"] == 1
+        s.close()
+        t0 = time.monotonic()  # nobody serves that port any more: a timeout at the deadline
+        with pytest.raises(stagelink.TimeoutError):
+            r.connect(info, timeout=0.3)
+        assert time.monotonic() - t0 < 2
+        with pytest.raises(stagelink.NotFoundError):  # no sender known
+            r.connect()
+    finally:
+        s.close()
+        r.close()
+    # Relays: the same through sender_info()/connect(); nothing to do for shared memory.
+    cfg = {"backend": "ucx", "timeout_s": 5, "extra": {"host": "127.0.0.1", "memory_pool_size": 64 << 20}}
+    with stagelink.Relay(cfg) as a, stagelink.Relay(cfg) as b:
+        b.connect(a.sender_info())
+        op = a.put_async({"x": data}, edge="b")
+        assert np.array_equal(b.get_async(op.metadata).result()["x"], data)
+        h = b.health()["connector"]
+        assert h["connects"] == 1 and h["gets_over_side_channel"] == 0
+    with stagelink.Relay({"extra": {"namespace": ns}}) as m:
+        assert m.sender_info() is None
+        m.connect(None)

@@ -154,6 +154,7 @@ class Pipeline:
                 raise PipelineStartError(f"cannot launch stage process '{proc}' on host '{host}' with "
                                          f"{h['launch']}: {err}") from None
         deadline = time.monotonic() + self.settings["startup_timeout_s"]
+        senders: list = []  # [src, dst, sender_info] of the transfer-engine relays, from the processes
         while len(self._ready) < len(self._procs):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -172,8 +173,54 @@ class Pipeline:
                                          f"{self.spec.processes().get(m.from_stage)}) could not start:\n{m.error}")
             md = m.metadata if isinstance(m.metadata, dict) else {}
             self._ready[m.from_stage] = md.get("endpoint")
+            senders += [e for e in md.get("senders") or [] if isinstance(e, list) and len(e) == 3]
         if self.spec.free_ports:
             self._share_endpoints(deadline)
+        self._connect_relays(senders, deadline)
+
+    def _connect_relays(self, senders, deadline):
+        """Transfer-engine relays: each receiving process connects to its senders now (side
+        channel, UCX endpoints both ways), so the first requests do not pay for it (milliseconds
+        per pair of processes over TCP), and a sender it cannot reach fails the start naming the
+        edge instead of the first request."""
+        info = self._relay.sender_info()
+        if info:
+            senders = senders + [[COORDINATOR, self.spec.entry, info]]
+        by_proc: Dict[str, list] = {}
+        for src, dst, info in senders:
+            by_proc.setdefault(COORDINATOR if dst == COORDINATOR else self.spec.stages[dst].process, []).append(
+                [src, dst, info])
+        if not by_proc:
+            return
+        limit = f"within {self.settings['startup_timeout_s']} s (settings.startup_timeout_s)"
+        for proc, edges in by_proc.items():
+            if proc != COORDINATOR:
+                left = max(0.1, deadline - time.monotonic())
+                self._send(proc, ControlMessage("ready", from_stage=COORDINATOR,
+                                                metadata={"connect": edges, "timeout_s": left}), left)
+        for src, dst, info in by_proc.pop(COORDINATOR, []):  # the results' relay: connected from here
+            try:
+                self._relay_in.connect(info, timeout=max(0.1, deadline - time.monotonic()))
+            except _core.StagelinkError as e:
+                raise PipelineStartError(f"the coordinator could not connect the relay of edge {src} -> {dst} "
+                                         f"to its sender {info}: {e}") from None
+        done = set()
+        while len(done) < len(by_proc):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PipelineStartError(f"stage processes {sorted(set(by_proc) - done)} did not connect their "
+                                         f"relays {limit}")
+            try:
+                m = self._inbox.recv(timeout=min(left, 0.2))
+            except _core.TimeoutError:
+                self._raise_if_one_exited(set())
+                continue
+            md = m.metadata if isinstance(m.metadata, dict) else {}
+            if m.type == "ready" and md.get("connected"):
+                if md.get("errors"):
+                    raise PipelineStartError(f"stage process '{m.from_stage}' could not connect its relays to "
+                                             "their senders:\n  " + "\n  ".join(map(str, md["errors"])))
+                done.add(m.from_stage)
 
     def _share_endpoints(self, deadline):
         """control.base_port 0: every stage process bound a free port and said which; tell them all,

@@ -484,6 +484,30 @@ class Worker:
             for dst in s.next + s.stream_to + ([COORDINATOR] if s.terminal else []):
                 self.relay(n, dst)
 
+    def sender_infos(self) -> list:
+        """[src, dst, info] for each edge this process sends on whose relay a receiver connects to
+        (UCX: its side channel's host and port); the coordinator hands them to the receivers."""
+        out = []
+        for n in self.names:
+            s = self.spec.stages[n]
+            for dst in s.next + s.stream_to + ([COORDINATOR] if s.terminal else []):
+                info = self.relay(n, dst).sender_info()
+                if info:
+                    out.append([n, dst, info])
+        return out
+
+    def connect_relays(self, edges: list, timeout: float) -> list:
+        """Connect the relays of the edges this process receives on to their senders ([src, dst,
+        info] each), so the first request pays no connection set-up. Returns the errors, as text."""
+        errors = []
+        deadline = time.monotonic() + timeout
+        for src, dst, info in edges:
+            try:
+                self.relay(src, dst).connect(info, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001  reported to the coordinator, which fails the start
+                errors.append(f"edge {src} -> {dst} (sender {info}): {type(e).__name__}: {e}")
+        return errors
+
     def handle(self, m: ControlMessage) -> bool:
         t = m.type
         if t in ("submit", "data_ready"):
@@ -520,6 +544,11 @@ class Worker:
             # control.base_port 0: every process's endpoint, before the first request
             self.spec.control["peers"] = {str(k): str(v) for k, v in m.metadata["peers"].items()}
             self.send(COORDINATOR, ControlMessage("ready", from_stage=self.proc, metadata={"peers_known": True}))
+        elif t == "ready" and isinstance(m.metadata, dict) and isinstance(m.metadata.get("connect"), list):
+            # transfer-engine relays: connect to their senders before the first request
+            errors = self.connect_relays(m.metadata["connect"], float(m.metadata.get("timeout_s", 10.0)))
+            self.send(COORDINATOR, ControlMessage("ready", from_stage=self.proc,
+                                                  metadata={"connected": True, "errors": errors}))
         elif t == "shutdown":
             return False
         return True
@@ -527,7 +556,21 @@ class Worker:
     def stats(self) -> dict:
         with self.stats_lock:
             return {"process": self.proc, "pid": os.getpid(), "edges": {k: dict(v) for k, v in self.edges.items()},
-                    "stages": {n: {"runs": s.runs, "busy_s": s.busy_ns / 1e9} for n, s in self.stages.items()}}
+                    "stages": {n: {"runs": s.runs, "busy_s": s.busy_ns / 1e9} for n, s in self.stages.items()},
+                    "relays": self.relay_figures()}
+
+    def relay_figures(self) -> list:
+        """Per relay of this process: its edges, puts and gets, and for a transfer engine how its
+        gets reached their senders (connected ahead, over UCX, over the side channel)."""
+        out = []
+        for r in self.relays.values():
+            h = r.health()
+            c = h.get("connector") or {}
+            f = {"edges": sorted(f"{s}->{d}" for (s, d), x in self.edge_relay.items() if x is r),
+                 "backend": h.get("backend"), "puts": h.get("puts", 0), "gets": h.get("gets", 0)}
+            f.update({k: c[k] for k in ("connects", "gets_over_ucx", "gets_over_side_channel") if k in c})
+            out.append(f)
+        return out
 
     def shutdown(self):
         deadline = time.monotonic() + self.spec.settings["shutdown_timeout_s"]
@@ -616,7 +659,8 @@ def main(argv=None) -> int:
         coord.send(ControlMessage("ready", from_stage=proc, error=tb[-60000:]), timeout=5)
         coord.close()
         return 1
-    coord.send(ControlMessage("ready", from_stage=proc, metadata={"endpoint": w.inbox.endpoint}), timeout=5)
+    coord.send(ControlMessage("ready", from_stage=proc, metadata={"endpoint": w.inbox.endpoint,
+                                                                   "senders": w.sender_infos()}), timeout=5)
     orphaned = False
     try:
         while True:
