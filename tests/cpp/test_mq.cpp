@@ -219,7 +219,7 @@ TEST_P(MqFanOut, EveryReaderGetsEveryMessageOnceInOrderIntact) {
     if (pid == 0) _exit(read_all(h, r, kN, max_size, false));
     kids.push_back(pid);
   }
-  ASSERT_TRUE((*w)->wait_until_ready(30).ok());
+  ASSERT_OK((*w)->wait_until_ready(30));
   EXPECT_EQ(mq_files(), before) << "the ring's names are unlinked once everyone attached";
   std::mt19937 g(7);
   for (uint64_t i = 0; i < kN; ++i) {
@@ -289,7 +289,7 @@ TEST(Mq, MessageLargerThanOverflowGetsOwnSegmentFreedWhenRead) {
   auto& w = t.w;
   auto& r0 = t.r0;
   auto& r1 = t.r1;
-  ASSERT_TRUE(w->wait_until_ready(1).ok());
+  ASSERT_OK(w->wait_until_ready(1));
   std::vector<std::byte> big(1 << 20, std::byte{5});
   ASSERT_TRUE(w->enqueue_bytes(big, 1).ok());
   EXPECT_EQ(mq_files(), before + 1);  // the message's own segment
@@ -447,7 +447,7 @@ TEST(Mq, KilledReaderIsReportedByRankThenDropped) {
     ASSERT_EQ(c, 1);
     auto r0 = MessageQueue::create_from_handle(h, 0);
     ASSERT_TRUE(r0.ok());
-    ASSERT_TRUE((*w)->wait_until_ready(5).ok());
+    ASSERT_OK((*w)->wait_until_ready(5));
     kill(victim, SIGKILL);
     EXPECT_EQ(wait_child(victim), 128 + SIGKILL);
     std::byte b[8]{};
@@ -578,7 +578,7 @@ TEST(Mq, RemoteReaderReportsAMessageItMissedThatLocalReadersGot) {
   ASSERT_EQ(c, 1);
   auto local = MessageQueue::create_from_handle(h, 0);
   ASSERT_TRUE(local.ok());
-  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  ASSERT_OK((*w)->wait_until_ready(10));
   kill(pid, SIGSTOP);
   std::vector<std::byte> big(3u << 20, std::byte{1});
   int sent = 0;
@@ -648,7 +648,7 @@ TEST(Mq, LocalReaderRanksAreAnyDistinctNumbersAndRemoteReadersAnyRank) {
   auto remote = MessageQueue::create_from_handle(h, -1);
   ASSERT_TRUE(a.ok() && b.ok() && remote.ok());
   EXPECT_EQ((*remote)->rank(), -1);
-  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  ASSERT_OK((*w)->wait_until_ready(10));
   ASSERT_TRUE((*w)->enqueue_bytes(std::as_bytes(std::span("hello", 5)), 5).ok());
   for (auto* r : {&a, &b, &remote}) {
     auto m = (**r)->dequeue(5);
@@ -681,7 +681,7 @@ TEST(Mq, WithoutConnectIpRemoteReadersAreServedOnTheHostAddress) {
   EXPECT_EQ(addr.find('*'), std::string::npos) << addr;  // an address a peer can connect to
   auto r = MessageQueue::create_from_handle((*w)->export_handle(), -1);
   ASSERT_TRUE(r.ok()) << r.error().message;
-  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  ASSERT_OK((*w)->wait_until_ready(10));
   ASSERT_TRUE((*w)->enqueue_bytes(std::as_bytes(std::span("hi", 2)), 5).ok());
   auto m = (*r)->dequeue(5);
   ASSERT_TRUE(m.ok()) << m.error().message;
@@ -702,7 +702,7 @@ TEST(Mq, WaitMessageWaitsWithoutTakingTheMessage) {
   auto local = MessageQueue::create_from_handle((*w)->export_handle(), 0);
   auto remote = MessageQueue::create_from_handle((*w)->export_handle(), -1);
   ASSERT_TRUE(local.ok() && remote.ok());
-  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  ASSERT_OK((*w)->wait_until_ready(10));
   EXPECT_EQ((*w)->wait_message(0).error().code, Errc::invalid_argument);
   // wait_message(t): whether the message is there, how long it took; an error fails the test.
   auto ready = [](MessageQueue& q, double t) {

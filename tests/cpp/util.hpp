@@ -11,6 +11,14 @@
 
 #include "stagelink/payload.hpp"
 
+// A Status (or Result) that must be ok; when it is not, the failure shows its error, which
+// names what was missing (a bare ASSERT_TRUE(x.ok()) shows only "false").
+#define ASSERT_OK(expr)                                           \
+  do {                                                            \
+    const auto& sl_status_ = (expr);                              \
+    ASSERT_TRUE(sl_status_.ok()) << sl_status_.error().to_string(); \
+  } while (0)
+
 namespace stagelink::testing_util {
 // FNV-1a over the bytes.
 inline uint64_t checksum(std::span<const std::byte> s) {
