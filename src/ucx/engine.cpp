@@ -67,6 +67,61 @@ uint64_t spin_us() {
   return v;
 }
 
+// A worker address as it travels between engines (side-channel messages, pull requests, replies).
+// ucp_ep_create trusts every byte of UCX's packed address and is given no length: a damaged or
+// foreign one is an assertion that aborts the process, or a read past its end. So the address is
+// wrapped, and only a wrapper that checks out reaches UCX: "SLW1", the UCX major and minor version
+// that packed it, its length (4 bytes, little-endian), a 64-bit FNV-1a of header and address,
+// then the address. This catches accidents (a truncated or stale address, another program on the
+// port, another UCX major); the side channel is for a trusted network, as UCX's own wire-up is.
+constexpr std::byte kAddrMagic[4] = {std::byte('S'), std::byte('L'), std::byte('W'), std::byte('1')};
+constexpr size_t kAddrHeader = 4 + 2 + 4 + 8;
+constexpr size_t kAddrMax = 1u << 20;
+
+uint64_t fnv1a(std::span<const std::byte> b, uint64_t h = 1469598103934665603ull) {
+  for (auto x : b) h = (h ^ uint64_t(x)) * 1099511628211ull;
+  return h;
+}
+
+std::pair<unsigned, unsigned> ucx_version() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return {major, minor};
+}
+
+std::vector<std::byte> wrap_address(std::span<const std::byte> raw) {
+  std::vector<std::byte> w(kAddrHeader + raw.size());
+  std::memcpy(w.data(), kAddrMagic, 4);
+  const auto [major, minor] = ucx_version();
+  w[4] = std::byte(uint8_t(major));
+  w[5] = std::byte(uint8_t(minor));
+  for (int i = 0; i < 4; ++i) w[6 + i] = std::byte(uint8_t(raw.size() >> (8 * i)));
+  std::memcpy(w.data() + kAddrHeader, raw.data(), raw.size());
+  const uint64_t h = fnv1a(raw, fnv1a(std::span<const std::byte>(w.data(), 10)));
+  for (int i = 0; i < 8; ++i) w[10 + i] = std::byte(uint8_t(h >> (8 * i)));
+  return w;
+}
+
+// The UCX address inside a wrapper, or why there is none (corrupt; unsupported for another UCX major).
+Result<std::span<const std::byte>> unwrap_address(std::span<const std::byte> w) {
+  if (w.size() <= kAddrHeader || std::memcmp(w.data(), kAddrMagic, 4) != 0)
+    return make_error(Errc::corrupt, "a peer's UCX worker address is not one a stagelink engine sent (" +
+                                         std::to_string(w.size()) + " bytes)");
+  uint32_t len = 0;
+  uint64_t h = 0;
+  for (int i = 0; i < 4; ++i) len |= uint32_t(uint8_t(w[6 + i])) << (8 * i);
+  for (int i = 0; i < 8; ++i) h |= uint64_t(uint8_t(w[10 + i])) << (8 * i);
+  const auto raw = w.subspan(kAddrHeader);
+  if (len != raw.size() || len > kAddrMax || fnv1a(raw, fnv1a(w.first(10))) != h)
+    return make_error(Errc::corrupt, "a peer's UCX worker address is damaged (its length or checksum is wrong)");
+  if (unsigned(uint8_t(w[4])) != ucx_version().first)
+    return make_error(Errc::unsupported, "a peer runs UCX " + std::to_string(unsigned(uint8_t(w[4]))) + "." +
+                                             std::to_string(unsigned(uint8_t(w[5]))) + ", this process UCX " +
+                                             std::to_string(ucx_version().first) + "." +
+                                             std::to_string(ucx_version().second) + ": not the same major version");
+  return raw;
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -408,7 +463,7 @@ struct Engine::Impl {
     if (s != UCS_OK) return ucs_error("ucp_worker_set_am_recv_handler", s);
     s = ucp_worker_get_address(worker, &a, &alen);
     if (s != UCS_OK) return ucs_error("ucp_worker_get_address", s);
-    addr.assign(reinterpret_cast<std::byte*>(a), reinterpret_cast<std::byte*>(a) + alen);
+    addr = wrap_address(std::span<const std::byte>(reinterpret_cast<std::byte*>(a), alen));
     ucp_worker_release_address(worker, a);
     // The pool: allocated here (2 MiB-aligned, asking for transparent huge pages: a 512 MiB
     // payload is 256 page faults instead of 131072, and the kernel's socket copies miss the TLB
@@ -582,11 +637,12 @@ struct Engine::Impl {
       eps.erase(it);
       eps_discarded.fetch_add(1);
     }
+    SL_ASSIGN(const auto raw, unwrap_address(peer));  // checked before UCX reads a byte of it
     auto e = std::make_shared<Ep>();
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(peer.data());
+    ep.address = reinterpret_cast<const ucp_address_t*>(raw.data());
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = &Impl::on_ep_error;
     ep.err_handler.arg = e.get();

@@ -40,6 +40,9 @@ class Engine {
   void free(size_t offset, size_t n);
   size_t pool_used() const;
 
+  // This engine's UCX worker address, wrapped (magic, UCX version, length, checksum) so that a peer
+  // checks it before UCX reads it: what peers pass back as `peer` below. An address that does not
+  // check out is a corrupt error (unsupported for another UCX major) where an endpoint is made.
   const std::vector<std::byte>& worker_address() const;
   const std::vector<std::byte>& rkey() const;  // packed remote key of the pool
 

@@ -243,6 +243,36 @@ TEST(TransferEngine, BadInputAndFailuresAreClearErrors) {
     ASSERT_TRUE(v.ok());
     EXPECT_FALSE(v->find("ok")->as<bool>());
   }
+  // Worker addresses that are not one a live engine sent (random bytes; a real one truncated or
+  // with a byte changed), in a connect's hello: an error reply naming it, never an abort inside
+  // UCX (regression: random bytes failed an assertion in ucp_ep_create and killed the sender).
+  auto ask = [&](Value::Map req) {
+    const auto bytes = value_to_msgpack(Value(std::move(req)));
+    s.send(zmq::buffer(bytes.data(), bytes.size()), zmq::send_flags::none);
+    zmq::message_t m;
+    EXPECT_TRUE(s.recv(m, zmq::recv_flags::none));
+    auto v = value_from_msgpack(std::span<const std::byte>(static_cast<const std::byte*>(m.data()), m.size()));
+    EXPECT_TRUE(v.ok());
+    return v.ok() ? std::move(v).value() : Value();
+  };
+  const Value q = ask({{"op", Value("query")}, {"key", Value(make_internal_key("k", "0", "1"))}});
+  ASSERT_TRUE(q.find("worker") && q.find("worker")->is<Value::Bytes>()) << "a query names the sender's engine";
+  const auto real = q.find("worker")->as<Value::Bytes>();
+  std::vector<std::vector<std::byte>> bad_workers;
+  std::mt19937 rng(5);
+  for (size_t n : {size_t(1), size_t(8), size_t(64), size_t(300)}) {
+    bad_workers.emplace_back(n);
+    for (auto& b : bad_workers.back()) b = std::byte(rng());
+  }
+  bad_workers.emplace_back(real.begin(), real.end() - 1);
+  bad_workers.emplace_back(real.begin(), real.end());
+  bad_workers.back()[real.size() / 2] ^= std::byte(1);
+  for (const auto& w : bad_workers) {
+    const Value r = ask({{"op", Value("hello")}, {"key", Value("")}, {"worker", Value::copy_bytes(w)}});
+    ASSERT_TRUE(r.find("ok")) << w.size();
+    EXPECT_FALSE(r.find("ok")->as<bool>()) << w.size();
+    EXPECT_EQ(r.find("code")->as<std::string>(), "corrupt") << w.size();
+  }
   auto g = rcv->get("0", "1", "k", &pr->metadata, kNoWait, {});
   ASSERT_TRUE(g.ok()) << g.error().message;
   EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(d));
