@@ -322,6 +322,8 @@ class TeConnector final : public Connector {
   Status connect(const Value& info, Deadline deadline) override {
     SL_TRY(same_process());
     if (closed_) return make_error(Errc::closed, name_ + " is closed");
+    if (!info.is_nil() && !info.is<Value::Map>())
+      return make_error(Errc::corrupt, "connect takes a sender's sender_info() or one of its puts' metadata (a map)");
     SL_ASSIGN(const std::string peer, sender_endpoint(info.is_nil() ? nullptr : &info, "", "connect", nullptr, nullptr));
     Value::Map hello;
     hello.emplace_back("op", "hello");

@@ -361,6 +361,9 @@ TEST(TransferEngine, ConnectSetsUpTheFirstGetsPathAhead) {
   st = other->connect(Value(std::move(bad)), deadline_after(1));
   ASSERT_FALSE(st.ok());
   EXPECT_EQ(st.error().code, Errc::corrupt) << st.error().to_string();
+  st = other->connect(Value("127.0.0.1:5555"), deadline_after(1));  // not a map
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, Errc::corrupt) << st.error().to_string();
   Value gone_info;
   {
     auto gone = te("sender");  // its port, with nobody serving it any more
