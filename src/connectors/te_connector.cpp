@@ -283,9 +283,7 @@ class TeConnector final : public Connector {
     Value::Map pull;
     pull.emplace_back("op", "pull");
     pull.emplace_back("key", ik);
-    pull.emplace_back("addr", uint64_t(reinterpret_cast<uintptr_t>(engine_->pool_base() + off)));
     pull.emplace_back("len", uint64_t(size));
-    pull.emplace_back("rkey", Value::copy_bytes(engine_->rkey()));
     pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
     pull.emplace_back("inline_max", uint64_t(kInlineMax));
     pull.emplace_back("token", token);
@@ -637,11 +635,15 @@ class TeConnector final : public Connector {
       return Value(std::move(m));
     }
     if (op->as<std::string>() != "pull") return fail(Errc::invalid_argument, "unknown op", rq);
-    uint64_t addr = 0, len = 0;
-    const Value *a = v->find("addr"), *n = v->find("len"), *rk = v->find("rkey"), *w = v->find("worker");
-    if (!a || !a->get_u64(addr) || !n || !n->get_u64(len) || !rk || !rk->is<Value::Bytes>() || !w ||
-        !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty() || rk->as<Value::Bytes>().empty())
-      return fail(Errc::corrupt, "pull request without addr/len/rkey/worker", rq);
+    // The receiver names its engine and a token; the payload goes back as an active message that
+    // its engine lands in the region it set aside. No address of the receiver's memory is ever
+    // taken from a request: a remote write (RMA) to an address a message named was the older
+    // path, removed (a request naming the sender's own engine made it write into itself).
+    uint64_t len = 0, token = 0;
+    const Value *n = v->find("len"), *w = v->find("worker"), *tk = v->find("token");
+    if (!n || !n->get_u64(len) || !w || !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty() || !tk ||
+        !tk->get_u64(token))
+      return fail(Errc::corrupt, "pull request without len/worker/token", rq);
     uint64_t inline_max = 0;
     if (const Value* im = v->find("inline_max")) im->get_u64(inline_max);
     Entry e;
@@ -675,20 +677,15 @@ class TeConnector final : public Connector {
       ++it->second.in_flight;
       e = it->second;
     }
-    uint64_t token = 0;
-    const Value* tk = v->find("token");
-    const bool am = tk && tk->get_u64(token);
     const std::span<const std::byte> src(engine_->pool_base() + e.offset, e.size);
     const Deadline dl = deadline_after(timeout_for(o_.timeout_s, e.size));
-    // Active message when the receiver gave a token (this version's receivers do); else a write.
-    Status st = am ? engine_->send(w->as<Value::Bytes>(), token, src, dl)
-                   : engine_->write(w->as<Value::Bytes>(), addr, rk->as<Value::Bytes>(), src, dl);
+    Status st = engine_->send(w->as<Value::Bytes>(), token, src, dl);
     end_pull(ik, st);
     if (!st.ok()) return fail(st.error().code, st.error().message, rq);
     Value::Map m;
     m.emplace_back("ok", true);
     m.emplace_back("rq", rq);
-    if (am) m.emplace_back("am", true);
+    m.emplace_back("am", true);
     m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
     return Value(std::move(m));
   }

@@ -45,19 +45,6 @@ struct Op {
   ucs_status_t status = UCS_OK;
 };
 
-// Runs on the progress thread. The request is freed by the waiter once it has seen `done` (so a
-// waiter that cancels after its deadline never touches a freed request).
-void op_done(void*, ucs_status_t status, void* user_data) {
-  auto* holder = static_cast<std::shared_ptr<Op>*>(user_data);
-  {
-    std::lock_guard<std::mutex> l((*holder)->mu);
-    (*holder)->done = true;
-    (*holder)->status = status;
-  }
-  (*holder)->cv.notify_all();
-  delete holder;
-}
-
 // How long an idle progress thread keeps progressing after activity (STAGELINK_UCX_SPIN_US).
 uint64_t spin_us() {
   static const uint64_t v = [] {
@@ -133,7 +120,7 @@ struct Engine::Impl {
   size_t map_len = 0;
   std::byte* base = nullptr;
   size_t size = 0;
-  std::vector<std::byte> addr, rkey;
+  std::vector<std::byte> addr;
   int efd = -1, stopfd = -1;
   std::thread progress;
   std::atomic<bool> stopping{false}, closed{false};
@@ -487,12 +474,6 @@ struct Engine::Impl {
     if (s != UCS_OK) return ucs_error("ucp_mem_query", s);
     base = static_cast<std::byte*>(ma.address);
     size = ma.length;
-    void* rk = nullptr;
-    size_t rklen = 0;
-    s = ucp_rkey_pack(ctx, memh, &rk, &rklen);
-    if (s != UCS_OK) return ucs_error("ucp_rkey_pack", s);
-    rkey.assign(static_cast<std::byte*>(rk), static_cast<std::byte*>(rk) + rklen);
-    ucp_rkey_buffer_release(rk);
     alloc = std::make_unique<BufferAllocator>(size, 64);
     s = ucp_worker_get_efd(worker, &efd);
     if (s != UCS_OK) return ucs_error("ucp_worker_get_efd", s);
@@ -651,59 +632,6 @@ struct Engine::Impl {
     eps.emplace(std::move(key), e);
     return e;
   }
-
-  // Post with a callback; wait for it until `deadline` (cancelling on timeout).
-  Status wait(ucs_status_ptr_t r, std::shared_ptr<Op>* holder, const std::shared_ptr<Op>& op, Deadline deadline,
-              const char* what) {
-    if (!UCS_PTR_IS_PTR(r)) {  // completed at once (or failed): no callback comes
-      delete holder;
-      const ucs_status_t s = UCS_PTR_STATUS(r);
-      return s == UCS_OK ? Status{} : Status(ucs_error(what, s));
-    }
-    ucp_worker_signal(worker);  // the progress thread may be asleep
-    std::unique_lock<std::mutex> l(op->mu);
-    if (!op->cv.wait_until(l, deadline, [&] { return op->done; })) {
-      l.unlock();
-      ucp_request_cancel(worker, r);
-      ucp_worker_signal(worker);
-      l.lock();
-      if (op->cv.wait_for(l, std::chrono::seconds(5), [&] { return op->done; })) ucp_request_free(r);
-      // else: UCX still owns it; leaking one request beats freeing one in flight
-      return make_error(Errc::timeout, std::string(what) + ": not complete before the deadline");
-    }
-    l.unlock();
-    ucp_request_free(r);
-    return op->status == UCS_OK ? Status{} : Status(ucs_error(what, op->status));
-  }
-
-  // One operation (posted by `post` with our completion callback; a put of 0 bytes is skipped,
-  // a message never is: the receiver waits for it), then a
-  // flush of the endpoint: when it returns ok the peer has the bytes. A failure marks the endpoint
-  // failed (never reused) and counts; a success counts the bytes.
-  template <class Post>
-  Status transfer(Ep& ep, size_t bytes, Post&& post, Deadline deadline, const char* what, bool skip_empty) {
-    auto one = [&](auto&& issue, const char* label) {
-      auto op = std::make_shared<Op>();
-      auto* holder = new std::shared_ptr<Op>(op);
-      ucp_request_param_t rp{};
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      rp.cb.send = op_done;
-      rp.user_data = holder;
-      return wait(issue(&rp), holder, op, deadline, label);
-    };
-    Status st;
-    if (bytes || !skip_empty) st = one(post, what);
-    if (st.ok()) st = one([&](const ucp_request_param_t* rp) { return ucp_ep_flush_nbx(ep.ep, rp); }, "flushing");
-    if (!st.ok() || ep.failed.load()) {
-      write_errors.fetch_add(1);
-      ep.failed.store(true);
-      if (st.ok()) st = make_error(Errc::peer_dead, std::string("the endpoint failed while ") + what);
-      return st;
-    }
-    writes.fetch_add(1);
-    write_bytes.fetch_add(bytes);
-    return {};
-  }
 };
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -727,7 +655,6 @@ Result<std::shared_ptr<Engine>> Engine::create(const EngineOptions& o) {
 std::byte* Engine::pool_base() const { return impl_->base; }
 size_t Engine::pool_size() const { return impl_->size; }
 const std::vector<std::byte>& Engine::worker_address() const { return impl_->addr; }
-const std::vector<std::byte>& Engine::rkey() const { return impl_->rkey; }
 
 size_t Engine::pool_used() const {
   std::lock_guard<std::mutex> l(impl_->pool_mu);
@@ -759,23 +686,6 @@ void Engine::free(size_t offset, size_t n) {
     }
   }
   impl_->pool_cv.notify_all();
-}
-
-Status Engine::write(std::span<const std::byte> peer, uint64_t remote_addr, std::span<const std::byte> rkey,
-                     std::span<const std::byte> src, Deadline deadline) {
-  if (impl_->closed) return make_error(Errc::closed, "transfer engine closed");
-  SL_ASSIGN(auto ep, impl_->endpoint(peer));
-  ucp_rkey_h rk = nullptr;
-  ucs_status_t s = ucp_ep_rkey_unpack(ep->ep, rkey.data(), &rk);
-  if (s != UCS_OK) return ucs_error("unpacking the receiver's remote key", s);
-  Status st = impl_->transfer(
-      *ep, src.size(),
-      [&](const ucp_request_param_t* rp) {
-        return ucp_put_nbx(ep->ep, src.data(), src.size(), remote_addr, rk, rp);
-      },
-      deadline, "writing to the receiver", true);
-  ucp_rkey_destroy(rk);
-  return st;
 }
 
 void Engine::expect(uint64_t token, std::byte* dst, size_t len, std::shared_ptr<void> keep) {

@@ -44,14 +44,6 @@ class Engine {
   // checks it before UCX reads it: what peers pass back as `peer` below. An address that does not
   // check out is a corrupt error (unsupported for another UCX major) where an endpoint is made.
   const std::vector<std::byte>& worker_address() const;
-  const std::vector<std::byte>& rkey() const;  // packed remote key of the pool
-
-  // Write `src` (inside this engine's pool) to `remote_addr` of the peer whose worker address is
-  // `peer`, memory described by `rkey`, then flush: when it returns ok the bytes are at the
-  // destination. A failed endpoint is discarded (the next write makes a new one). Errors:
-  // timeout, peer_dead, io, closed.
-  Status write(std::span<const std::byte> peer, uint64_t remote_addr, std::span<const std::byte> rkey,
-               std::span<const std::byte> src, Deadline deadline);
 
   // Active-message data path (the default; RMA emulated over TCP can abort a receiver whose
   // sender dies mid-put). Receiving side: expect(token) names where the message tagged `token`

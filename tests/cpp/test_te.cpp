@@ -267,6 +267,16 @@ TEST(TransferEngine, BadInputAndFailuresAreClearErrors) {
   bad_workers.emplace_back(real.begin(), real.end() - 1);
   bad_workers.emplace_back(real.begin(), real.end());
   bad_workers.back()[real.size() / 2] ^= std::byte(1);
+  // A pull naming a remote address and key to write to (the removed RMA path) instead of a
+  // token: refused before anything is sent (regression: one naming the sender's own engine and
+  // address 0x1000 made the sender write into itself and crash).
+  const Value old_pull = ask({{"op", Value("pull")}, {"key", Value(make_internal_key("k", "0", "1"))},
+                              {"addr", Value(uint64_t(0x1000))}, {"len", Value(uint64_t(1000))},
+                              {"rkey", Value::copy_bytes(std::vector<std::byte>(40, std::byte(0x5a)))},
+                              {"worker", Value::copy_bytes(real)}});
+  ASSERT_TRUE(old_pull.find("ok"));
+  EXPECT_FALSE(old_pull.find("ok")->as<bool>());
+  EXPECT_EQ(old_pull.find("code")->as<std::string>(), "corrupt");
   for (const auto& w : bad_workers) {
     const Value r = ask({{"op", Value("hello")}, {"key", Value("")}, {"worker", Value::copy_bytes(w)}});
     ASSERT_TRUE(r.find("ok")) << w.size();
