@@ -477,6 +477,8 @@ TEST(Relay, ShmRelayReservesItsPoolAsItIsUsed) {
     ASSERT_TRUE(relay);
     auto conn = [&] { return *relay->health().find("connector"); };
     EXPECT_EQ(conn().find("arena_reserved")->as<uint64_t>(), 0u);
+    EXPECT_TRUE(relay->sender_info().is_nil());  // shared memory: nothing to connect to
+    ASSERT_OK(relay->connect(Value(), 1));
     std::vector<std::vector<std::byte>> sent;
     std::vector<RelayOp> ops;
     Status failed;
@@ -530,6 +532,10 @@ TEST(Relay, UcxBackendMovesPayloadsAndReturnsCreditsWhenPulled) {
   auto a = make(ucx_cfg());
   auto b = make(ucx_cfg());
   ASSERT_TRUE(a && b);
+  // Connected ahead (what a pipeline's start-up does): the first get then goes over UCX.
+  const Value info = a->sender_info();
+  ASSERT_TRUE(info.find("source_host") && info.find("source_port"));
+  ASSERT_OK(b->connect(info, 5));
   const auto data = pattern(3 << 20, 11);
   auto op = a->put_async(bytes_payload(data), {.request_id = "r", .edge = "b"});
   ASSERT_TRUE(op.ok()) << op.error().message;
@@ -539,6 +545,11 @@ TEST(Relay, UcxBackendMovesPayloadsAndReturnsCreditsWhenPulled) {
   auto g = b->get_async(op->metadata());
   ASSERT_TRUE(g.ok()) << g.error().message;
   EXPECT_EQ(checksum(g->payload().tensors[0].data), checksum(data));
+  const Value bh = b->health();
+  const Value* bc = bh.find("connector");
+  EXPECT_EQ(bc->find("connects")->as<uint64_t>(), 1u);
+  EXPECT_EQ(bc->find("gets_over_side_channel")->as<uint64_t>(), 0u);
+  EXPECT_EQ(bc->find("gets_over_ucx")->as<uint64_t>(), 1u);
   EXPECT_TRUE(op->wait(2).ok());
   EXPECT_TRUE(a->put_async(bytes_payload(data), {.request_id = "r", .edge = "b"}).ok());
   EXPECT_EQ(a->cleanup("r"), 1u);
@@ -553,4 +564,8 @@ TEST(Relay, UcxBackendMovesPayloadsAndReturnsCreditsWhenPulled) {
   EXPECT_EQ(std::memcmp(dest.data() + 64, seg.data(), seg.size()), 0);
   EXPECT_EQ(dest[0], std::byte{0});
   EXPECT_EQ(dest[2047], std::byte{0});
+  b->close();  // a closed relay connects to nothing
+  Status st = b->connect(info, 1);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, Errc::closed);
 }
