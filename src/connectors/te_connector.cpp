@@ -1,10 +1,11 @@
 // TransferEngineConnector (also MooncakeTransferEngineConnector): payloads between hosts over UCX.
 //
 // The sender stages each put in its registered pool and answers a ZeroMQ side channel (ROUTER on
-// host:zmq_port). The receiver allocates room in its own pool and asks the sender to write there
-// (a pull request carrying its worker address, the destination address and its pool's remote key);
-// the sender writes with UCX, flushes, and only then replies done. Every message is a small msgpack
-// map checked on receipt; a request id pairs replies with requests.
+// host:zmq_port). The receiver sets aside room in its own pool for a token and asks for the put (a
+// pull request carrying its worker address, the length and the token); the sender sends it as a
+// UCX active message tagged with the token, which the receiver's engine lands in that room, flushes,
+// and only then replies done. After the first pull, pulls go as UCX messages themselves. Every
+// message is a small msgpack map checked on receipt; a request id pairs replies with requests.
 #include <pthread.h>
 #include <sys/types.h>
 #include <unistd.h>

@@ -45,8 +45,8 @@ class Engine {
   // check out is a corrupt error (unsupported for another UCX major) where an endpoint is made.
   const std::vector<std::byte>& worker_address() const;
 
-  // Active-message data path (the default; RMA emulated over TCP can abort a receiver whose
-  // sender dies mid-put). Receiving side: expect(token) names where the message tagged `token`
+  // Active-message data path (the only one: RMA emulated over TCP could abort a receiver whose
+  // sender died mid-put, and a remote write needs an address taken from a message). Receiving side: expect(token) names where the message tagged `token`
   // lands; `keep` stays referenced until nothing can write there any more (a receive under way
   // outlives a caller that gave up). wait_landed() then waits for it; forget() gives up.
   void expect(uint64_t token, std::byte* dst, size_t len, std::shared_ptr<void> keep);
