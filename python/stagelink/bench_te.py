@@ -291,6 +291,10 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                       f"{pt:>12} {mk:>9} {str(r['verified']):>8}", file=out)
             print(f"iperf3: {ip1:.2f} GB/s (1 stream), {ip4:.2f} GB/s (4 streams)" if ip1 and ip4 else
                   "iperf3: not available", file=out)
+            missing = {t: pkg for t, pkg in (("iperf3", "iperf3"), ("ucx_perftest", "ucx-utils")) if not shutil.which(t)}
+            if missing:  # Debian's packages of the peers
+                print(f"peers not installed: {', '.join(missing)} (apt-get install {' '.join(missing.values())})",
+                      file=out)
             big = [r for r in rows if r["size"] >= 16 << 20]
             # Mooncake of this run where it ran; else the figures the issue measured.
             ref = (lambda r: r["mooncake_gbps"]) if mc else (lambda r: MOONCAKE["16MiB+" if r["size"] >= 16 << 20 else "1MiB"])
