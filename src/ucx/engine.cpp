@@ -8,6 +8,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -58,16 +59,16 @@ uint64_t spin_us() {
 // ucp_ep_create trusts every byte of UCX's packed address and is given no length: a damaged or
 // foreign one is an assertion that aborts the process, or a read past its end. So the address is
 // wrapped, and only a wrapper that checks out reaches UCX: "SLW1", the UCX major and minor version
-// that packed it, its length (4 bytes, little-endian), a 64-bit FNV-1a of header and address,
+// that packed it, its length (4 bytes, little-endian), a 64-bit XXH3 of header and address,
 // then the address. This catches accidents (a truncated or stale address, another program on the
 // port, another UCX major); the side channel is for a trusted network, as UCX's own wire-up is.
 constexpr std::byte kAddrMagic[4] = {std::byte('S'), std::byte('L'), std::byte('W'), std::byte('1')};
 constexpr size_t kAddrHeader = 4 + 2 + 4 + 8;
 constexpr size_t kAddrMax = 1u << 20;
 
-uint64_t fnv1a(std::span<const std::byte> b, uint64_t h = 1469598103934665603ull) {
-  for (auto x : b) h = (h ^ uint64_t(x)) * 1099511628211ull;
-  return h;
+// XXH3 (libxxhash, as the store's frame checksums) of the address, seeded with the header's.
+uint64_t address_hash(std::span<const std::byte> header, std::span<const std::byte> raw) {
+  return XXH3_64bits_withSeed(raw.data(), raw.size(), XXH3_64bits(header.data(), header.size()));
 }
 
 std::pair<unsigned, unsigned> ucx_version() {
@@ -84,7 +85,7 @@ std::vector<std::byte> wrap_address(std::span<const std::byte> raw) {
   w[5] = std::byte(uint8_t(minor));
   for (int i = 0; i < 4; ++i) w[6 + i] = std::byte(uint8_t(raw.size() >> (8 * i)));
   std::memcpy(w.data() + kAddrHeader, raw.data(), raw.size());
-  const uint64_t h = fnv1a(raw, fnv1a(std::span<const std::byte>(w.data(), 10)));
+  const uint64_t h = address_hash(std::span<const std::byte>(w.data(), 10), raw);
   for (int i = 0; i < 8; ++i) w[10 + i] = std::byte(uint8_t(h >> (8 * i)));
   return w;
 }
@@ -99,7 +100,7 @@ Result<std::span<const std::byte>> unwrap_address(std::span<const std::byte> w) 
   for (int i = 0; i < 4; ++i) len |= uint32_t(uint8_t(w[6 + i])) << (8 * i);
   for (int i = 0; i < 8; ++i) h |= uint64_t(uint8_t(w[10 + i])) << (8 * i);
   const auto raw = w.subspan(kAddrHeader);
-  if (len != raw.size() || len > kAddrMax || fnv1a(raw, fnv1a(w.first(10))) != h)
+  if (len != raw.size() || len > kAddrMax || address_hash(w.first(10), raw) != h)
     return make_error(Errc::corrupt, "a peer's UCX worker address is damaged (its length or checksum is wrong)");
   if (unsigned(uint8_t(w[4])) != ucx_version().first)
     return make_error(Errc::unsupported, "a peer runs UCX " + std::to_string(unsigned(uint8_t(w[4]))) + "." +
