@@ -59,11 +59,11 @@ uint64_t spin_us() {
 // ucp_ep_create trusts every byte of UCX's packed address and is given no length: a damaged or
 // foreign one is an assertion that aborts the process, or a read past its end. So the address is
 // wrapped, and only a wrapper that checks out reaches UCX: "SLW1", the UCX major and minor version
-// that packed it, its length (4 bytes, little-endian), a 64-bit XXH3 of header and address,
-// then the address. This catches accidents (a truncated or stale address, another program on the
+// that packed it (2 bytes, 2 zero), its length (4 bytes, little-endian; 4 zero), a 64-bit XXH3 of
+// those 16 bytes and the address, then the address, 8-byte aligned as UCX's own buffer was. This catches accidents (a truncated or stale address, another program on the
 // port, another UCX major); the side channel is for a trusted network, as UCX's own wire-up is.
 constexpr std::byte kAddrMagic[4] = {std::byte('S'), std::byte('L'), std::byte('W'), std::byte('1')};
-constexpr size_t kAddrHeader = 4 + 2 + 4 + 8;
+constexpr size_t kAddrHeader = 24, kAddrLen = 8, kAddrHash = 16;  // offsets of length, hash
 constexpr size_t kAddrMax = 1u << 20;
 
 // XXH3 (libxxhash, as the store's frame checksums) of the address, seeded with the header's.
@@ -83,10 +83,10 @@ std::vector<std::byte> wrap_address(std::span<const std::byte> raw) {
   const auto [major, minor] = ucx_version();
   w[4] = std::byte(uint8_t(major));
   w[5] = std::byte(uint8_t(minor));
-  for (int i = 0; i < 4; ++i) w[6 + i] = std::byte(uint8_t(raw.size() >> (8 * i)));
+  for (int i = 0; i < 4; ++i) w[kAddrLen + i] = std::byte(uint8_t(raw.size() >> (8 * i)));
   std::memcpy(w.data() + kAddrHeader, raw.data(), raw.size());
-  const uint64_t h = address_hash(std::span<const std::byte>(w.data(), 10), raw);
-  for (int i = 0; i < 8; ++i) w[10 + i] = std::byte(uint8_t(h >> (8 * i)));
+  const uint64_t h = address_hash(std::span<const std::byte>(w.data(), kAddrHash), raw);
+  for (int i = 0; i < 8; ++i) w[kAddrHash + i] = std::byte(uint8_t(h >> (8 * i)));
   return w;
 }
 
@@ -97,10 +97,10 @@ Result<std::span<const std::byte>> unwrap_address(std::span<const std::byte> w) 
                                          std::to_string(w.size()) + " bytes)");
   uint32_t len = 0;
   uint64_t h = 0;
-  for (int i = 0; i < 4; ++i) len |= uint32_t(uint8_t(w[6 + i])) << (8 * i);
-  for (int i = 0; i < 8; ++i) h |= uint64_t(uint8_t(w[10 + i])) << (8 * i);
+  for (int i = 0; i < 4; ++i) len |= uint32_t(uint8_t(w[kAddrLen + i])) << (8 * i);
+  for (int i = 0; i < 8; ++i) h |= uint64_t(uint8_t(w[kAddrHash + i])) << (8 * i);
   const auto raw = w.subspan(kAddrHeader);
-  if (len != raw.size() || len > kAddrMax || address_hash(w.first(10), raw) != h)
+  if (len != raw.size() || len > kAddrMax || address_hash(w.first(kAddrHash), raw) != h)
     return make_error(Errc::corrupt, "a peer's UCX worker address is damaged (its length or checksum is wrong)");
   if (unsigned(uint8_t(w[4])) != ucx_version().first)
     return make_error(Errc::unsupported, "a peer runs UCX " + std::to_string(unsigned(uint8_t(w[4]))) + "." +
