@@ -214,7 +214,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         (over TCP, milliseconds less). Connectors with nothing to connect return at once. Raises
         TimeoutError after ``timeout`` s, NotFoundError when no sender is known, and the transport's
         errors when the sender cannot be reached."""
-        self._connect(sender_info, float("inf") if timeout is None else float(timeout))
+        self._connect(sender_info, timeout)
 
     def reap_consumed(self) -> int:
         """Return the shared memory of puts that every reader has read (put also does this

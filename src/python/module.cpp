@@ -62,6 +62,13 @@ double timeout_secs(double v) {
   return v >= 1e9 ? -1.0 : std::max(0.0, v);
 }
 double timeout_arg(nb::handle t) { return t.is_none() ? -1.0 : timeout_secs(nb::cast<double>(t)); }
+// A timeout argument for a call whose negative timeout means its own default: None -> `none_is`,
+// infinity (1e9 s or more) -> 1e9 (for ever), NaN refused. Called with the GIL held (it may raise).
+double timeout_or(nb::handle t, double none_is) {
+  if (t.is_none()) return none_is;
+  const double v = timeout_secs(nb::cast<double>(t));
+  return v < 0 ? 1e9 : v;
+}
 
 // Long waits run in slices of at most kSignalSliceS without the GIL; between slices the GIL is
 // taken back and Python's signal handlers run (PyErr_CheckSignals), so Ctrl-C (or a SIGTERM
@@ -2198,17 +2205,17 @@ NB_MODULE(_core, m) {
              return out;
            })
       .def("_sender_info", [](PyConnector& self) { return self.c ? to_py(self.c->sender_info()) : nb::none(); })
-      .def("_connect", [](PyConnector& self, nb::handle info, double timeout_s) {
+      .def("_connect", [](PyConnector& self, nb::handle info, nb::handle timeout) {
              const Value v = info.is_none() ? Value() : from_py(info);
+             const Deadline dl = deadline_after(timeout_or(timeout, 1e9));  // None: for ever
              const std::shared_ptr<Connector> c = self.get();
              Status st;
              {
                nb::gil_scoped_release nogil;
-               const double t = timeout_secs(timeout_s);
-               st = c->connect(v, deadline_after(t < 0 ? 1e9 : t));
+               st = c->connect(v, dl);
              }
              if (!st.ok()) raise(st.error());
-           }, nb::arg("sender_info").none(), nb::arg("timeout_s"))
+           }, nb::arg("sender_info").none(), nb::arg("timeout").none())
       .def("_update_sender_info", [](PyConnector& self, const std::string& host, int port) {
              auto st = self.get()->update_sender_info(host, port);
              if (!st.ok()) raise(st.error());
@@ -2468,11 +2475,7 @@ NB_MODULE(_core, m) {
            "source_port), or None where nothing needs connecting (shared memory).")
       .def("_connect", [](PyRelay& self, nb::handle info, nb::handle timeout) {
              const Value v = info.is_none() ? Value() : from_py(info);
-             double t = -1.0;  // None: the relay's timeout_s
-             if (!timeout.is_none()) {
-               t = timeout_secs(nb::cast<double>(timeout));
-               if (t < 0) t = 1e9;  // infinity: for ever
-             }
+             const double t = timeout_or(timeout, -1.0);  // None: the relay's timeout_s
              auto r = self.get();
              Status st;
              {

@@ -135,6 +135,12 @@ def test_connect_ahead_makes_the_first_get_take_the_ucx_path_and_relays_expose_i
         assert time.monotonic() - t0 < 2
         with pytest.raises(stagelink.NotFoundError):  # no sender known
             r.connect()
+        # Regression: a NaN timeout raised a Python error without the GIL (a segfault).
+        for who in (r, stagelink.Relay({"backend": "ucx", "extra": {"host": "127.0.0.1"}})):
+            with pytest.raises(stagelink.InvalidArgumentError, match="NaN"):
+                who.connect(info, timeout=float("nan"))
+            if isinstance(who, stagelink.Relay):
+                who.close()
     finally:
         s.close()
         r.close()
