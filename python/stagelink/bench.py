@@ -162,7 +162,34 @@ def _payload_cases():
     cases[1:1] = [("torch float32[256] (1 KiB)", torch.ones(256)),
                   ("torch bfloat16[512] (1 KiB)", torch.ones(512, dtype=torch.bfloat16))]
     cases.append(("dict {hidden: torch 1 KiB, ids: [300 ints]}", {"hidden": torch.ones(256), "ids": list(range(300))}))
+    cases.append((_NONE_CASE, None))
     return cases + _list_cases()
+
+
+_NONE_CASE = "None (a put+get's fixed cost)"
+
+
+def _floor_peers():
+    """What Python and torch themselves take for the parts of a received
+    ``{hidden: torch, ids: [300 ints]}`` that no connector can skip: torch's cheapest creation of a
+    tensor object (``t.detach()``, no argument parsing) and CPython's copy of a 300-int list
+    (``ids[:]``). With a put+get of ``None`` (the connector's fixed cost) they bound from below
+    what any implementation of that put+get can take in this process. {name: per-call seconds}."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    t, ids = torch.ones(256), list(range(300))
+    out = {}
+    for name, fn in (("torch t.detach()", t.detach), ("list ids[:]", ids.copy)):
+        best = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            best.append((time.perf_counter() - t0) / 200)
+        out[name] = sorted(best)[2]
+    return out
 
 
 def _list_cases():
@@ -214,6 +241,7 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
 
     cases = _payload_cases()
     samples = {name: {"np": [], "ng": [], "pp": [], "pg": [], "ratio": []} for name, _ in cases}
+    floors = {}
     block = max(20, iters // rounds)
     for rnd in range(rounds):
         ref = None
@@ -226,6 +254,8 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
             ref = pg if ref is None else ref
             d["ratio"].append(pg / ref)
             timed(lambda k: pickled(k, obj), block, tp=d["pp"], tg=d["pg"])
+        for fname, sec in _floor_peers().items():
+            floors.setdefault(fname, []).append(sec * 1e6)
         if progress:
             progress(f"payload kinds: round {rnd + 1} of {rounds} done")
     rows = [{"payload": name, "native_put": _stat(samples[name]["np"]), "native_get": _stat(samples[name]["ng"]),
@@ -239,6 +269,15 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
         rows_big[label] = _stat(timed(lambda k: c.put(0, 1, k, obj), n, zero_copy=zc)[1])
     del data
     rows.append({"payload": f"get of {big >> 20} MiB", "big_get": rows_big})
+    if floors and _NONE_CASE in samples:
+        # The dict's floor: a put+get of None plus torch's and CPython's own object creation, each a
+        # median over the rounds; as a ratio to the numpy array's put+get of the same rounds.
+        peers = {k: med(v) for k, v in floors.items()}
+        none = med([a + b for a, b in zip(samples[_NONE_CASE]["np"], samples[_NONE_CASE]["ng"])])
+        ref = med([a + b for a, b in zip(samples[cases[0][0]]["np"], samples[cases[0][0]]["ng"])])
+        floor = none + sum(peers.values())
+        rows.append({"payload": "floor of dict {hidden: torch 1 KiB, ids: [300 ints]}", "floor_us": floor,
+                     "floor_vs_numpy": floor / ref, "parts_us": {_NONE_CASE: none, **peers}})
     c.close()
     r.close()
     return rows
@@ -254,6 +293,11 @@ def print_payloads(rows, out=sys.stdout):
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     for row in rows:
+        if "floor_us" in row:
+            parts = " + ".join(f"{k} {v:.2f}" for k, v in row["parts_us"].items())
+            print(f"{row['payload']}: {row['floor_us']:.2f} us = {row['floor_vs_numpy']:.2f}x numpy "
+                  f"({parts} us): what no put+get of it can go below in this process", file=out)
+            continue
         if "big_get" in row:
             b = row["big_get"]
             print(f"\n{row['payload']}: numpy {m(b['numpy']) / 1e3:.1f} ms, bytes {m(b['bytes']) / 1e3:.1f} ms "
