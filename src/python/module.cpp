@@ -9,6 +9,8 @@
 #include <array>
 #include <cstring>
 #include <optional>
+#include <system_error>
+#include <thread>
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
@@ -289,7 +291,51 @@ struct Dims {
 nb::object copied_array(std::span<const std::byte> src, int type, const Dims& dims);
 
 constexpr uintptr_t kHuge = 2u << 20;
+#ifdef MADV_POPULATE_WRITE
+constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kMadvPopulateWrite = 23;  // Linux 5.14's value; older kernels answer EINVAL
+#endif
 constexpr size_t kHugeCopyBytes = 8u << 20;
+
+// Copies `n` bytes into `dst`, a fresh mapping (malloc's, for a new bytes object), whose pages
+// the kernel must still map and zero. Measured at 186 MiB on this project's VM, against 18 ms for
+// one memcpy into mapped memory: faulting 4 KiB pages in during the copy 116 ms; 2 MiB pages
+// (MADV_HUGEPAGE) 55 ms; those mapped and zeroed in one call first (MADV_POPULATE_WRITE, Linux
+// 5.14+) and then copied 40 ms; from 64 MiB, two threads each mapping and copying 8 MiB at a
+// time over half the range 26 ms. Both advices are hints: a kernel without them faults as before.
+// Called without the GIL.
+void copy_into_fresh(char* dst, const std::byte* src, size_t n) {
+  constexpr size_t kSplitBytes = 64u << 20, kStep = 8u << 20;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(dst) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(dst) + n) & ~(kHuge - 1);
+  if (hi <= lo) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  // Maps the whole 2 MiB pages inside [d, d + len), then copies them.
+  auto part = [&](size_t off, size_t len, size_t step) {
+    for (size_t o = off; o < off + len; o += step) {
+      const size_t m = std::min(step, off + len - o);
+      const uintptr_t a = std::max(lo, (reinterpret_cast<uintptr_t>(dst + o) + kHuge - 1) & ~(kHuge - 1));
+      const uintptr_t b = std::min(hi, reinterpret_cast<uintptr_t>(dst + o + m) & ~(kHuge - 1));
+      if (b > a) madvise(reinterpret_cast<void*>(a), b - a, kMadvPopulateWrite);
+      std::memcpy(dst + o, src + o, m);
+    }
+  };
+  if (n >= kSplitBytes) {
+    const size_t half = ((lo + (hi - lo) / 2) & ~(kHuge - 1)) - reinterpret_cast<uintptr_t>(dst);
+    try {
+      std::thread helper(part, half, n - half, kStep);
+      part(0, half, kStep);
+      helper.join();
+      return;
+    } catch (const std::system_error&) {  // no thread to be had: one does it all
+    }
+  }
+  part(0, n, n);
+}
 
 // A region copied into a new bytes (0) or bytearray (1); large copies run without the GIL.
 nb::object region_copy_as(const Tensor& t, int as) {
@@ -299,14 +345,10 @@ nb::object region_copy_as(const Tensor& t, int as) {
   char* dst = as == 0 ? PyBytes_AS_STRING(o) : PyByteArray_AS_STRING(o);
   if (t.nbytes() > kGilReleaseBytes) {
     nb::gil_scoped_release nogil;
-    if (t.nbytes() >= kHugeCopyBytes) {
-      // A fresh mapping (malloc's, for the bytes object): ask for 2 MiB pages before the first
-      // touch, so the copy faults ~500x fewer times (186 MiB: ~2.3x faster where THP is madvise).
-      const uintptr_t lo = (reinterpret_cast<uintptr_t>(dst) + kHuge - 1) & ~(kHuge - 1);
-      const uintptr_t hi = (reinterpret_cast<uintptr_t>(dst) + t.nbytes()) & ~(kHuge - 1);
-      if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // advisory
-    }
-    std::memcpy(dst, t.data.data(), t.nbytes());
+    if (t.nbytes() >= kHugeCopyBytes)
+      copy_into_fresh(dst, t.data.data(), t.nbytes());
+    else
+      std::memcpy(dst, t.data.data(), t.nbytes());
   } else if (n) {
     std::memcpy(dst, t.data.data(), t.nbytes());
   }

@@ -1,5 +1,6 @@
 """vLLM-Omni parity: exact cleanup, foreign metadata, replacement, the rest of the base contract,
 native payloads (no pickle) and allow_pickle."""
+import hashlib
 import multiprocessing as mp
 import os
 import threading
@@ -223,6 +224,19 @@ def test_trees_bytes_and_numpy_travel_without_pickle(ns):
         got, _ = roundtrip(c, np.arange(20).reshape(4, 5)[:, 1])  # strided: copied contiguous
         assert np.array_equal(got, [1, 6, 11, 16])
         assert roundtrip(c, np.arange(10))[0].flags.writeable
+
+
+def test_large_bytes_and_bytearrays_come_back_whole(ns):
+    """A get of 8 MiB or more into a new bytes or bytearray maps its fresh pages ahead of the copy,
+    and from 64 MiB copies the two halves in two threads: every byte lands where it belongs, at
+    sizes that are not a whole number of pages, and the object is the type that was put."""
+    with shm(ns, arena_bytes=160 << 20) as c:
+        for n, kind in ((8 << 20, bytes), ((40 << 20) + 4093, bytearray), ((72 << 20) + 12345, bytes)):
+            data = kind(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes())
+            got, _ = roundtrip(c, data)
+            assert type(got) is kind and len(got) == n
+            assert hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+            del got, data
 
 
 def test_lists_of_ids_travel_packed_and_come_back_as_they_were(ns):
