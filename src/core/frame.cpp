@@ -208,11 +208,10 @@ Result<Payload> decode_frame_copy(std::span<const std::byte> buf) {
 Status decode_frame_copy_into(std::span<const std::byte> buf, Payload& p) {
   SL_TRY(decode_frame_into(buf, nullptr, p));
   for (auto& t : p.tensors) {
-    // Not zero-filled (the copy overwrites it); large ones reuse already-faulted pages.
-    std::shared_ptr<std::byte> store = host_pool::allocate(t.data.size());
+    // Large ones reuse already-mapped pages, or map fresh ones ahead of the copy.
+    std::shared_ptr<std::byte> store = host_pool::copy_of(t.data);
     if (!store)
       return make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(t.data.size()) + " bytes");
-    if (!t.data.empty()) std::memcpy(store.get(), t.data.data(), t.data.size());
     t.data = std::span<const std::byte>(store.get(), t.data.size());
     t.keepalive = std::move(store);
   }

@@ -2,14 +2,24 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 namespace stagelink::host_pool {
 namespace {
 constexpr size_t kHuge = 2u << 20;
+constexpr size_t kFreshHugeBytes = 8u << 20, kFreshSplitBytes = 64u << 20, kFreshStep = 8u << 20;
+#ifdef MADV_POPULATE_WRITE
+constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kMadvPopulateWrite = 23;  // Linux 5.14's value; older kernels answer EINVAL
+#endif
 
 size_t limit_from_env() {
   const char* s = std::getenv("STAGELINK_HOST_CACHE_MB");
@@ -76,7 +86,58 @@ Pool& pool() {
 }
 }  // namespace
 
-std::shared_ptr<std::byte> allocate(size_t n) {
+namespace {
+// allocate(n); *fresh (when given) set where the buffer is a new mapping, not a cached one.
+std::shared_ptr<std::byte> allocate_impl(size_t n, bool* fresh);
+}  // namespace
+
+void copy_into_fresh(std::byte* dst, const std::byte* src, size_t n) {
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(dst) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(dst) + n) & ~(kHuge - 1);
+  if (n < kFreshHugeBytes || hi <= lo) {
+    if (n) std::memcpy(dst, src, n);
+    return;
+  }
+  madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  // Maps the whole 2 MiB pages of [off, off + len) `step` bytes at a time, copying each step
+  // once it is mapped.
+  auto part = [&](size_t off, size_t len, size_t step) {
+    for (size_t o = off; o < off + len; o += step) {
+      const size_t m = std::min(step, off + len - o);
+      const uintptr_t a = std::max(lo, (reinterpret_cast<uintptr_t>(dst + o) + kHuge - 1) & ~(kHuge - 1));
+      const uintptr_t b = std::min(hi, reinterpret_cast<uintptr_t>(dst + o + m) & ~(kHuge - 1));
+      if (b > a) madvise(reinterpret_cast<void*>(a), b - a, kMadvPopulateWrite);
+      std::memcpy(dst + o, src + o, m);
+    }
+  };
+  if (n >= kFreshSplitBytes) {
+    const size_t half = ((lo + (hi - lo) / 2) & ~(kHuge - 1)) - reinterpret_cast<uintptr_t>(dst);
+    try {
+      std::thread helper(part, half, n - half, kFreshStep);
+      part(0, half, kFreshStep);
+      helper.join();
+      return;
+    } catch (const std::system_error&) {  // no thread to be had: this one does it all
+    }
+  }
+  part(0, n, n);  // one thread: mapping it all in one call, then one copy, is the faster order
+}
+
+std::shared_ptr<std::byte> copy_of(std::span<const std::byte> src) {
+  bool fresh = false;
+  std::shared_ptr<std::byte> buf = allocate_impl(src.size(), &fresh);
+  if (!buf || src.empty()) return buf;
+  if (fresh)
+    copy_into_fresh(buf.get(), src.data(), src.size());
+  else
+    std::memcpy(buf.get(), src.data(), src.size());
+  return buf;
+}
+
+std::shared_ptr<std::byte> allocate(size_t n) { return allocate_impl(n, nullptr); }
+
+namespace {
+std::shared_ptr<std::byte> allocate_impl(size_t n, bool* fresh) {
   if (n < kPooledMin) {
     // Small: malloc's own free lists keep these warm; one allocation for data and count.
     try {
@@ -100,9 +161,11 @@ std::shared_ptr<std::byte> allocate(size_t n) {
     if (start + kHuge > aligned) munmap(reinterpret_cast<void*>(aligned + cap), start + kHuge - aligned);
     p = reinterpret_cast<void*>(aligned);
     madvise(p, cap, MADV_HUGEPAGE);  // advisory: ignored where THP is off
+    if (fresh) *fresh = true;
   }
   return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [got](std::byte* b) { pool().give_back(b, got); });
 }
+}  // namespace
 
 Stats stats() {
   auto& pl = pool();

@@ -1,6 +1,5 @@
 // stagelink._core: the thin binding. Argument conversion only; semantics live in C++.
 #include <Python.h>
-#include <sys/mman.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -9,8 +8,6 @@
 #include <array>
 #include <cstring>
 #include <optional>
-#include <system_error>
-#include <thread>
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
@@ -290,53 +287,6 @@ struct Dims {
 
 nb::object copied_array(std::span<const std::byte> src, int type, const Dims& dims);
 
-constexpr uintptr_t kHuge = 2u << 20;
-#ifdef MADV_POPULATE_WRITE
-constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
-#else
-constexpr int kMadvPopulateWrite = 23;  // Linux 5.14's value; older kernels answer EINVAL
-#endif
-constexpr size_t kHugeCopyBytes = 8u << 20;
-
-// Copies `n` bytes into `dst`, a fresh mapping (malloc's, for a new bytes object), whose pages
-// the kernel must still map and zero. Measured at 186 MiB on this project's VM, against 18 ms for
-// one memcpy into mapped memory: faulting 4 KiB pages in during the copy 116 ms; 2 MiB pages
-// (MADV_HUGEPAGE) 55 ms; those mapped and zeroed in one call first (MADV_POPULATE_WRITE, Linux
-// 5.14+) and then copied 40 ms; from 64 MiB, two threads each mapping and copying 8 MiB at a
-// time over half the range 26 ms. Both advices are hints: a kernel without them faults as before.
-// Called without the GIL.
-void copy_into_fresh(char* dst, const std::byte* src, size_t n) {
-  constexpr size_t kSplitBytes = 64u << 20, kStep = 8u << 20;
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(dst) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(dst) + n) & ~(kHuge - 1);
-  if (hi <= lo) {
-    std::memcpy(dst, src, n);
-    return;
-  }
-  madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-  // Maps the whole 2 MiB pages inside [d, d + len), then copies them.
-  auto part = [&](size_t off, size_t len, size_t step) {
-    for (size_t o = off; o < off + len; o += step) {
-      const size_t m = std::min(step, off + len - o);
-      const uintptr_t a = std::max(lo, (reinterpret_cast<uintptr_t>(dst + o) + kHuge - 1) & ~(kHuge - 1));
-      const uintptr_t b = std::min(hi, reinterpret_cast<uintptr_t>(dst + o + m) & ~(kHuge - 1));
-      if (b > a) madvise(reinterpret_cast<void*>(a), b - a, kMadvPopulateWrite);
-      std::memcpy(dst + o, src + o, m);
-    }
-  };
-  if (n >= kSplitBytes) {
-    const size_t half = ((lo + (hi - lo) / 2) & ~(kHuge - 1)) - reinterpret_cast<uintptr_t>(dst);
-    try {
-      std::thread helper(part, half, n - half, kStep);
-      part(0, half, kStep);
-      helper.join();
-      return;
-    } catch (const std::system_error&) {  // no thread to be had: one does it all
-    }
-  }
-  part(0, n, n);
-}
-
 // A region copied into a new bytes (0) or bytearray (1); large copies run without the GIL.
 nb::object region_copy_as(const Tensor& t, int as) {
   const Py_ssize_t n = Py_ssize_t(t.nbytes());
@@ -345,10 +295,7 @@ nb::object region_copy_as(const Tensor& t, int as) {
   char* dst = as == 0 ? PyBytes_AS_STRING(o) : PyByteArray_AS_STRING(o);
   if (t.nbytes() > kGilReleaseBytes) {
     nb::gil_scoped_release nogil;
-    if (t.nbytes() >= kHugeCopyBytes)
-      copy_into_fresh(dst, t.data.data(), t.nbytes());
-    else
-      std::memcpy(dst, t.data.data(), t.nbytes());
+    host_pool::copy_into_fresh(reinterpret_cast<std::byte*>(dst), t.data.data(), t.nbytes());  // malloc's: fresh
   } else if (n) {
     std::memcpy(dst, t.data.data(), t.nbytes());
   }
@@ -460,12 +407,12 @@ nb::object array_over(const std::byte* data, int type, const Dims& dims, std::sh
 // in when one of that size was dropped before), released back to the pool with the array.
 nb::object copied_array(std::span<const std::byte> src, int type, const Dims& dims) {
   if (src.size() >= host_pool::kPooledMin) {
-    std::shared_ptr<std::byte> buf = host_pool::allocate(src.size());
-    if (!buf) raise(make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(src.size()) + " bytes"));
+    std::shared_ptr<std::byte> buf;
     {
       nb::gil_scoped_release nogil;
-      std::memcpy(buf.get(), src.data(), src.size());
+      buf = host_pool::copy_of(src);
     }
+    if (!buf) raise(make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(src.size()) + " bytes"));
     const std::byte* data = buf.get();
     return array_over(data, type, dims, std::move(buf), true);
   }
@@ -1267,12 +1214,12 @@ nb::object torch_via_dlpack(const TorchApi& T, const Tensor& t, const Dims& dims
     m->keep = t.keepalive;
     data = const_cast<std::byte*>(t.data.data());
   } else if (n >= host_pool::kPooledMin) {
-    std::shared_ptr<std::byte> buf = host_pool::allocate(n);
-    if (!buf) raise(make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(n) + " bytes"));
+    std::shared_ptr<std::byte> buf;
     {
       nb::gil_scoped_release nogil;
-      std::memcpy(buf.get(), t.data.data(), n);
+      buf = host_pool::copy_of(t.data.subspan(0, n));
     }
+    if (!buf) raise(make_error(Errc::exhausted, "no memory for a copy of " + std::to_string(n) + " bytes"));
     m = DlOut::make(0, nullptr);
     data = buf.get();
     m->keep = std::move(buf);

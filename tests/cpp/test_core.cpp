@@ -2,11 +2,13 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 
 #include <cstring>
 #include <random>
 
 #include "core/host_pool.hpp"
+#include "util.hpp"
 #include "core/proc.hpp"
 #include "cuda/driver.hpp"
 #include "stagelink/stagelink.hpp"
@@ -570,6 +572,28 @@ TEST(HostPool, DroppedLargeBuffersAreReusedAndBounded) {
   d.reset();
   host_pool::trim();
   EXPECT_EQ(host_pool::stats().cached_bytes, 0u);
+}
+
+// copy_of and copy_into_fresh map fresh pages ahead of the copy (from 8 MiB) and copy two halves
+// in two threads (from 64 MiB): every byte lands where it belongs, at sizes and offsets that are
+// not whole pages, fresh buffers and pooled ones alike.
+TEST(HostPool, CopiesIntoFreshAndPooledMemoryAreExact) {
+  host_pool::trim();
+  for (size_t n : {size_t(0), size_t(100), (size_t(1) << 20) + 3, (size_t(9) << 20) + 5, (size_t(70) << 20) + 7}) {
+    const auto src = testing_util::pattern(n, uint32_t(n));
+    for (int round = 0; round < 2; ++round) {  // the second: a pooled buffer (n >= 1 MiB)
+      auto c = host_pool::copy_of(src);
+      ASSERT_TRUE(c || n == 0) << n;
+      if (n) EXPECT_EQ(std::memcmp(c.get(), src.data(), n), 0) << n << " round " << round;
+    }
+  }
+  // Into malloc's memory at an odd offset (what a new Python bytes is).
+  const size_t n = (size_t(66) << 20) + 11;
+  const auto src = testing_util::pattern(n, 66);
+  std::unique_ptr<std::byte[]> raw(new std::byte[n + 3]);
+  host_pool::copy_into_fresh(raw.get() + 3, src.data(), n);
+  EXPECT_EQ(std::memcmp(raw.get() + 3, src.data(), n), 0);
+  host_pool::trim();
 }
 
 // The CUDA driver is loaded at run time: where there is none (CI, this machine) every answer is
