@@ -154,15 +154,15 @@ def _payload_cases():
     """(name, object, the numpy peer's name) for the payload-kind table."""
     cases = [("numpy float32[256] (1 KiB)", np.ones(256, np.float32)),
              ("bytes 1 KiB", b"x" * 1024),
-             ("dict {hidden: numpy 1 KiB, ids: [300 ints]}", {"hidden": np.ones(256, np.float32), "ids": list(range(300))})]
+             ("dict {hidden: numpy 1 KiB, ids: [300 ints]}", {"hidden": np.ones(256, np.float32), "ids": list(range(300))}),
+             (_NONE_CASE, None)]
     try:
         import torch
     except ImportError:
         return cases + _list_cases()
     cases[1:1] = [("torch float32[256] (1 KiB)", torch.ones(256)),
                   ("torch bfloat16[512] (1 KiB)", torch.ones(512, dtype=torch.bfloat16))]
-    cases.append(("dict {hidden: torch 1 KiB, ids: [300 ints]}", {"hidden": torch.ones(256), "ids": list(range(300))}))
-    cases.append((_NONE_CASE, None))
+    cases.insert(-1, ("dict {hidden: torch 1 KiB, ids: [300 ints]}", {"hidden": torch.ones(256), "ids": list(range(300))}))
     return cases + _list_cases()
 
 

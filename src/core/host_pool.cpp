@@ -84,11 +84,36 @@ Pool& pool() {
   static Pool* p = new Pool;
   return *p;
 }
-}  // namespace
 
-namespace {
 // allocate(n); *fresh (when given) set where the buffer is a new mapping, not a cached one.
-std::shared_ptr<std::byte> allocate_impl(size_t n, bool* fresh);
+std::shared_ptr<std::byte> allocate_impl(size_t n, bool* fresh) {
+  if (n < kPooledMin) {
+    // Small: malloc's own free lists keep these warm; one allocation for data and count.
+    try {
+      auto s = std::make_shared_for_overwrite<std::byte[]>(n);
+      return std::shared_ptr<std::byte>(s, s.get());
+    } catch (const std::bad_alloc&) {
+      return nullptr;
+    }
+  }
+  const size_t cap = (n + kHuge - 1) / kHuge * kHuge;
+  size_t got = cap;
+  void* p = pool().take(cap, got);
+  if (!p) {
+    // Over-map by one huge page and trim, so the buffer starts on a 2 MiB boundary: only aligned
+    // 2 MiB ranges can be backed by huge pages.
+    void* raw = mmap(nullptr, cap + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
+    if (aligned > start) munmap(raw, aligned - start);
+    if (start + kHuge > aligned) munmap(reinterpret_cast<void*>(aligned + cap), start + kHuge - aligned);
+    p = reinterpret_cast<void*>(aligned);
+    madvise(p, cap, MADV_HUGEPAGE);  // advisory: ignored where THP is off
+    if (fresh) *fresh = true;
+  }
+  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [got](std::byte* b) { pool().give_back(b, got); });
+}
 }  // namespace
 
 void copy_into_fresh(std::byte* dst, const std::byte* src, size_t n) {
@@ -135,37 +160,6 @@ std::shared_ptr<std::byte> copy_of(std::span<const std::byte> src) {
 }
 
 std::shared_ptr<std::byte> allocate(size_t n) { return allocate_impl(n, nullptr); }
-
-namespace {
-std::shared_ptr<std::byte> allocate_impl(size_t n, bool* fresh) {
-  if (n < kPooledMin) {
-    // Small: malloc's own free lists keep these warm; one allocation for data and count.
-    try {
-      auto s = std::make_shared_for_overwrite<std::byte[]>(n);
-      return std::shared_ptr<std::byte>(s, s.get());
-    } catch (const std::bad_alloc&) {
-      return nullptr;
-    }
-  }
-  const size_t cap = (n + kHuge - 1) / kHuge * kHuge;
-  size_t got = cap;
-  void* p = pool().take(cap, got);
-  if (!p) {
-    // Over-map by one huge page and trim, so the buffer starts on a 2 MiB boundary: only aligned
-    // 2 MiB ranges can be backed by huge pages.
-    void* raw = mmap(nullptr, cap + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) return nullptr;
-    const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
-    if (aligned > start) munmap(raw, aligned - start);
-    if (start + kHuge > aligned) munmap(reinterpret_cast<void*>(aligned + cap), start + kHuge - aligned);
-    p = reinterpret_cast<void*>(aligned);
-    madvise(p, cap, MADV_HUGEPAGE);  // advisory: ignored where THP is off
-    if (fresh) *fresh = true;
-  }
-  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [got](std::byte* b) { pool().give_back(b, got); });
-}
-}  // namespace
 
 Stats stats() {
   auto& pl = pool();
