@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -208,17 +209,22 @@ TEST_P(MqFanOut, EveryReaderGetsEveryMessageOnceInOrderIntact) {
   o.max_chunks = 8;
   o.overflow_bytes = 64 << 10;
   o.spin_us = 20;
-  auto w = MessageQueue::create(o);
-  ASSERT_TRUE(w.ok()) << w.error().message;
-  const auto h = (*w)->export_handle();
   constexpr uint64_t kN = 10000;
   const size_t max_size = 3 * 4096;
-  std::vector<pid_t> kids;
+  // The readers are forked before the writer starts its threads (testing_util::EarlyChild); they
+  // get the queue's handle through a pipe once it exists.
+  std::vector<std::unique_ptr<testing_util::EarlyChild>> kids;
   for (uint32_t r = 0; r <= n_local; ++r) {
-    pid_t pid = fork();
-    if (pid == 0) _exit(read_all(h, r, kN, max_size, false));
-    kids.push_back(pid);
+    kids.push_back(std::make_unique<testing_util::EarlyChild>([r, max_size](std::span<const std::byte> b) {
+      auto h = MessageQueueHandle::from_msgpack(b);
+      return h.ok() ? read_all(*h, r, kN, max_size, false) : 6;
+    }));
+    ASSERT_TRUE(kids.back()->ok());
   }
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  const auto hb = (*w)->export_handle().to_msgpack();
+  for (auto& k : kids) ASSERT_TRUE(k->send(hb));
   ASSERT_OK((*w)->wait_until_ready(30));
   EXPECT_EQ(mq_files(), before) << "the ring's names are unlinked once everyone attached";
   std::mt19937 g(7);
@@ -228,7 +234,7 @@ TEST_P(MqFanOut, EveryReaderGetsEveryMessageOnceInOrderIntact) {
     ASSERT_TRUE(st.ok()) << i << ": " << st.error().message;
     jitter(g);
   }
-  for (auto pid : kids) EXPECT_EQ(wait_child(pid), 0);
+  for (auto& k : kids) EXPECT_EQ(k->wait(), 0);
   auto s = (*w)->stats();
   EXPECT_GT(s.find("overflow_messages")->as<uint64_t>(), 0u);
   w->reset();
@@ -555,24 +561,30 @@ TEST(Mq, RemoteReaderReportsAMessageItMissedThatLocalReadersGot) {
   o.max_chunks = 4;
   o.overflow_bytes = 0;
   o.remote_hwm = 1;
-  auto w = MessageQueue::create(o);
-  ASSERT_TRUE(w.ok());
-  const auto h = (*w)->export_handle();
   int to_child[2], ready[2];
   ASSERT_EQ(pipe(to_child), 0);
   ASSERT_EQ(pipe(ready), 0);
-  pid_t pid = fork();
-  if (pid == 0) {  // the remote reader: read what it is told arrived, then expect the gap
-    auto r = MessageQueue::create_from_handle(h, 1);
+  // The remote reader: read what it is told arrived, then expect the gap. Forked before the
+  // writer starts its threads (testing_util::EarlyChild); it gets the handle through a pipe.
+  testing_util::EarlyChild kid([&](std::span<const std::byte> b) {
+    auto h = MessageQueueHandle::from_msgpack(b);
+    if (!h.ok()) return 6;
+    auto r = MessageQueue::create_from_handle(*h, 1);
     char c = r.ok();
-    if (write(ready[1], &c, 1) != 1 || !r.ok()) _exit(2);
+    if (write(ready[1], &c, 1) != 1 || !r.ok()) return 2;
     int sent = 0;
-    if (read(to_child[0], &sent, sizeof sent) != sizeof sent) _exit(3);
+    if (read(to_child[0], &sent, sizeof sent) != sizeof sent) return 3;
     for (int i = 0; i < sent; ++i)
-      if (!(*r)->dequeue(10).ok()) _exit(4);
+      if (!(*r)->dequeue(10).ok()) return 4;
     auto gap = (*r)->dequeue(10);
-    _exit(!gap.ok() && gap.error().code == Errc::corrupt ? 0 : 5);
-  }
+    return !gap.ok() && gap.error().code == Errc::corrupt ? 0 : 5;
+  });
+  ASSERT_TRUE(kid.ok());
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok());
+  const auto h = (*w)->export_handle();
+  ASSERT_TRUE(kid.send(h.to_msgpack()));
+  const pid_t pid = kid.pid();
   char c = 0;
   ASSERT_EQ(read(ready[0], &c, 1), 1);
   ASSERT_EQ(c, 1);
@@ -594,7 +606,7 @@ TEST(Mq, RemoteReaderReportsAMessageItMissedThatLocalReadersGot) {
   kill(pid, SIGCONT);
   ASSERT_EQ(write(to_child[1], &sent, sizeof sent), ssize_t(sizeof sent));
   ASSERT_TRUE((*w)->enqueue_bytes(big, 10).ok());
-  EXPECT_EQ(wait_child(pid), 0);
+  EXPECT_EQ(kid.wait(), 0);
   for (int fd : {to_child[0], to_child[1], ready[0], ready[1]}) close(fd);
 }
 
