@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,10 @@ struct GetOptions {
   // With zero_copy: leave the tree as msgpack bytes in Payload::packed_tree (valid while the
   // tensors are) instead of building it; for bindings that build their own objects from it.
   bool raw_tree = false;
+  // The inline frame of `metadata` when the caller left it out of the Value (its "inline" field):
+  // read in place, the memory held by the caller for the call (the Python binding points it at
+  // the metadata's bytes object instead of copying them into the Value). Empty: none.
+  std::span<const std::byte> metadata_inline;
   // Asked on the getting thread at least every kWaitCheckEvery while the get waits for its key to be
   // put (never during a transfer: a payload found is always read whole); false ends the get with
   // Errc::cancelled. The Python binding runs Python's signal handlers here, so Ctrl-C ends a long

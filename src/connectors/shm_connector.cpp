@@ -631,15 +631,15 @@ class ShmConnector final : public Connector {
       if (!entry || !genv || !entry->get_u64(idx) || !genv->get_u64(gen) || idx > UINT32_MAX || gen > UINT32_MAX)
         return make_error(Errc::corrupt, "metadata lacks entry/gen (not from a stagelink SharedMemoryConnector?)");
       cl = dir->claim(uint32_t(idx), uint32_t(gen), ikey);
-      if (inl && inl->is<Value::Bytes>()) {
+      std::span<const std::byte> frame = go.metadata_inline;
+      if (inl && inl->is<Value::Bytes>()) frame = std::span<const std::byte>(inl->as<Value::Bytes>());
+      if ((inl && inl->is<Value::Bytes>()) || !frame.empty()) {
         // Small payload: the bytes are in the metadata; only the reader accounting touches shm.
         // An entry already gone (producer closed or died) does not stop it; metadata of another
         // key does.
         if (!cl.ok() && cl.error().code == Errc::corrupt) return std::move(cl).error();
-        auto& b = inl->as<Value::Bytes>();
-        const std::span<const std::byte> frame(b.data(), b.size());
         GetResult g;
-        g.size = b.size();
+        g.size = frame.size();
         Status st = go.zero_copy && go.view_metadata ? decode_frame_into(frame, nullptr, g.payload, !go.raw_tree)
                                                      : decode_frame_copy_into(frame, g.payload);
         if (cl.ok()) dir->release(cl.value());

@@ -1601,16 +1601,45 @@ nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std
   return nb::make_tuple(pr.size, to_py(pr.metadata));
 }
 
+// A get's metadata as the connector reads it: the converted Value, and the bytes object of an
+// inline payload (the shared-memory connector's "inline"), read in place rather than copied into
+// the Value (GetOptions::metadata_inline). An inline payload's tensors view one or the other.
+struct MetadataHold {
+  Value value;
+  nb::object inline_bytes;
+};
+
 // Borrow key's slot zero-copy (the slot is released when the result is dropped). nullopt when absent
 // or timed out. A get that may block (keyless, with a timeout) releases the GIL; a lookup by
 // metadata takes microseconds and keeps it. Must be entered holding the GIL. `md` receives the
-// converted metadata: an inline payload's tensors view its bytes, so the caller keeps it alive
-// until it has copied them out.
+// converted metadata and the bytes of an inline payload: its tensors view them, so the caller
+// keeps `md` alive until it has copied them out.
 std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle to, const std::string& key,
-                                nb::handle metadata, nb::handle timeout, Value& md) {
+                                nb::handle metadata, nb::handle timeout, MetadataHold& md) {
   std::string f = stage_str(from), t = stage_str(to);
   const bool has_md = !metadata.is_none();
-  if (has_md) md = from_py(metadata);
+  // Our own metadata of an inline payload ({"size", "entry", "gen", "inline": bytes}): the frame is
+  // read from the bytes object in place (held in `md` for the caller) instead of copied into the
+  // Value. Any other shape goes through from_py whole.
+  static PyObject* const kInline = PyUnicode_InternFromString("inline");  // immortal: kept
+  nb::object& inline_ref = md.inline_bytes;
+  if (has_md && !self.networked && PyDict_CheckExact(metadata.ptr())) {  // the shared-memory connector's
+    PyObject* b = PyDict_GetItemWithError(metadata.ptr(), kInline);
+    if (!b && PyErr_Occurred()) throw nb::python_error();
+    if (b && PyBytes_CheckExact(b) && PyBytes_GET_SIZE(b) > 0) inline_ref = nb::borrow(b);
+  }
+  if (inline_ref.is_valid()) {
+    Value::Map m;
+    m.reserve(size_t(PyDict_GET_SIZE(metadata.ptr())));
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(metadata.ptr(), &pos, &k, &v))
+      if (v != inline_ref.ptr() || !PyUnicode_Check(k) || PyUnicode_CompareWithASCIIString(k, "inline") != 0)
+        m.emplace_back(PyUnicode_Check(k) ? utf8(k) : nb::cast<std::string>(nb::str(k)), from_py(v, 1));
+    md.value = Value(std::move(m));
+  } else if (has_md) {
+    md.value = from_py(metadata);
+  }
   // Our metadata is a direct lookup (microseconds: the GIL is kept); anything else (none, another
   // connector's) may wait for the key.
   static PyObject* const kEntry = PyUnicode_InternFromString("entry");  // immortal: kept
@@ -1627,14 +1656,17 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   Result<GetResult> r = make_error(Errc::io, "");
   // Zero-copy, inline payloads viewing `md`, the tree left packed: the caller builds its objects.
   GetOptions go{true, true, true};
+  if (inline_ref.is_valid())
+    go.metadata_inline = std::span<const std::byte>(reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(inline_ref.ptr())),
+                                                    size_t(PyBytes_GET_SIZE(inline_ref.ptr())));
   SignalCheck sig;  // a get that may wait for its key: Ctrl-C ends the wait
   if (secs > 0) go.keep_waiting = std::ref(sig);
   const Deadline dl = secs < 0 ? kNoWait : deadline_after(secs);
   if (self.networked || !lookup) {  // may cross a network, or wait for the key: without the GIL
     nb::gil_scoped_release nogil;
-    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
+    r = conn.get(f, t, key, has_md ? &md.value : nullptr, dl, go);
   } else {  // our metadata: a direct lookup (microseconds)
-    r = conn.get(f, t, key, has_md ? &md : nullptr, dl, go);
+    r = conn.get(f, t, key, has_md ? &md.value : nullptr, dl, go);
   }
   if (sig.raised) throw nb::python_error();
   if (!r.ok()) {
@@ -1659,7 +1691,7 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
                                nb::handle metadata, nb::handle timeout, bool zero_copy) {
   // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
   // and the slot is released when `g` goes out of scope below.
-  Value md;  // outlives `got`: inline tensors view it
+  MetadataHold md;  // outlives `got`: inline tensors view it
   std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout, md);
   if (!got) return std::nullopt;
   return found_of(*got, zero_copy, self.allow_pickle, key);
@@ -1714,7 +1746,7 @@ nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, con
   if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
   BufferViews hold;
   hold.views.push_back(view);
-  Value md;  // outlives `got`: inline tensors view it
+  MetadataHold md;  // outlives `got`: inline tensors view it
   std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout, md);
   if (!got) return nb::none();
   GetResult& g = *got;

@@ -121,6 +121,37 @@ TEST(Shm, ThresholdBoundaryIsExact) {
   }
 }
 
+// GetOptions::metadata_inline: the inline frame handed beside the metadata (as the Python binding
+// does, reading the metadata's bytes in place) is read as if it were the metadata's "inline"
+// field, in copying and in viewing gets; the entry's reader accounting still runs.
+TEST(Shm, InlineFrameBesideTheMetadataReadsAsInside) {
+  auto c = make(extra(unique_ns("inlside")));
+  for (bool view : {false, true}) {
+    const std::string key = view ? "kv" : "kc";
+    const auto d = pattern(3000, view ? 7 : 8);
+    auto r = c->put("0", "1", key, payload_of(d, testing_util::checksum(d)));
+    ASSERT_TRUE(r.ok());
+    const Value* inl = r->metadata.find("inline");
+    ASSERT_TRUE(inl && inl->is<Value::Bytes>());
+    const std::vector<std::byte> frame = inl->as<Value::Bytes>();  // the caller's copy
+    Value::Map rest;
+    for (const auto& [k, v] : r->metadata.as<Value::Map>())
+      if (k != "inline") rest.emplace_back(k, v);
+    const Value md(std::move(rest));
+    GetOptions go{true, view};
+    go.metadata_inline = frame;
+    auto g = c->get("0", "1", key, &md, kNoWait, go);
+    ASSERT_OK(g);
+    ASSERT_EQ(g->payload.tensors.size(), 1u);
+    EXPECT_EQ(testing_util::checksum(g->payload.tensors[0].data), testing_util::checksum(d));
+    if (view) EXPECT_EQ(g->payload.tensors[0].data.data() > frame.data() &&
+                            g->payload.tensors[0].data.data() < frame.data() + frame.size(), true)
+        << "a viewing get of an inline frame views the caller's bytes";
+    // The get released the entry: another get by key finds nothing.
+    EXPECT_FALSE(c->get("0", "1", key, nullptr, kNoWait).ok());
+  }
+}
+
 TEST(Shm, FanOutToThreeReaders) {
   const std::string ns = unique_ns("fan");
   auto prod = make(extra(ns));

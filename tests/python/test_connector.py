@@ -65,6 +65,25 @@ def test_inline_threshold_in_metadata(ns):
         assert ok and "inline" not in meta and meta["shm"]["name"].startswith(f"sl.{os.getuid()}.{ns}.")
 
 
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_inline_results_outlive_their_metadata(ns, zero_copy):
+    # A get reads an inline frame from the metadata's bytes object in place: what it returns must
+    # own its memory (or hold the bytes), whole after the metadata and its bytes are dropped and the
+    # memory is reused.
+    want = {"hidden": np.arange(200, dtype=np.float32), "ids": list(range(300)), "raw": b"r" * 64}
+    with shm(ns) as c:
+        for i in range(3):
+            ok, size, meta = c.put(0, 1, f"k{i}", want)
+            assert ok and "inline" in meta
+            got, _ = c.get(0, 1, f"k{i}", {k: bytes(bytearray(v)) if k == "inline" else v for k, v in meta.items()},
+                           zero_copy=zero_copy)
+            del meta
+            junk = [bytes([i]) * 4096 for _ in range(200)]  # reuse the freed memory
+            assert np.array_equal(got["hidden"], want["hidden"]) and got["ids"] == want["ids"]
+            assert bytes(got["raw"]) == want["raw"]
+            del junk
+
+
 def test_types_round_trip(ns):
     with shm(ns) as c:
         cases = {
