@@ -133,29 +133,32 @@ TEST(ControlTransport, MessagesCrossProcessesInOrderOverIpcInAPrivateDirectory) 
   ASSERT_EQ(::stat(dir.path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0700u);
   const std::string ep = "ipc://" + dir.path + "/coordinator";
-  auto in = ControlInbox::bind(ep);
-  ASSERT_TRUE(in.ok()) << in.error().message;
   const int n = 1000;
-  const pid_t child = fork();
-  if (child == 0) {
+  // The sender is forked before the inbox starts ZeroMQ's threads (testing_util::EarlyChild: a
+  // child forked beside them can hang in the sanitizers' malloc); it connects once told to.
+  testing_util::EarlyChild child([&](std::span<const std::byte>) {
     auto out = ControlOutbox::connect(ep);
-    if (!out.ok()) _exit(2);
+    if (!out.ok()) return 2;
     for (int i = 0; i < n; ++i) {
       ControlMessage m = sample(ControlType::stream);
       m.chunk_id = uint64_t(i);
       m.is_done = i == n - 1;
-      if (!(*out)->send(m, 10).ok()) _exit(3);
+      if (!(*out)->send(m, 10).ok()) return 3;
     }
     (*out)->close();  // flushes (bounded linger)
-    _exit(0);
-  }
+    return 0;
+  });
+  ASSERT_TRUE(child.ok());
+  auto in = ControlInbox::bind(ep);
+  ASSERT_TRUE(in.ok()) << in.error().message;
+  ASSERT_TRUE(child.send({}));
   for (int i = 0; i < n; ++i) {
     auto m = (*in)->recv(10);
     ASSERT_TRUE(m.ok()) << i << ": " << m.error().message;
     ASSERT_EQ(m->chunk_id.value_or(~0ull), uint64_t(i));
     EXPECT_EQ(m->is_done, i == n - 1);
   }
-  EXPECT_EQ(testing_util::wait_child(child), 0);
+  EXPECT_EQ(child.wait(), 0);
   (*in)->close();
   const std::string path = dir.path;
   remove_private_socket_dir(path);
