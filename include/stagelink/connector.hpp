@@ -36,6 +36,13 @@ struct PutOptions {
   // The request this put belongs to: cleanup(request_id) frees it (chunk keys of one request are
   // tied to it this way). Empty: the put belongs to the request named by its key alone.
   std::string_view request_id;
+  // Called, before put returns, with the frame of a put that travels inline in its metadata
+  // (the shared-memory connector's "inline", frames up to shm_threshold_bytes), which then leaves
+  // "inline" out of PutResult::metadata: the caller adds it where it builds its own metadata (the
+  // Python binding makes the bytes object straight from the frame, without a copy into a Value
+  // first). Called under the connector's lock: it must not call back into the connector. Other
+  // connectors never call it.
+  std::function<void(std::span<const std::byte>)> inline_sink;
 };
 
 struct PutResult {

@@ -548,7 +548,7 @@ class ShmConnector final : public Connector {
 
   Result<PutResult> publish_locked(Claim& cl, const Region& reg,
                                    size_t total, uint32_t readers, std::span<const std::byte> inline_bytes,
-                                   uint64_t now) {
+                                   uint64_t now, const std::function<void(std::span<const std::byte>)>* sink = nullptr) {
     cl.arena = reg.arena_idx;
     cl.arena_gen = reg.arena_gen;
     cl.offset = reg.offset;
@@ -573,7 +573,10 @@ class ShmConnector final : public Connector {
     md.emplace_back("entry", uint64_t(cl.idx));
     md.emplace_back("gen", uint64_t(cl.gen));
     if (!inline_bytes.empty()) {
-      md.emplace_back("inline", Value::copy_bytes(inline_bytes));
+      if (sink && *sink)
+        (*sink)(inline_bytes);  // the caller adds "inline" itself (PutOptions::inline_sink)
+      else
+        md.emplace_back("inline", Value::copy_bytes(inline_bytes));
       bump_locked(inline_puts_);
     } else {
       Value::Map shm;
@@ -614,7 +617,7 @@ class ShmConnector final : public Connector {
     write_frame(plan, payload.tensors, reg->base);
     std::span<const std::byte> inl;
     if (plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(reg->base, plan.total);
-    return publish_locked(cl, reg.value(), plan.total, readers, inl, now);
+    return publish_locked(cl, reg.value(), plan.total, readers, inl, now, &po.inline_sink);
   }
 
   Result<GetResult> get_impl(const std::string& from, const std::string& to, const std::string& key,
@@ -835,7 +838,7 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   Region reg{impl->base, impl->offset, impl->length, impl->dedicated, impl->arena_idx, impl->arena_gen};
   std::span<const std::byte> inl;
   if (impl->plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(impl->base, impl->plan.total);
-  auto r = publish_locked(cl, reg, impl->plan.total, readers, inl, now);
+  auto r = publish_locked(cl, reg, impl->plan.total, readers, inl, now, &po.inline_sink);
   lock.unlock();
   loan = Loan();
   count_error(r);

@@ -1529,20 +1529,42 @@ std::string rid_str(nb::handle rid) {
   return nb::cast<std::string>(nb::str(rid));
 }
 
-PutResult put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, const Payload& p,
-                      size_t total, uint32_t readers, nb::handle request_id) {
+// A put from Python: its size and its metadata as a dict.
+struct PyPut {
+  size_t size = 0;
+  nb::object metadata;
+};
+
+PyPut put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, const Payload& p,
+                  size_t total, uint32_t readers, nb::handle request_id) {
   std::string f = stage_str(from), t = stage_str(to);
   const std::string rid = rid_str(request_id);
   const std::shared_ptr<Connector> keep = self.get();  // raises ClosedError: must run while holding the GIL
   Connector& conn = *keep;
   Result<PutResult> r = make_error(Errc::io, "");
+  // An inline frame becomes the metadata's bytes straight from the arena (PutOptions::inline_sink),
+  // where this thread keeps the GIL through the put; else the connector copies it into the Value.
+  nb::object inl;
+  bool inl_failed = false;
   if (total > kGilReleaseBytes || self.networked) {  // the caller pinned the memory for this
     nb::gil_scoped_release nogil;
-    r = conn.put(f, t, key, p, PutOptions{readers, rid});
+    r = conn.put(f, t, key, p, PutOptions{readers, rid, {}});
   } else {
-    r = conn.put(f, t, key, p, PutOptions{readers, rid});
+    PutOptions po{readers, rid, {}};
+    po.inline_sink = [&](std::span<const std::byte> frame) {
+      inl = nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(frame.data()), Py_ssize_t(frame.size())));
+      inl_failed = !inl.is_valid();  // out of memory: raised below (the put is published)
+    };
+    r = conn.put(f, t, key, p, po);
   }
-  return unwrap(std::move(r));
+  if (inl_failed) throw nb::python_error();
+  PutResult pr = unwrap(std::move(r));
+  PyPut out{pr.size, to_py(pr.metadata)};
+  if (inl.is_valid()) {
+    static PyObject* const kInline = PyUnicode_InternFromString("inline");  // immortal: kept
+    if (PyDict_SetItem(out.metadata.ptr(), kInline, inl.ptr()) != 0) throw nb::python_error();
+  }
+  return out;
 }
 
 // Failures the vLLM-Omni contract reports (through the subclass's `_fail`: logged and kept in
@@ -1584,8 +1606,8 @@ nb::object connector_put(nb::handle self_h, nb::handle from, nb::handle to, nb::
       if (!enc.run(data)) return self_h.attr("_put_slow")(from, to, key, data, readers, request_id, enc.why);
       total = enc.total;
     }
-    const PutResult pr = put_payload(self, from, to, utf8(key.ptr()), p, total, rd, request_id);
-    return nb::make_tuple(true, pr.size, to_py(pr.metadata));
+    PyPut pr = put_payload(self, from, to, utf8(key.ptr()), p, total, rd, request_id);
+    return nb::make_tuple(true, pr.size, std::move(pr.metadata));
   } catch (nb::python_error& e) {
     report_or_rethrow(self_h, "put", e);
     return nb::make_tuple(false, 0, nb::none());
@@ -1597,8 +1619,8 @@ nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std
   Payload p;
   BufferViews bv;
   const size_t total = payload_from_parts(kind, regions, bv, p);
-  const PutResult pr = put_payload(self, from, to, key, p, total, readers, request_id);
-  return nb::make_tuple(pr.size, to_py(pr.metadata));
+  PyPut pr = put_payload(self, from, to, key, p, total, readers, request_id);
+  return nb::make_tuple(pr.size, std::move(pr.metadata));
 }
 
 // A get's metadata as the connector reads it: the converted Value, and the bytes object of an

@@ -121,26 +121,32 @@ TEST(Shm, ThresholdBoundaryIsExact) {
   }
 }
 
-// GetOptions::metadata_inline: the inline frame handed beside the metadata (as the Python binding
-// does, reading the metadata's bytes in place) is read as if it were the metadata's "inline"
-// field, in copying and in viewing gets; the entry's reader accounting still runs.
-TEST(Shm, InlineFrameBesideTheMetadataReadsAsInside) {
+// PutOptions::inline_sink and GetOptions::metadata_inline: the inline frame handed beside the
+// metadata instead of inside it (as the Python binding does, making the metadata's bytes straight
+// from the frame at put and reading them in place at get) is the frame the metadata would hold,
+// and reads as if it were there, in copying and in viewing gets; the entry's reader accounting
+// still runs. A put too large to travel inline never calls the sink.
+TEST(Shm, InlineFrameHandedBesideTheMetadata) {
   auto c = make(extra(unique_ns("inlside")));
   for (bool view : {false, true}) {
     const std::string key = view ? "kv" : "kc";
     const auto d = pattern(3000, view ? 7 : 8);
-    auto r = c->put("0", "1", key, payload_of(d, testing_util::checksum(d)));
-    ASSERT_TRUE(r.ok());
-    const Value* inl = r->metadata.find("inline");
+    auto plain = c->put("0", "1", key + "p", payload_of(d, testing_util::checksum(d)));
+    ASSERT_TRUE(plain.ok());
+    const Value* inl = plain->metadata.find("inline");
     ASSERT_TRUE(inl && inl->is<Value::Bytes>());
-    const std::vector<std::byte> frame = inl->as<Value::Bytes>();  // the caller's copy
-    Value::Map rest;
-    for (const auto& [k, v] : r->metadata.as<Value::Map>())
-      if (k != "inline") rest.emplace_back(k, v);
-    const Value md(std::move(rest));
+    std::vector<std::byte> frame;  // the caller's copy
+    int calls = 0;
+    PutOptions po;
+    po.inline_sink = [&](std::span<const std::byte> f) { frame.assign(f.begin(), f.end()), ++calls; };
+    auto r = c->put("0", "1", key, payload_of(d, testing_util::checksum(d)), po);
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(r->metadata.find("inline"), nullptr) << "the sink took the frame: not in the metadata too";
+    EXPECT_EQ(frame, inl->as<Value::Bytes>()) << "the sink's frame is the one the metadata would hold";
     GetOptions go{true, view};
     go.metadata_inline = frame;
-    auto g = c->get("0", "1", key, &md, kNoWait, go);
+    auto g = c->get("0", "1", key, &r->metadata, kNoWait, go);
     ASSERT_OK(g);
     ASSERT_EQ(g->payload.tensors.size(), 1u);
     EXPECT_EQ(testing_util::checksum(g->payload.tensors[0].data), testing_util::checksum(d));
@@ -150,6 +156,14 @@ TEST(Shm, InlineFrameBesideTheMetadataReadsAsInside) {
     // The get released the entry: another get by key finds nothing.
     EXPECT_FALSE(c->get("0", "1", key, nullptr, kNoWait).ok());
   }
+  int calls = 0;
+  PutOptions po;
+  po.inline_sink = [&](std::span<const std::byte>) { ++calls; };
+  const auto big = pattern(70000, 9);  // above the 64 KiB threshold
+  auto r = c->put("0", "1", "big", payload_of(big, 0), po);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(calls, 0);
+  EXPECT_NE(r->metadata.find("shm"), nullptr);
 }
 
 TEST(Shm, FanOutToThreeReaders) {
