@@ -241,12 +241,40 @@ Value from_py(nb::handle h, int depth = 0) {
 
 // Holds Py_buffer views of the Python objects (and temporaries: contiguous copies, resolved
 // torch tensors) for the duration of a put.
+// Also owns where PyEncoder packs the tree and ext, which the put reads until it returns: buffers
+// of the thread, reused across its puts, for the thread's outermost BufferViews; buffers of its
+// own for one made while another is alive on the thread. Python code can run in the middle of a
+// put (a torch attribute read or method call runs an active TorchFunctionMode's
+// __torch_function__; an allocation may run a finalizer; a stage's __str__), and a put made from
+// there once packed into the thread's buffers under the outer put, which then reached its reader
+// corrupt (a regression test puts from inside a mode).
 struct BufferViews {
   std::vector<Py_buffer> views;
   std::vector<nb::object> keep;
+
+  BufferViews() = default;
+  BufferViews(const BufferViews&) = delete;
+  BufferViews& operator=(const BufferViews&) = delete;
   ~BufferViews() {
     for (auto& v : views) PyBuffer_Release(&v);
+    --depth();
   }
+  std::vector<std::byte>& tree_buffer() {
+    thread_local std::vector<std::byte> b(1024);
+    return outer_ ? b : own_tree_;
+  }
+  std::vector<std::byte>& ext_buffer() {
+    thread_local std::vector<std::byte> b(64);
+    return outer_ ? b : own_ext_;
+  }
+
+ private:
+  static int& depth() {
+    thread_local int d = 0;
+    return d;
+  }
+  const bool outer_ = depth()++ == 0;
+  std::vector<std::byte> own_tree_, own_ext_;  // a nested put's
 };
 
 std::string stage_str(nb::handle h) {
@@ -844,18 +872,10 @@ struct PyEncoder {
   uint32_t lists = 0;
   size_t total = 0;
   std::string why;
-  std::vector<std::byte>& buf = scratch();  // the packed tree, reused across calls of a thread
+  std::vector<std::byte>& buf = bv.tree_buffer();  // the packed tree (BufferViews says whose)
   detail::ByteSink sink{&buf, 0};
   detail::Packer pk{sink};
 
-  static std::vector<std::byte>& scratch() {
-    thread_local std::vector<std::byte> b(1024);
-    return b;
-  }
-  static std::vector<std::byte>& ext_scratch() {
-    thread_local std::vector<std::byte> b(64);
-    return b;
-  }
   bool fail(nb::handle h, const char* what = "") {
     if (why.empty()) why = std::string(Py_TYPE(h.ptr())->tp_name) + what;
     return false;
@@ -1163,7 +1183,7 @@ struct PyEncoder {
     const uint32_t entries =
         uint32_t(any_kind) + uint32_t(!tuples.empty()) + uint32_t(!devices.empty()) + uint32_t(!gpus.empty());
     if (entries) {
-      std::vector<std::byte>& eb = ext_scratch();
+      std::vector<std::byte>& eb = bv.ext_buffer();
       detail::ByteSink es{&eb, 0};
       detail::Packer ep{es};
       ep.pack_map(entries);

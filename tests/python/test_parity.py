@@ -329,6 +329,46 @@ def test_torch_tensors_keep_what_they_are(ns):
         assert torch.equal(got["hidden"], big) and got["ids"] == list(range(300))
 
 
+def test_a_put_made_while_another_is_being_encoded_leaves_both_whole(ns):
+    # Regression: reading a torch tensor's fields runs an active TorchFunctionMode's Python code
+    # in the middle of the put's encode; a put made from there reused the thread's encode buffer
+    # and the outer put, reported ok, reached its reader corrupt.
+    torch = pytest.importorskip("torch")
+    from torch.overrides import TorchFunctionMode
+
+    with shm(ns) as c:
+        inner = {"inner": "x" * 100, "ids": list(range(50))}
+        nested = []
+
+        class PutsFromInside(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if len(nested) < 3:
+                    nested.append(f"inner{len(nested)}")
+                    assert c.put(0, 1, nested[-1], inner)[0]
+                return func(*args, **(kwargs or {}))
+
+        want = {"a": "hello" * 10, "t": torch.arange(6.0), "b": list(range(40)), "u": ("x", 2), "c": "tail"}
+        with PutsFromInside():
+            ok, _, meta = c.put(0, 1, "outer", want)
+        assert ok and nested, "the mode never ran: the test tests nothing"
+        got = c.get(0, 1, "outer", meta)
+        assert got is not None, c.last_error
+        got = got[0]
+        assert torch.equal(got.pop("t"), want["t"]) and got == {k: v for k, v in want.items() if k != "t"}
+        for k in nested:
+            assert c.get(0, 1, k, None)[0] == inner
+
+        # After the encode, before the frame is written: a request id whose str() puts.
+        class PutsWhenNamed:
+            def __str__(self):
+                assert c.put(0, 1, "named", inner)[0]
+                return "req-9"
+
+        want2 = {"a": "y" * 30, "b": list(range(20, 60))}
+        ok, _, meta = c.put(0, 1, "outer2", want2, request_id=PutsWhenNamed())
+        assert ok and c.get(0, 1, "outer2", meta)[0] == want2 and c.get(0, 1, "named", None)[0] == inner
+
+
 def test_torch_through_dlpack_every_dtype_shape_and_a_held_slot(ns):
     """Tensors travel through DLPack both ways (torch's C exchange API where it has one): every
     dtype a frame carries, empty and 0-d shapes, inline and shared-memory sizes; a zero-copy torch
