@@ -634,9 +634,10 @@ class ShmConnector final : public Connector {
       if (!entry || !genv || !entry->get_u64(idx) || !genv->get_u64(gen) || idx > UINT32_MAX || gen > UINT32_MAX)
         return make_error(Errc::corrupt, "metadata lacks entry/gen (not from a stagelink SharedMemoryConnector?)");
       cl = dir->claim(uint32_t(idx), uint32_t(gen), ikey);
-      std::span<const std::byte> frame = go.metadata_inline;
-      if (inl && inl->is<Value::Bytes>()) frame = std::span<const std::byte>(inl->as<Value::Bytes>());
-      if ((inl && inl->is<Value::Bytes>()) || !frame.empty()) {
+      // The inline frame: the metadata's own, or the one its caller handed beside it.
+      const bool in_md = inl && inl->is<Value::Bytes>();
+      const std::span<const std::byte> frame = in_md ? std::span<const std::byte>(inl->as<Value::Bytes>()) : go.metadata_inline;
+      if (in_md || !frame.empty()) {
         // Small payload: the bytes are in the metadata; only the reader accounting touches shm.
         // An entry already gone (producer closed or died) does not stop it; metadata of another
         // key does.

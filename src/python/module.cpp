@@ -204,7 +204,8 @@ nb::object to_py(const Value& v, const std::vector<nb::object>* tensors) {
       v.storage());
 }
 
-Value from_py(nb::handle h, int depth = 0) {
+// `skip`: a value left out of a top-level dict (the inline bytes a get reads in place).
+Value from_py(nb::handle h, int depth = 0, PyObject* skip = nullptr) {
   if (depth > 64) throw nb::value_error("metadata nested deeper than 64");
   if (h.is_none()) return Value();
   if (PyBool_Check(h.ptr())) return Value(h.ptr() == Py_True);
@@ -227,6 +228,7 @@ Value from_py(nb::handle h, int depth = 0) {
     PyObject *k, *v;
     Py_ssize_t pos = 0;
     while (PyDict_Next(h.ptr(), &pos, &k, &v)) {
+      if (v == skip) continue;
       m.emplace_back(PyUnicode_Check(k) ? utf8(k) : nb::cast<std::string>(nb::str(k)), from_py(v, depth + 1));
     }
     return Value(std::move(m));
@@ -1670,18 +1672,7 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
     if (!b && PyErr_Occurred()) throw nb::python_error();
     if (b && PyBytes_CheckExact(b) && PyBytes_GET_SIZE(b) > 0) inline_ref = nb::borrow(b);
   }
-  if (inline_ref.is_valid()) {
-    Value::Map m;
-    m.reserve(size_t(PyDict_GET_SIZE(metadata.ptr())));
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(metadata.ptr(), &pos, &k, &v))
-      if (v != inline_ref.ptr() || !PyUnicode_Check(k) || PyUnicode_CompareWithASCIIString(k, "inline") != 0)
-        m.emplace_back(PyUnicode_Check(k) ? utf8(k) : nb::cast<std::string>(nb::str(k)), from_py(v, 1));
-    md.value = Value(std::move(m));
-  } else if (has_md) {
-    md.value = from_py(metadata);
-  }
+  if (has_md) md.value = from_py(metadata, 0, inline_ref.ptr());
   // Our metadata is a direct lookup (microseconds: the GIL is kept); anything else (none, another
   // connector's) may wait for the key.
   static PyObject* const kEntry = PyUnicode_InternFromString("entry");  // immortal: kept
