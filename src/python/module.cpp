@@ -1544,6 +1544,13 @@ size_t payload_from_parts(int kind, nb::list regions, BufferViews& bv, Payload& 
   return total;
 }
 
+// "inline", the shared-memory connector's metadata key for a small payload's frame: interned once
+// (immortal: kept), for the put that adds it and the get that reads it in place.
+PyObject* inline_key() {
+  static PyObject* const k = PyUnicode_InternFromString("inline");
+  return k;
+}
+
 // `request_id`: None, or the request the put is tied to (cleanup(request_id) frees it).
 std::string rid_str(nb::handle rid) {
   if (rid.is_none()) return {};
@@ -1566,26 +1573,27 @@ PyPut put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::
   Result<PutResult> r = make_error(Errc::io, "");
   // An inline frame becomes the metadata's bytes straight from the arena (PutOptions::inline_sink),
   // where this thread keeps the GIL through the put; else the connector copies it into the Value.
-  nb::object inl;
-  bool inl_failed = false;
+  // The sink captures one pointer: it fits std::function's own storage (no allocation per put).
+  struct {
+    nb::object bytes;
+    bool failed = false;  // out of memory: raised below (the put is published)
+  } inline_out;
+  nb::object& inl = inline_out.bytes;
   if (total > kGilReleaseBytes || self.networked) {  // the caller pinned the memory for this
     nb::gil_scoped_release nogil;
     r = conn.put(f, t, key, p, PutOptions{readers, rid, {}});
   } else {
     PutOptions po{readers, rid, {}};
-    po.inline_sink = [&](std::span<const std::byte> frame) {
-      inl = nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(frame.data()), Py_ssize_t(frame.size())));
-      inl_failed = !inl.is_valid();  // out of memory: raised below (the put is published)
+    po.inline_sink = [out = &inline_out](std::span<const std::byte> frame) {
+      out->bytes = nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(frame.data()), Py_ssize_t(frame.size())));
+      out->failed = !out->bytes.is_valid();
     };
     r = conn.put(f, t, key, p, po);
   }
-  if (inl_failed) throw nb::python_error();
+  if (inline_out.failed) throw nb::python_error();
   PutResult pr = unwrap(std::move(r));
   PyPut out{pr.size, to_py(pr.metadata)};
-  if (inl.is_valid()) {
-    static PyObject* const kInline = PyUnicode_InternFromString("inline");  // immortal: kept
-    if (PyDict_SetItem(out.metadata.ptr(), kInline, inl.ptr()) != 0) throw nb::python_error();
-  }
+  if (inl.is_valid() && PyDict_SetItem(out.metadata.ptr(), inline_key(), inl.ptr()) != 0) throw nb::python_error();
   return out;
 }
 
@@ -1665,10 +1673,9 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   // Our own metadata of an inline payload ({"size", "entry", "gen", "inline": bytes}): the frame is
   // read from the bytes object in place (held in `md` for the caller) instead of copied into the
   // Value. Any other shape goes through from_py whole.
-  static PyObject* const kInline = PyUnicode_InternFromString("inline");  // immortal: kept
   nb::object& inline_ref = md.inline_bytes;
   if (has_md && !self.networked && PyDict_CheckExact(metadata.ptr())) {  // the shared-memory connector's
-    PyObject* b = PyDict_GetItemWithError(metadata.ptr(), kInline);
+    PyObject* b = PyDict_GetItemWithError(metadata.ptr(), inline_key());
     if (!b && PyErr_Occurred()) throw nb::python_error();
     if (b && PyBytes_CheckExact(b) && PyBytes_GET_SIZE(b) > 0) inline_ref = nb::borrow(b);
   }

@@ -150,9 +150,10 @@ TEST(Shm, InlineFrameHandedBesideTheMetadata) {
     ASSERT_OK(g);
     ASSERT_EQ(g->payload.tensors.size(), 1u);
     EXPECT_EQ(testing_util::checksum(g->payload.tensors[0].data), testing_util::checksum(d));
-    if (view) EXPECT_EQ(g->payload.tensors[0].data.data() > frame.data() &&
-                            g->payload.tensors[0].data.data() < frame.data() + frame.size(), true)
-        << "a viewing get of an inline frame views the caller's bytes";
+    if (view)
+      EXPECT_TRUE(g->payload.tensors[0].data.data() > frame.data() &&
+                  g->payload.tensors[0].data.data() < frame.data() + frame.size())
+          << "a viewing get of an inline frame views the caller's bytes";
     // The get released the entry: another get by key finds nothing.
     EXPECT_FALSE(c->get("0", "1", key, nullptr, kNoWait).ok());
   }
