@@ -162,7 +162,9 @@ def _payload_cases():
         return cases + _list_cases()
     cases[1:1] = [("torch float32[256] (1 KiB)", torch.ones(256)),
                   ("torch bfloat16[512] (1 KiB)", torch.ones(512, dtype=torch.bfloat16))]
-    cases.insert(-1, ("dict {hidden: torch 1 KiB, ids: [300 ints]}", {"hidden": torch.ones(256), "ids": list(range(300))}))
+    # The tree without its ids beside it: what the tensor and the dict cost alone.
+    cases[-1:-1] = [("dict {hidden: torch 1 KiB}", {"hidden": torch.ones(256)}),
+                    ("dict {hidden: torch 1 KiB, ids: [300 ints]}", {"hidden": torch.ones(256), "ids": list(range(300))})]
     return cases + _list_cases()
 
 
