@@ -1048,10 +1048,7 @@ struct PyEncoder {
     }
     const bool sign = all >> 31;
     const uint32_t w = sign ? (mag < 0x80 ? 1 : mag < 0x8000 ? 2 : 4) : (all < 0x100 ? 1 : all < 0x10000 ? 2 : 4);
-    if (w == 1)  // the low bytes: a value's two's complement narrowed
-      for (Py_ssize_t i = 0; i < n; ++i) d[i] = d[4 * i];
-    else if (w == 2)
-      for (Py_ssize_t i = 0; i < n; ++i) d[2 * i] = d[4 * i], d[2 * i + 1] = d[4 * i + 1];
+    if (w < 4) detail::narrow_ids(d, size_t(n), w);  // the low bytes: a value's two's complement narrowed
     const uint32_t body = 1 + uint32_t(n) * w;
     ext32_header(h, body, detail::kExtIdList);
     h[6] = uint8_t(w | (sign ? detail::kIdListSigned : 0));

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "core/host_pool.hpp"
+#include "core/msgpack_io.hpp"
 #include "util.hpp"
 #include "core/proc.hpp"
 #include "cuda/driver.hpp"
@@ -363,6 +364,34 @@ TEST(Msgpack, IdListsReadAsListsOfIntegersAndBadOnesAreErrors) {
   ragged[4] = std::byte{8};
   ragged.pop_back();
   EXPECT_FALSE(value_from_msgpack(ragged).ok());
+}
+
+// The Python writer's in-place narrowing of an id list (4-byte values to 1 or 2 bytes each): every
+// value's low bytes land at its place, unsigned and signed, at every length around the vector
+// steps (8 and 16 values) and their tails, and nothing past n * w is needed to read them back.
+TEST(Msgpack, NarrowedIdListsKeepEveryValueInPlace) {
+  std::mt19937 rng(7);
+  for (uint32_t w : {1u, 2u})
+    for (bool sign : {false, true})
+      for (size_t n = 0; n <= 70; ++n) {
+        const uint32_t bits = 8 * w;
+        std::uniform_int_distribution<int64_t> pick(sign ? -(int64_t(1) << (bits - 1)) : 0,
+                                                    sign ? (int64_t(1) << (bits - 1)) - 1 : (int64_t(1) << bits) - 1);
+        std::vector<int64_t> want(n);
+        std::vector<uint8_t> d(4 * n + 1, 0xee);
+        for (size_t i = 0; i < n; ++i) {
+          // the extremes first, then random values
+          want[i] = i == 0 ? pick.min() : i == 1 ? pick.max() : pick(rng);
+          const uint32_t u = uint32_t(want[i]);
+          for (int b = 0; b < 4; ++b) d[4 * i + size_t(b)] = uint8_t(u >> (8 * b));
+        }
+        detail::narrow_ids(d.data(), n, w);
+        EXPECT_EQ(d[4 * n], 0xee) << "wrote past the values";
+        for (size_t i = 0; i < n; ++i) {
+          const int64_t got = sign ? int64_t(detail::signed_id_at(d.data(), w, i)) : int64_t(detail::id_at(d.data(), w, i));
+          ASSERT_EQ(got, want[i]) << "w " << w << " signed " << sign << " n " << n << " i " << i;
+        }
+      }
 }
 
 // Lists of floats as the Python layer writes them (msgpack ext type 3: 8-byte little-endian

@@ -3,6 +3,7 @@ native payloads (no pickle) and allow_pickle."""
 import hashlib
 import multiprocessing as mp
 import os
+import random
 import threading
 import time
 
@@ -249,6 +250,11 @@ def test_lists_of_ids_travel_packed_and_come_back_as_they_were(ns):
              [1] * 15 + [1.5], [True] * 20, [-1] * 20, [-128, 127] * 8, [-129, 127] * 8, [-32768, 32767] * 8,
              [-32769, 5] * 8, [-(2 ** 30) + 1, 2 ** 30 - 1] * 8, [-100] + list(range(40)) + [-7],
              {"ids": [7] * 40, "codes": (3,) * 25, "nested": [[9] * 16, (1, 2)]}]
+    # Seeded random lists of each 1- and 2-byte width, at lengths around the writer's vector steps
+    # (8 and 16 values narrowed at a time) and their tails: every value back at its place.
+    rng = random.Random(20261126)
+    cases += [[rng.randrange(lo, hi) for _ in range(n)] for lo, hi in ((0, 256), (0, 65536), (-128, 128), (-32768, 32768))
+              for n in (16, 17, 23, 24, 31, 32, 33, 100)]
     with shm(ns, allow_pickle=False) as c:
         for obj in cases:
             got, meta = roundtrip(c, obj)
