@@ -1,4 +1,47 @@
-"""Shared lifetime plumbing of the Python objects that wrap a native one (``self._native``)."""
+"""Shared lifetime plumbing of the Python objects that wrap a native one (``self._native``).
+
+Every such object closes when it is collected. One still alive when the interpreter exits -- held
+by a daemon thread, whose frame keeps its module's globals alive too, or by a cycle the final
+collection leaves -- is never collected, so it is closed at exit instead: its arena, directory
+attachment, queue rings and sockets would otherwise stay in ``/dev/shm`` (and queued control
+messages undelivered) until a ``stagelink shm reap``. The close runs after ``multiprocessing``
+has joined this process's children (which may still be reading what it put), and after every
+exit handler registered after stagelink was imported."""
+
+import atexit
+import sys
+import weakref
+
+# The objects to close at exit: weak references, so tracking keeps nothing alive.
+_live: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def track(obj):
+    """Close ``obj`` at interpreter exit if it is still open then. Returns ``obj``."""
+    _live.add(obj)
+    return obj
+
+
+def _close_all() -> None:
+    for obj in list(_live):
+        try:
+            obj.close()
+        except Exception:  # noqa: BLE001 - exiting: one object's failure must not keep the rest open
+            pass
+
+
+def _at_exit() -> None:
+    mp = sys.modules.get("multiprocessing.util")
+    if mp is not None and not getattr(mp, "_exiting", True):
+        # multiprocessing's exit handler (registered before this one) runs next: it joins the
+        # children, which may still read what this process put, then runs its finalizers, the
+        # lowest priority last. Close there.
+        mp.Finalize(None, _close_all, exitpriority=-(1 << 30))
+        return
+    _close_all()
+
+
+atexit.register(_at_exit)
 
 
 class NativeOwner:

@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from . import _core, _serde
-from ._lifetime import NativeOwner
+from ._lifetime import NativeOwner, track
 
 log = logging.getLogger("stagelink")
 
@@ -69,6 +69,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         native_extra = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}
         super().__init__(name, native_extra, allow_pickle)
         self._ready = True
+        track(self)  # closed at exit if still open then
 
     def __del__(self):
         if self.__dict__.get("_ready"):  # __init__ may have failed before the native part existed

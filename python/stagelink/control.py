@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import _core
-from ._lifetime import NativeOwner
+from ._lifetime import NativeOwner, track
 
 TYPES = ("submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready")
 
@@ -53,6 +53,7 @@ class Inbox(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
 
     def __init__(self, endpoint: str):
         self._native = _core._ControlInbox.bind(endpoint)
+        track(self)  # closed at exit if still open then
 
     @property
     def endpoint(self) -> str:
@@ -71,6 +72,7 @@ class Outbox(NativeOwner):
 
     def __init__(self, endpoint: str):
         self._native = _core._ControlOutbox.connect(endpoint)
+        track(self)
 
     def send(self, msg: ControlMessage, timeout: Optional[float] = None) -> None:
         """Queue ``msg``; blocks while the peer's queue is full, up to ``timeout`` (None: forever)."""

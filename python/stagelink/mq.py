@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 
 from . import _core, _serde
-from ._lifetime import NativeOwner
+from ._lifetime import NativeOwner, track
 
 log = logging.getLogger("stagelink")
 
@@ -114,12 +114,14 @@ class MessageQueue(NativeOwner):
         self.local_reader_rank = -1  # a local reader's index among the local readers
         if _core_mq is not None:
             self._q = _core_mq
+            track(self)  # closed at exit if still open then
             return
         ranks = list(local_reader_ranks) if local_reader_ranks is not None else list(range(n_local_reader))
         self._q = _core._MessageQueue.create(
             int(n_reader), int(n_local_reader), [int(r) for r in ranks], int(max_chunk_bytes), int(max_chunks),
             connect_ip or "", int(remote_port), int(overflow_bytes), float(warn_interval_s),
             bool(drop_dead_readers), int(spin_us), shm_dir)
+        track(self)
 
     @staticmethod
     def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":

@@ -23,7 +23,7 @@ import time
 from typing import Any, Optional
 
 from . import _core, _serde
-from ._lifetime import NativeOwner
+from ._lifetime import NativeOwner, track
 
 
 class RelayOperation:
@@ -138,6 +138,7 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
             _core._Relay(dict(config, backend="local"), allow_pickle).close()
         else:
             self._native = _core._Relay(config, allow_pickle)
+            track(self)  # closed at exit if still open then
 
     def put_async(self, data, request_id: Optional[str] = None, dst_rank: Optional[int] = None,
                   receiver_id: Optional[str] = None, *, edge: Optional[str] = None, readers: int = 1) -> RelayOperation:

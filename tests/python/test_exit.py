@@ -1,0 +1,76 @@
+"""Objects still alive when the interpreter exits: closed then, after multiprocessing's children."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# A stage whose daemon thread holds a connector (with a put in its arena) and a message queue at
+# exit. The thread runs a function of the script's own module, whose frame keeps the module's
+# globals alive too: nothing of it is ever collected, so only an exit-time close releases them.
+_HELD_BY_DAEMON = """
+import sys, threading, time
+import stagelink
+c = stagelink.create_connector("SharedMemoryConnector", {"namespace": sys.argv[1]})
+ok, _, meta = c.put(0, 1, "k", b"x" * (1 << 20))
+assert ok and "shm" in meta, meta
+q = stagelink.MessageQueue(1, 1, max_chunk_bytes=1024, max_chunks=2)
+def hold(*objs):
+    while True:
+        time.sleep(0.05)
+threading.Thread(target=hold, args=(c, q), daemon=True).start()
+"""
+
+# A producer that hands its put's metadata to a multiprocessing child and exits without joining
+# it: multiprocessing joins the child at exit, and the connector must stay open until it has read.
+_CHILD_READS_AFTER_EXIT = """
+import sys, time
+import multiprocessing as mp
+if sys.argv[3] == "mp-first":  # as importing torch does: multiprocessing's exit handler runs after stagelink's
+    import multiprocessing.util
+import stagelink
+
+def read(ns, meta, out):
+    time.sleep(1.0)  # the parent is in its exit meanwhile
+    c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns})
+    got = c.get(0, 1, "k", meta, timeout=10)
+    with open(out, "w") as f:
+        f.write("ok" if got is not None and got[0] == b"y" * (1 << 20) else "lost: %.60r" % (got,))
+    c.close()
+
+if __name__ == "__main__":
+    ns, out = sys.argv[1], sys.argv[2]
+    c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns})
+    ok, _, meta = c.put(0, 1, "k", b"y" * (1 << 20))
+    assert ok and "shm" in meta, meta
+    mp.get_context("spawn").Process(target=read, args=(ns, meta, out)).start()
+"""
+
+
+def _run(tmp_path, script, *args):
+    path = tmp_path / "stage.py"
+    path.write_text(textwrap.dedent(script))
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_objects_held_by_a_daemon_thread_at_exit_are_closed(ns, mq_clean, tmp_path):
+    """A connector and a queue still referenced when the process exits (a daemon thread holds
+    them) leave nothing in /dev/shm: before, their arena, directory and rings stayed there until
+    a `stagelink shm reap`."""
+    rings = {f for f in os.listdir("/dev/shm") if ".mq." in f}
+    p = _run(tmp_path, _HELD_BY_DAEMON, ns)
+    assert p.returncode == 0, p.stderr
+    left = [f for f in os.listdir("/dev/shm") if f".{ns}." in f or (".mq." in f and f not in rings)]
+    assert not left, f"left in /dev/shm at exit: {left}\n{p.stderr}"
+
+
+@pytest.mark.parametrize("order", ["mp-first", "stagelink-first"])
+def test_exit_close_waits_for_multiprocessing_children(ns, tmp_path, order):
+    """The exit-time close runs after multiprocessing has joined the process's children: a child
+    still reading what its parent put when the parent's script ends gets the whole payload,
+    whichever of the two was imported first (their exit handlers run in the reverse order)."""
+    out = tmp_path / "result"
+    p = _run(tmp_path, _CHILD_READS_AFTER_EXIT, ns, str(out), order)
+    assert p.returncode == 0, p.stderr
+    assert out.read_text() == "ok", p.stderr
