@@ -6,7 +6,7 @@ collection leaves -- is never collected, so it is closed at exit instead: its ar
 attachment, queue rings and sockets would otherwise stay in ``/dev/shm`` (and queued control
 messages undelivered) until a ``stagelink shm reap``. The close runs after ``multiprocessing``
 has joined this process's children (which may still be reading what it put), and after every
-exit handler registered after stagelink was imported."""
+exit handler registered after stagelink was imported; in a multiprocessing child too."""
 
 import atexit
 import sys
@@ -30,18 +30,34 @@ def _close_all() -> None:
             pass
 
 
+_deferred = False  # _close_all is one of multiprocessing's exit finalizers
+
+
+def _defer_to_multiprocessing(mp) -> None:
+    """Close in multiprocessing's exit function, after it has joined this process's children (which
+    may still read what it put): its lowest-priority finalizer."""
+    global _deferred
+    if not _deferred:
+        mp.Finalize(None, _close_all, exitpriority=-(1 << 30))
+        _deferred = True
+
+
 def _at_exit() -> None:
     mp = sys.modules.get("multiprocessing.util")
     if mp is not None and not getattr(mp, "_exiting", True):
-        # multiprocessing's exit handler (registered before this one) runs next: it joins the
-        # children, which may still read what this process put, then runs its finalizers, the
-        # lowest priority last. Close there.
-        mp.Finalize(None, _close_all, exitpriority=-(1 << 30))
+        _defer_to_multiprocessing(mp)  # its exit handler, registered before this one, runs next
         return
     _close_all()
 
 
 atexit.register(_at_exit)
+# A forkserver child (Python 3.14's default start method on Linux) imports multiprocessing before
+# stagelink and ends in os._exit after multiprocessing's exit function: no exit handler runs
+# there, that function's finalizers do. (A spawn child exits through sys.exit: the handler above
+# runs. A fork child starts with the finalizers cleared; what it holds is reclaimed as a dead
+# process's, docs/shm.md.)
+if "multiprocessing.util" in sys.modules:
+    _defer_to_multiprocessing(sys.modules["multiprocessing.util"])
 
 
 class NativeOwner:

@@ -48,13 +48,38 @@ if __name__ == "__main__":
 """
 
 
+# The same held by a daemon thread of a forkserver child, which ends in os._exit after
+# multiprocessing's exit function: no exit handler runs there.
+_HELD_IN_A_CHILD = """
+import sys, threading, time
+import multiprocessing as mp
+
+def hold(*objs):
+    while True:
+        time.sleep(0.05)
+
+def stage(ns):
+    import stagelink
+    c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns})
+    ok, _, meta = c.put(0, 1, "k", b"x" * (1 << 20))
+    assert ok and "shm" in meta, meta
+    threading.Thread(target=hold, args=(c,), daemon=True).start()
+
+if __name__ == "__main__":
+    p = mp.get_context("forkserver").Process(target=stage, args=(sys.argv[1],))
+    p.start()
+    p.join(60)
+    sys.exit(p.exitcode)
+"""
+
+
 def _run(tmp_path, script, *args):
     path = tmp_path / "stage.py"
     path.write_text(textwrap.dedent(script))
     return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=120)
 
 
-def test_objects_held_by_a_daemon_thread_at_exit_are_closed(ns, mq_clean, tmp_path):
+def test_objects_held_by_a_daemon_thread_at_exit_are_closed(ns, tmp_path):
     """A connector and a queue still referenced when the process exits (a daemon thread holds
     them) leave nothing in /dev/shm: before, their arena, directory and rings stayed there until
     a `stagelink shm reap`."""
@@ -74,3 +99,12 @@ def test_exit_close_waits_for_multiprocessing_children(ns, tmp_path, order):
     p = _run(tmp_path, _CHILD_READS_AFTER_EXIT, ns, str(out), order)
     assert p.returncode == 0, p.stderr
     assert out.read_text() == "ok", p.stderr
+
+
+def test_objects_held_in_a_multiprocessing_child_at_its_exit_are_closed(ns, tmp_path):
+    """A forkserver child's daemon-held connector is closed at the child's exit too (before, its
+    arena and directory stayed: the child ends in os._exit, where no exit handler runs)."""
+    p = _run(tmp_path, _HELD_IN_A_CHILD, ns)
+    assert p.returncode == 0, p.stderr
+    left = [f for f in os.listdir("/dev/shm") if f".{ns}." in f]
+    assert not left, f"left in /dev/shm at the child's exit: {left}\n{p.stderr}"
