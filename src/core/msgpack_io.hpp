@@ -40,6 +40,35 @@ inline constexpr uint8_t kIdListSigned = 0x80;
   const uint32_t shift = 32 - 8 * w;
   return int32_t(id_at(d, w, i) << shift) >> shift;
 }
+// The id-list header byte (width | kIdListSigned when signed) that holds every one of n values
+// written as 4-byte little-endian ones at d: unsigned when none is negative (width by their OR),
+// else signed (width by the OR of their magnitudes' bits below the sign: v, or ~v for a negative
+// v). A pass of its own over the written values, SSE2 four at a time, so that the writer's loop
+// over Python objects does no more than load, check and store each one.
+inline uint8_t id_list_width(const uint8_t* d, size_t n) {
+  uint32_t all = 0, mag = 0;
+  size_t i = 0;
+#if defined(__SSE2__)
+  __m128i va = _mm_setzero_si128(), vm = _mm_setzero_si128();
+  for (; i + 4 <= n; i += 4) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 4 * i));
+    va = _mm_or_si128(va, x);
+    vm = _mm_or_si128(vm, _mm_xor_si128(x, _mm_srai_epi32(x, 31)));
+  }
+  alignas(16) uint32_t a[4], m[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(a), va);
+  _mm_store_si128(reinterpret_cast<__m128i*>(m), vm);
+  all = a[0] | a[1] | a[2] | a[3];
+  mag = m[0] | m[1] | m[2] | m[3];
+#endif
+  for (; i < n; ++i) {
+    const uint32_t u = id_at(d, 4, i);
+    all |= u;
+    mag |= u ^ uint32_t(int32_t(u) >> 31);
+  }
+  if (all >> 31) return uint8_t((mag < 0x80 ? 1 : mag < 0x8000 ? 2 : 4) | kIdListSigned);
+  return uint8_t(all < 0x100 ? 1 : all < 0x10000 ? 2 : 4);
+}
 // Narrows n values written as 4-byte little-endian ones at d to width w (1 or 2) in place: each
 // value's low w bytes, so a signed value keeps its two's complement (the writer checked that w
 // holds every value). Writes only below what it has read: the narrowed values end at d + n * w.

@@ -743,6 +743,8 @@ bool truthy(const nb::object& o) {
 
 // The value of an exact int that fits one digit (every token id and count), read from the object
 // without a call; false for larger ones, which PyLong_AsLongLongAndOverflow takes.
+// One digit holds at most 30 bits: such a value and its sign fit an int32 (id lists rely on it).
+static_assert(PyLong_SHIFT <= 30, "a one-digit int must fit 31 bits and its sign");
 inline bool compact_int(PyObject* o, long long& v) {
 #if PY_VERSION_HEX >= 0x030C0000
   auto* l = reinterpret_cast<PyLongObject*>(o);
@@ -1024,34 +1026,38 @@ struct PyEncoder {
     h[5] = uint8_t(type);
   }
   // A list of compact ints (|v| < 2^30: token ids, codes, -1 paddings) as an id list (ext type
-  // 2, msgpack_io.hpp): one pass over the items writes each as 4 bytes while OR-ing them (a
-  // negative one sets bit 31) and their magnitudes (v, or ~v for a negative v: the bits a signed
-  // width must hold below its sign), then the values are narrowed in place to the width those
-  // need (unsigned when none is negative). False, with nothing written, at the first item that
-  // is anything else: the caller packs the list item by item.
+  // 2, msgpack_io.hpp): one pass over the items writes each as 4 bytes (a compact int always fits
+  // 31 bits and its sign: no range check), a second over those bytes finds the width they need
+  // (unsigned when none is negative), then they are narrowed in place to it. The first loop does
+  // no more than load, check and store each item: it runs once per id and is what a list's put
+  // costs. False, with nothing written, at the first item that is anything else: the caller
+  // packs the list item by item.
   bool id_list(PyObject** items, Py_ssize_t n) {
     // A list of anything else (strs, dicts) is turned away before room is reserved for it.
     if (!Py_IS_TYPE(items[0], &PyLong_Type) || size_t(n) > (UINT32_MAX - 1) / 4) return false;
     sink.reserve(7 + 4 * size_t(n));
     uint8_t* const h = sink.at();
     uint8_t* const d = h + 7;
-    uint32_t all = 0, mag = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
       long long v;
-      if (!Py_IS_TYPE(items[i], &PyLong_Type) || !compact_int(items[i], v) || v < INT32_MIN || v > INT32_MAX)
+      if (!Py_IS_TYPE(items[i], &PyLong_Type) || !compact_int(items[i], v)) [[unlikely]]
         return false;
       const uint32_t u = uint32_t(v);
-      all |= u;
-      mag |= u ^ uint32_t(int32_t(u) >> 31);
-      uint8_t* q = d + 4 * i;
-      q[0] = uint8_t(u), q[1] = uint8_t(u >> 8), q[2] = uint8_t(u >> 16), q[3] = uint8_t(u >> 24);
+      std::memcpy(d + 4 * i, &u, 4);  // little-endian hosts (x86-64, aarch64): as written, else swapped below
     }
-    const bool sign = all >> 31;
-    const uint32_t w = sign ? (mag < 0x80 ? 1 : mag < 0x8000 ? 2 : 4) : (all < 0x100 ? 1 : all < 0x10000 ? 2 : 4);
+    if constexpr (std::endian::native == std::endian::big)
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        uint32_t u;
+        std::memcpy(&u, d + 4 * i, 4);
+        u = __builtin_bswap32(u);
+        std::memcpy(d + 4 * i, &u, 4);
+      }
+    const uint8_t wb = detail::id_list_width(d, size_t(n));
+    const uint32_t w = wb & 0x0f;
     if (w < 4) detail::narrow_ids(d, size_t(n), w);  // the low bytes: a value's two's complement narrowed
     const uint32_t body = 1 + uint32_t(n) * w;
     ext32_header(h, body, detail::kExtIdList);
-    h[6] = uint8_t(w | (sign ? detail::kIdListSigned : 0));
+    h[6] = wb;
     sink.len += 6 + body;
     return true;
   }

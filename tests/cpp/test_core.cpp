@@ -394,6 +394,39 @@ TEST(Msgpack, NarrowedIdListsKeepEveryValueInPlace) {
       }
 }
 
+// The id-list writer's width pass: the narrowest width (and signedness) that holds every value,
+// wherever in the list (the vector steps or the tail) the value that decides it sits.
+TEST(Msgpack, IdListWidthIsTheNarrowestThatHoldsEveryValue) {
+  struct Case {
+    int64_t v;
+    uint8_t want;
+  };
+  const uint8_t S = detail::kIdListSigned;
+  const Case cases[] = {{0, 1},         {255, 1},         {256, 2},           {65535, 2},       {65536, 4},
+                        {(1 << 30) - 1, 4}, {-1, uint8_t(1 | S)}, {-128, uint8_t(1 | S)}, {-129, uint8_t(2 | S)},
+                        {-32768, uint8_t(2 | S)}, {-32769, uint8_t(4 | S)}, {-(1 << 30), uint8_t(4 | S)}};
+  auto put = [](std::vector<uint8_t>& d, size_t i, int64_t v) {
+    const uint32_t u = uint32_t(v);
+    for (int b = 0; b < 4; ++b) d[4 * i + size_t(b)] = uint8_t(u >> (8 * b));
+  };
+  for (size_t n = 1; n <= 19; ++n)
+    for (size_t at = 0; at < n; ++at)
+      for (const Case& c : cases) {
+        // Small values everywhere (127 fits every width and sign) and the deciding one at `at`.
+        std::vector<uint8_t> d(4 * n);
+        for (size_t i = 0; i < n; ++i) put(d, i, 127);
+        put(d, at, c.v);
+        ASSERT_EQ(detail::id_list_width(d.data(), n), c.want) << "v " << c.v << " n " << n << " at " << at;
+        // Beside a negative small value, an unsigned-only width turns signed and may widen.
+        if (c.v >= 0 && n > 1) {
+          put(d, (at + 1) % n, -1);
+          const uint8_t w = c.v < 0x80 ? 1 : c.v < 0x8000 ? 2 : 4;
+          ASSERT_EQ(detail::id_list_width(d.data(), n), uint8_t(w | S)) << "v " << c.v << " n " << n << " at " << at;
+        }
+      }
+  EXPECT_EQ(detail::id_list_width(nullptr, 0), 1);  // nothing to hold
+}
+
 // Lists of floats as the Python layer writes them (msgpack ext type 3: 8-byte little-endian
 // doubles): a C++ reader gets a list of doubles, every bit kept; a body that is not whole doubles
 // is an error.
