@@ -741,10 +741,10 @@ bool truthy(const nb::object& o) {
   return r == 1;
 }
 
-// The value of an exact int that fits one digit (every token id and count), read from the object
-// without a call; false for larger ones, which PyLong_AsLongLongAndOverflow takes.
 // One digit holds at most 30 bits: such a value and its sign fit an int32 (id lists rely on it).
 static_assert(PyLong_SHIFT <= 30, "a one-digit int must fit 31 bits and its sign");
+// The value of an exact int that fits one digit (every token id and count), read from the object
+// without a call; false for larger ones, which PyLong_AsLongLongAndOverflow takes.
 inline bool compact_int(PyObject* o, long long& v) {
 #if PY_VERSION_HEX >= 0x030C0000
   auto* l = reinterpret_cast<PyLongObject*>(o);
@@ -1043,15 +1043,9 @@ struct PyEncoder {
       if (!Py_IS_TYPE(items[i], &PyLong_Type) || !compact_int(items[i], v)) [[unlikely]]
         return false;
       const uint32_t u = uint32_t(v);
-      std::memcpy(d + 4 * i, &u, 4);  // little-endian hosts (x86-64, aarch64): as written, else swapped below
+      uint8_t* q = d + 4 * i;  // little-endian on any host; one 4-byte store on x86-64 and aarch64
+      q[0] = uint8_t(u), q[1] = uint8_t(u >> 8), q[2] = uint8_t(u >> 16), q[3] = uint8_t(u >> 24);
     }
-    if constexpr (std::endian::native == std::endian::big)
-      for (Py_ssize_t i = 0; i < n; ++i) {
-        uint32_t u;
-        std::memcpy(&u, d + 4 * i, 4);
-        u = __builtin_bswap32(u);
-        std::memcpy(d + 4 * i, &u, 4);
-      }
     const uint8_t wb = detail::id_list_width(d, size_t(n));
     const uint32_t w = wb & 0x0f;
     if (w < 4) detail::narrow_ids(d, size_t(n), w);  // the low bytes: a value's two's complement narrowed
