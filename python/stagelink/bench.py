@@ -26,6 +26,37 @@ def _stat(samples):
     return {"median_us": s[len(s) // 2], "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))]}
 
 
+# virtio's balloon device and its feature bit "free page reporting" (VIRTIO_BALLOON_F_REPORTING).
+_VIRTIO_BALLOON_ID = 0x0005
+_VIRTIO_BALLOON_F_REPORTING = 5
+
+
+def host_reclaims_free_pages(root="/sys/bus/virtio/devices"):
+    """Whether this machine is a VM whose balloon reports freed memory to its host (virtio free
+    page reporting). There, memory the kernel has had free for a second or two goes back to the
+    host, and the next process to touch it waits for the host to fault it in again (measured on
+    such a VM: a 186 MiB get into fresh memory up to 316 ms after an idle gap of 3-5 s, 19-45 ms
+    back to back). A get into a new ``bytes`` object meets this; one into a pooled numpy or torch
+    buffer, or a ``zero_copy`` view, does not. Reads sysfs only; False where it cannot tell."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "device")) as f:
+                device = int(f.read().strip(), 16)
+            if device != _VIRTIO_BALLOON_ID:
+                continue
+            with open(os.path.join(root, name, "features")) as f:
+                features = f.read().strip()  # one '0'/'1' per feature bit, bit 0 first
+        except (OSError, ValueError):
+            continue
+        if len(features) > _VIRTIO_BALLOON_F_REPORTING and features[_VIRTIO_BALLOON_F_REPORTING] == "1":
+            return True
+    return False
+
+
 def _iters(size, iters):
     if size >= 64 << 20:
         return max(5, iters // 100)
@@ -270,7 +301,8 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     for label, obj, zc in (("numpy", arr, False), ("bytes", data, False), ("bytes zero_copy", data, True)):
         rows_big[label] = _stat(timed(lambda k: c.put(0, 1, k, obj), n, zero_copy=zc)[1])
     del data
-    rows.append({"payload": f"get of {big >> 20} MiB", "big_get": rows_big})
+    rows.append({"payload": f"get of {big >> 20} MiB", "big_get": rows_big,
+                 "host_reclaims_free_pages": host_reclaims_free_pages()})
     if floors and _NONE_CASE in samples:
         # The dict's floor: a put+get of None plus torch's and CPython's own object creation, each a
         # median over the rounds; as a ratio to the numpy array's put+get of the same rounds.
@@ -305,6 +337,11 @@ def print_payloads(rows, out=sys.stdout):
             print(f"\n{row['payload']}: numpy {m(b['numpy']) / 1e3:.1f} ms, bytes {m(b['bytes']) / 1e3:.1f} ms "
                   f"({m(b['bytes']) / m(b['numpy']):.2f}x), bytes zero_copy (memoryview) "
                   f"{m(b['bytes zero_copy']) / 1e3:.3f} ms ({m(b['bytes zero_copy']) / m(b['numpy']):.3f}x)", file=out)
+            if row.get("host_reclaims_free_pages"):
+                print("  this VM's balloon hands freed memory back to its host (virtio free page reporting): "
+                      "a bytes get lands in fresh memory, which the host may have to fault in again (up to "
+                      "~15x slower after an idle gap); numpy's pooled buffer and zero_copy are not affected, "
+                      "so the bytes ratio swings from run to run", file=out)
             continue
         pg = m(row["native_put"]) + m(row["native_get"])
         if ref is None:

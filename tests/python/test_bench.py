@@ -1,0 +1,40 @@
+"""`stagelink bench`'s reading of the machine: what it says about the figures it prints."""
+import io
+
+from stagelink import bench
+
+
+def _device(root, name, device, features):
+    d = root / name
+    d.mkdir()
+    (d / "device").write_text(f"{device}\n")
+    (d / "features").write_text(features + "\n")
+
+
+def test_free_page_reporting_is_read_from_the_balloon_feature_bit(tmp_path):
+    # A network device with bit 5 set is not a balloon; a balloon without bit 5 does not report.
+    _device(tmp_path, "virtio0", "0x0001", "11000101101110110000000000000100")
+    _device(tmp_path, "virtio1", "0x0005", "11000000000000000000000000000000")
+    assert bench.host_reclaims_free_pages(str(tmp_path)) is False
+    _device(tmp_path, "virtio2", "0x0005", "01100101000000000000000000000000")
+    assert bench.host_reclaims_free_pages(str(tmp_path)) is True
+
+
+def test_free_page_reporting_is_false_where_sysfs_cannot_tell(tmp_path):
+    assert bench.host_reclaims_free_pages(str(tmp_path / "absent")) is False
+    _device(tmp_path, "virtio0", "not-hex", "111111")
+    _device(tmp_path, "virtio1", "0x0005", "0110")  # too short to hold bit 5
+    (tmp_path / "virtio2").mkdir()  # no files at all
+    assert bench.host_reclaims_free_pages(str(tmp_path)) is False
+
+
+def test_the_big_get_line_carries_the_caveat_only_on_such_a_host():
+    stat = lambda us: {"median_us": us, "p99_us": us}  # noqa: E731
+    row = {"payload": "get of 186 MiB",
+           "big_get": {"numpy": stat(16000.0), "bytes": stat(26500.0), "bytes zero_copy": stat(28.0)}}
+    for flag in (False, True):
+        out = io.StringIO()
+        bench.print_payloads([dict(row, host_reclaims_free_pages=flag)], out=out)
+        text = out.getvalue()
+        assert "bytes 26.5 ms (1.66x)" in text
+        assert ("free page reporting" in text) is flag
