@@ -247,9 +247,12 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     r = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
     seq = iter(range(1 << 62))
 
-    def timed(put, n, zero_copy=False, tp=None, tg=None):
+    def timed(put, n, zero_copy=False, tp=None, tg=None, td=None):
+        """put and get times of n put+gets, and (into td) what dropping each result took: a
+        tensor's release runs torch's and stagelink's deleters, which a caller pays too."""
         tp = [] if tp is None else tp
         tg = [] if tg is None else tg
+        td = [] if td is None else td
         for i in range(-min(20, n), n):
             k = f"pk{next(seq)}"
             t0 = time.perf_counter()
@@ -259,9 +262,11 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
             t2 = time.perf_counter()
             assert ok and got is not None
             del got
+            t3 = time.perf_counter()
             if i >= 0:
                 tp.append((t1 - t0) * 1e6)
                 tg.append((t2 - t1) * 1e6)
+                td.append((t3 - t2) * 1e6)
         return tp, tg
 
     def pickled(key, obj):
@@ -273,27 +278,35 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
         return sorted(v)[len(v) // 2]
 
     cases = _payload_cases()
-    samples = {name: {"np": [], "ng": [], "pp": [], "pg": [], "ratio": []} for name, _ in cases}
+    samples = {name: {"np": [], "ng": [], "nd": [], "pp": [], "pg": [], "ratio": [], "ratio_drop": []}
+               for name, _ in cases}
     floors = {}
     block = max(20, iters // rounds)
     for rnd in range(rounds):
-        ref = None
+        ref = ref_drop = None
         for name, obj in cases:
             d = samples[name]
-            tp, tg = timed(lambda k: c.put(0, 1, k, obj), block)
+            td = []
+            tp, tg = timed(lambda k: c.put(0, 1, k, obj), block, td=td)
             d["np"] += tp
             d["ng"] += tg
+            d["nd"] += td
             pg = med([a + b for a, b in zip(tp, tg)])
+            pgd = med([a + b + x for a, b, x in zip(tp, tg, td)])
             ref = pg if ref is None else ref
+            ref_drop = pgd if ref_drop is None else ref_drop
             d["ratio"].append(pg / ref)
+            d["ratio_drop"].append(pgd / ref_drop)
             timed(lambda k: pickled(k, obj), block, tp=d["pp"], tg=d["pg"])
         for fname, sec in _floor_peers().items():
             floors.setdefault(fname, []).append(sec * 1e6)
         if progress:
             progress(f"payload kinds: round {rnd + 1} of {rounds} done")
     rows = [{"payload": name, "native_put": _stat(samples[name]["np"]), "native_get": _stat(samples[name]["ng"]),
+             "native_drop": _stat(samples[name]["nd"]),
              "pickle_put": _stat(samples[name]["pp"]), "pickle_get": _stat(samples[name]["pg"]),
-             "vs_numpy": med(samples[name]["ratio"])} for name, _ in cases]
+             "vs_numpy": med(samples[name]["ratio"]),
+             "vs_numpy_with_drop": med(samples[name]["ratio_drop"])} for name, _ in cases]
     arr = np.full(big, 7, np.uint8)
     data = arr.tobytes()
     n = 7
@@ -322,8 +335,9 @@ def print_payloads(rows, out=sys.stdout):
     ref = None
     print("\npayload kinds, Python put+get in one process (medians, us); pickle = the same object through "
           "pickle-5 (stagelink's old path, vLLM-Omni's design); kinds interleaved, 'vs numpy' = median "
-          "of per-round ratios", file=out)
-    hdr = f"{'payload':<46} | {'put':>7} {'get':>7} {'p+g':>7} {'vs numpy':>8} | {'pickle p+g':>10} {'speed-up':>8}"
+          "of per-round ratios; drop = releasing the result (not in p+g), '+drop' = the ratio with it", file=out)
+    hdr = (f"{'payload':<46} | {'put':>7} {'get':>7} {'p+g':>7} {'vs numpy':>8} | {'drop':>6} {'+drop':>6} | "
+           f"{'pickle p+g':>10} {'speed-up':>8}")
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     for row in rows:
@@ -348,8 +362,9 @@ def print_payloads(rows, out=sys.stdout):
             ref = pg
         pk = m(row["pickle_put"]) + m(row["pickle_get"])
         ratio = row.get("vs_numpy", pg / ref)
+        drop = f"{m(row['native_drop']):6.2f} {row['vs_numpy_with_drop']:5.2f}x" if "native_drop" in row else " " * 13
         print(f"{row['payload']:<46} | {m(row['native_put']):7.2f} {m(row['native_get']):7.2f} {pg:7.2f} "
-              f"{ratio:7.2f}x | {pk:10.2f} {pk / pg:7.1f}x", file=out)
+              f"{ratio:7.2f}x | {drop} | {pk:10.2f} {pk / pg:7.1f}x", file=out)
 
 
 def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):

@@ -38,3 +38,24 @@ def test_the_big_get_line_carries_the_caveat_only_on_such_a_host():
         text = out.getvalue()
         assert "bytes 26.5 ms (1.66x)" in text
         assert ("free page reporting" in text) is flag
+
+
+def test_payload_kinds_time_the_release_of_each_result_apart_from_put_and_get():
+    # A short run of the real measurement: every kind carries what dropping its result took (a
+    # tensor's release runs torch's and stagelink's deleters) and the ratio to numpy with it, and
+    # the printed table shows both beside the put+get that leaves it out.
+    import os
+    rows = bench.bench_payloads(f"tbench{os.getpid()}", iters=40, big=1 << 20, rounds=2)
+    kinds = [r for r in rows if "native_put" in r]
+    assert kinds and kinds[0]["payload"].startswith("numpy")
+    assert kinds[0]["vs_numpy_with_drop"] == 1.0
+    for r in kinds:
+        assert r["native_drop"]["median_us"] > 0
+        assert r["native_drop"]["median_us"] < r["native_put"]["median_us"] + r["native_get"]["median_us"] + 1e3
+        assert r["vs_numpy_with_drop"] > 0
+    out = io.StringIO()
+    bench.print_payloads(rows, out=out)
+    text = out.getvalue()
+    assert "+drop" in text
+    line = next(l for l in text.splitlines() if l.startswith(kinds[1]["payload"]))
+    assert f"{kinds[1]['native_drop']['median_us']:6.2f} {kinds[1]['vs_numpy_with_drop']:5.2f}x" in line
