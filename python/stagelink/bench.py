@@ -247,12 +247,13 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     r = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
     seq = iter(range(1 << 62))
 
-    def timed(put, n, zero_copy=False, tp=None, tg=None, td=None):
-        """put and get times of n put+gets, and (into td) what dropping each result took: a
-        tensor's release runs torch's and stagelink's deleters, which a caller pays too."""
+    def timed(put, n, zero_copy=False, tp=None, tg=None):
+        """put, get and drop times of n put+gets (put and get appended to tp and tg where given);
+        drop is releasing the result: a tensor's release runs torch's and stagelink's deleters,
+        which a caller pays too."""
         tp = [] if tp is None else tp
         tg = [] if tg is None else tg
-        td = [] if td is None else td
+        td = []
         for i in range(-min(20, n), n):
             k = f"pk{next(seq)}"
             t0 = time.perf_counter()
@@ -267,7 +268,7 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
                 tp.append((t1 - t0) * 1e6)
                 tg.append((t2 - t1) * 1e6)
                 td.append((t3 - t2) * 1e6)
-        return tp, tg
+        return tp, tg, td
 
     def pickled(key, obj):
         kind, regions = _serde.encode(obj)
@@ -286,8 +287,7 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
         ref = ref_drop = None
         for name, obj in cases:
             d = samples[name]
-            td = []
-            tp, tg = timed(lambda k: c.put(0, 1, k, obj), block, td=td)
+            tp, tg, td = timed(lambda k: c.put(0, 1, k, obj), block)
             d["np"] += tp
             d["ng"] += tg
             d["nd"] += td
@@ -362,9 +362,9 @@ def print_payloads(rows, out=sys.stdout):
             ref = pg
         pk = m(row["pickle_put"]) + m(row["pickle_get"])
         ratio = row.get("vs_numpy", pg / ref)
-        drop = f"{m(row['native_drop']):6.2f} {row['vs_numpy_with_drop']:5.2f}x" if "native_drop" in row else " " * 13
         print(f"{row['payload']:<46} | {m(row['native_put']):7.2f} {m(row['native_get']):7.2f} {pg:7.2f} "
-              f"{ratio:7.2f}x | {drop} | {pk:10.2f} {pk / pg:7.1f}x", file=out)
+              f"{ratio:7.2f}x | {m(row['native_drop']):6.2f} {row['vs_numpy_with_drop']:5.2f}x | "
+              f"{pk:10.2f} {pk / pg:7.1f}x", file=out)
 
 
 def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):

@@ -50,9 +50,13 @@ def test_payload_kinds_time_the_release_of_each_result_apart_from_put_and_get():
     assert kinds and kinds[0]["payload"].startswith("numpy")
     assert kinds[0]["vs_numpy_with_drop"] == 1.0
     for r in kinds:
-        assert r["native_drop"]["median_us"] > 0
-        assert r["native_drop"]["median_us"] < r["native_put"]["median_us"] + r["native_get"]["median_us"] + 1e3
-        assert r["vs_numpy_with_drop"] > 0
+        assert r["native_drop"]["median_us"] > 0 and r["vs_numpy_with_drop"] > 0
+    # The drop is timed around the release itself: 4096 Python floats take tens of microseconds to
+    # free, a None next to nothing (a timer read taken before the release would show no gap).
+    by = {r["payload"]: r["native_drop"]["median_us"] for r in kinds}
+    floats = next(v for k, v in by.items() if k.startswith("list of 4096 floats"))
+    none = next(v for k, v in by.items() if k.startswith("None"))
+    assert floats > 10 * none
     out = io.StringIO()
     bench.print_payloads(rows, out=out)
     text = out.getvalue()
