@@ -282,6 +282,7 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     samples = {name: {"np": [], "ng": [], "nd": [], "pp": [], "pg": [], "ratio": [], "ratio_drop": []}
                for name, _ in cases}
     floors = {}
+    floor_ratio = []
     block = max(20, iters // rounds)
     for rnd in range(rounds):
         ref = ref_drop = None
@@ -298,8 +299,14 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
             d["ratio"].append(pg / ref)
             d["ratio_drop"].append(pgd / ref_drop)
             timed(lambda k: pickled(k, obj), block, tp=d["pp"], tg=d["pg"])
-        for fname, sec in _floor_peers().items():
+        peers_now = _floor_peers()
+        for fname, sec in peers_now.items():
             floors.setdefault(fname, []).append(sec * 1e6)
+        if peers_now and _NONE_CASE in samples:
+            # This round's floor against this round's numpy, as every other ratio: a machine whose
+            # speed drifts between rounds would otherwise skew the pooled medians apart.
+            # (``ref`` is this round's numpy put+get; the None row's last ratio is this round's.)
+            floor_ratio.append(samples[_NONE_CASE]["ratio"][-1] + sum(peers_now.values()) * 1e6 / ref)
         if progress:
             progress(f"payload kinds: round {rnd + 1} of {rounds} done")
     rows = [{"payload": name, "native_put": _stat(samples[name]["np"]), "native_get": _stat(samples[name]["ng"]),
@@ -318,13 +325,13 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
                  "host_reclaims_free_pages": host_reclaims_free_pages()})
     if floors and _NONE_CASE in samples:
         # The dict's floor: a put+get of None plus torch's and CPython's own object creation, each a
-        # median over the rounds; as a ratio to the numpy array's put+get of the same rounds.
+        # median over the rounds; its ratio is the median of the per-round ratios to the numpy
+        # array's put+get, as "vs numpy" is for every payload.
         peers = {k: med(v) for k, v in floors.items()}
         none = med([a + b for a, b in zip(samples[_NONE_CASE]["np"], samples[_NONE_CASE]["ng"])])
-        ref = med([a + b for a, b in zip(samples[cases[0][0]]["np"], samples[cases[0][0]]["ng"])])
         floor = none + sum(peers.values())
         rows.append({"payload": "floor of dict {hidden: torch 1 KiB, ids: [300 ints]}", "floor_us": floor,
-                     "floor_vs_numpy": floor / ref, "parts_us": {_NONE_CASE: none, **peers}})
+                     "floor_vs_numpy": med(floor_ratio), "parts_us": {_NONE_CASE: none, **peers}})
     c.close()
     r.close()
     return rows
