@@ -303,9 +303,8 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
         for fname, sec in peers_now.items():
             floors.setdefault(fname, []).append(sec * 1e6)
         if peers_now and _NONE_CASE in samples:
-            # This round's floor against this round's numpy, as every other ratio: a machine whose
-            # speed drifts between rounds would otherwise skew the pooled medians apart.
-            # (``ref`` is this round's numpy put+get; the None row's last ratio is this round's.)
+            # This round's floor over this round's numpy put+get (``ref``), as every other ratio: a
+            # machine whose speed drifts between rounds would skew pooled medians apart.
             floor_ratio.append(samples[_NONE_CASE]["ratio"][-1] + sum(peers_now.values()) * 1e6 / ref)
         if progress:
             progress(f"payload kinds: round {rnd + 1} of {rounds} done")
@@ -323,7 +322,7 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     del data
     rows.append({"payload": f"get of {big >> 20} MiB", "big_get": rows_big,
                  "host_reclaims_free_pages": host_reclaims_free_pages()})
-    if floors and _NONE_CASE in samples:
+    if floor_ratio:
         # The dict's floor: a put+get of None plus torch's and CPython's own object creation, each a
         # median over the rounds; its ratio is the median of the per-round ratios to the numpy
         # array's put+get, as "vs numpy" is for every payload.

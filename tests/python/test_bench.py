@@ -77,4 +77,3 @@ def test_payload_floor_ratio_is_a_median_of_per_round_ratios(monkeypatch):
     floor = next(r for r in rows if "floor_us" in r)
     none = next(r for r in rows if r["payload"].startswith("None"))
     assert floor["floor_vs_numpy"] == none["vs_numpy"]
-    assert floor["parts_us"]["zero part"] == 0.0
