@@ -147,8 +147,8 @@ TEST(ControlShm, AnInboxOfADeadProcessIsReaped) {
       (void)in.value().release();  // never closed: the process dies holding it
       _exit(0);
     }
-    ASSERT_EQ(wait_child(pid), 0);
-    ASSERT_TRUE(inbox_file_exists(ep));
+    ASSERT_EQ(wait_child(pid), 0);  // 0: the child bound the inbox
+    if (!inbox_file_exists(ep)) continue;  // already reaped by a test beside this one: make another
     for (auto& r : shm::list_resources("/dev/shm"))
       if (r.name.find(ep.substr(6)) != std::string::npos) listed = r.kind == "control inbox" && !r.owner_alive;
     vanished = !inbox_file_exists(ep);  // reaped by another test meanwhile
