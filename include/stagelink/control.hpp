@@ -48,6 +48,9 @@ struct ControlMessage {
 inline constexpr size_t kControlMaxId = 256;          // request and stage ids
 inline constexpr size_t kControlMaxError = 64u << 10; // error text (a traceback)
 inline constexpr size_t kControlMaxBody = 64u << 20;  // inline body
+// The largest encoded message a control inbox accepts (ZMQ_MAXMSGSIZE): the body and error at
+// their limits plus 1 MiB for ids and metadata.
+inline constexpr size_t kControlMaxWire = kControlMaxBody + kControlMaxError + (1u << 20);
 
 // Errors: invalid_argument (a field out of its limits, a missing request id).
 Result<std::vector<std::byte>> encode_control(const ControlMessage& m);

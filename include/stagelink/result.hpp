@@ -20,6 +20,7 @@ enum class Errc : uint8_t {
   io,                // a system call failed
   unsupported,       // not built, not implemented yet, or not possible here
   exists,            // a key is still in use
+  permission_denied, // a shared object owned by another user, or readable by others; an unknown peer
 };
 
 const char* errc_name(Errc c) noexcept;

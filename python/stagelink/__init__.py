@@ -8,7 +8,7 @@
 from . import _core
 from ._core import (  # noqa: F401  exception classes
     CancelledError, ClosedError, CorruptError, ExhaustedError, InvalidArgumentError, IOError,
-    KeyInUseError, NotFoundError, PeerDeadError, StagelinkError, TimeoutError, UnsupportedError,
+    KeyInUseError, NotFoundError, PeerDeadError, PermissionDeniedError, StagelinkError, TimeoutError, UnsupportedError,
 )
 from .config import (ConnectorSpec, Edge, OmniTransferConfig, TransferConfig,  # noqa: F401
                      get_connectors_config_for_stage, load_omni_transfer_config, load_transfer_config)

@@ -35,6 +35,7 @@ def _check_pipeline(path) -> int:
     """`stagelink config check` of a pipeline file: where each process runs and serves, and what
     carries each edge's data."""
     from .pipeline import PipelineConfigError, load_pipeline
+    from .relay import default_allow_pickle
     try:
         spec = load_pipeline(path)
     except PipelineConfigError as e:
@@ -64,7 +65,10 @@ def _check_pipeline(path) -> int:
         r = spec.relay_for(a, b)
         what = r.get("connector") if r.get("backend") == "connector" else f"relay {r.get('backend')}"
         cross = " (between hosts)" if spec.stage_host(a) != spec.stage_host(b) else ""
-        print(f"  {a} -> {b} ({kind}): {what}{cross}")
+        pickle = r["allow_pickle"] if "allow_pickle" in r else default_allow_pickle(r)
+        how = ("pickle allowed (opted in: relay.allow_pickle)" if pickle and "allow_pickle" in r
+               else "pickle allowed (same host, same user)" if pickle else "no pickle")
+        print(f"  {a} -> {b} ({kind}): {what}{cross}, {how}")
     return 0
 
 

@@ -37,7 +37,9 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
 
     ``put`` returns ``(success, size, metadata)``; ``get`` returns ``(data, size)`` or ``None``.
     Failures are logged and kept in ``last_error``; with ``extra={"strict": True}`` they raise
-    :class:`stagelink.StagelinkError` subclasses instead.
+    :class:`stagelink.StagelinkError` subclasses instead. A ``get`` that returns None sets
+    ``last_error`` to why (``NotFoundError``: not put, or already read by every reader;
+    ``TimeoutError``; ``CancelledError``), raised in strict mode; a call that works resets it.
 
     ``put`` and ``get`` are implemented in the native base class: numpy arrays, torch tensors,
     bytes-likes, trees of them and C++ producers' frames never enter a Python frame here. The
@@ -64,7 +66,6 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         #: vLLM-Omni's: the stage this connector serves (injected by the orchestrator; -1: not given).
         #: Its chunk adapter reads it.
         self.stage_id = extra.get("stage_id", -1)
-        self.last_error: Optional[BaseException] = None
         allow_pickle = bool(extra.get("allow_pickle", name not in self._NETWORK))
         native_extra = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}
         super().__init__(name, native_extra, allow_pickle)
@@ -76,6 +77,13 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
             super().__del__()
 
     # -- what the native put/get hand back
+    def _miss(self, e: BaseException):
+        """A get that found nothing (not put yet, timed out, already read, cleaned up): None to the
+        caller, as vLLM-Omni's; ``last_error`` says why, and strict mode raises it."""
+        self.last_error = e
+        if self.strict:
+            raise e
+
     def _fail(self, op: str, e: BaseException):
         if self.strict:
             self.last_error = e
@@ -98,6 +106,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
             else:
                 kind, regions = _serde.encode(data)
                 size, meta = self._put_parts(from_stage, to_stage, put_key, kind, regions, readers or 0, request_id)
+            self.last_error = None
             return True, size, meta
         except Exception as e:  # noqa: BLE001 - as vLLM-Omni's: pickling runs the payload's own code
             # (__reduce__ may raise anything; a structure nested past the interpreter's recursion

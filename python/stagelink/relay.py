@@ -26,6 +26,20 @@ from . import _core, _serde
 from ._lifetime import NativeOwner, track
 
 
+def default_allow_pickle(config: dict) -> bool:
+    """Whether a relay of ``config`` unpickles by default: only where the payload cannot come from
+    another host or another user (shared memory is owner-checked; ``local`` is one process)."""
+    backend = config.get("backend", "shm")
+    if backend in ("shm", "local"):
+        return True
+    if backend == "connector":
+        from .connector import Connector
+        extra = config.get("extra") or {}
+        name = config.get("connector", "SharedMemoryConnector")
+        return bool(extra.get("allow_pickle", name not in Connector._NETWORK))
+    return False
+
+
 class RelayOperation:
     """A put or get in flight: ``metadata`` (what the receiver's ``get_async`` needs),
     ``wait(timeout)`` and, for gets, ``result()``.
@@ -120,12 +134,18 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
     ``world_size``, ``device``) plus ``backend`` (shm | local | ucx | connector), ``connector``,
     ``extra`` (the connector's), ``timeout_s`` (credit and get waits, default 30) and
     ``engine_id`` (SGLang-Omni's sender name, in every put's metadata). Unknown keys raise
-    InvalidArgumentError. ``allow_pickle``: objects with no native frame are pickled (and read
-    back) only when true. ``device`` and ``engine_id`` are attributes, as SGLang-Omni's relays
-    have them (its stage code reads ``relay.device``)."""
+    InvalidArgumentError. ``allow_pickle`` (the argument, or the config's ``allow_pickle`` key):
+    objects with no native frame are pickled (and read back) only when true. Unset, it is true
+    only where both ends are the same user on one host (``shm``, ``local``, and ``connector`` over
+    the shared-memory connector) and false where a payload can come from another host (``ucx``,
+    network connectors): unpickling runs code the sender chose. ``device`` and ``engine_id`` are
+    attributes, as SGLang-Omni's relays have them (its stage code reads ``relay.device``)."""
 
-    def __init__(self, config: Optional[dict] = None, allow_pickle: bool = True, **kw):
+    def __init__(self, config: Optional[dict] = None, allow_pickle: Optional[bool] = None, **kw):
         config = dict(config or {}, **kw)
+        configured = config.pop("allow_pickle", None)
+        if allow_pickle is None:
+            allow_pickle = default_allow_pickle(config) if configured is None else bool(configured)
         self.backend = config.get("backend", "shm")
         self.timeout_s = float(config.get("timeout_s", 30))
         self.allow_pickle = allow_pickle
@@ -270,7 +290,7 @@ class _TypedRelay(Relay):
 
     def __init__(self, engine_id: str = "", slot_size_mb: Optional[float] = None, credits: Optional[int] = None,
                  device: str = "cpu", *, timeout_s: float = 30, extra: Optional[dict] = None, rank: int = 0,
-                 world_size: int = 0, allow_pickle: bool = True):
+                 world_size: int = 0, allow_pickle: Optional[bool] = None):
         config = {"backend": self._backend, "engine_id": str(engine_id), "device": device,
                   "slot_size_mb": self._slot_size_mb if slot_size_mb is None else slot_size_mb,
                   "credits": self._credits if credits is None else credits, "timeout_s": timeout_s,

@@ -4,6 +4,7 @@ latency and time to first chunk."""
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import sys
 import threading
@@ -31,10 +32,8 @@ def _fmt_bytes(n: float) -> str:
 def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional[str] = None,
         quiet: bool = False) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
-    from .pipeline import Pipeline, PipelineConfigError, load_pipeline
+    from .pipeline import PipelineConfigError, load_pipeline
     from .pipeline.spec import resolve
 
     console = Console(stderr=False, quiet=quiet)
@@ -55,11 +54,33 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
                        for name, st in procs.items())
     console.print(f"[bold]{spec.name}[/]: {len(spec.stages)} stages in {len(procs)} processes ({layout})")
     t_start = time.monotonic()
+    # SIGTERM (systemd, `docker stop`, kill) stops the run as Ctrl-C does: the stages are shut
+    # down and their shared memory freed; the exit status is then 143 (128 + SIGTERM).
+    terminated = []
+
+    def on_term(signum, frame):
+        terminated.append(signum)
+        raise KeyboardInterrupt
+    old_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _run(console, err, spec, make, verify, args, requests, concurrency, json_path, t_start, terminated)
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _run(console, err, spec, make, verify, args, requests, concurrency, json_path, t_start, terminated) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .pipeline import Pipeline
     try:
         p = Pipeline(spec)
     except _core.StagelinkError as e:
         err.print(f"error: the pipeline did not start: {e}")
         return 1
+    except KeyboardInterrupt:  # what started was stopped by Pipeline's own roll-back
+        err.print(("terminated (SIGTERM)" if terminated else "interrupted") + " during start-up")
+        return 128 + signal.SIGTERM if terminated else 130
     console.print(f"started in {p.startup_s * 1000:.0f} ms")
     lock = threading.Lock()
     failures: List[str] = []
@@ -120,7 +141,7 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
                 pass
     except KeyboardInterrupt:
         interrupted = True
-        err.print("interrupted: stopping the stages")
+        err.print(("terminated (SIGTERM)" if terminated else "interrupted") + ": stopping the stages")
     finally:
         wall = time.monotonic() - t0
         p.close()
@@ -137,7 +158,7 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
             json.dump(report, f, indent=2)
         console.print(f"wrote {json_path}")
     if interrupted:
-        return 130
+        return 128 + signal.SIGTERM if terminated else 130
     ok = not failures and report["completed"] == requests
     console.print("[green]all results verified end to end[/]" if ok and verify else
                   "[green]all requests completed[/]" if ok else f"[red]{len(failures)} requests failed[/]")
@@ -165,11 +186,11 @@ def _report(spec, p, stats, wall, requests, failures, chunk_bytes, total_s) -> d
                           "hop_us_p50": statistics.median(lat) if lat else None,
                           "hop_us_p99": _pct(lat, 0.99) if lat else None,
                           "gb_per_s": e["bytes"] / wall / 1e9 if wall > 0 else None})
-    e2e = [c["e2e_s"] * 1e3 for c in p.completed]
+    e2e = [c["e2e_s"] * 1e3 for c in p.completed]  # the last settings.completed_window requests
     ttfc = [c["ttfc_s"] * 1e3 for c in p.completed if c["ttfc_s"] is not None]
-    return {"pipeline": spec.name, "source": spec.source, "requests": requests, "completed": len(p.completed),
+    return {"pipeline": spec.name, "source": spec.source, "requests": requests, "completed": p.completed_count,
             "failed": len(failures), "startup_ms": p.startup_s * 1e3, "wall_s": wall,
-            "requests_per_s": len(p.completed) / wall if wall > 0 else None,
+            "requests_per_s": p.completed_count / wall if wall > 0 else None,
             "e2e_ms_p50": statistics.median(e2e) if e2e else None, "e2e_ms_p99": _pct(e2e, 0.99) if e2e else None,
             "ttfc_ms_p50": statistics.median(ttfc) if ttfc else None,
             "ttfc_ms_p99": _pct(ttfc, 0.99) if ttfc else None,

@@ -425,21 +425,32 @@ class ShmConnector final : public Connector {
                                                   std::to_string(shm::kKeyMax) + " fit");
   }
 
+  // A segment under a name of ours no one holds: names are predictable (pid, counter), and another
+  // user may have created the next one first; O_EXCL then fails and the next number is tried.
+  template <class Create>
+  Result<std::shared_ptr<Segment>> create_fresh(char kind, std::string& name, Create&& create) {
+    for (int attempt = 0;; ++attempt) {
+      name = dir_->prefix() + kind + std::to_string(getpid()) + "." + std::to_string(g_segment_counter.fetch_add(1));
+      auto seg = create(name);
+      if (seg.ok() || seg.error().code != Errc::exists) return seg;
+      if (attempt == 15)
+        return make_error(Errc::exists, seg.error().message + " (and 15 names before it: squatted by another user?)");
+      SL_LOG_WARN("%s: taken by someone else; trying the next name", seg.error().message.c_str());
+    }
+  }
+
   Status ensure_arena_locked() {
     if (arena_ || opts_.arena_bytes == 0) return {};
-    std::string name = dir_->prefix() + "a" + std::to_string(getpid()) + "." +
-                       std::to_string(g_segment_counter.fetch_add(1));
+    std::string name;
     // Never pre-faulted: a page is mapped where a put first writes it (faulting in all of it
     // costs ~0.5 ms per MiB here, wasted where an edge's payloads use the first slots only).
     // Reserved whole now when asked (preallocate_arena), else as puts reach into it
     // (reserved_locked): either way before a byte is written, so a full /dev/shm is an error,
     // never a SIGBUS.
-    std::shared_ptr<Segment> seg;
-    if (opts_.preallocate_arena) {
-      SL_ASSIGN(seg, Segment::create(opts_.shm_dir, name, opts_.arena_bytes, false));
-    } else {
-      SL_ASSIGN(seg, Segment::create_sparse(opts_.shm_dir, name, opts_.arena_bytes));
-    }
+    SL_ASSIGN(auto seg, create_fresh('a', name, [&](const std::string& n) {
+      return opts_.preallocate_arena ? Segment::create(opts_.shm_dir, n, opts_.arena_bytes, false)
+                                     : Segment::create_sparse(opts_.shm_dir, n, opts_.arena_bytes);
+    }));
     auto reg = dir_->register_arena(name, opts_.arena_bytes, false);
     if (!reg.ok()) {
       Segment::unlink(opts_.shm_dir, name);
@@ -512,9 +523,10 @@ class ShmConnector final : public Connector {
       for (auto& r : dir_->reap()) SL_LOG_INFO("reaped: %s", r.c_str());
     }
     if (size > opts_.arena_bytes) {
-      std::string name = dir_->prefix() + "x" + std::to_string(getpid()) + "." +
-                         std::to_string(g_segment_counter.fetch_add(1));
-      SL_ASSIGN(auto seg, Segment::create(opts_.shm_dir, name, size, false));
+      std::string name;
+      SL_ASSIGN(auto seg, create_fresh('x', name, [&](const std::string& n) {
+        return Segment::create(opts_.shm_dir, n, size, false);
+      }));
       auto reg = dir_->register_arena(name, size, true);
       if (!reg.ok()) {
         Segment::unlink(opts_.shm_dir, name);

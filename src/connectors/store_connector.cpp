@@ -57,6 +57,30 @@ struct StoreOptions {
 };
 
 // "host", "host:port", "[v6]" or "[v6]:port".
+// "%40" -> "@": a URL's userinfo. A '%' not followed by two hex digits is an error.
+Result<std::string> percent_decode(const std::string& s, const char* what) {
+  std::string out;
+  out.reserve(s.size());
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '%') {
+      out += s[i];
+      continue;
+    }
+    if (i + 2 >= s.size() || hex(s[i + 1]) < 0 || hex(s[i + 2]) < 0)
+      return make_error(Errc::invalid_argument, std::string("StoreConnector url: the ") + what +
+                                                    " has a '%' not followed by two hex digits (write '%25' for '%')");
+    out += char(hex(s[i + 1]) * 16 + hex(s[i + 2]));
+    i += 2;
+  }
+  return out;
+}
+
 Result<std::pair<std::string, int>> host_port(const std::string& s, int default_port) {
   std::string h = s, port_s;
   if (!s.empty() && s[0] == '[') {
@@ -135,11 +159,13 @@ Result<StoreOptions> store_options(const Value& e) {
     if (size_t at = rest.rfind('@'); at != std::string::npos) {
       const std::string cred = rest.substr(0, at);
       rest = rest.substr(at + 1);
+      // Userinfo is percent-encoded in a URL (RFC 3986): a password holding '@', ':' or '/'
+      // is written %40, %3A, %2F.
       if (size_t c = cred.find(':'); c != std::string::npos) {
-        user = cred.substr(0, c);
-        pass = cred.substr(c + 1);
+        SL_ASSIGN(user, percent_decode(cred.substr(0, c), "user name"));
+        SL_ASSIGN(pass, percent_decode(cred.substr(c + 1), "password"));
       } else {
-        pass = cred;
+        SL_ASSIGN(pass, percent_decode(cred, "password"));
       }
     }
     if (size_t slash = rest.find('/'); slash != std::string::npos) {

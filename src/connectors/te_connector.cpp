@@ -104,6 +104,10 @@ Errc errc_from(const std::string& s) {
 
 // Payloads up to this size travel in the side channel's reply instead of a UCX write.
 constexpr size_t kInlineMax = 64u << 10;
+// The side channel's message bounds (ZMQ_MAXMSGSIZE): requests carry keys and a UCX worker
+// address (a few hundred bytes to a few KiB); replies at most an inline payload and its frame.
+constexpr size_t kSideChannelMaxRequest = 64u << 10;
+constexpr size_t kSideChannelMaxReply = kInlineMax + (64u << 10);
 
 // Timeouts grow with size: the base, plus the size at 50 MB/s.
 double timeout_for(double base, size_t bytes) { return base + double(bytes) / 50e6; }
@@ -123,10 +127,15 @@ class TeConnector final : public Connector {
     SL_ASSIGN(engine_, ucx::Engine::create(eo));
     advertised_ = o_.host == "auto" ? net::host_address() : o_.host;
     if (o_.role != "receiver") {  // a sender (or both): serve the side channel
-      const std::string bind_host = o_.host == "auto" ? "*" : o_.host;
+      // The address it advertises, never every interface: a side channel reachable on an
+      // interface no peer uses is only exposure.
+      const std::string bind_host = advertised_;
       try {
         router_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::router);
         router_->set(zmq::sockopt::linger, 0);
+        // Requests are small maps (a key, a worker address): a peer declaring a larger frame is
+        // disconnected by libzmq before anything of it is buffered.
+        router_->set(zmq::sockopt::maxmsgsize, int64_t(kSideChannelMaxRequest));
         router_->bind("tcp://" + bind_host + ":" + std::to_string(o_.zmq_port));
         const std::string last = router_->get(zmq::sockopt::last_endpoint);
         port_ = std::stoi(last.substr(last.rfind(':') + 1));
@@ -525,6 +534,7 @@ class TeConnector final : public Connector {
       if (!slot) {
         slot = std::make_shared<Peer>(ctx_);
         slot->sock.set(zmq::sockopt::linger, 0);
+        slot->sock.set(zmq::sockopt::maxmsgsize, int64_t(kSideChannelMaxReply));  // an inline payload at most
         slot->sock.connect(peer);
       }
       p = slot;

@@ -51,7 +51,13 @@ Result<std::vector<std::byte>> encode_control(const ControlMessage& m) {
   if (m.is_done) v.emplace_back("done", true);
   if (!m.error.empty()) v.emplace_back("err", m.error);
   if (!m.body.empty()) v.emplace_back("body", Value::copy_bytes(m.body));
-  return value_to_msgpack(Value(std::move(v)));
+  auto bytes = value_to_msgpack(Value(std::move(v)));
+  // An inbox drops (disconnects) anything larger: refuse it here, where the sender learns why.
+  if (bytes.size() > kControlMaxWire)
+    return make_error(Errc::invalid_argument, "control message of " + std::to_string(bytes.size()) +
+                                                  " bytes (its metadata is too large); at most " +
+                                                  std::to_string(kControlMaxWire));
+  return bytes;
 }
 
 Result<ControlMessage> decode_control(std::span<const std::byte> bytes) {

@@ -58,6 +58,9 @@ class ZmqInbox final : public ControlInbox {
     try {
       sock_ = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::pull);
       sock_->set(zmq::sockopt::linger, 0);
+      // The largest legal control message (body and error at their limits) plus room for the
+      // rest: a peer declaring more is disconnected before its frame is buffered.
+      sock_->set(zmq::sockopt::maxmsgsize, int64_t(kControlMaxWire));
       sock_->bind(endpoint);
       endpoint_ = sock_->get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {

@@ -20,6 +20,7 @@ const char* errc_name(Errc c) noexcept {
     case Errc::io: return "io";
     case Errc::unsupported: return "unsupported";
     case Errc::exists: return "exists";
+    case Errc::permission_denied: return "permission_denied";
   }
   return "unknown";
 }

@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <zmq.hpp>
 
@@ -146,7 +147,11 @@ class MqWriter final : public MessageQueue {
     n_remote_ = o_.n_reader - o_.n_local_reader;
     const std::string base = shm::user_prefix() + "mq.";
     const uint32_t id = g_mq_counter.fetch_add(1);
-    tag_ = std::to_string(getpid()) + "." + std::to_string(id);
+    // 32 random bits in every name: another user cannot create one of them first (a squatted
+    // name would fail the queue's creation; opening one is refused anyway: not ours).
+    char rnd[12];
+    std::snprintf(rnd, sizeof rnd, "-%08x", unsigned(std::random_device{}()));
+    tag_ = std::to_string(getpid()) + "." + std::to_string(id) + rnd;
     if (o_.n_local_reader) {
       shm::RingOptions ro;
       ro.n_readers = o_.n_local_reader;
@@ -173,12 +178,15 @@ class MqWriter final : public MessageQueue {
         pub_->set(zmq::sockopt::xpub_verbose, 1);
         pub_->set(zmq::sockopt::xpub_nodrop, 1);
         pub_->set(zmq::sockopt::sndhwm, o_.remote_hwm);
+        pub_->set(zmq::sockopt::maxmsgsize, int64_t(256));  // what it receives: (un)subscriptions
         pub_->set(zmq::sockopt::linger, 5000);  // bounded: close() waits at most 5 s to flush
         const std::string port = o_.remote_port ? std::to_string(o_.remote_port) : std::string("*");
-        if (o_.connect_ip.empty()) {  // every interface, advertised as this host's address
-          pub_->bind("tcp://*:" + port);
-          const std::string ep = pub_->get(zmq::sockopt::last_endpoint);
-          remote_addr_ = "tcp://" + net::host_address() + ep.substr(ep.rfind(':'));
+        if (o_.connect_ip.empty()) {  // this host's address (not every interface), as advertised
+          const std::string host = net::host_address();
+          const bool v6 = host.find(':') != std::string::npos;
+          if (v6) pub_->set(zmq::sockopt::ipv6, 1);
+          pub_->bind("tcp://" + (v6 ? "[" + host + "]" : host) + ":" + port);
+          remote_addr_ = pub_->get(zmq::sockopt::last_endpoint);
         } else {
           pub_->bind("tcp://" + o_.connect_ip + ":" + port);
           remote_addr_ = pub_->get(zmq::sockopt::last_endpoint);
@@ -186,7 +194,7 @@ class MqWriter final : public MessageQueue {
       } catch (const zmq::error_t& e) {
         close();
         return make_error(Errc::io, std::string("binding the remote-reader socket on ") +
-                                        (o_.connect_ip.empty() ? "*" : o_.connect_ip) + ": " + e.what());
+                                        (o_.connect_ip.empty() ? net::host_address() : o_.connect_ip) + ": " + e.what());
       }
     }
     return {};

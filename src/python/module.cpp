@@ -1510,11 +1510,47 @@ struct PyConnector {
   // the GIL, however small, so the process's other Python threads run during its round trips.
   // Shared memory's calls take microseconds and keep it below kGilReleaseBytes.
   bool networked = false;
+  // `last_error`: why the last put or get failed or found nothing (None after one that worked).
+  // Held here, not in the instance dict, so a successful call clears it with a pointer test.
+  nb::object last_error = nb::none();
+  void succeeded() {
+    if (!last_error.is_none()) [[unlikely]] last_error = nb::none();
+  }
   std::shared_ptr<Connector> get() {
     if (!c) raise(make_error(Errc::closed, "connector is closed"));
     return c;
   }
 };
+
+// `last_error` may hold an exception whose traceback reaches the connector (strict mode raises
+// it): the cycle goes through this native field, so the collector must see it.
+int connector_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  Py_VISIT(nb::inst_ptr<PyConnector>(self)->last_error.ptr());
+  return 0;
+}
+int connector_clear(PyObject* self) {
+  if (nb::inst_ready(self)) nb::inst_ptr<PyConnector>(self)->last_error = nb::none();
+  return 0;
+}
+PyType_Slot g_connector_slots[] = {{Py_tp_traverse, (void*)connector_traverse},
+                                   {Py_tp_clear, (void*)connector_clear},
+                                   {0, nullptr}};
+
+// Why the last get on this thread returned nothing (not put yet, timed out, consumed, cancelled):
+// set by borrow() where it returns nullopt, read by the caller to fill `last_error`.
+thread_local Error t_miss;
+
+// The exception object of `e` (the class raise() would raise), not raised.
+nb::object exception_of(const Error& e) {
+  PyObject* t = g_exc[static_cast<size_t>(e.code)];
+  nb::object msg = nb::steal(PyUnicode_DecodeUTF8(e.message.data(), Py_ssize_t(e.message.size()), "replace"));
+  if (!msg.is_valid()) throw nb::python_error();
+  nb::object exc = nb::steal(PyObject_CallOneArg(t ? t : PyExc_RuntimeError, msg.ptr()));
+  if (!exc.is_valid()) throw nb::python_error();
+  return exc;
+}
 
 // A pickled Python object as a payload: tree [refs], ext {"pickle": kind}, one tensor per region
 // (the pickle-5 stream, then its out-of-band buffers; views of the Python buffers, held by `bv`).
@@ -1634,6 +1670,7 @@ nb::object connector_put(nb::handle self_h, nb::handle from, nb::handle to, nb::
       total = enc.total;
     }
     PyPut pr = put_payload(self, from, to, utf8(key.ptr()), p, total, rd, request_id);
+    self.succeeded();
     return nb::make_tuple(true, pr.size, std::move(pr.metadata));
   } catch (nb::python_error& e) {
     report_or_rethrow(self_h, "put", e);
@@ -1708,7 +1745,10 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   if (sig.raised) throw nb::python_error();
   if (!r.ok()) {
     const Errc c = r.error().code;  // absent, timed out, abandoned: None, as vLLM-Omni's get
-    if (c == Errc::not_found || c == Errc::timeout || c == Errc::cancelled) return std::nullopt;
+    if (c == Errc::not_found || c == Errc::timeout || c == Errc::cancelled) {
+      t_miss = std::move(r).error();
+      return std::nullopt;
+    }
     raise(r.error());
   }
   return std::move(r).value();
@@ -1770,7 +1810,11 @@ nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::
     report_or_rethrow(self_h, "get", e);
     return nb::none();
   }
-  if (!f) return nb::none();
+  if (!f) {  // None, as vLLM-Omni's get; `last_error` says why (strict mode raises it)
+    self_h.attr("_miss")(exception_of(t_miss));
+    return nb::none();
+  }
+  nb::inst_ptr<PyConnector>(self_h)->succeeded();
   if (f->kind == KIND_OBJECT) return nb::make_tuple(f->obj, f->size);
   return self_h.attr("_decode")(key, f->kind, f->obj, f->size, zero_copy);
 }
@@ -2145,13 +2189,14 @@ NB_MODULE(_core, m) {
   g_base_exc = base;
   const char* names[] = {"", "TimeoutError", "NotFoundError", "ClosedError", "CancelledError",
                          "InvalidArgumentError", "CorruptError", "ExhaustedError", "PeerDeadError",
-                         "IOError", "UnsupportedError", "KeyInUseError"};
-  for (int i = 1; i <= 11; ++i) {
+                         "IOError", "UnsupportedError", "KeyInUseError", "PermissionDeniedError"};
+  for (int i = 1; i <= 12; ++i) {
     std::string full = std::string("stagelink.") + names[i];
     PyObject* bases = base;
     nb::object tup;
     if (i == 1) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_TimeoutError));
     else if (i == 5) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_ValueError));
+    else if (i == 12) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_PermissionError));
     // NotFoundError: also a ValueError, which vLLM-Omni's callers catch for an unknown connector name.
     else if (i == 2) tup = nb::make_tuple(nb::handle(base), nb::handle(PyExc_KeyError), nb::handle(PyExc_ValueError));
     PyObject* e = PyErr_NewException(full.c_str(), tup.is_valid() ? tup.ptr() : bases, nullptr);
@@ -2168,7 +2213,7 @@ NB_MODULE(_core, m) {
   // The base of Python's `stagelink.Connector`: `put` and `get` run here without a Python frame
   // (the subclass supplies `_put_slow`, `_decode`, `_fail` and `default_get_timeout`); the
   // underscored methods are the subclass's building blocks.
-  nb::class_<PyConnector>(m, "_Connector")
+  nb::class_<PyConnector>(m, "_Connector", nb::type_slots(g_connector_slots))
       .def("__init__", [](PyConnector* self, const std::string& name, nb::handle extra, bool allow_pickle) {
              Value e = extra.is_none() ? Value(Value::Map{}) : from_py(extra);
              Result<std::unique_ptr<Connector>> made = make_error(Errc::io, "");
@@ -2279,6 +2324,11 @@ NB_MODULE(_core, m) {
              if (!st.ok()) raise(st.error());
            })
       .def_prop_ro("allow_pickle", [](PyConnector& self) { return self.allow_pickle; })
+      .def_prop_rw("last_error", [](PyConnector& self) { return self.last_error; },
+                   [](PyConnector& self, nb::handle e) { self.last_error = nb::borrow(e); }, nb::arg("error").none(),
+                   "Why the last put or get failed or returned None (NotFoundError: nothing under the key, or "
+                   "already read by every reader; TimeoutError; CancelledError: cleaned up), kept without its "
+                   "traceback; None after a call that worked.")
       .def("_health", [](PyConnector& self) {
              if (!self.c) return nb::object(nb::dict());
              const std::shared_ptr<Connector> c = self.c;

@@ -15,14 +15,18 @@ namespace stagelink::shm {
 std::string user_prefix() { return "sl." + std::to_string(::getuid()) + "."; }
 
 namespace {
-std::vector<std::string> our_files(const std::string& dir) {
+// Files under our prefix that are ours (check_owner); with `foreign`, those another user made
+// under our names instead: never opened, read or removed, only listed.
+std::vector<std::string> our_files(const std::string& dir, bool foreign = false) {
   std::vector<std::string> out;
   DIR* d = ::opendir(dir.c_str());
   if (!d) return out;
   const std::string pre = user_prefix();
   while (dirent* e = ::readdir(d)) {
     std::string n = e->d_name;
-    if (n.rfind(pre, 0) == 0) out.push_back(n);
+    struct stat st{};
+    if (n.rfind(pre, 0) != 0 || ::lstat((dir + "/" + n).c_str(), &st) != 0) continue;
+    if (check_owner(dir + "/" + n, st).ok() != foreign) out.push_back(n);
   }
   ::closedir(d);
   return out;
@@ -128,6 +132,16 @@ std::vector<ResourceInfo> list_resources(const std::string& shm_dir) {
       r.size = uint64_t(st.st_size);
       r.held = uint64_t(st.st_blocks) * 512;
       r.age_s = now - double(st.st_mtim.tv_sec);
+    }
+    out.push_back(r);
+  }
+  for (auto& n : our_files(shm_dir, true)) {
+    ResourceInfo r;
+    r.name = n;
+    struct stat st{};
+    if (::lstat((shm_dir + "/" + n).c_str(), &st) == 0) {
+      r.kind = "squatted by uid " + std::to_string(st.st_uid) + " (refused)";
+      r.size = uint64_t(st.st_size);
     }
     out.push_back(r);
   }

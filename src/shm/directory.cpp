@@ -113,8 +113,15 @@ Result<std::shared_ptr<Directory>> Directory::attach(const std::string& shm_dir,
   auto d = std::shared_ptr<Directory>(new Directory());
   d->shm_dir_ = shm_dir;
   d->ns_ = ns;
-  d->prefix_ = user_prefix() + ns + ".";
-  d->name_ = d->prefix_ + "dir";
+  // The directory's name is the rendezvous of every process of this user and namespace. Another
+  // user may have created it first (/dev/shm is world-writable): that file is refused (never
+  // read), and every process of ours moves on, in the same order, to the next of a few names.
+  int alternate = 0;
+  auto name_for = [&](int k) {
+    d->prefix_ = user_prefix() + ns + (k ? "~" + std::to_string(k) : std::string()) + ".";
+    d->name_ = d->prefix_ + "dir";
+  };
+  name_for(0);
   const ProcId me = self_proc();
   const uint64_t give_up = mono_ns() + 5'000'000'000ull;
   for (int attempt = 0;; ++attempt) {
@@ -138,6 +145,15 @@ Result<std::shared_ptr<Directory>> Directory::attach(const std::string& shm_dir,
       h->ready.store(1, std::memory_order_release);
     } else if (created.error().code == Errc::exists) {
       auto opened = Segment::open(shm_dir, d->name_, true, true, sizeof(DirHeader));
+      if (!opened.ok() && opened.error().code == Errc::permission_denied) {
+        if (++alternate >= kDirAlternates)
+          return make_error(Errc::permission_denied, opened.error().message + "; and the " +
+                                                         std::to_string(kDirAlternates - 1) +
+                                                         " alternate names are taken too");
+        SL_LOG_WARN("%s; using an alternate name", opened.error().message.c_str());
+        name_for(alternate);
+        continue;
+      }
       if (!opened.ok()) {
         if (opened.error().code == Errc::not_found || opened.error().code == Errc::corrupt) {
           std::this_thread::sleep_for(std::chrono::milliseconds(1));  // racing a create/unlink
@@ -205,6 +221,7 @@ Result<std::shared_ptr<Directory>> Directory::open_admin(const std::string& shm_
   d->name_ = file_name;
   std::string pre = user_prefix();
   d->ns_ = file_name.substr(pre.size(), file_name.size() - pre.size() - 4);
+  d->prefix_ = file_name.substr(0, file_name.size() - 3);
   d->seg_ = seg;
   d->hdr_ = h;
   d->hashes_ = reinterpret_cast<std::atomic<uint64_t>*>(seg->data() + hashes_offset());

@@ -32,6 +32,8 @@ inline constexpr uint32_t kDirVersion = 3;  // 2: entries carry an explicit requ
 inline constexpr uint32_t kSlotClaiming = 0xffffffffu;
 inline constexpr size_t kMaxAttach = 256;
 inline constexpr size_t kMaxArenas = 256;
+// A directory name squatted by another user: the next of this many names (ns, ns~1, ns~2, ...).
+inline constexpr int kDirAlternates = 8;
 inline constexpr size_t kKeyMax = 232;
 inline constexpr uint32_t kMaxFanout = 8;
 inline constexpr uint32_t kProbe = 64;  // one bit per slot in a uint64_t probe mask

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 namespace stagelink::shm {
@@ -18,6 +19,16 @@ static Result<int> create_file(const std::string& path) {
   if (fd >= 0) return fd;
   if (errno == EEXIST) return make_error(Errc::exists, "shared-memory segment " + path + " exists");
   return make_error(Errc::io, "create " + path + ": " + std::strerror(errno));
+}
+
+Status check_owner(const std::string& path, const struct stat& st) {
+  if (st.st_uid == ::geteuid() && (st.st_mode & 077) == 0 && S_ISREG(st.st_mode)) return {};
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
+  return make_error(Errc::permission_denied,
+                    "refused " + path + ": owned by uid " + std::to_string(st.st_uid) + " with mode " + mode +
+                        " (stagelink opens only its own user's files, uid " + std::to_string(::geteuid()) +
+                        ", mode 0600; another user may have squatted the name)");
 }
 
 Result<std::shared_ptr<Segment>> Segment::create(const std::string& dir, const std::string& name,
@@ -104,6 +115,12 @@ Result<std::shared_ptr<Segment>> Segment::open(const std::string& dir, const std
     int e = errno;
     ::close(fd);
     return make_error(Errc::io, "stat " + path + ": " + std::strerror(e));
+  }
+  // Another user may create any name in a world-writable /dev/shm: mapping their file would hand
+  // us their bytes (a pickle, a forged directory). Ours only: owned by us, no group/other bits.
+  if (auto st_ok = check_owner(path, st); !st_ok.ok()) {
+    ::close(fd);
+    return std::move(st_ok).error();
   }
   if (size_t(st.st_size) < min_size || (min_size == 0 && st.st_size == 0)) {
     ::close(fd);

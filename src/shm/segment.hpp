@@ -3,6 +3,8 @@
 // error at creation instead of a SIGBUS later; or created sparse, and reserved range by range
 // (`reserve`) before those bytes are written.
 #pragma once
+#include <sys/stat.h>
+
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -10,6 +12,10 @@
 #include "stagelink/result.hpp"
 
 namespace stagelink::shm {
+
+// Ok when the file `st` describes is ours to trust: a regular file owned by the effective uid with
+// no group or other permission bits. Else permission_denied naming `path`, its owner and mode.
+Status check_owner(const std::string& path, const struct stat& st);
 
 class Segment {
  public:
@@ -23,7 +29,8 @@ class Segment {
   // Reserve [offset, offset + len) of a sparse segment (posix_fallocate). Errors: exhausted (no
   // space), io.
   Status reserve(size_t offset, size_t len);
-  // Errors: not_found, corrupt (smaller than min_size), io.
+  // Errors: not_found, permission_denied (not ours: check_owner), corrupt (smaller than
+  // min_size), io.
   static Result<std::shared_ptr<Segment>> open(const std::string& dir, const std::string& name,
                                                bool writable, bool populate, size_t min_size = 0);
   static bool unlink(const std::string& dir, const std::string& name);

@@ -313,6 +313,10 @@ struct Redis::Impl {
       if (!o.username.empty()) a.push_back(o.username);
       a.push_back(o.password);
       SL_TRY(simple(a, "AUTH"));
+    } else {
+      // A server that wants a password says so here (NOAUTH), when the connector is made, not at
+      // its first put.
+      SL_TRY(simple({"PING"}, "PING"));
     }
     if (o.db != 0 && !o.cluster) SL_TRY(simple({"SELECT", std::to_string(o.db)}, "SELECT"));
     return conn;

@@ -1,6 +1,7 @@
 // SharedMemoryConnector across real processes (fork).
 #include <gtest/gtest.h>
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -999,4 +1000,59 @@ TEST(Shm, AnArenaRecordNamingASegmentOutsideTheNamespaceIsCorrupt) {
   a.state.store(0);
   a.name[0] = '\0';
   EXPECT_EQ(d->map_arena(idx, 7).error().code, Errc::not_found);
+}
+
+// /dev/shm is world-writable: another user may create a file under our names first (an empty
+// directory file to stop every connector of ours, a forged arena holding their bytes). Such a file
+// is never mapped: open refuses it (not ours, or readable by others), the connector's directory
+// moves to an alternate name, and the squatter's file is left as it was.
+TEST(Shm, SquattedNamesOfAnotherUserAreRefusedAndTheConnectorStillWorks) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as a second user";
+  const std::string ns = unique_ns("squat");
+  const std::string pre = shm::user_prefix() + ns + ".";
+  const std::string squat_dir = pre + "dir", squat_seg = pre + "a1.0";
+  pid_t pid = fork();
+  if (pid == 0) {  // the other user
+    if (::setgid(54321) != 0 || ::setuid(54321) != 0) _exit(2);
+    for (const auto& n : {squat_dir, squat_seg}) {
+      int fd = ::open(("/dev/shm/" + n).c_str(), O_RDWR | O_CREAT | O_EXCL, 0666);
+      if (fd < 0 || ::fchmod(fd, 0666) != 0) _exit(3);
+      if (n == squat_seg && ::write(fd, "forged payload bytes of another user", 36) != 36) _exit(4);
+      ::close(fd);
+    }
+    _exit(0);
+  }
+  ASSERT_EQ(wait_child(pid), 0);
+  auto forged = shm::Segment::open("/dev/shm", squat_seg, false, false);
+  ASSERT_FALSE(forged.ok()) << "mapped another user's file";
+  EXPECT_EQ(forged.error().code, Errc::permission_denied);
+  EXPECT_NE(forged.error().message.find("uid 54321"), std::string::npos) << forged.error().message;
+  EXPECT_NE(forged.error().message.find(squat_seg), std::string::npos) << forged.error().message;
+  {
+    auto c = make(extra(ns, 4u << 20));
+    ASSERT_TRUE(c);
+    auto d = pattern(4096, 7);
+    auto put = c->put("0", "1", "k", payload_of(d, checksum(d)));
+    ASSERT_TRUE(put.ok()) << put.error().message;
+    auto g = c->get("0", "1", "k", nullptr);
+    ASSERT_TRUE(g.ok()) << g.error().message;
+    EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(d));
+    EXPECT_EQ(files_with(ns + "~1.dir"), 1u) << "the directory did not move to its alternate name";
+  }
+  struct stat st{};
+  ASSERT_EQ(::stat(("/dev/shm/" + squat_dir).c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 0) << "the squatter's file was written";
+  EXPECT_EQ(st.st_uid, 54321u);
+  // One of our own files that others may read is refused too.
+  const std::string loose = pre + "loose";
+  int fd = ::open(("/dev/shm/" + loose).c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 64), 0);
+  ASSERT_EQ(::fchmod(fd, 0644), 0);
+  ::close(fd);
+  auto l = shm::Segment::open("/dev/shm", loose, false, false);
+  EXPECT_FALSE(l.ok());
+  if (!l.ok()) EXPECT_EQ(l.error().code, Errc::permission_denied);
+  for (const auto& n : {squat_dir, squat_seg, loose}) ::unlink(("/dev/shm/" + n).c_str());
+  EXPECT_EQ(files_with(ns), 0u);
 }

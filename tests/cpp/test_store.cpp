@@ -265,6 +265,29 @@ TEST(Store, WrongPasswordBadConfigAndTlsAreClearErrors) {
   EXPECT_LT(since(t0), 3.0);
 }
 
+// A connector without the server's password fails when it is made (NOAUTH), not at its first put;
+// a URL's userinfo is percent-decoded (a password holding '@', ':' or '/').
+TEST(Store, MissingPasswordFailsAtCreationAndUrlPasswordsArePercentDecoded) {
+  NEED_REDIS();
+  RedisServer srv({"--requirepass", "p@ss:w/rd%"});
+  auto none = create_connector("StoreConnector", store_extra(srv.port()));
+  ASSERT_FALSE(none.ok()) << "made a connector that cannot put";
+  EXPECT_EQ(none.error().code, Errc::invalid_argument);
+  EXPECT_NE(none.error().message.find("NOAUTH"), std::string::npos) << none.error().message;
+  Value::Map url;
+  url.emplace_back("url", "redis://:p%40ss%3Aw%2Frd%25@127.0.0.1:" + std::to_string(srv.port()));
+  auto ok = create_connector("StoreConnector", Value(std::move(url)));
+  ASSERT_TRUE(ok.ok()) << ok.error().to_string();
+  auto d = pattern(100, 3);
+  ASSERT_TRUE(ok.value()->put("0", "1", "k", payload_of(d)).ok());
+  Value::Map bad;
+  bad.emplace_back("url", "redis://:p%4@127.0.0.1:" + std::to_string(srv.port()));
+  auto b = create_connector("StoreConnector", Value(std::move(bad)));
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.error().code, Errc::invalid_argument);
+  EXPECT_NE(b.error().message.find("'%'"), std::string::npos) << b.error().message;
+}
+
 namespace {
 // A self-signed certificate for 127.0.0.1 and localhost in `dir` (cert.pem, key.pem), made by the
 // openssl command; false when there is none.

@@ -63,7 +63,8 @@ def test_foreign_empty_and_wrapped_metadata_fall_back_to_the_key(ns):
             got = c.get(0, 1, "k", md)
             assert got is not None, (md, c.last_error)
             assert np.array_equal(got[0], arr)
-        assert c.get(0, 1, "k", te_meta) is None and c.last_error is None  # absent: None, no error
+        assert c.get(0, 1, "k", te_meta) is None  # absent: None, and last_error says why
+        assert isinstance(c.last_error, stagelink.NotFoundError)
         for size in (100, 200000):
             ok, _, meta = c.put(0, 1, "w", np.ones(size, np.uint8))
             got = c.get(0, 1, "w", {"w": meta})  # wrapped as {get_key: metadata}

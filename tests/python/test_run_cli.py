@@ -51,20 +51,44 @@ def test_run_fails_when_a_result_is_wrong(tmp_path):
     assert "wrong result" in p.stderr
 
 
-def test_ctrl_c_leaves_no_process_or_shared_memory(tmp_path):
-    before = shm_files()
-    f = tmp_path / "slow.yaml"
+def start_slow_run(tmp_path, name):
+    """`stagelink run` of a slow pipeline in a session of its own, 2.5 s into its requests."""
+    f = tmp_path / f"{name}.yaml"
     f.write_text(open(os.path.join(ROOT, "examples", "omni_pipeline.yaml")).read()
                  .replace("args: {seconds: 2.0, chunks: 4, tokens_per_chunk: 256}",
                           "args: {seconds: 1.0, chunks: 50, tokens_per_chunk: 64, compute_ms: 20}"))
     p = subprocess.Popen([STAGELINK, "run", str(f), "--requests", "100"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     time.sleep(2.5)
+    return p
+
+
+def test_ctrl_c_leaves_no_process_or_shared_memory(tmp_path):
+    before = shm_files()
+    p = start_slow_run(tmp_path, "slow")
     os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    assert_stopped_cleanly(p, "slow", 130, "interrupted", before)
+
+
+def assert_stopped_cleanly(p, name, status, said, shm_before):
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 130, out + err
-    assert "interrupted" in err
+    assert p.returncode == status, out + err
+    assert said in err
     time.sleep(0.3)
-    leftover = subprocess.run(["pgrep", "-f", "stagelink.pipeline._entry .*slow"], capture_output=True, text=True)
+    leftover = subprocess.run(["pgrep", "-f", f"stagelink.pipeline._entry .*{name}"], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
-    assert shm_files() <= before
+    assert shm_files() <= shm_before, shm_files() - shm_before
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["docker-stop", "systemd-cgroup"])
+def test_sigterm_stops_cleanly_with_status_143(tmp_path, to_group):
+    """SIGTERM as `docker stop` sends it (the main process only) and as systemd does (every process
+    of the unit): the stages shut down, nothing is left in /dev/shm, and the status is 143."""
+    before = shm_files()
+    p = start_slow_run(tmp_path, "slowterm")
+    assert p.poll() is None, p.communicate()
+    if to_group:
+        os.killpg(p.pid, signal.SIGTERM)
+    else:
+        os.kill(p.pid, signal.SIGTERM)
+    assert_stopped_cleanly(p, "slowterm", 143, "terminated (SIGTERM)", before)

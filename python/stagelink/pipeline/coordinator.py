@@ -9,6 +9,7 @@ stream chunks, aborts, and notices stages that die.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 from .. import _core
 from ..connector import Connector
@@ -88,7 +89,11 @@ class Pipeline:
         self._stats: Dict[str, dict] = {}
         self._outboxes: Dict[str, Outbox] = {}
         self._out_lock = threading.Lock()
-        self.completed: List[dict] = []  # per finished request: e2e_s, ttfc_s, chunks
+        # The last settings.completed_window finished requests (request_id, e2e_s, ttfc_s, chunks):
+        # a window, so that a long-lived service does not grow by a record per request for ever;
+        # completed_count counts them all.
+        self.completed: Deque[dict] = collections.deque(maxlen=max(1, int(self.settings["completed_window"])))
+        self.completed_count = 0
         self._dir = private_socket_dir(("stagelink-" + "".join(c if c.isalnum() or c in "-_" else "_"
                                                                  for c in spec.name))[:48])
         self._inbox: Optional[Inbox] = None
@@ -432,6 +437,7 @@ class Pipeline:
             r.future.set_exception(error)
         else:
             r.future.set_result(result)
+            self.completed_count += 1
             self.completed.append({"request_id": rid, "e2e_s": time.monotonic() - r.t0,
                                    "ttfc_s": (r.t_first - r.t0) if r.t_first is not None else None,
                                    "chunks": r.n_chunks})

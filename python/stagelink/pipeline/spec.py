@@ -48,7 +48,7 @@ _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "proc
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
              "control", "hosts"}
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 20.0, "abort_timeout_s": 5.0,
-             "shutdown_timeout_s": 10.0, "inline_bytes": 16384}
+             "shutdown_timeout_s": 10.0, "inline_bytes": 16384, "completed_window": 10000}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 COORDINATOR = "coordinator"
 
@@ -305,6 +305,12 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
                                           "(payloads up to it travel inside the control message; 0: never)")
             settings[k] = v
             continue
+        if k == "completed_window":
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 10_000_000:
+                raise PipelineConfigError(f"{source}: settings.completed_window must be an integer in [1, 10000000] "
+                                          "(how many finished requests Pipeline.completed keeps)")
+            settings[k] = v
+            continue
         if not isinstance(v, (int, float)) or v <= 0:
             raise PipelineConfigError(f"{source}: settings.{k} must be a positive number of seconds")
         settings[k] = float(v)
@@ -467,8 +473,10 @@ def _relay_cfg(v, where) -> dict:
     if cfg["backend"] not in _RELAY_BACKENDS:
         raise PipelineConfigError(f"{where}: backend must be one of {', '.join(_RELAY_BACKENDS)} (auto: shm within a "
                                   f"host, ucx between hosts), got {cfg['backend']!r}")
+    if not isinstance(cfg.get("allow_pickle", False), bool):
+        raise PipelineConfigError(f"{where}: allow_pickle is true or false (unset: pickle only over shared memory)")
     try:  # the core's checks: unknown keys, ranges
-        _core._Relay(dict(cfg, backend="local"), True).close()
+        _core._Relay({k: v for k, v in cfg.items() if k != "allow_pickle"} | {"backend": "local"}, True).close()
     except _core.StagelinkError as e:
         raise PipelineConfigError(f"{where}: {e}") from None
     return cfg

@@ -643,6 +643,14 @@ def main(argv=None) -> int:
             spec = PipelineSpec.from_dict(json.load(f))
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
+    # SIGTERM (systemd stops a unit's whole cgroup, `kill`): leave as on shutdown, freeing the
+    # inbox and relay memory, instead of dying with them left in /dev/shm. Waits run handlers.
+    terminated = []
+
+    def _on_term(signum, frame):
+        terminated.append(signum)
+        raise _Terminated()
+    signal.signal(signal.SIGTERM, _on_term)
     sys.setswitchinterval(0.0002)  # a thread woken by a message gets the GIL in 0.2 ms, not 5
     ppid = os.getppid()
     os.environ.update(spec.env_of(proc))  # before any stage, torch or UCX reads it
@@ -663,9 +671,11 @@ def main(argv=None) -> int:
                                                                    "senders": w.sender_infos()}), timeout=5)
     orphaned = False
     try:
-        while True:
+        while not terminated:
             try:
                 m = w.inbox.recv(timeout=1.0)
+            except _Terminated:
+                break
             except _core.TimeoutError:
                 if os.getppid() != ppid or gone.is_set():  # orphaned (the coordinator is gone)
                     orphaned = True
@@ -677,13 +687,16 @@ def main(argv=None) -> int:
             try:
                 if not w.handle(m):
                     break
+            except _Terminated:
+                break
             except Exception:  # noqa: BLE001  one bad message must not end the process
                 print(f"stagelink worker {proc}: handling {m.type} of '{m.request_id}':\n{traceback.format_exc()}",
                       file=sys.stderr)
     finally:
+        signal.signal(signal.SIGTERM, lambda *_: terminated.append(signal.SIGTERM))  # a second one: keep cleaning
         w.shutdown()
         try:
-            if not orphaned:  # nobody would read the figures: do not wait up to 5 s to send them
+            if not orphaned and not terminated:  # nobody would read the figures: do not wait to send them
                 coord.send(ControlMessage("ready", from_stage=proc, body=Connector.serialize_obj(w.stats())),
                            timeout=5)
         except _core.StagelinkError:
@@ -694,7 +707,12 @@ def main(argv=None) -> int:
             ob.close()
         coord.close()
         w.inbox.close()
-    return 0
+    return 128 + signal.SIGTERM if terminated else 0
+
+
+class _Terminated(BaseException):
+    """Raised by the SIGTERM handler to end the receive loop (not an Exception: stage code's
+    `except Exception` must not swallow it)."""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,216 @@
+"""Trust (SECURITY.md): what another user of this host, another host, or a buggy peer can do.
+
+Each test reproduces an attack and checks that it now fails safely: no code of the attacker's runs,
+no payload of theirs is read as ours, and the victim goes on working.
+"""
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import stagelink
+from stagelink.pipeline import Pipeline, PipelineConfigError, load_pipeline
+from stagelink.relay import default_allow_pickle
+
+S = "pipeline_stages"
+ATTACKER_UID = 54321
+
+
+class _Boom:
+    """Unpickling it creates a marker file: proof that the attacker's code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _as_other_user(fn):
+    """Run fn() in a child process as another user (the test runs as root to do that)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as a second user")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgid(ATTACKER_UID)
+            os.setuid(ATTACKER_UID)
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_squatted_directory_and_forged_arena_of_another_user_are_refused(ns, tmp_path):
+    """Another user creates our directory's name (empty: it used to stop every connector of ours)
+    and an arena-like file holding a pickle (it used to be unpickled by our get). Neither is opened;
+    our connector moves to an alternate directory name and works."""
+    pre = f"{stagelink._core.shm_user_prefix()}{ns}."
+    squats = [pre + "dir", pre + "a1.0"]
+    marker = tmp_path / "pwned"
+    forged = pickle.dumps(_Boom(str(marker)))
+
+    def squat():
+        for n in squats:
+            fd = os.open("/dev/shm/" + n, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            os.fchmod(fd, 0o666)
+            if n.endswith("a1.0"):
+                os.write(fd, forged)
+            os.close(fd)
+    _as_other_user(squat)
+    try:
+        with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "strict": True}) as c:
+            data = np.arange(1000, dtype=np.float32)
+            ok, _, md = c.put(0, 1, "k", data)
+            assert ok
+            got, _ = c.get(0, 1, "k", md)
+            assert np.array_equal(got, data)
+            assert os.path.exists(f"/dev/shm/{stagelink._core.shm_user_prefix()}{ns}~1.dir")
+        assert not marker.exists(), "the attacker's pickle ran"
+        assert os.stat("/dev/shm/" + squats[0]).st_size == 0  # the squatter's file is untouched
+        listed = {r["name"]: r["kind"] for r in stagelink._core.shm_list("/dev/shm")}
+        assert listed[squats[0]] == f"squatted by uid {ATTACKER_UID} (refused)"
+    finally:
+        for n in squats:
+            try:
+                os.unlink("/dev/shm/" + n)
+            except FileNotFoundError:
+                pass
+
+
+def test_relays_unpickle_only_where_both_ends_are_this_user_on_this_host(ns):
+    assert default_allow_pickle({"backend": "shm"}) and default_allow_pickle({"backend": "local"})
+    assert default_allow_pickle({})  # shm is the default backend
+    assert not default_allow_pickle({"backend": "ucx"})
+    assert default_allow_pickle({"backend": "connector", "connector": "SharedMemoryConnector"})
+    assert not default_allow_pickle({"backend": "connector", "connector": "TransferEngineConnector"})
+    assert not default_allow_pickle({"backend": "connector", "connector": "StoreConnector"})
+    assert default_allow_pickle({"backend": "connector", "connector": "StoreConnector",
+                                 "extra": {"allow_pickle": True}})
+    with stagelink.Relay({"backend": "shm", "extra": {"namespace": ns}}) as r:
+        assert r.allow_pickle
+    with stagelink.Relay({"backend": "shm", "extra": {"namespace": ns}, "allow_pickle": False}) as r:
+        assert not r.allow_pickle
+        with pytest.raises(stagelink.InvalidArgumentError, match="allow_pickle"):
+            r.put_async(object())
+    with stagelink.UcxRelay("e", extra={"host": "127.0.0.1", "memory_pool_size": 8 << 20}) as u:
+        assert not u.allow_pickle
+
+
+def test_a_ucx_receiver_never_unpickles_what_a_sender_sends_by_default(tmp_path):
+    """The attack of a forged data_ready: a sender (here one that allows pickle, as an attacker's
+    would) publishes a pickle whose __reduce__ runs code; the receiving relay, with its defaults,
+    refuses it unread."""
+    marker = tmp_path / "pwned"
+    cfg = {"backend": "ucx", "timeout_s": 5, "extra": {"host": "127.0.0.1", "memory_pool_size": 16 << 20}}
+    with stagelink.Relay(cfg, allow_pickle=True) as evil, stagelink.Relay(cfg) as victim:
+        assert not victim.allow_pickle
+        victim.connect(evil.sender_info())
+        op = evil.put_async(_Boom(str(marker)), edge="v")
+        with pytest.raises(stagelink.CorruptError, match="allow_pickle"):
+            victim.get_async(op.metadata).result()
+        # Native payloads still travel.
+        op = evil.put_async({"x": np.arange(10)}, edge="v")
+        assert victim.get_async(op.metadata).result()["x"].tolist() == list(range(10))
+    assert not marker.exists(), "the sender's pickle ran in the receiver"
+
+
+def test_pipeline_relay_allow_pickle_is_an_explicit_opt_in(ns):
+    base = {"stages": [{"name": "a", "factory": f"{S}:double", "terminal": True}],
+            "relay": {"backend": "ucx", "extra": {"host": "127.0.0.1"}}}
+    spec = load_pipeline(base)
+    assert "allow_pickle" not in spec.relay_for("coordinator", "a")
+    assert not default_allow_pickle(spec.relay_for("coordinator", "a"))
+    spec = load_pipeline(dict(base, relay=dict(base["relay"], allow_pickle=True)))
+    assert spec.relay_for("coordinator", "a")["allow_pickle"] is True
+    with pytest.raises(PipelineConfigError, match="allow_pickle"):
+        load_pipeline(dict(base, relay=dict(base["relay"], allow_pickle="yes")))
+
+
+def test_completed_is_a_bounded_window(ns):
+    d = {"stages": [{"name": "a", "factory": f"{S}:double", "terminal": True}],
+         "relay": {"extra": {"namespace": ns}, "timeout_s": 10}, "settings": {"completed_window": 3}}
+    with Pipeline.from_config(d) as p:
+        for i in range(7):
+            p.submit(f"r{i}", {"x": np.arange(4)}).result(30)
+        assert p.completed_count == 7
+        assert len(p.completed) == 3
+        assert [c["request_id"] for c in p.completed] == ["r4", "r5", "r6"]
+    with pytest.raises(PipelineConfigError, match="completed_window"):
+        load_pipeline(dict(d, settings={"completed_window": 0}))
+
+
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _declare_huge_frame(port, socket_type, total=256 << 20):
+    """A raw ZMTP 3.0 peer (no libzmq): greets, declares one 4 GiB message frame, then trickles
+    up to `total` bytes of it. Returns how many bytes the receiver took before closing on us."""
+    import socket
+    import struct
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        s.sendall(b"\xff" + b"\0" * 7 + b"\x01\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31)
+        prop = b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+        body = b"\x05READY" + prop
+        s.sendall(bytes([0x04, len(body)]) + body)
+        s.sendall(bytes([0x02]) + struct.pack(">Q", 4 << 30))  # a LONG frame of 4 GiB
+        piece, sent = b"\0" * (1 << 20), 0
+        while sent < total:
+            s.sendall(piece)
+            sent += len(piece)
+        return sent
+    except OSError:  # reset or broken pipe: the receiver refused the frame
+        return -1
+    finally:
+        s.close()
+
+
+def test_control_inbox_refuses_a_4_gib_frame_without_growing():
+    from stagelink.control import ControlMessage, Inbox, Outbox
+    with Inbox("tcp://127.0.0.1:0") as inbox:
+        port = int(inbox.endpoint.rsplit(":", 1)[1])
+        before = _rss_kib()
+        assert _declare_huge_frame(port, b"PUSH") == -1, "the inbox took 256 MiB of a 4 GiB frame"
+        assert _rss_kib() - before < 64 << 10
+        with Outbox(inbox.endpoint) as ob:  # and it still serves honest peers
+            ob.send(ControlMessage("shutdown"), timeout=5)
+            assert inbox.recv(timeout=5).type == "shutdown"
+
+
+def test_transfer_engine_side_channel_refuses_a_4_gib_frame_without_growing():
+    with stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "memory_pool_size": 8 << 20,
+                                                                "role": "sender"}) as c:
+        port = int(c.sender_info()["source_port"])
+        before = _rss_kib()
+        assert _declare_huge_frame(port, b"DEALER") == -1, "the side channel took 256 MiB of a 4 GiB frame"
+        assert _rss_kib() - before < 64 << 10
+
+
+def test_a_get_returning_none_says_why_and_strict_raises(ns):
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        assert c.get(0, 1, "never", timeout=0.05) is None
+        assert isinstance(c.last_error, stagelink.TimeoutError), c.last_error
+        assert c.get(0, 1, "never") is None  # one attempt: nothing there
+        assert isinstance(c.last_error, stagelink.NotFoundError), c.last_error
+        big = np.arange(1 << 18, dtype=np.float32)  # not inline in its metadata: in the arena
+        ok, _, md = c.put(0, 1, "k", big)
+        assert ok and c.last_error is None  # reset by a call that worked
+        assert np.array_equal(c.get(0, 1, "k", md)[0], big) and c.last_error is None
+        assert c.get(0, 1, "k", md) is None  # consumed: its one reader read it
+        assert isinstance(c.last_error, stagelink.NotFoundError), c.last_error
+        ok, _, md = c.put(0, 1, "r1", big, request_id="r1")
+        c.cleanup("r1")
+        assert c.get(0, 1, "r1", md) is None and isinstance(c.last_error, stagelink.StagelinkError)
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "strict": True}) as s:
+        with pytest.raises(stagelink.TimeoutError):
+            s.get(0, 1, "never", timeout=0.05)
+        with pytest.raises(stagelink.NotFoundError):
+            s.get(0, 1, "never")
+        assert s.put(0, 1, "k", b"abc")[0] and s.last_error is None
