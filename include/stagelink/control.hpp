@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "stagelink/curve.hpp"
 #include "stagelink/payload.hpp"
 #include "stagelink/result.hpp"
 
@@ -71,9 +72,12 @@ void remove_private_socket_dir(const std::string& dir);
 
 class ControlInbox {
  public:
-  // Bind `endpoint` ("ipc:///path" or "tcp://host:port"; port 0: any free port).
-  // Errors: invalid_argument (bad endpoint), io (taken: the message names it).
-  static Result<std::unique_ptr<ControlInbox>> bind(const std::string& endpoint);
+  // Bind `endpoint` ("ipc:///path" or "tcp://host:port"; port 0: any free port). With `curve`
+  // (ZeroMQ endpoints), only clients with a listed key connect, and every message is encrypted;
+  // a tcp endpoint off loopback without it is logged once, loudly.
+  // Errors: invalid_argument (bad endpoint or keys), io (taken: the message names it),
+  // unsupported (CURVE asked of a libzmq without it).
+  static Result<std::unique_ptr<ControlInbox>> bind(const std::string& endpoint, const CurveServer* curve = nullptr);
   virtual ~ControlInbox() = default;
   // The endpoint peers connect to (a tcp port chosen by the kernel filled in).
   virtual const std::string& endpoint() const = 0;
@@ -82,11 +86,17 @@ class ControlInbox {
   virtual Result<ControlMessage> recv(double timeout_s) = 0;
   // Wake a blocked recv (it returns `closed`) and release the socket. Idempotent.
   virtual void close() = 0;
+  // Peers refused at the CURVE handshake (a key not allowed, or no CURVE at all).
+  virtual uint64_t refused() const { return 0; }
+  // Whether the inbox authenticates its peers (CURVE), or needs none (shm://, ipc:// in a 0700
+  // directory).
+  virtual bool authenticated() const { return true; }
 };
 
 class ControlOutbox {
  public:
-  static Result<std::unique_ptr<ControlOutbox>> connect(const std::string& endpoint);
+  // With `curve` (ZeroMQ endpoints): this end's keys and the inbox's public key.
+  static Result<std::unique_ptr<ControlOutbox>> connect(const std::string& endpoint, const CurveClient* curve = nullptr);
   virtual ~ControlOutbox() = default;
   // Queue `m` for the inbox (encoded, then send_bytes). Blocks while the peer's queue is full, up
   // to timeout_s (< 0: forever). Errors: invalid_argument (a field over its limit), timeout (the

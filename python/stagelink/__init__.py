@@ -39,6 +39,14 @@ def registered_connectors():
     return list(_core.registered_connectors())
 
 
+def curve_keypair() -> tuple:
+    """A fresh CurveZMQ key pair ``(public_key, secret_key)`` (40 Z85 characters each) for the
+    ``curve`` settings of control inboxes and outboxes, the transfer engine's side channel and the
+    message queue's remote path (SECURITY.md). Keep the secret key out of command lines and files
+    others can read."""
+    return _core.curve_keypair()
+
+
 def cuda_status() -> dict:
     """Whether stagelink can use CUDA here. The driver (libcuda.so.1) is loaded at run time, so
     stagelink installs and runs without it. Returns ``{"available": False, "reason": ...}`` or

@@ -19,6 +19,55 @@ REFERENCE = {"1MiB+8x8KiB": (8.4, 180.0), "4KiB+8x1KiB": (4.4, 398.0), "startup_
 
 
 
+def control_curve_figures(rounds=5, iters=400, sizes=(64, 64 << 10)):
+    """The cost of CURVE on the tcp control plane: round trips of a control message (a body of
+    `size` bytes) to an echoing inbox over loopback TCP, plain and CURVE-authenticated, interleaved
+    round by round. Returns {size: {plain_us, curve_us, ratio}} (medians of per-round medians)."""
+    import threading
+    from .control import ControlMessage, Inbox, Outbox
+    keys = {n: _core.curve_keypair() for n in ("a", "b")}
+
+    def curve_server(me, peer):
+        return {"public_key": keys[me][0], "secret_key": keys[me][1], "allowed_clients": [keys[peer][0]]}
+
+    def curve_client(me, server):
+        return {"public_key": keys[me][0], "secret_key": keys[me][1], "server_key": keys[server][0]}
+
+    def rtts(curve, size):
+        a = Inbox("tcp://127.0.0.1:0", curve_server("a", "b") if curve else None)
+        b = Inbox("tcp://127.0.0.1:0", curve_server("b", "a") if curve else None)
+        to_b = Outbox(b.endpoint, curve_client("a", "b") if curve else None)
+        to_a = Outbox(a.endpoint, curve_client("b", "a") if curve else None)
+
+        def echo():
+            for _ in range(iters + 20):
+                to_a.send(b.recv(timeout=10), timeout=10)
+        t = threading.Thread(target=echo)
+        t.start()
+        msg, out = ControlMessage("stream", "r", body=b"x" * size), []
+        for i in range(iters + 20):
+            t0 = time.perf_counter()
+            to_b.send(msg, timeout=10)
+            a.recv(timeout=10)
+            if i >= 20:
+                out.append((time.perf_counter() - t0) * 1e6)
+        t.join()
+        for s in (to_b, to_a, a, b):
+            s.close()
+        return statistics.median(out)
+
+    res = {}
+    for size in sizes:
+        plain, curve = [], []
+        for _ in range(rounds):
+            plain.append(rtts(False, size))
+            curve.append(rtts(True, size))
+        p, c = statistics.median(plain), statistics.median(curve)
+        res[size] = {"plain_rtt_us": p, "curve_rtt_us": c, "ratio": statistics.median(
+            [ci / pi for ci, pi in zip(curve, plain)])}
+    return res
+
+
 def pipeline_figures(payload_bytes, chunk_bytes, sequential=60, concurrent=240, in_flight=8, progress=None):
     import numpy as np
     from .pipeline import Pipeline
@@ -87,6 +136,13 @@ def run_relay(sizes=None, iters=2000, json_path=None, out=sys.stdout, pipelines=
     print(f"\none hop of 64 B: {table[0]['hop_us_view']:.1f} us median (aim: under 20 us; raw ZeroMQ "
           f"{table[0]['hop_us_zmq']:.1f} us; the reference's shm relay {REFERENCE['hop_64B_us']:.0f} us)", file=out)
     result = {"kind": "relay", "machine": os.uname().nodename, "cpus": os.cpu_count(), "hops": table}
+    print("\ncontrol messages over tcp (loopback, a round trip to an echoing inbox, Python on both ends), plain "
+          "and CURVE-authenticated (the default of control: tcp), interleaved:", file=out)
+    cc = control_curve_figures()
+    result["control_tcp_curve"] = {str(k): v for k, v in cc.items()}
+    for size, f in cc.items():
+        print(f"  body {_fmt_size(size):>9}: plain {f['plain_rtt_us']:.1f} us, CURVE {f['curve_rtt_us']:.1f} us "
+              f"({f['ratio']:.2f}x)", file=out)
     if pipelines:
         print("\nthe reference's 3-stage pipeline (A -> B ~~> C, B streams 8 chunks; each stage its own process):",
               file=out)

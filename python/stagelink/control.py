@@ -49,11 +49,21 @@ def _s(stage) -> str:
 class Inbox(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on collection
     """Where a stage (or the coordinator) receives control messages: a ZeroMQ PULL socket bound on
     ``endpoint`` (``ipc:///path`` in a private directory on one host, ``tcp://host:port`` across
-    hosts; port 0 picks a free one, see :attr:`endpoint`)."""
+    hosts; port 0 picks a free one, see :attr:`endpoint`).
 
-    def __init__(self, endpoint: str):
-        self._native = _core._ControlInbox.bind(endpoint)
+    ``curve``: ``{"secret_key": ..., "allowed_clients": [public keys]}`` (keys of
+    :func:`stagelink.curve_keypair`): only outboxes holding one of those keys connect, and every
+    message is encrypted (CurveZMQ). Others are refused at the handshake and counted
+    (:attr:`refused`). A pipeline gives its inboxes keys by itself (``control: tcp``)."""
+
+    def __init__(self, endpoint: str, curve: Optional[dict] = None):
+        self._native = _core._ControlInbox.bind(endpoint, curve)
         track(self)  # closed at exit if still open then
+
+    @property
+    def refused(self) -> int:
+        """Peers refused at the CURVE handshake (a key not allowed)."""
+        return self._native.refused
 
     @property
     def endpoint(self) -> str:
@@ -68,10 +78,11 @@ class Inbox(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
 
 class Outbox(NativeOwner):
     """Sends control messages to one :class:`Inbox` (a ZeroMQ PUSH socket). ``close()`` delivers
-    what is queued (at most 1 s for a peer that takes nothing), then releases the socket."""
+    what is queued (at most 1 s for a peer that takes nothing), then releases the socket.
+    ``curve``: ``{"secret_key": ..., "public_key": ..., "server_key": the inbox's public key}``."""
 
-    def __init__(self, endpoint: str):
-        self._native = _core._ControlOutbox.connect(endpoint)
+    def __init__(self, endpoint: str, curve: Optional[dict] = None):
+        self._native = _core._ControlOutbox.connect(endpoint, curve)
         track(self)
 
     def send(self, msg: ControlMessage, timeout: Optional[float] = None) -> None:

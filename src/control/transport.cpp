@@ -12,7 +12,9 @@
 #include <zmq.hpp>
 
 #include "control/shm_transport.hpp"
+#include "core/log.hpp"
 #include "core/proc.hpp"
+#include "core/zap.hpp"
 #include "core/zmq_fork.hpp"
 #include "core/zmq_util.hpp"
 #include "stagelink/control.hpp"
@@ -35,6 +37,13 @@ zmq::context_t& context() {
   return *ctx;
 }
 
+// A tcp:// endpoint on an address other hosts may reach (not loopback).
+bool off_host(const std::string& ep) {
+  if (ep.rfind("tcp://", 0) != 0) return false;
+  const std::string host = ep.substr(6, ep.rfind(':') - 6);
+  return !(host.rfind("127.", 0) == 0 || host == "localhost" || host == "[::1]" || host == "::1");
+}
+
 int timeout_ms(double timeout_s) { return timeout_s < 0 ? -1 : int(std::min(timeout_s, 2.0e6) * 1000.0); }
 
 Status check_endpoint(const std::string& ep) {
@@ -51,8 +60,9 @@ class ZmqInbox final : public ControlInbox {
  public:
   ~ZmqInbox() override { close(); }
 
-  Status init(const std::string& endpoint) {
+  Status init(const std::string& endpoint, const CurveServer* curve) {
     SL_TRY(check_endpoint(endpoint));
+    if (curve) SL_TRY(check_curve(*curve));
     efd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (efd_ < 0) return make_error(Errc::io, std::string("eventfd: ") + std::strerror(errno));
     try {
@@ -61,13 +71,26 @@ class ZmqInbox final : public ControlInbox {
       // The largest legal control message (body and error at their limits) plus room for the
       // rest: a peer declaring more is disconnected before its frame is buffered.
       sock_->set(zmq::sockopt::maxmsgsize, int64_t(kControlMaxWire));
+      if (curve) {
+        SL_ASSIGN(admission_, zap::serve(context(), *sock_, *curve));
+      }
       sock_->bind(endpoint);
       endpoint_ = sock_->get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {
       return make_error(Errc::io, "binding control inbox " + endpoint + ": " + e.what());
     }
+    if (!curve && off_host(endpoint_)) {
+      static std::atomic<bool> said{false};
+      if (!said.exchange(true))
+        SL_LOG_WARN("control inbox %s serves a network address without CURVE: any host that reaches it can send "
+                    "control messages (shutdown, abort, forged results). Give it keys (a pipeline does by itself; "
+                    "SECURITY.md)", endpoint_.c_str());
+    }
     return {};
   }
+
+  uint64_t refused() const override { return admission_ ? admission_->refused() : 0; }
+  bool authenticated() const override { return admission_ || !off_host(endpoint_); }
 
   const std::string& endpoint() const override { return endpoint_; }
 
@@ -111,6 +134,10 @@ class ZmqInbox final : public ControlInbox {
     std::lock_guard<std::mutex> lock(mu_);  // after a blocked recv saw the wake-up
     if (fork_.inherited()) (void)sock_.release();  // the parent's (core/zmq_fork.hpp)
     sock_.reset();
+    if (fork_.inherited()) {
+      (void)new std::shared_ptr<zap::Admission>(std::move(admission_));  // the parent's handler: never stopped here
+    }
+    admission_.reset();  // after the socket: the last one stops the context's ZAP handler
     if (efd_ >= 0) ::close(efd_);
     efd_ = -1;
   }
@@ -119,6 +146,7 @@ class ZmqInbox final : public ControlInbox {
   std::mutex mu_;
   std::atomic<bool> closed_{false};
   std::unique_ptr<zmq::socket_t> sock_;
+  std::shared_ptr<zap::Admission> admission_;
   std::string endpoint_;
   int efd_ = -1;
   ForkStamp fork_;
@@ -127,8 +155,9 @@ class ZmqInbox final : public ControlInbox {
 class ZmqOutbox final : public ControlOutbox {
  public:
   ~ZmqOutbox() override { close(); }
-  Status init(const std::string& endpoint) {
+  Status init(const std::string& endpoint, const CurveClient* curve) {
     SL_TRY(check_endpoint(endpoint));
+    if (curve) SL_TRY(check_curve(*curve));
     try {
       // A context of its own: close() terminates it, which is ZeroMQ's one way to wait until the
       // queued messages are out (bounded by the linger), so nothing sent is lost when the
@@ -137,6 +166,7 @@ class ZmqOutbox final : public ControlOutbox {
       sock_ = std::make_unique<zmq::socket_t>(*ctx_, zmq::socket_type::push);
       sock_->set(zmq::sockopt::linger, 1000);  // close() flushes for at most 1 s
       sock_->set(zmq::sockopt::sndhwm, 10000);
+      if (curve) SL_TRY(zap::connect_as(*sock_, *curve));
       sock_->connect(endpoint);
       endpoint_ = endpoint;
     } catch (const zmq::error_t& e) {
@@ -194,17 +224,17 @@ void remove_private_socket_dir(const std::string& dir) {
   std::filesystem::remove_all(dir, ec);
 }
 
-Result<std::unique_ptr<ControlInbox>> ControlInbox::bind(const std::string& endpoint) {
-  if (endpoint.rfind("shm://", 0) == 0) return bind_shm_inbox(endpoint);
+Result<std::unique_ptr<ControlInbox>> ControlInbox::bind(const std::string& endpoint, const CurveServer* curve) {
+  if (endpoint.rfind("shm://", 0) == 0) return bind_shm_inbox(endpoint);  // owner-checked; no network
   auto in = std::make_unique<ZmqInbox>();
-  SL_TRY(in->init(endpoint));
+  SL_TRY(in->init(endpoint, curve));
   return std::unique_ptr<ControlInbox>(std::move(in));
 }
 
-Result<std::unique_ptr<ControlOutbox>> ControlOutbox::connect(const std::string& endpoint) {
+Result<std::unique_ptr<ControlOutbox>> ControlOutbox::connect(const std::string& endpoint, const CurveClient* curve) {
   if (endpoint.rfind("shm://", 0) == 0) return connect_shm_outbox(endpoint);
   auto out = std::make_unique<ZmqOutbox>();
-  SL_TRY(out->init(endpoint));
+  SL_TRY(out->init(endpoint, curve));
   return std::unique_ptr<ControlOutbox>(std::move(out));
 }
 

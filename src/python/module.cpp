@@ -1996,6 +1996,40 @@ nb::dict control_dict(const ControlMessage& c) {
   return d;
 }
 
+// CURVE keys from a Python dict: {public_key, secret_key} and allowed_clients (a server) or
+// server_key (a client). A missing public key is derived from the secret one.
+std::string curve_str(nb::handle d, const char* k, bool required) {
+  PyObject* v = PyDict_GetItemString(d.ptr(), k);
+  if (!v) {
+    if (required) raise(make_error(Errc::invalid_argument, std::string("CURVE keys: '") + k + "' is missing"));
+    return {};
+  }
+  if (!PyUnicode_Check(v)) raise(make_error(Errc::invalid_argument, std::string("CURVE keys: '") + k + "' must be a str"));
+  return utf8(v);
+}
+CurveKeyPair curve_pair(nb::handle d) {
+  if (!PyDict_Check(d.ptr())) raise(make_error(Errc::invalid_argument, "CURVE keys are a dict"));
+  CurveKeyPair p{curve_str(d, "public_key", false), curve_str(d, "secret_key", true)};
+  if (p.public_key.empty()) p.public_key = unwrap(curve_public_of(p.secret_key));
+  return p;
+}
+std::optional<CurveServer> curve_server(nb::handle d) {
+  if (d.is_none()) return std::nullopt;
+  CurveServer s{curve_pair(d), {}};
+  PyObject* a = PyDict_GetItemString(d.ptr(), "allowed_clients");
+  if (!a || !PyList_Check(a)) raise(make_error(Errc::invalid_argument, "CURVE keys: 'allowed_clients' must be a list of public keys"));
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a); ++i) {
+    PyObject* k = PyList_GET_ITEM(a, i);
+    if (!PyUnicode_Check(k)) raise(make_error(Errc::invalid_argument, "CURVE keys: allowed_clients holds public keys (str)"));
+    s.allowed_clients.push_back(utf8(k));
+  }
+  return s;
+}
+std::optional<CurveClient> curve_client(nb::handle d) {
+  if (d.is_none()) return std::nullopt;
+  return CurveClient{curve_pair(d), curve_str(d, "server_key", true)};
+}
+
 struct PyInbox {
   std::shared_ptr<ControlInbox> in;
   std::shared_ptr<ControlInbox> get() {
@@ -2494,7 +2528,12 @@ NB_MODULE(_core, m) {
     return control_dict(unwrap(std::move(r)));
   });
   nb::class_<PyInbox>(m, "_ControlInbox")
-      .def_static("bind", [](const std::string& ep) { return PyInbox{std::shared_ptr<ControlInbox>(unwrap(ControlInbox::bind(ep)))}; })
+      .def_static("bind", [](const std::string& ep, nb::handle curve) {
+             auto cs = curve_server(curve);
+             return PyInbox{std::shared_ptr<ControlInbox>(unwrap(ControlInbox::bind(ep, cs ? &*cs : nullptr)))};
+           }, nb::arg("endpoint"), nb::arg("curve").none() = nb::none())
+      .def_prop_ro("refused", [](PyInbox& self) { return self.get()->refused(); })
+      .def_prop_ro("authenticated", [](PyInbox& self) { return self.get()->authenticated(); })
       .def_prop_ro("endpoint", [](PyInbox& self) { return self.get()->endpoint(); })
       .def("recv", [](PyInbox& self, nb::handle timeout) {
              const double t = timeout_arg(timeout);
@@ -2509,7 +2548,10 @@ NB_MODULE(_core, m) {
            })
       .def_prop_ro("closed", [](PyInbox& self) { return !self.in; });
   nb::class_<PyOutbox>(m, "_ControlOutbox")
-      .def_static("connect", [](const std::string& ep) { return PyOutbox{std::shared_ptr<ControlOutbox>(unwrap(ControlOutbox::connect(ep)))}; })
+      .def_static("connect", [](const std::string& ep, nb::handle curve) {
+             auto cc = curve_client(curve);
+             return PyOutbox{std::shared_ptr<ControlOutbox>(unwrap(ControlOutbox::connect(ep, cc ? &*cc : nullptr)))};
+           }, nb::arg("endpoint"), nb::arg("curve").none() = nb::none())
       .def("send", [](PyOutbox& self, const std::string& type, const std::string& rid, const std::string& from,
                       const std::string& to, nb::handle metadata, nb::handle chunk_id, bool is_done,
                       const std::string& error, nb::handle body, nb::handle timeout) {
@@ -2633,6 +2675,10 @@ NB_MODULE(_core, m) {
   }, nb::arg("shm_dir") = "/dev/shm");
   m.def("shm_reap", [](const std::string& dir) { return shm::reap(dir); }, nb::arg("shm_dir") = "/dev/shm");
   m.def("shm_user_prefix", &shm::user_prefix);
+  m.def("curve_keypair", [] {
+    auto k = unwrap(curve_keypair());
+    return nb::make_tuple(k.public_key, k.secret_key);
+  }, "A fresh CurveZMQ key pair, (public_key, secret_key), each 40 Z85 characters.");
   m.def("bench_mq_cpp", [](uint64_t latency_msgs, uint64_t throughput_msgs, uint64_t bandwidth_msgs, uint64_t idle_msgs,
                            double idle_gap_s, nb::object progress) {
     bench::MqBenchOptions o{latency_msgs, throughput_msgs, bandwidth_msgs, idle_msgs, idle_gap_s};

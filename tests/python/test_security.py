@@ -214,3 +214,31 @@ def test_a_get_returning_none_says_why_and_strict_raises(ns):
         with pytest.raises(stagelink.NotFoundError):
             s.get(0, 1, "never")
         assert s.put(0, 1, "k", b"abc")[0] and s.last_error is None
+
+
+def test_forged_control_messages_over_tcp_are_refused_and_the_pipeline_goes_on(ns):
+    """control: tcp. A stranger (no keys, or a CURVE key of their own) sends every process a
+    `shutdown`, and the coordinator a forged `complete` and `abort`: none of it arrives, and the
+    pipeline serves requests as before."""
+    from stagelink.control import ControlMessage, Outbox
+    d = {"stages": [{"name": "a", "factory": f"{S}:double", "next": "b"},
+                    {"name": "b", "factory": f"{S}:double", "terminal": True}],
+         "relay": {"extra": {"namespace": ns}, "timeout_s": 10}, "control": "tcp"}
+    with Pipeline.from_config(d) as p:
+        assert p.submit("r0", {"x": np.arange(4)}).result(30)["x"].tolist() == [0, 4, 8, 12]
+        targets = [p.spec.control["coordinator"]] + [ep for ep in p._ready.values() if ep]
+        assert len(targets) == 3 and all(t.startswith("tcp://127.0.0.1:") for t in targets)
+        pub, sec = stagelink.curve_keypair()
+        server_pub = p.spec.control["curve_public"]["coordinator"]
+        fut = p.submit("r1", {"x": np.arange(4)})
+        for ep in targets:
+            for curve in (None, {"public_key": pub, "secret_key": sec, "server_key": server_pub}):
+                with Outbox(ep, curve) as ob:
+                    for m in (ControlMessage("shutdown"), ControlMessage("complete", "r1", error="forged"),
+                              ControlMessage("abort", "r1")):
+                        ob.send(m, timeout=1)
+        assert fut.result(30)["x"].tolist() == [0, 4, 8, 12]  # not failed by the forged complete
+        assert p._inbox.refused >= 1  # the stranger's CURVE key was refused (and counted)
+        for i in range(2, 6):
+            assert p.submit(f"r{i}", {"x": np.arange(4)}).result(30)["x"].tolist() == [0, 4, 8, 12]
+        assert all(proc.poll() is None for proc in p._procs.values())  # no stage took the shutdown

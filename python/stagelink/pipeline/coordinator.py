@@ -28,7 +28,7 @@ from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_
 from ..relay import Relay
 from ._wire import from_frame, small_frame
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
-from .worker import endpoint, remote_args
+from .worker import EXIT_NO_STDIN, NO_STDIN, open_inbox, open_outbox, remote_args
 
 
 class StageError(RuntimeError):
@@ -104,7 +104,15 @@ class Pipeline:
         # Sweep what crashed processes of earlier runs left in shared memory (only the dead's).
         _core.shm_reap("/dev/shm")
         try:
-            self._inbox = Inbox(endpoint(spec, self._dir, COORDINATOR, bind=True))
+            # control: tcp: a CURVE key pair per process; the public keys travel in the spec, each
+            # secret key on its process's stdin.
+            self._secrets: Dict[str, str] = {}
+            if spec.control.get("transport") == "tcp" and spec.control.get("curve", True):
+                pubs = {}
+                for proc in [COORDINATOR] + list(spec.processes()):
+                    pubs[proc], self._secrets[proc] = _core.curve_keypair()
+                spec.control["curve_public"] = pubs
+            self._inbox = open_inbox(spec, self._dir, COORDINATOR, self._secrets.get(COORDINATOR))
             if spec.free_ports:
                 spec.control["coordinator"] = self._inbox.endpoint  # the port it got, for the stages
             # Requests go out on the entry's edge, results come in on the terminal stage's: one
@@ -145,7 +153,10 @@ class Pipeline:
             if not host:
                 self._procs[proc] = subprocess.Popen(
                     [python, "-m", "stagelink.pipeline._entry", spec_path, proc, self._dir], env=e,
-                    stdin=subprocess.DEVNULL)
+                    stdin=subprocess.PIPE if proc in self._secrets else subprocess.DEVNULL)
+                if proc in self._secrets:  # its CURVE secret key, then end of file
+                    self._procs[proc].stdin.write(self._secrets[proc].encode() + b"\n")
+                    self._procs[proc].stdin.close()
                 continue
             # Another host: its `launch` prefix runs the process there. Its stdin is a pipe this
             # process holds and never writes: when this process ends, however it ends, the stage
@@ -155,6 +166,9 @@ class Pipeline:
             argv += remote_args(self.spec, proc, front, paths)
             try:
                 self._procs[proc] = subprocess.Popen(argv, env=e, stdin=subprocess.PIPE)
+                if proc in self._secrets:  # its CURVE secret key; the pipe stays open (worker._watch_stdin)
+                    self._procs[proc].stdin.write(self._secrets[proc].encode() + b"\n")
+                    self._procs[proc].stdin.flush()
             except OSError as err:
                 raise PipelineStartError(f"cannot launch stage process '{proc}' on host '{host}' with "
                                          f"{h['launch']}: {err}") from None
@@ -253,8 +267,9 @@ class Pipeline:
     def _raise_if_one_exited(self, except_for):
         for proc, p in self._procs.items():
             if proc not in except_for and p.poll() is not None:
+                why = f": {NO_STDIN}" if p.returncode == EXIT_NO_STDIN else ""
                 raise PipelineStartError(f"stage process '{proc}' (stages {self.spec.processes()[proc]}) "
-                                         f"exited during start-up: {_how(p.returncode)}") from None
+                                         f"exited during start-up: {_how(p.returncode)}{why}") from None
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Stop every stage process (in-flight requests fail with ClosedError), gather their
@@ -425,7 +440,8 @@ class Pipeline:
         with self._out_lock:
             ob = self._outboxes.get(proc)
             if ob is None:
-                ob = self._outboxes[proc] = Outbox(endpoint(self.spec, self._dir, proc))
+                ob = self._outboxes[proc] = open_outbox(self.spec, self._dir, COORDINATOR, proc,
+                                                        self._secrets.get(COORDINATOR))
             ob.send(msg, timeout=timeout)
 
     def _finish_locked(self, rid, r: _Req, result=None, error=None):

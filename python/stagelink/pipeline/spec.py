@@ -446,9 +446,11 @@ def _check_hosts(spec: PipelineSpec, source):
 
 def _control(v, n_procs, source) -> dict:
     c = {"transport": v} if isinstance(v, str) else dict(v) if isinstance(v, dict) else None
-    if c is None or c.get("transport", "shm") not in ("shm", "ipc", "tcp") or set(c) - {"transport", "host", "base_port"}:
+    if (c is None or c.get("transport", "shm") not in ("shm", "ipc", "tcp")
+            or set(c) - {"transport", "host", "base_port", "curve"} or not isinstance(c.get("curve", True), bool)):
         raise PipelineConfigError(f"{source}: control is 'shm' (shared-memory rings, the default), 'ipc' (ZeroMQ "
-                                  "sockets) or {transport: tcp, host: ADDRESS, base_port: PORT}; got " + repr(v))
+                                  "sockets) or {transport: tcp, host: ADDRESS, base_port: PORT, curve: true}; got "
+                                  + repr(v))
     c.setdefault("transport", "shm")
     if c["transport"] == "tcp":
         port = c.setdefault("base_port", 0)

@@ -58,6 +58,21 @@ def endpoint(spec: PipelineSpec, sock_dir: str, proc: str, bind: bool = False) -
     return f"shm://{os.path.basename(sock_dir)}-{proc}"
 
 
+def open_inbox(spec: PipelineSpec, sock_dir: str, proc: str, secret: Optional[str]) -> Inbox:
+    """Process `proc`'s inbox. With `control: tcp` it is a CURVE server admitting only the
+    pipeline's own processes (their public keys are in the spec; `secret` is this one's)."""
+    pubs = spec.control.get("curve_public")
+    curve = {"secret_key": secret, "public_key": pubs[proc], "allowed_clients": sorted(pubs.values())} if pubs else None
+    return Inbox(endpoint(spec, sock_dir, proc, bind=True), curve)
+
+
+def open_outbox(spec: PipelineSpec, sock_dir: str, me: str, dest: str, secret: Optional[str]) -> Outbox:
+    """An outbox from process `me` to process `dest`, a CURVE client expecting `dest`'s key."""
+    pubs = spec.control.get("curve_public")
+    curve = {"secret_key": secret, "public_key": pubs[me], "server_key": pubs[dest]} if pubs else None
+    return Outbox(endpoint(spec, sock_dir, dest), curve)
+
+
 class StreamError(RuntimeError):
     """An upstream stage failed while streaming to this one (its error text is the message)."""
 
@@ -341,8 +356,9 @@ def _relay_bytes(md: dict) -> int:
 
 
 class Worker:
-    def __init__(self, spec: PipelineSpec, proc: str, sock_dir: str):
+    def __init__(self, spec: PipelineSpec, proc: str, sock_dir: str, secret: Optional[str] = None):
         self.spec, self.proc, self.dir = spec, proc, sock_dir
+        self.secret = secret  # this process's CURVE secret key (control: tcp)
         self.names = spec.processes()[proc]
         self.aborted: collections.OrderedDict = collections.OrderedDict()
         self.stages: Dict[str, StageRuntime] = {}
@@ -384,7 +400,7 @@ class Worker:
         with self.out_lock:
             ob = self.outboxes.get(proc)
             if ob is None:
-                ob = self.outboxes[proc] = Outbox(endpoint(self.spec, self.dir, proc))
+                ob = self.outboxes[proc] = open_outbox(self.spec, self.dir, self.proc, proc, self.secret)
             ob.send(msg, timeout=SEND_TIMEOUT_S)
 
     def _edge(self, src, dst) -> dict:
@@ -474,7 +490,7 @@ class Worker:
 
     # -- the receive loop
     def start(self):
-        self.inbox = Inbox(endpoint(self.spec, self.dir, self.proc, bind=True))
+        self.inbox = open_inbox(self.spec, self.dir, self.proc, self.secret)
         for n in self.names:
             self.stages[n] = StageRuntime(self.spec.stages[n], self)
         for n in self.names:  # every relay this process uses, before any request
@@ -610,6 +626,24 @@ def remote_args(spec: PipelineSpec, proc: str, front: list, path: list) -> list:
 _MAX_REMOTE_ARG = 120_000
 
 
+#: The exit status of a stage process whose stdin brought no key: the coordinator says why.
+EXIT_NO_STDIN = 78
+NO_STDIN = ("stdin was closed at start-up: the host's launch prefix must forward stdin (ssh does, unless -n; docker "
+            "exec needs -i), which brings the process its CURVE key and tells it when the coordinator is gone")
+
+
+def _read_secret(spec: PipelineSpec) -> Optional[str]:
+    """This process's CURVE secret key (`control: tcp`): the first line of its stdin, written by
+    the coordinator (never on a command line, in the environment or in a file)."""
+    if not spec.control.get("curve_public"):
+        return None
+    line = sys.stdin.buffer.readline().strip().decode("ascii", "replace")
+    if len(line) != 40:
+        print(f"stagelink worker: {NO_STDIN}", file=sys.stderr)
+        sys.exit(EXIT_NO_STDIN)
+    return line
+
+
 def _watch_stdin(gone: threading.Event):
     """A process started on another host ends when its stdin reaches end of file: the coordinator
     holds the other end (through `ssh`, or whatever `launch` is), so its exit, even by SIGKILL, or
@@ -636,11 +670,13 @@ def main(argv=None) -> int:
         # may differ, and must keep its own standard library first).
         sys.path[:0] = [p for p in dict.fromkeys(d["front"]) if os.path.isdir(p) and p not in sys.path]
         sys.path.extend(p for p in dict.fromkeys(d["path"]) if os.path.isdir(p) and p not in sys.path)
+        secret = _read_secret(spec)
         _watch_stdin(gone)
     else:
         spec_path, proc, sock_dir = argv
         with open(spec_path) as f:
             spec = PipelineSpec.from_dict(json.load(f))
+        secret = _read_secret(spec)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     # SIGTERM (systemd stops a unit's whole cgroup, `kill`): leave as on shutdown, freeing the
@@ -654,14 +690,12 @@ def main(argv=None) -> int:
     sys.setswitchinterval(0.0002)  # a thread woken by a message gets the GIL in 0.2 ms, not 5
     ppid = os.getppid()
     os.environ.update(spec.env_of(proc))  # before any stage, torch or UCX reads it
-    w = Worker(spec, proc, sock_dir)
-    coord = Outbox(endpoint(spec, sock_dir, COORDINATOR))
+    w = Worker(spec, proc, sock_dir, secret)
+    coord = open_outbox(spec, sock_dir, proc, COORDINATOR, secret)
     try:
         w.start()
         if gone.is_set():  # /dev/null, or a launcher that does not forward it: it would end at once
-            raise RuntimeError("stdin was closed at start-up: the host's launch prefix must forward stdin (ssh "
-                               "does, unless -n; docker exec needs -i), which tells the process when the "
-                               "coordinator is gone")
+            raise RuntimeError(NO_STDIN)
     except BaseException as e:  # noqa: BLE001  reported to the coordinator, which rolls back
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         coord.send(ControlMessage("ready", from_stage=proc, error=tb[-60000:]), timeout=5)
