@@ -25,6 +25,8 @@
 #include "core/log.hpp"
 #include "core/net.hpp"
 #include "core/proc.hpp"
+#include "core/curve_config.hpp"
+#include "core/zap.hpp"
 #include "core/zmq_fork.hpp"
 #include "core/zmq_util.hpp"
 #include "cuda/driver.hpp"
@@ -50,6 +52,7 @@ struct TeOptions {
   uint32_t readers = 1;
   unsigned lanes = 1;  // endpoints one payload is split over (measured here: 1 fills a veth link best)
   std::string pull_channel = "ucx";  // ucx: pulls after the first go as UCX messages; zmq: all by the side channel
+  std::optional<CurveConfig> curve;  // extra.curve: the side channel authenticated and encrypted
 };
 
 Result<TeOptions> te_options(const Value& e) {
@@ -92,6 +95,7 @@ Result<TeOptions> te_options(const Value& e) {
   o.put_timeout_s = ptmo;
   o.ttl_s = ttl;
   o.readers = uint32_t(readers);
+  SL_ASSIGN(o.curve, curve_from_extra(e, "TransferEngineConnector"));
   return o;
 }
 
@@ -136,6 +140,15 @@ class TeConnector final : public Connector {
         // Requests are small maps (a key, a worker address): a peer declaring a larger frame is
         // disconnected by libzmq before anything of it is buffered.
         router_->set(zmq::sockopt::maxmsgsize, int64_t(kSideChannelMaxRequest));
+        if (o_.curve) {
+          SL_ASSIGN(admission_, zap::serve(ctx_, *router_, o_.curve->server));
+        } else if (bind_host.rfind("127.", 0) != 0 && bind_host != "localhost" && bind_host != "::1") {
+          static std::atomic<bool> said{false};
+          if (!said.exchange(true))
+            SL_LOG_WARN("%s: its side channel serves %s without CURVE: any host that reaches it can list this "
+                        "sender's keys and pull small payloads. Set extra.curve (SECURITY.md)",
+                        name.c_str(), bind_host.c_str());
+        }
         router_->bind("tcp://" + bind_host + ":" + std::to_string(o_.zmq_port));
         const std::string last = router_->get(zmq::sockopt::last_endpoint);
         port_ = std::stoi(last.substr(last.rfind(':') + 1));
@@ -418,6 +431,8 @@ class TeConnector final : public Connector {
     m.emplace_back("gets_over_side_channel", uint64_t(gets_side_.load()));
     m.emplace_back("connects", uint64_t(connects_.load()));  // connect() calls that set up a sender
     m.emplace_back("errors", uint64_t(errors_.load()));
+    m.emplace_back("curve", bool(o_.curve));  // the side channel authenticated and encrypted
+    m.emplace_back("refused_peers", uint64_t(admission_ ? admission_->refused() : 0));
     {
       std::lock_guard<std::mutex> l(mu_);
       m.emplace_back("outstanding", uint64_t(entries_.size()));
@@ -444,11 +459,13 @@ class TeConnector final : public Connector {
       (void)new std::shared_ptr<ucx::Engine>(std::move(engine_));
       (void)new std::map<std::string, std::shared_ptr<Peer>>(std::move(peers_));
       abandon_after_fork(ctx_, router_);
+      (void)new std::shared_ptr<zap::Admission>(std::move(admission_));
       return;
     }
     stop_.store(true);
     if (server_.joinable()) server_.join();
     router_.reset();
+    admission_.reset();  // after the socket, before the context: stops its ZAP handler
     {
       std::lock_guard<std::mutex> l(peers_mu_);
       peers_.clear();
@@ -535,6 +552,7 @@ class TeConnector final : public Connector {
         slot = std::make_shared<Peer>(ctx_);
         slot->sock.set(zmq::sockopt::linger, 0);
         slot->sock.set(zmq::sockopt::maxmsgsize, int64_t(kSideChannelMaxReply));  // an inline payload at most
+        if (o_.curve) SL_TRY(zap::connect_as(slot->sock, o_.curve->client));
         slot->sock.connect(peer);
       }
       p = slot;
@@ -779,6 +797,7 @@ class TeConnector final : public Connector {
   std::shared_ptr<ucx::Engine> engine_;
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> router_;
+  std::shared_ptr<zap::Admission> admission_;
   std::thread server_;
   ForkStamp fork_;
   std::atomic<bool> stop_{false}, closed_{false};

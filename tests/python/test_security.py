@@ -242,3 +242,46 @@ def test_forged_control_messages_over_tcp_are_refused_and_the_pipeline_goes_on(n
         for i in range(2, 6):
             assert p.submit(f"r{i}", {"x": np.arange(4)}).result(30)["x"].tolist() == [0, 4, 8, 12]
         assert all(proc.poll() is None for proc in p._procs.values())  # no stage took the shutdown
+
+
+def test_transfer_engine_side_channel_with_curve_serves_only_key_holders(tmp_path):
+    """A stranger (no keys, or other keys) who learns a put's metadata gets nothing from the side
+    channel, and the put's own receiver still reads it whole."""
+    pub, sec = stagelink.curve_keypair()
+    key_file = tmp_path / "te.key"
+    key_file.write_text(sec + "\n")
+    key_file.chmod(0o600)
+    base = {"host": "127.0.0.1", "memory_pool_size": 16 << 20, "timeout_s": 1}
+    keyed = dict(base, curve={"secret_key_file": str(key_file)})
+    other_pub, other_sec = stagelink.curve_keypair()
+    with stagelink.create_connector("TransferEngineConnector", dict(keyed, role="sender")) as s, \
+            stagelink.create_connector("TransferEngineConnector", dict(keyed, role="receiver")) as r, \
+            stagelink.create_connector("TransferEngineConnector", dict(base, role="receiver")) as plain, \
+            stagelink.create_connector("TransferEngineConnector",
+                                       dict(base, role="receiver", curve={"secret_key": other_sec,
+                                                                          "server_key": pub})) as other:
+        assert s.health()["curve"] and not plain.health()["curve"]
+        for size in (100, 1 << 20):  # inline in the side channel's reply, and through UCX
+            data = np.arange(size, dtype=np.uint8)
+            ok, _, md = s.put(0, 1, f"k{size}", data)
+            assert ok
+            for stranger in (plain, other):
+                assert stranger.get(0, 1, f"k{size}", md, timeout=1) is None
+            got = r.get(0, 1, f"k{size}", md)
+            assert got is not None, r.last_error
+            assert np.array_equal(got[0], data)
+        assert s.health()["refused_peers"] >= 1  # the other key (the plain one fails before ZAP)
+    key_file.chmod(0o644)
+    with pytest.raises(stagelink.PermissionDeniedError, match="chmod 600"):
+        stagelink.create_connector("TransferEngineConnector", dict(keyed, role="sender"))
+    with pytest.raises(stagelink.InvalidArgumentError, match="secret_key"):
+        stagelink.create_connector("TransferEngineConnector", dict(base, curve={"server_key": pub}))
+
+
+def test_a_pipeline_keys_its_transfer_engine_side_channels_by_itself(ns):
+    d = {"stages": [{"name": "a", "factory": f"{S}:double", "terminal": True}],
+         "relay": {"backend": "ucx", "timeout_s": 10, "extra": {"host": "127.0.0.1", "memory_pool_size": 16 << 20}}}
+    with Pipeline.from_config(d) as p:
+        assert p.submit("r0", {"x": np.arange(4)}).result(30)["x"].tolist() == [0, 2, 4, 6]
+        assert p._relay.health()["connector"]["curve"] is True
+        assert "curve" not in str(p.spec.to_dict())  # the secret never travels in the spec

@@ -28,7 +28,7 @@ from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_
 from ..relay import Relay
 from ._wire import from_frame, small_frame
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
-from .worker import EXIT_NO_STDIN, NO_STDIN, open_inbox, open_outbox, remote_args
+from .worker import EXIT_NO_STDIN, NO_STDIN, keyed_relay, open_inbox, open_outbox, remote_args
 
 
 class StageError(RuntimeError):
@@ -104,21 +104,29 @@ class Pipeline:
         # Sweep what crashed processes of earlier runs left in shared memory (only the dead's).
         _core.shm_reap("/dev/shm")
         try:
-            # control: tcp: a CURVE key pair per process; the public keys travel in the spec, each
-            # secret key on its process's stdin.
-            self._secrets: Dict[str, str] = {}
-            if spec.control.get("transport") == "tcp" and spec.control.get("curve", True):
-                pubs = {}
-                for proc in [COORDINATOR] + list(spec.processes()):
-                    pubs[proc], self._secrets[proc] = _core.curve_keypair()
+            # CURVE keys: with control: tcp a key pair per process (the public keys travel in the
+            # spec); with transfer-engine edges one key the pipeline's side channels share. Each
+            # process gets its secret keys on its stdin.
+            self._keys: Dict[str, dict] = {}
+            ctl = spec.control.get("transport") == "tcp" and spec.control.get("curve", True)
+            data = (_core.curve_keypair()[1] if any(spec.relay_for(a, b).get("backend") == "ucx"
+                                                    for a, b, _ in spec.edges()) else None)
+            pubs = {}
+            for proc in [COORDINATOR] + list(spec.processes()):
+                self._keys[proc] = {"data": data}
+                if ctl:
+                    pubs[proc], self._keys[proc]["control"] = _core.curve_keypair()
+            if pubs:
                 spec.control["curve_public"] = pubs
-            self._inbox = open_inbox(spec, self._dir, COORDINATOR, self._secrets.get(COORDINATOR))
+            if ctl or data:
+                spec.control["keys_on_stdin"] = True
+            self._inbox = open_inbox(spec, self._dir, COORDINATOR, self._keys[COORDINATOR].get("control"))
             if spec.free_ports:
                 spec.control["coordinator"] = self._inbox.endpoint  # the port it got, for the stages
             # Requests go out on the entry's edge, results come in on the terminal stage's: one
             # relay, or two where they differ (`relay: auto` with one end on another host).
-            out_cfg = spec.relay_at(COORDINATOR, COORDINATOR, spec.entry)
-            in_cfg = spec.relay_at(COORDINATOR, spec.terminal, COORDINATOR)
+            out_cfg = keyed_relay(spec.relay_at(COORDINATOR, COORDINATOR, spec.entry), data)
+            in_cfg = keyed_relay(spec.relay_at(COORDINATOR, spec.terminal, COORDINATOR), data)
             self._relay = Relay(out_cfg)
             self._relay_in = self._relay if in_cfg == out_cfg else Relay(in_cfg)
             self._start(python or sys.executable, env)
@@ -153,9 +161,9 @@ class Pipeline:
             if not host:
                 self._procs[proc] = subprocess.Popen(
                     [python, "-m", "stagelink.pipeline._entry", spec_path, proc, self._dir], env=e,
-                    stdin=subprocess.PIPE if proc in self._secrets else subprocess.DEVNULL)
-                if proc in self._secrets:  # its CURVE secret key, then end of file
-                    self._procs[proc].stdin.write(self._secrets[proc].encode() + b"\n")
+                    stdin=subprocess.PIPE if self.spec.control.get("keys_on_stdin") else subprocess.DEVNULL)
+                if self.spec.control.get("keys_on_stdin"):  # its CURVE secret keys, then end of file
+                    self._procs[proc].stdin.write(json.dumps(self._keys[proc]).encode() + b"\n")
                     self._procs[proc].stdin.close()
                 continue
             # Another host: its `launch` prefix runs the process there. Its stdin is a pipe this
@@ -166,9 +174,12 @@ class Pipeline:
             argv += remote_args(self.spec, proc, front, paths)
             try:
                 self._procs[proc] = subprocess.Popen(argv, env=e, stdin=subprocess.PIPE)
-                if proc in self._secrets:  # its CURVE secret key; the pipe stays open (worker._watch_stdin)
-                    self._procs[proc].stdin.write(self._secrets[proc].encode() + b"\n")
-                    self._procs[proc].stdin.flush()
+                if self.spec.control.get("keys_on_stdin"):  # its keys; the pipe stays open (worker._watch_stdin)
+                    try:
+                        self._procs[proc].stdin.write(json.dumps(self._keys[proc]).encode() + b"\n")
+                        self._procs[proc].stdin.flush()
+                    except OSError:  # the launcher exited already: reported below as the process's exit
+                        pass
             except OSError as err:
                 raise PipelineStartError(f"cannot launch stage process '{proc}' on host '{host}' with "
                                          f"{h['launch']}: {err}") from None
@@ -296,8 +307,11 @@ class Pipeline:
         self._closed = True
         deadline = deadline or time.monotonic()
         for p in self._procs.values():
-            if p.stdin is not None:  # a process on another host: end of file ends it there
-                p.stdin.close()
+            if p.stdin is not None and not p.stdin.closed:  # another host's: end of file ends it there
+                try:
+                    p.stdin.close()
+                except OSError:  # its launcher is gone already (what it left unread, never delivered)
+                    pass
         for p in self._procs.values():
             try:
                 p.wait(max(0.0, deadline - time.monotonic()) if not kill else 0.5)
@@ -441,7 +455,7 @@ class Pipeline:
             ob = self._outboxes.get(proc)
             if ob is None:
                 ob = self._outboxes[proc] = open_outbox(self.spec, self._dir, COORDINATOR, proc,
-                                                        self._secrets.get(COORDINATOR))
+                                                        self._keys[COORDINATOR].get("control"))
             ob.send(msg, timeout=timeout)
 
     def _finish_locked(self, rid, r: _Req, result=None, error=None):

@@ -73,6 +73,15 @@ def open_outbox(spec: PipelineSpec, sock_dir: str, me: str, dest: str, secret: O
     return Outbox(endpoint(spec, sock_dir, dest), curve)
 
 
+def keyed_relay(cfg: dict, data_key: Optional[str]) -> dict:
+    """A transfer-engine relay config with the pipeline's side-channel key (unless it names its
+    own `extra.curve`): only the pipeline's processes reach its side channels."""
+    extra = cfg.get("extra") or {}
+    if not data_key or cfg.get("backend") != "ucx" or "curve" in extra:
+        return cfg
+    return dict(cfg, extra=dict(extra, curve={"secret_key": data_key}))
+
+
 class StreamError(RuntimeError):
     """An upstream stage failed while streaming to this one (its error text is the message)."""
 
@@ -356,9 +365,11 @@ def _relay_bytes(md: dict) -> int:
 
 
 class Worker:
-    def __init__(self, spec: PipelineSpec, proc: str, sock_dir: str, secret: Optional[str] = None):
+    def __init__(self, spec: PipelineSpec, proc: str, sock_dir: str, keys: Optional[dict] = None):
         self.spec, self.proc, self.dir = spec, proc, sock_dir
-        self.secret = secret  # this process's CURVE secret key (control: tcp)
+        keys = keys or {}
+        self.secret = keys.get("control")  # this process's CURVE secret key (control: tcp)
+        self.data_key = keys.get("data")  # the side-channel key of the pipeline's transfer-engine relays
         self.names = spec.processes()[proc]
         self.aborted: collections.OrderedDict = collections.OrderedDict()
         self.stages: Dict[str, StageRuntime] = {}
@@ -381,7 +392,7 @@ class Worker:
         return r
 
     def _relay_for(self, src: str, dst: str) -> Relay:
-        cfg = self.spec.relay_at(self.proc, src, dst)
+        cfg = keyed_relay(self.spec.relay_at(self.proc, src, dst), self.data_key)
         key = json.dumps(cfg, sort_keys=True)
         r = self.relays.get(key)
         if r is None:
@@ -632,16 +643,19 @@ NO_STDIN = ("stdin was closed at start-up: the host's launch prefix must forward
             "exec needs -i), which brings the process its CURVE key and tells it when the coordinator is gone")
 
 
-def _read_secret(spec: PipelineSpec) -> Optional[str]:
-    """This process's CURVE secret key (`control: tcp`): the first line of its stdin, written by
-    the coordinator (never on a command line, in the environment or in a file)."""
-    if not spec.control.get("curve_public"):
-        return None
-    line = sys.stdin.buffer.readline().strip().decode("ascii", "replace")
-    if len(line) != 40:
+def _read_keys(spec: PipelineSpec) -> dict:
+    """This process's CURVE secret keys ({"control": ..., "data": ...}): the first line of its
+    stdin, written by the coordinator (never on a command line, in the environment or a file)."""
+    if not spec.control.get("keys_on_stdin"):
+        return {}
+    try:
+        keys = json.loads(sys.stdin.buffer.readline())
+        if not isinstance(keys, dict):
+            raise ValueError
+    except ValueError:
         print(f"stagelink worker: {NO_STDIN}", file=sys.stderr)
         sys.exit(EXIT_NO_STDIN)
-    return line
+    return keys
 
 
 def _watch_stdin(gone: threading.Event):
@@ -670,13 +684,13 @@ def main(argv=None) -> int:
         # may differ, and must keep its own standard library first).
         sys.path[:0] = [p for p in dict.fromkeys(d["front"]) if os.path.isdir(p) and p not in sys.path]
         sys.path.extend(p for p in dict.fromkeys(d["path"]) if os.path.isdir(p) and p not in sys.path)
-        secret = _read_secret(spec)
+        keys = _read_keys(spec)
         _watch_stdin(gone)
     else:
         spec_path, proc, sock_dir = argv
         with open(spec_path) as f:
             spec = PipelineSpec.from_dict(json.load(f))
-        secret = _read_secret(spec)
+        keys = _read_keys(spec)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     # SIGTERM (systemd stops a unit's whole cgroup, `kill`): leave as on shutdown, freeing the
@@ -690,8 +704,8 @@ def main(argv=None) -> int:
     sys.setswitchinterval(0.0002)  # a thread woken by a message gets the GIL in 0.2 ms, not 5
     ppid = os.getppid()
     os.environ.update(spec.env_of(proc))  # before any stage, torch or UCX reads it
-    w = Worker(spec, proc, sock_dir, secret)
-    coord = open_outbox(spec, sock_dir, proc, COORDINATOR, secret)
+    w = Worker(spec, proc, sock_dir, keys)
+    coord = open_outbox(spec, sock_dir, proc, COORDINATOR, keys.get("control"))
     try:
         w.start()
         if gone.is_set():  # /dev/null, or a launcher that does not forward it: it would end at once
