@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "stagelink/curve.hpp"
 #include "stagelink/frame.hpp"
 #include "stagelink/payload.hpp"
 #include "stagelink/result.hpp"
@@ -27,10 +29,13 @@ struct MessageQueueOptions {
   size_t max_chunk_bytes = 10u << 20;    // ring chunk size (vLLM's default)
   uint32_t max_chunks = 10;              // ring length (vLLM's default)
   size_t overflow_bytes = 64u << 20;     // shared-memory area for messages larger than a chunk
-  // Address remote readers connect to. Empty: this host's address (net::host_address(): an
-  // up, non-loopback interface, or STAGELINK_HOST_IP / VLLM_HOST_IP), the socket bound on every
-  // interface, as vLLM does; set: bound on that address only.
+  // Address remote readers connect to, and the only one the socket binds. Empty: this host's
+  // address (net::host_address(): an up, non-loopback interface, or STAGELINK_HOST_IP /
+  // VLLM_HOST_IP). vLLM binds every interface; stagelink binds only the one it advertises.
   std::string connect_ip;
+  // Remote readers authenticated and encrypted (CurveZMQ): only readers holding a listed key
+  // subscribe. Unset: anyone who reaches the address may subscribe (logged once).
+  std::optional<CurveServer> curve;
   int remote_port = 0;                   // 0: an ephemeral port
   int remote_hwm = 1000;                 // writer-side queue per remote reader; a reader that stops
                                          // taking data makes enqueue block, then time out
@@ -46,6 +51,7 @@ struct MessageQueueHandle {
   std::vector<uint32_t> local_reader_ranks;
   uint32_t n_reader = 0;
   std::string remote_addr;  // empty: no remote readers
+  std::string server_key;   // the writer's CURVE public key; empty: remote readers not authenticated
   uint64_t spin_us = 50;
   uint64_t chunk_bytes = 0;   // ring chunk size (0: unknown, an older handle)
   uint32_t max_chunks = 0;
@@ -64,7 +70,10 @@ class MessageQueue {
  public:
   static Result<std::unique_ptr<MessageQueue>> create(const MessageQueueOptions& o);
   // `rank` in h.local_reader_ranks: a local reader; any other (-1 included): a remote one.
-  static Result<std::unique_ptr<MessageQueue>> create_from_handle(const MessageQueueHandle& h, int64_t rank);
+  // A remote reader of a queue whose handle names a server_key needs `curve` (its keys; an empty
+  // server_key there takes the handle's). Errors: invalid_argument (keys missing or malformed).
+  static Result<std::unique_ptr<MessageQueue>> create_from_handle(const MessageQueueHandle& h, int64_t rank,
+                                                                  const CurveClient* curve = nullptr);
   virtual ~MessageQueue() = default;
 
   virtual MessageQueueHandle export_handle() const = 0;

@@ -98,20 +98,28 @@ class MessageQueue(NativeOwner):
     ``overflow_bytes`` (shared memory for messages larger than a chunk), ``warn_interval_s``
     (a blocked writer logs the readers it waits for), ``drop_dead_readers`` (go on without a
     reader whose process died instead of raising :class:`stagelink.PeerDeadError`), ``spin_us``
-    (spin before sleeping in the kernel).
+    (spin before sleeping in the kernel), ``curve`` (remote readers authenticated and encrypted:
+    ``{"secret_key_file": PATH}`` or ``{"secret_key": ...}``, plus ``allowed_clients``; default
+    from ``STAGELINK_CURVE_SECRET_FILE``, a key file every process of the deployment shares).
+
+    The remote-reader socket binds ``connect_ip`` (else this host's address) only, never every
+    interface. A remote reader unpickles only what comes over an authenticated queue, unless it
+    is made with ``allow_pickle=True`` (or ``STAGELINK_MQ_ALLOW_PICKLE=1``): numpy arrays,
+    torch tensors, bytes and trees of them need no pickle.
     """
 
     def __init__(self, n_reader: int, n_local_reader: int, local_reader_ranks: Optional[Sequence[int]] = None,
                  max_chunk_bytes: int = 10 << 20, max_chunks: int = 10, connect_ip: Optional[str] = None,
                  enable_shm_tensor_arena: bool = True, *, remote_port: int = 0, overflow_bytes: int = 64 << 20,
                  warn_interval_s: float = 60.0, drop_dead_readers: bool = False, spin_us: int = 50,
-                 shm_dir: str = "/dev/shm", _core_mq=None):
+                 shm_dir: str = "/dev/shm", curve: Optional[dict] = None, _core_mq=None):
         self.max_chunk_bytes = int(max_chunk_bytes)
         # vLLM's fields: the queue's shape and which side this is (create_from_handle sets a
         # reader's own).
         self.n_reader, self.n_local_reader = int(n_reader), int(n_local_reader)
         self.n_remote_reader = self.n_reader - self.n_local_reader
         self.local_reader_rank = -1  # a local reader's index among the local readers
+        self._allow_pickle = True  # a remote reader's is set by create_from_handle
         if _core_mq is not None:
             self._q = _core_mq
             track(self)  # closed at exit if still open then
@@ -120,19 +128,28 @@ class MessageQueue(NativeOwner):
         self._q = _core._MessageQueue.create(
             int(n_reader), int(n_local_reader), [int(r) for r in ranks], int(max_chunk_bytes), int(max_chunks),
             connect_ip or "", int(remote_port), int(overflow_bytes), float(warn_interval_s),
-            bool(drop_dead_readers), int(spin_us), shm_dir)
+            bool(drop_dead_readers), int(spin_us), shm_dir,
+            _default_curve(curve) if self.n_remote_reader > 0 else None)
         track(self)
 
     @staticmethod
-    def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
+    def create_from_handle(handle: Handle, rank: int, *, curve: Optional[dict] = None,
+                           allow_pickle: Optional[bool] = None) -> "MessageQueue":
         """Attach reader ``rank``: through shared memory when ``rank`` is one of the handle's
-        ``local_reader_ranks``, otherwise over TCP (``-1``: a remote-only reader)."""
+        ``local_reader_ranks``, otherwise over TCP (``-1``: a remote-only reader). A remote reader
+        of a CURVE queue needs ``curve`` (its keys; default from ``STAGELINK_CURVE_SECRET_FILE``)."""
         data = handle.data if isinstance(handle, Handle) else bytes(handle)
         info = _core.mq_handle_info(data)
         local = list(info["local_reader_ranks"])
+        remote = int(rank) not in local
+        keys = _default_curve(curve) if remote and info["server_key"] else None
         q = MessageQueue(info["n_reader"], len(local), max_chunk_bytes=info["chunk_bytes"] or (10 << 20),
-                         _core_mq=_core._MessageQueue.create_from_handle(data, int(rank)))
+                         _core_mq=_core._MessageQueue.create_from_handle(data, int(rank), keys))
         q.local_reader_rank = local.index(int(rank)) if int(rank) in local else -1
+        if remote:  # only an authenticated writer's pickles, unless asked for
+            if allow_pickle is None:
+                allow_pickle = bool(keys) or os.environ.get("STAGELINK_MQ_ALLOW_PICKLE", "") == "1"
+            q._allow_pickle = bool(allow_pickle)
         q._spin_condition  # a local reader's reads go through vLLM's SpinCondition loop (dequeue)
         return q
 
@@ -252,6 +269,9 @@ class MessageQueue(NativeOwner):
                 timeout = 0
             kind, regions = q.dequeue_parts(timeout)
             sc.last_read = time.monotonic()  # record_read()
+        if kind != _serde.KIND_OBJECT and not self._allow_pickle:
+            raise _core.CorruptError("a message holding a pickle from an unauthenticated remote writer: refused unread "
+                                     "(give the queue CURVE keys, or create_from_handle(..., allow_pickle=True))")
         return _serde.decode(kind, regions, False)
 
     class ReadTimeoutWithWarnings:
@@ -389,6 +409,14 @@ def _torch_distributed():
         raise _core.InvalidArgumentError("create_from_process_group: torch.distributed is not initialized "
                                          "(call torch.distributed.init_process_group first)")
     return dist
+
+
+def _default_curve(curve: Optional[dict]) -> Optional[dict]:
+    """The queue's CURVE keys: ``curve``, else a key file named by STAGELINK_CURVE_SECRET_FILE."""
+    if curve is not None:
+        return curve
+    path = os.environ.get("STAGELINK_CURVE_SECRET_FILE")
+    return {"secret_key_file": path} if path else None
 
 
 class _SpinCondition:

@@ -20,6 +20,7 @@
 #include "core/net.hpp"
 #include "core/proc.hpp"
 #include "core/zmq_fork.hpp"
+#include "core/zap.hpp"
 #include "core/zmq_util.hpp"
 #include "shm/ring.hpp"
 #include "stagelink/allocator.hpp"
@@ -73,6 +74,7 @@ std::vector<std::byte> MessageQueueHandle::to_msgpack() const {
   m.emplace_back("spin", uint64_t(spin_us));
   m.emplace_back("cb", chunk_bytes);
   m.emplace_back("mc", uint64_t(max_chunks));
+  if (!server_key.empty()) m.emplace_back("sk", server_key);
   return value_to_msgpack(Value(std::move(m)));
 }
 
@@ -101,6 +103,10 @@ Result<MessageQueueHandle> MessageQueueHandle::from_msgpack(std::span<const std:
   if ((f = v.find("cb"))) f->get_u64(cb);
   if ((f = v.find("mc")) && f->get_u64(mc) && mc <= shm::kRingMaxChunks) h.max_chunks = uint32_t(mc);
   h.chunk_bytes = cb;
+  if ((f = v.find("sk"))) {
+    if (!f->is<std::string>() || f->as<std::string>().size() != 40) return bad("server_key");
+    h.server_key = f->as<std::string>();
+  }
   f = v.find("ranks");
   if (!f || !f->is<Value::List>()) return bad("ranks");
   for (auto& r : f->as<Value::List>()) {
@@ -178,7 +184,16 @@ class MqWriter final : public MessageQueue {
         pub_->set(zmq::sockopt::xpub_verbose, 1);
         pub_->set(zmq::sockopt::xpub_nodrop, 1);
         pub_->set(zmq::sockopt::sndhwm, o_.remote_hwm);
-        pub_->set(zmq::sockopt::maxmsgsize, int64_t(256));  // what it receives: (un)subscriptions
+        // What it receives: (un)subscriptions, and the handshake's commands (CURVE's INITIATE is ~300 B).
+        pub_->set(zmq::sockopt::maxmsgsize, int64_t(4096));
+        if (o_.curve) {
+          auto adm = zap::serve(ctx_, *pub_, *o_.curve);
+          if (!adm.ok()) {
+            close();
+            return std::move(adm).error();
+          }
+          admission_ = std::move(adm).value();
+        }
         pub_->set(zmq::sockopt::linger, 5000);  // bounded: close() waits at most 5 s to flush
         const std::string port = o_.remote_port ? std::to_string(o_.remote_port) : std::string("*");
         if (o_.connect_ip.empty()) {  // this host's address (not every interface), as advertised
@@ -190,6 +205,13 @@ class MqWriter final : public MessageQueue {
         } else {
           pub_->bind("tcp://" + o_.connect_ip + ":" + port);
           remote_addr_ = pub_->get(zmq::sockopt::last_endpoint);
+        }
+        if (!o_.curve) {
+          static std::atomic<bool> said{false};
+          if (!said.exchange(true))
+            SL_LOG_WARN("message queue: remote readers are served on %s without CURVE: anyone who reaches it can "
+                        "subscribe, read every message and hold up the writer. Give it keys (curve=, or "
+                        "STAGELINK_CURVE_SECRET_FILE; SECURITY.md)", remote_addr_.c_str());
         }
       } catch (const zmq::error_t& e) {
         close();
@@ -211,6 +233,7 @@ class MqWriter final : public MessageQueue {
     h.spin_us = o_.spin_us;
     h.chunk_bytes = o_.max_chunk_bytes;
     h.max_chunks = o_.max_chunks;
+    if (o_.curve && pub_) h.server_key = o_.curve->keys.public_key;
     return h;
   }
   bool is_writer() const override { return true; }
@@ -474,6 +497,7 @@ class MqWriter final : public MessageQueue {
       closed_ = true;
       ool_.clear();
       abandon_after_fork(ctx_, pub_);
+      (void)new std::shared_ptr<zap::Admission>(std::move(admission_));
       return;
     }
     shutdown(true);
@@ -485,6 +509,7 @@ class MqWriter final : public MessageQueue {
       if (!r.dedicated.empty()) Segment::unlink(o_.shm_dir, r.dedicated);
     ool_.clear();
     pub_.reset();
+    admission_.reset();  // after the socket, before the context
     ctx_.close();
   }
 
@@ -507,6 +532,7 @@ class MqWriter final : public MessageQueue {
   }
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> pub_;
+  std::shared_ptr<zap::Admission> admission_;
   std::vector<std::byte> scratch_;
   FramePlan plan_;  // the last message's layout (enqueue, under mu_)
   uint64_t seq_ = 0;  // messages sent (to the ring, the remote readers, or both)
@@ -663,6 +689,7 @@ class MqRemoteReader final : public MqReader {
       sub_->set(zmq::sockopt::subscribe, std::string(1, kMsgTag));
       sub_->set(zmq::sockopt::subscribe, std::string(1, kShutdownTag));
       sub_->set(zmq::sockopt::subscribe, rank_topic(rank_));
+      if (curve_) SL_TRY(zap::connect_as(*sub_, *curve_));
       sub_->connect(h_.remote_addr);
     } catch (const zmq::error_t& e) {
       return make_error(Errc::io, "connecting to " + h_.remote_addr + ": " + e.what());
@@ -744,6 +771,11 @@ class MqRemoteReader final : public MqReader {
 
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> sub_;
+
+ public:
+  std::optional<CurveClient> curve_;  // set by create_from_handle before init()
+
+ private:
   ForkStamp fork_;
   int efd_ = -1;
   std::atomic<bool> cancelled_{false};
@@ -756,7 +788,8 @@ Result<std::unique_ptr<MessageQueue>> MessageQueue::create(const MessageQueueOpt
   return std::unique_ptr<MessageQueue>(std::move(w));
 }
 
-Result<std::unique_ptr<MessageQueue>> MessageQueue::create_from_handle(const MessageQueueHandle& h, int64_t rank) {
+Result<std::unique_ptr<MessageQueue>> MessageQueue::create_from_handle(const MessageQueueHandle& h, int64_t rank,
+                                                                       const CurveClient* curve) {
   for (size_t i = 0; i < h.local_reader_ranks.size(); ++i) {
     if (int64_t(h.local_reader_ranks[i]) != rank) continue;
     auto r = std::make_unique<MqLocalReader>(h, rank);
@@ -765,7 +798,16 @@ Result<std::unique_ptr<MessageQueue>> MessageQueue::create_from_handle(const Mes
   }
   if (h.remote_addr.empty())
     return make_error(Errc::invalid_argument, "rank " + std::to_string(rank) + " is not a local reader and the queue has no remote address");
+  if (!h.server_key.empty() && !curve)
+    return make_error(Errc::invalid_argument, "the message queue at " + h.remote_addr +
+                                                  " serves remote readers with CURVE: this reader needs keys (curve=, "
+                                                  "or STAGELINK_CURVE_SECRET_FILE)");
   auto r = std::make_unique<MqRemoteReader>(h, rank);
+  if (curve) {
+    r->curve_ = *curve;
+    if (r->curve_->server_key.empty()) r->curve_->server_key = h.server_key;
+    SL_TRY(check_curve(*r->curve_));
+  }
   SL_TRY(r->init());
   return std::unique_ptr<MessageQueue>(std::move(r));
 }

@@ -19,6 +19,7 @@
 #include "core/net.hpp"
 #include "bench/shm_bench.hpp"
 #include "bench/relay_bench.hpp"
+#include "core/curve_config.hpp"
 #include "stagelink/stagelink.hpp"
 
 namespace nb = nanobind;
@@ -2030,6 +2031,15 @@ std::optional<CurveClient> curve_client(nb::handle d) {
   return CurveClient{curve_pair(d), curve_str(d, "server_key", true)};
 }
 
+// A message queue's `curve` argument: the `extra.curve` map of the connectors (secret_key or
+// secret_key_file, server_key, allowed_clients).
+std::optional<CurveConfig> mq_curve(nb::handle d) {
+  if (d.is_none()) return std::nullopt;
+  Value::Map m;
+  m.emplace_back("curve", from_py(d));
+  return unwrap(curve_from_extra(Value(std::move(m)), "MessageQueue"));
+}
+
 struct PyInbox {
   std::shared_ptr<ControlInbox> in;
   std::shared_ptr<ControlInbox> get() {
@@ -2388,8 +2398,9 @@ NB_MODULE(_core, m) {
       .def_static("create", [](uint32_t n_reader, uint32_t n_local_reader, std::vector<uint32_t> local_ranks,
                                size_t max_chunk_bytes, uint32_t max_chunks, const std::string& connect_ip, int remote_port,
                                size_t overflow_bytes, double warn_interval_s, bool drop_dead_readers, uint64_t spin_us,
-                               const std::string& shm_dir) {
+                               const std::string& shm_dir, nb::handle curve) {
              MessageQueueOptions o;
+             if (auto cc = mq_curve(curve)) o.curve = cc->server;
              o.n_reader = n_reader;
              o.n_local_reader = n_local_reader;
              o.local_reader_ranks = std::move(local_ranks);
@@ -2403,12 +2414,18 @@ NB_MODULE(_core, m) {
              o.spin_us = spin_us;
              o.shm_dir = shm_dir;
              return PyMq(unwrap(MessageQueue::create(o)));
-           })
-      .def_static("create_from_handle", [](nb::bytes handle, int64_t rank) {
+           }, nb::arg("n_reader"), nb::arg("n_local_reader"), nb::arg("local_ranks"), nb::arg("max_chunk_bytes"),
+           nb::arg("max_chunks"), nb::arg("connect_ip"), nb::arg("remote_port"), nb::arg("overflow_bytes"),
+           nb::arg("warn_interval_s"), nb::arg("drop_dead_readers"), nb::arg("spin_us"), nb::arg("shm_dir"),
+           nb::arg("curve").none() = nb::none())
+      .def_static("create_from_handle", [](nb::bytes handle, int64_t rank, nb::handle curve) {
              auto h = unwrap(MessageQueueHandle::from_msgpack(
                  std::span<const std::byte>(reinterpret_cast<const std::byte*>(handle.c_str()), handle.size())));
-             return PyMq(unwrap(MessageQueue::create_from_handle(h, rank)));
-           })
+             auto cc = mq_curve(curve);
+             if (cc && (!PyDict_Check(curve.ptr()) || !PyDict_GetItemString(curve.ptr(), "server_key")))
+               cc->client.server_key.clear();  // the handle's
+             return PyMq(unwrap(MessageQueue::create_from_handle(h, rank, cc ? &cc->client : nullptr)));
+           }, nb::arg("handle"), nb::arg("rank"), nb::arg("curve").none() = nb::none())
       .def("export_handle", [](PyMq& self) {
              auto b = self.get()->export_handle().to_msgpack();
              return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
@@ -2488,6 +2505,7 @@ NB_MODULE(_core, m) {
     d["overflow_name"] = h.overflow_name;
     d["shm_dir"] = h.shm_dir;
     d["remote_addr"] = h.remote_addr;
+    d["server_key"] = h.server_key;
     d["chunk_bytes"] = h.chunk_bytes;
     d["max_chunks"] = h.max_chunks;
     return d;

@@ -285,3 +285,47 @@ def test_a_pipeline_keys_its_transfer_engine_side_channels_by_itself(ns):
         assert p.submit("r0", {"x": np.arange(4)}).result(30)["x"].tolist() == [0, 2, 4, 6]
         assert p._relay.health()["connector"]["curve"] is True
         assert "curve" not in str(p.spec.to_dict())  # the secret never travels in the spec
+
+
+def test_message_queue_remote_readers_with_curve_and_a_rogue_subscriber(tmp_path, mq_clean):
+    """A rogue subscriber (no keys, or keys of its own) gets nothing and holds up nobody; the real
+    remote reader, holding the deployment's key, reads everything, pickles included."""
+    pub, sec = stagelink.curve_keypair()
+    key_file = tmp_path / "mq.key"
+    key_file.write_text(sec)
+    key_file.chmod(0o600)
+    _, other = stagelink.curve_keypair()
+    keys = {"secret_key_file": str(key_file)}
+    with stagelink.MessageQueue(1, 0, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1",
+                                curve=keys) as w:
+        h = w.export_handle()
+        with pytest.raises(stagelink.InvalidArgumentError, match="CURVE"):
+            stagelink.MessageQueue.create_from_handle(h, -1)  # no keys at all: refused at once
+        rogue = stagelink.MessageQueue.create_from_handle(h, -1, curve={"secret_key": other, "server_key": pub})
+        reader = stagelink.MessageQueue.create_from_handle(h, -1, curve=keys)
+        w.wait_until_ready(timeout=10)
+        for i in range(20):  # more than the rogue could hold up if it were a subscriber
+            w.enqueue({"i": i, "s": {1, 2}}, timeout=5)  # a set: pickled
+        for i in range(20):
+            assert reader.dequeue(timeout=5) == {"i": i, "s": {1, 2}}
+        with pytest.raises(stagelink.TimeoutError):
+            rogue.dequeue(timeout=0.3)
+        rogue.close()
+        reader.close()
+
+
+def test_an_unauthenticated_remote_reader_refuses_pickles(mq_clean):
+    with stagelink.MessageQueue(2, 0, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1") as w:
+        h = w.export_handle()
+        strict = stagelink.MessageQueue.create_from_handle(h, -1)
+        trusting = stagelink.MessageQueue.create_from_handle(h, -1, allow_pickle=True)
+        w.wait_until_ready(timeout=10)
+        w.enqueue({"a": np.arange(3)}, timeout=5)
+        w.enqueue({1, 2}, timeout=5)
+        assert strict.dequeue(timeout=5)["a"].tolist() == [0, 1, 2]  # native frames still travel
+        with pytest.raises(stagelink.CorruptError, match="pickle"):
+            strict.dequeue(timeout=5)
+        assert trusting.dequeue(timeout=5)["a"].tolist() == [0, 1, 2]
+        assert trusting.dequeue(timeout=5) == {1, 2}
+        strict.close()
+        trusting.close()
