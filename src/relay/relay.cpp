@@ -152,10 +152,12 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       if (!has("timeout_s")) extra.emplace_back("timeout_s", cfg.timeout_s);
     }
     SL_ASSIGN(conn, create_connector(name, Value(std::move(extra))));
+    lookup_only = name == "SharedMemoryConnector";
     return {};
   }
 
   bool is_local() const { return cfg.backend == "local"; }
+  bool lookup_only = false;  // a shared-memory connector: a get by metadata is one lookup
 
   // Forget released puts of `edge` (their credits return). Under mu.
   void reap_locked(std::deque<std::shared_ptr<PutRec>>& q) {
@@ -396,7 +398,10 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       if (!kv || !kv->is<std::string>())
         return make_error(Errc::corrupt, "relay metadata lacks 'relay_key' (not from a stagelink relay put?)");
       if (!conn) return make_error(Errc::invalid_argument, "relay metadata of a shared-memory put given to a local relay");
-      const double tmo = o.timeout_s >= 0 ? o.timeout_s : cfg.timeout_s;
+      // Metadata names a put made before it was sent: over shared memory a get is one lookup and
+      // never waits (metadata it cannot use would otherwise make it wait for the key, holding up
+      // a receive loop for the whole timeout). A network get waits for its transfer.
+      const double tmo = o.timeout_s >= 0 ? o.timeout_s : lookup_only ? 0.0 : cfg.timeout_s;
       GetOptions go;
       go.zero_copy = o.zero_copy || !o.dest.empty();
       go.keep_waiting = o.keep_waiting;

@@ -5,12 +5,13 @@ no payload of theirs is read as ours, and the victim goes on working.
 """
 import os
 import pickle
+import time
 
 import numpy as np
 import pytest
 
 import stagelink
-from stagelink.pipeline import Pipeline, PipelineConfigError, load_pipeline
+from stagelink.pipeline import Pipeline, PipelineConfigError, StageError, load_pipeline
 from stagelink.relay import default_allow_pickle
 
 S = "pipeline_stages"
@@ -329,3 +330,27 @@ def test_an_unauthenticated_remote_reader_refuses_pickles(mq_clean):
         assert trusting.dequeue(timeout=5) == {1, 2}
         strict.close()
         trusting.close()
+
+
+def test_a_data_ready_the_relay_cannot_use_fails_its_request_and_holds_up_nothing(ns):
+    """Metadata the relay cannot use (a buggy peer) once made the receive loop wait for the key for
+    the relay's whole timeout, freezing every request of that process. Now it fails that request
+    only, at once, saying why."""
+    from stagelink.control import ControlMessage, Outbox
+    from stagelink.pipeline.worker import endpoint
+    d = {"stages": [{"name": "a", "factory": f"{S}:slow", "next": "b"},
+                    {"name": "b", "factory": f"{S}:double", "terminal": True}],
+         "relay": {"extra": {"namespace": ns}, "timeout_s": 20}}
+    with Pipeline.from_config(d) as p:
+        victim = p.submit("victim", {"x": np.arange(4), "ticks": 100})  # 2 s in stage a
+        ob = Outbox(endpoint(p.spec, p._dir, "b"))
+        t0 = time.monotonic()
+        ob.send(ControlMessage("data_ready", "victim", from_stage="a", to_stage="b",
+                               metadata={"relay_key": "nope", "entry": 7, "gen": 3, "size": 100}), timeout=1)
+        ob.close()
+        with pytest.raises(StageError, match="could not be read"):
+            victim.result(10)
+        assert time.monotonic() - t0 < 5  # not the relay's 20 s
+        t0 = time.monotonic()
+        assert p.submit("next", {"x": np.arange(4), "ticks": 1}).result(10)["x"].tolist() == [0, 2, 4, 6]
+        assert time.monotonic() - t0 < 5

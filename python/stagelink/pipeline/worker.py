@@ -546,7 +546,15 @@ class Worker:
                     self.discard(m.from_stage, m.to_stage, m.metadata)
                 return True
             kind, item = ("body", m.body) if m.body else ("relay", m.metadata)
-            obj = self.read(m.from_stage, m.to_stage, kind, item, int(m.metadata.get("t_ns", 0)), st.spec.zero_copy)
+            md = m.metadata if isinstance(m.metadata, dict) else {}
+            try:
+                obj = self.read(m.from_stage, m.to_stage, kind, item, int(md.get("t_ns", 0) or 0), st.spec.zero_copy)
+            except (_core.StagelinkError, ValueError, TypeError) as e:
+                # Metadata the relay cannot use, a payload gone or damaged: that request fails
+                # (named, with why); the receive loop goes on at once.
+                self.send_failure(m.request_id, m.to_stage, f"stage {m.to_stage}: its input from {m.from_stage} "
+                                                            f"could not be read: {type(e).__name__}: {e}")
+                return True
             st.deliver_data(m.request_id, m.from_stage, obj)
         elif t == "stream":
             st = self.stages.get(m.to_stage)
