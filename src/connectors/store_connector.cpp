@@ -265,6 +265,16 @@ Result<Meta> decode_meta(std::string_view s) {
   return m;
 }
 
+}  // namespace
+
+Status check_store_meta(std::string_view bytes) {
+  auto m = decode_meta(bytes);
+  if (!m.ok()) return std::move(m).error();
+  return {};
+}
+
+namespace {
+
 // One round trip for a get: claim a reader of the put (DECR of its counter; never below zero),
 // and return its meta, how many readers remain, and chunk 0. The last reader of a put read by one
 // reader takes the put away here (meta, counter, signal, chunk 0); the caller the other chunks.

@@ -237,6 +237,11 @@ Status decode_frame_into(std::span<const std::byte> buf, std::shared_ptr<const v
   if (fh.total_len > buf.size())
     return make_error(Errc::corrupt, "frame says " + std::to_string(fh.total_len) +
                                          " bytes but buffer has " + std::to_string(buf.size()));
+  // Shorter than its own header: `total_len - kFrameHeaderBytes` below would wrap around and let
+  // any header length through (found by tests/fuzz/fuzz_frame).
+  if (fh.total_len < kFrameHeaderBytes)
+    return make_error(Errc::corrupt, "frame says " + std::to_string(fh.total_len) +
+                                         " bytes, less than its 64-byte header");
   if (fh.header_len > fh.total_len - kFrameHeaderBytes || fh.header_len > kFrameMaxHeader)
     return make_error(Errc::corrupt, "frame header length " + std::to_string(fh.header_len) +
                                          " runs past the frame");

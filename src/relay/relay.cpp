@@ -78,7 +78,8 @@ Result<RelayConfig> RelayConfig::from_value(const Value& v) {
   if (!v.is<Value::Map>()) return make_error(Errc::invalid_argument, "relay config must be a map");
   static const char* kKnown[] = {"backend", "connector", "extra", "slot_size_mb", "credits", "rank",
                                  "world_size", "device", "timeout_s", "engine_id"};
-  for (const auto& [k, _] : v.as<Value::Map>()) {
+  for (const auto& kv : v.as<Value::Map>()) {
+    const std::string& k = kv.first;
     if (std::none_of(std::begin(kKnown), std::end(kKnown), [&](const char* n) { return k == n; }))
       return make_error(Errc::invalid_argument, "relay config: unknown key '" + k +
                                                     "' (known: backend, connector, extra, slot_size_mb, credits, "

@@ -255,6 +255,29 @@ TEST(Frame, HeaderLengthPastEndIsCorrupt) {
   EXPECT_NE(d.error().message.find("header length"), std::string::npos);
 }
 
+// Found by tests/fuzz/fuzz_frame: a frame whose total_len is under its own 64-byte header made
+// `total_len - 64` wrap around, so any header length passed and the msgpack reader ran past the
+// buffer (ASan: heap-buffer-overflow). The fuzzer's input, as it found it.
+TEST(Frame, TotalLengthShorterThanTheHeaderIsCorrupt) {
+  const uint8_t crash[] = {0x53, 0x4c, 0x46, 0x52, 0x01, 0, 0, 0, 0, 0, 0x82, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x10, 0, 0,
+                           0, 0, 0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0x82, 0xa1, 0x78, 0x90, 0xa6, 0xa1, 0x74, 0x2a};
+  std::vector<std::byte> f(sizeof crash);
+  std::memcpy(f.data(), crash, sizeof crash);
+  auto d = decode_frame(f);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.error().code, Errc::corrupt);
+  EXPECT_NE(d.error().message.find("less than its 64-byte header"), std::string::npos) << d.error().message;
+  // And any total_len under 64 with a header length that fits what the buffer holds.
+  std::vector<std::byte> a(16), b(16);
+  auto g = encode_frame(sample_payload(a, b)).value();
+  FrameHeader h;
+  std::memcpy(&h, g.data(), sizeof h);
+  h.total_len = 10;
+  std::memcpy(g.data(), &h, sizeof h);
+  EXPECT_FALSE(decode_frame(g).ok());
+}
+
 TEST(Msgpack, DeepNestingAndGarbageAreErrors) {
   std::vector<std::byte> deep(200, std::byte{0x91});  // 200 nested one-element arrays
   deep.push_back(std::byte{0xc0});
