@@ -456,9 +456,16 @@ Result<Claim> Directory::claim(uint32_t idx, uint32_t gen, std::string_view key)
       return make_error(Errc::not_found, "entry of key '" + std::string(key) + "' is gone (consumed, cancelled or reclaimed)");
     if (e.key_len != key.size() || std::memcmp(e.key, key.data(), key.size()) != 0)
       return make_error(Errc::corrupt, "metadata points at an entry holding another key than '" + std::string(key) + "'");
-    if (c.claimed >= c.readers)
+    if (c.claimed >= c.readers) {
+      // Every read is claimed; one whose reader died never completed: its claim is given back
+      // and this reader takes it (a retry after a consumer crashed mid-read reads the payload).
+      if (give_back_dead_claims(idx, c)) {
+        w = e.ctl.load(std::memory_order_acquire);
+        continue;
+      }
       return make_error(Errc::not_found, "key '" + std::string(key) + "' was already read by all " +
                                              std::to_string(c.readers) + " readers it was put for");
+    }
     Ctl next = c;
     next.claimed = c.claimed + 1;
     if (e.ctl.compare_exchange_weak(w, next.pack(), std::memory_order_acq_rel)) {
@@ -510,6 +517,37 @@ Result<Claim> Directory::wait_claim_key(std::string_view key, uint64_t hash, uin
     }
     futex_wait_counted(hdr_->publish_seq, hdr_->publish_waiters, seq, deadline_ns);
   }
+}
+
+bool Directory::give_back(uint32_t idx, uint32_t gen, uint32_t slot) {
+  Entry& e = entries_[idx];
+  uint64_t w = e.ctl.load(std::memory_order_acquire);
+  for (;;) {
+    Ctl c = Ctl::unpack(w);
+    if (c.gen != gen || c.state != kReady || slot >= kMaxFanout || (c.released & (1u << slot)) ||
+        c.readers >= kMaxFanout)
+      return false;
+    Ctl next = c;
+    next.readers = uint8_t(c.readers + 1);  // one more read allowed ...
+    next.released = uint8_t(c.released | (1u << slot));  // ... in place of the dead one's slot
+    if (e.ctl.compare_exchange_weak(w, next.pack(), std::memory_order_acq_rel)) {
+      e.readers[slot].pid.store(0, std::memory_order_relaxed);
+      wake_getters();  // a getter waiting for the key may claim it now
+      return true;
+    }
+  }
+}
+
+bool Directory::give_back_dead_claims(uint32_t idx, const Ctl& c) {
+  Entry& e = entries_[idx];
+  bool any = false;
+  for (uint32_t s = 0; s < c.claimed && s < kMaxFanout; ++s) {
+    if (c.released & (1u << s)) continue;
+    const uint32_t pid = e.readers[s].pid.load(std::memory_order_acquire);
+    if (pid && pid != kSlotClaiming && !proc_alive(ProcId{pid, e.readers[s].start.load(std::memory_order_acquire)}))
+      any |= give_back(idx, c.gen, s);
+  }
+  return any;
 }
 
 void Directory::release(const Claim& cl) {
@@ -633,6 +671,11 @@ std::vector<std::string> Directory::reap() {
       if (c.released & (1u << s)) continue;
       uint32_t pid = e.readers[s].pid.load(std::memory_order_acquire);
       if (pid && !is_alive(pid, e.readers[s].start.load(std::memory_order_acquire))) {
+        if (give_back(j, c.gen, s)) {  // its read never completed: another reader may take it
+          out.push_back("read of '" + std::string(e.key, std::min<size_t>(e.key_len, kKeyMax)) +
+                        "' by dead reader " + std::to_string(pid) + ": given back for another reader");
+          continue;
+        }
         Claim cl;
         cl.idx = j;
         cl.gen = c.gen;

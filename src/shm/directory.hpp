@@ -189,6 +189,12 @@ class Directory {
   // Reader side.
   std::optional<Claim> try_claim_key(std::string_view key, uint64_t hash);
   Result<Claim> claim(uint32_t idx, uint32_t gen, std::string_view key);
+  // A claim whose reader died: the slot counts as released and one more reader may claim the
+  // entry (at most kMaxFanout in all), so a retry reads what the dead reader never finished.
+  // False when the entry moved on or has no slot left (the caller then releases it as read).
+  bool give_back(uint32_t idx, uint32_t gen, uint32_t slot);
+  // give_back for every claim of entry idx (as `c` shows it) whose reader is dead; true if any.
+  bool give_back_dead_claims(uint32_t idx, const Ctl& c);
   // `stop`: checked after every wake-up; when it returns true the wait ends with `cancelled`.
   Result<Claim> wait_claim_key(std::string_view key, uint64_t hash, uint64_t deadline_ns,
                                const std::atomic<uint32_t>* stop = nullptr);
