@@ -135,3 +135,27 @@ def env_seen(payload, ctx):
     seen = dict(payload.get("seen") or {})
     seen[ctx.stage] = {k: os.environ.get(k) for k in payload["keys"]}
     return {"keys": payload["keys"], "seen": seen}
+
+
+def torch_inplace(payload, ctx):
+    """Model code that writes to its input in place (mode: mul_, setitem, out=, add_ on a view) or
+    clones it first (clone), then returns it scaled."""
+    import torch
+    x = payload["x"]
+    mode = payload["mode"]
+    if mode == "clone":
+        x = x.clone()
+        x.mul_(2)
+    elif mode == "mul_":
+        x.mul_(2)
+    elif mode == "setitem":
+        x[0] = 5
+    elif mode == "out":
+        torch.add(x, 1, out=x)
+    elif mode == "view":
+        x.view(-1)[:3].add_(1)
+    elif mode == "read":  # no write: views, reductions and arithmetic make plain tensors
+        y = x.reshape(-1)[: x.numel()] * 2
+        assert type(y) is torch.Tensor
+        x = y
+    return {"x": x, "mode": mode}

@@ -354,3 +354,20 @@ def test_a_data_ready_the_relay_cannot_use_fails_its_request_and_holds_up_nothin
         t0 = time.monotonic()
         assert p.submit("next", {"x": np.arange(4), "ticks": 1}).result(10)["x"].tolist() == [0, 2, 4, 6]
         assert time.monotonic() - t0 < 5
+
+
+def test_an_in_place_op_on_a_zero_copy_torch_input_fails_the_request_not_the_stage(ns):
+    """zero_copy inputs are views of read-only shared memory; an in-place op on a torch one used
+    to kill the stage process (SIGSEGV) and leave the pipeline broken."""
+    torch = pytest.importorskip("torch")
+    d = {"stages": [{"name": "a", "factory": f"{S}:torch_inplace", "terminal": True, "zero_copy": True}],
+         "relay": {"extra": {"namespace": ns}, "timeout_s": 10}, "settings": {"inline_bytes": 0}}
+    x = torch.arange(50_000, dtype=torch.float32)
+    with Pipeline.from_config(d) as p:
+        for mode in ("mul_", "setitem", "out", "view"):
+            with pytest.raises(StageError, match="zero_copy input"):
+                p.submit(f"w-{mode}", {"x": x, "mode": mode}).result(20)
+        for mode in ("clone", "read"):
+            r = p.submit(f"ok-{mode}", {"x": x, "mode": mode}).result(20)
+            assert type(r["x"]) is torch.Tensor and torch.equal(r["x"], x * 2), mode
+        assert all(proc.poll() is None for proc in p._procs.values())  # the stage process lives

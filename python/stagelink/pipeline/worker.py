@@ -26,6 +26,7 @@ from .. import _core
 from ..connector import Connector
 from ..control import ControlMessage, Inbox, Outbox
 from ..relay import Relay
+from ._readonly import protect, unprotect
 from ._wire import from_frame, small_frame
 from .spec import COORDINATOR, PipelineConfigError, PipelineSpec, StageSpec, build_stage, resolve
 
@@ -430,6 +431,7 @@ class Worker:
         """(metadata, body) of a control message carrying `obj`: small native payloads inside the
         message (body), the rest through the relay (metadata)."""
         t = time.monotonic_ns()
+        obj = unprotect(obj)  # a zero_copy input passed on: a plain tensor again
         body = small_frame(obj, self.inline_limit)
         if body is not None:
             return {"t_ns": t}, body
@@ -447,6 +449,8 @@ class Worker:
             obj = from_frame(item)
         else:
             obj = self.relay(src, dst).get_async(item, zero_copy=zero_copy).result()
+            if zero_copy:  # torch tensors over read-only shared memory: in-place ops raise, not SIGSEGV
+                obj = protect(obj)
         with self.stats_lock:
             e = self._edge(src, dst)
             e["messages"] += 1

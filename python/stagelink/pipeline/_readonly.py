@@ -1,0 +1,121 @@
+"""Read-only torch inputs for `zero_copy` stages.
+
+A `zero_copy` stage's inputs are views of the relay's shared memory, mapped read-only. numpy
+arrays say so (`writeable` False); torch has no read-only tensors, so an in-place op there
+(`x.mul_(2)`, ordinary model code) wrote to a read-only page and the stage process died with
+SIGSEGV. Such tensors are handed to the stage as `ReadOnlyInputTensor`, a torch subclass whose
+in-place ops raise `ReadOnlyInputError` (failing that request, with what to do instead) before
+touching memory. Views of it stay protected; anything computed from it is a plain tensor again,
+so only the input and its views pay the subclass's dispatch.
+"""
+from __future__ import annotations
+
+import sys
+
+_CLS = None
+
+# In-place dunders (x += y and friends) and item assignment.
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__", "__imatmul__"})
+# Trailing-underscore methods that change no element.
+_HARMLESS = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream"})
+
+
+class ReadOnlyInputError(RuntimeError):
+    """An in-place write to a `zero_copy` input (shared memory, mapped read-only)."""
+
+
+def _writes(func, kwargs) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in _INPLACE_DUNDERS:
+        return True
+    return name.endswith("_") and not name.startswith("__") and name not in _HARMLESS
+
+
+def _cls():
+    global _CLS
+    if _CLS is None:
+        import torch
+
+        class ReadOnlyInputTensor(torch.Tensor):
+            """A zero_copy input: a view of read-only shared memory. In-place ops raise."""
+
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                target = args[0] if args else None
+                out = kwargs.get("out")
+                hit = (isinstance(target, cls) and _writes(func, kwargs)) or isinstance(out, cls) or (
+                    isinstance(out, (tuple, list)) and any(isinstance(o, cls) for o in out))
+                if hit:
+                    raise ReadOnlyInputError(
+                        f"{getattr(func, '__name__', func)}: this tensor is a zero_copy input, a view of the relay's "
+                        "read-only shared memory; .clone() it before writing to it (or drop zero_copy from the "
+                        "stage)")
+                with torch._C.DisableTorchFunctionSubclass():
+                    result = func(*args, **kwargs)
+                if getattr(func, "__name__", "") == "numpy" and hasattr(result, "flags"):
+                    result.flags.writeable = False
+                    return result
+                return _rewrap(result, args, cls, torch)
+
+        _CLS = ReadOnlyInputTensor
+    return _CLS
+
+
+def _ptrs(args, cls, out):
+    for a in args:
+        if isinstance(a, cls):
+            try:
+                out.add(a.untyped_storage().data_ptr())
+            except RuntimeError:
+                pass
+        elif isinstance(a, (list, tuple)):
+            _ptrs(a, cls, out)
+    return out
+
+
+def _rewrap(result, args, cls, torch):
+    """Outputs that share memory with a protected input (views) stay protected; new ones are
+    plain tensors."""
+    if isinstance(result, torch.Tensor):
+        if type(result) is torch.Tensor and result.device.type == "cpu":
+            try:
+                if result.untyped_storage().data_ptr() in _ptrs(args, cls, set()):
+                    return result.as_subclass(cls)
+            except RuntimeError:
+                pass
+        return result
+    if isinstance(result, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in result):
+        return type(result)(_rewrap(r, args, cls, torch) for r in result) if type(result) in (tuple, list) else result
+    return result
+
+
+def protect(obj):
+    """`obj` (a received payload) with its CPU torch tensors as ReadOnlyInputTensor."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return obj
+    return _walk(obj, lambda t: t.as_subclass(_cls()) if type(t) is torch.Tensor else t, torch)
+
+
+def unprotect(obj):
+    """`obj` (a stage's output) with protected tensors as plain tensors again, so that they travel
+    as native frames (the encoder takes torch.Tensor itself)."""
+    torch = sys.modules.get("torch")
+    if torch is None or _CLS is None:
+        return obj
+    return _walk(obj, lambda t: t.as_subclass(torch.Tensor) if isinstance(t, _CLS) else t, torch)
+
+
+def _walk(obj, fn, torch):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if type(obj) is dict:
+        return {k: _walk(v, fn, torch) for k, v in obj.items()}
+    if type(obj) is list:
+        return [_walk(v, fn, torch) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_walk(v, fn, torch) for v in obj)
+    return obj
