@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <random>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -101,7 +102,7 @@ Result<TeOptions> te_options(const Value& e) {
 
 std::string errc_str(Errc c) { return errc_name(c); }
 Errc errc_from(const std::string& s) {
-  for (int i = 0; i <= int(Errc::exists); ++i)
+  for (int i = 0; i <= int(Errc::permission_denied); ++i)
     if (s == errc_name(Errc(i))) return Errc(i);
   return Errc::io;
 }
@@ -279,9 +280,11 @@ class TeConnector final : public Connector {
     // otherwise, or when that endpoint broke, over the side channel, whose reply says how to reach
     // the sender's engine next time.
     std::vector<std::byte> sender_worker;
+    uint64_t auth = 0;
     if (o_.pull_channel == "ucx") {
       std::lock_guard<std::mutex> l(peers_mu_);
       if (auto it = workers_.find(peer); it != workers_.end()) sender_worker = it->second;
+      if (auto it = auths_.find(peer); it != auths_.end()) auth = it->second;
     }
     if (!sender_worker.empty()) {
       Value::Map pull;
@@ -289,6 +292,7 @@ class TeConnector final : public Connector {
       pull.emplace_back("len", uint64_t(size));
       pull.emplace_back("token", token);
       pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+      pull.emplace_back("auth", auth);  // issued to this receiver by the sender's side channel
       const auto msg = value_to_msgpack(Value(std::move(pull)));
       Status sent = engine_->request(sender_worker, msg, deadline_after(o_.timeout_s));
       if (sent.ok()) {
@@ -317,6 +321,7 @@ class TeConnector final : public Connector {
       const auto& wb = w->as<Value::Bytes>();
       std::lock_guard<std::mutex> l(peers_mu_);
       workers_[peer].assign(wb.begin(), wb.end());
+      remember_auth_locked(peer, rep);
     }
     if (const Value* d = rep.find("data")) {  // a small payload came back in the reply itself
       if (!d->is<Value::Bytes>() || d->as<Value::Bytes>().size() != size)
@@ -361,6 +366,7 @@ class TeConnector final : public Connector {
     if (o_.pull_channel == "ucx") {
       std::lock_guard<std::mutex> l(peers_mu_);
       workers_[peer].assign(w->as<Value::Bytes>().begin(), w->as<Value::Bytes>().end());
+      remember_auth_locked(peer, rep);
     }
     connects_.fetch_add(1);
     return {};
@@ -433,6 +439,7 @@ class TeConnector final : public Connector {
     m.emplace_back("errors", uint64_t(errors_.load()));
     m.emplace_back("curve", bool(o_.curve));  // the side channel authenticated and encrypted
     m.emplace_back("refused_peers", uint64_t(admission_ ? admission_->refused() : 0));
+    m.emplace_back("refused_pulls", uint64_t(refused_pulls_.load()));  // UCX pulls without a token
     {
       std::lock_guard<std::mutex> l(mu_);
       m.emplace_back("outstanding", uint64_t(entries_.size()));
@@ -648,6 +655,7 @@ class TeConnector final : public Connector {
       m.emplace_back("ok", true);
       m.emplace_back("rq", rq);
       m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+      m.emplace_back("auth", issue_auth(w->as<Value::Bytes>()));
       return Value(std::move(m));
     }
     if (op->as<std::string>() == "query") {
@@ -689,6 +697,7 @@ class TeConnector final : public Connector {
         m.emplace_back("ok", true);
         m.emplace_back("rq", rq);
         m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+        m.emplace_back("auth", issue_auth_locked(w->as<Value::Bytes>()));
         m.emplace_back("data", Value::copy_bytes(std::span<const std::byte>(engine_->pool_base() + it->second.offset,
                                                                             it->second.size)));
         if (--it->second.readers_left == 0 && it->second.in_flight == 0) {
@@ -716,6 +725,7 @@ class TeConnector final : public Connector {
     m.emplace_back("rq", rq);
     m.emplace_back("am", true);
     m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+    m.emplace_back("auth", issue_auth(w->as<Value::Bytes>()));
     return Value(std::move(m));
   }
 
@@ -755,6 +765,18 @@ class TeConnector final : public Connector {
     std::span<const std::byte> src;
     {
       std::lock_guard<std::mutex> l(mu_);
+      // Served only to a receiver the side channel (CURVE-authenticated where configured) met:
+      // the token it issued that receiver's engine. Nothing is counted as read before that.
+      uint64_t auth = 0;
+      const Value* a = v->find("auth");
+      auto issued = auth_by_worker_.find(std::vector<std::byte>(worker.begin(), worker.end()));
+      if (!a || !a->get_u64(auth) || issued == auth_by_worker_.end() || issued->second != auth) {
+        errors_.fetch_add(1);
+        refused_pulls_.fetch_add(1);
+        return engine_->send_error(worker, token, make_error(Errc::permission_denied,
+                                                             "a pull over UCX without a token this sender's side "
+                                                             "channel issued to that receiver"));
+      }
       auto it = entries_.find(ik);
       if (it == entries_.end() || it->second.readers_left == 0)
         return engine_->send_error(worker, token, make_error(Errc::not_found, "no put of '" + ik + "' here"));
@@ -768,6 +790,32 @@ class TeConnector final : public Connector {
     }
     engine_->send_async(worker, token, src, deadline_after(timeout_for(o_.timeout_s, src.size())),
                         [this, ik](Status st) { end_pull(ik, st); });
+  }
+
+  // A random token for the receiver engine `worker` (the same one while it is remembered): its
+  // pulls over UCX carry it. At most kMaxAuth receivers are remembered (the oldest forgotten).
+  uint64_t issue_auth(const Value::Bytes& worker) {
+    std::lock_guard<std::mutex> l(mu_);
+    return issue_auth_locked(worker);
+  }
+  uint64_t issue_auth_locked(const Value::Bytes& worker) {
+    std::vector<std::byte> key(worker.begin(), worker.end());
+    if (auto it = auth_by_worker_.find(key); it != auth_by_worker_.end()) return it->second;
+    static constexpr size_t kMaxAuth = 4096;
+    if (auth_order_.size() >= kMaxAuth) {
+      auth_by_worker_.erase(auth_order_.front());
+      auth_order_.pop_front();
+    }
+    std::random_device rd;
+    const uint64_t t = (uint64_t(rd()) << 32 | rd()) | 1;  // never 0 (no token)
+    auth_by_worker_.emplace(key, t);
+    auth_order_.push_back(std::move(key));
+    return t;
+  }
+  // Receiver side: the token a sender's reply carries, for the pulls sent to it over UCX.
+  void remember_auth_locked(const std::string& peer, const Value& rep) {
+    uint64_t a = 0;
+    if (const Value* v = rep.find("auth"); v && v->get_u64(a)) auths_[peer] = a;
   }
 
   // Unclaimed puts expire after ttl_s, never while a transfer is in flight.
@@ -809,6 +857,10 @@ class TeConnector final : public Connector {
   std::mutex peers_mu_;
   std::map<std::string, std::shared_ptr<Peer>> peers_;
   std::map<std::string, std::vector<std::byte>> workers_;  // side-channel address -> its engine's worker address
+  std::map<std::string, uint64_t> auths_;                    // side-channel address -> the token it issued us
+  std::map<std::vector<std::byte>, uint64_t> auth_by_worker_;  // sender: receiver engine -> its token (under mu_)
+  std::deque<std::vector<std::byte>> auth_order_;              // the order they were issued (under mu_)
+  std::atomic<uint64_t> refused_pulls_{0};
   std::atomic<uint64_t> puts_{0}, gets_{0}, put_bytes_{0}, get_bytes_{0}, pulls_{0}, errors_{0}, gets_ucx_{0},
       gets_side_{0}, connects_{0};
 };

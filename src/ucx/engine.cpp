@@ -228,7 +228,7 @@ struct Engine::Impl {
     if (h.offset == kErrPart) {
       if (rndv || length == 0) return rndv ? UCS_ERR_CANCELED : UCS_OK;
       const auto* b = static_cast<const unsigned char*>(data);
-      const Errc c = b[0] <= unsigned(Errc::exists) ? Errc(b[0]) : Errc::io;
+      const Errc c = b[0] <= unsigned(Errc::permission_denied) ? Errc(b[0]) : Errc::io;
       {
         std::lock_guard<std::mutex> l(p->op->mu);
         if (!p->remote) p->remote = make_error(c, std::string(reinterpret_cast<const char*>(b + 1), length - 1));

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
 #include <zmq.hpp>
@@ -15,6 +16,7 @@
 #include "stagelink/stagelink.hpp"
 #include "util.hpp"
 #include "cuda/driver.hpp"
+#include "ucx/engine.hpp"
 
 using namespace stagelink;
 using testing_util::checksum;
@@ -572,4 +574,64 @@ TEST(TransferEngine, ReceiverKilledMidTransferLeavesTheSenderServing) {
   ASSERT_TRUE(WIFEXITED(st)) << "the sender died of signal " << (WIFSIGNALED(st) ? WTERMSIG(st) : 0) << ":\n" << log;
   if (WEXITSTATUS(st) == 77) GTEST_SKIP() << log;
   EXPECT_EQ(WEXITSTATUS(st), 0) << log;
+}
+
+// A pull over UCX is served only with the token the sender's side channel issued to that
+// receiver's engine: a peer that reaches the sender's UCX worker some other way (its address is
+// no secret to a host on the path) gets an error, and the put stays whole for its real reader.
+TEST(TransferEngine, UcxPullsWithoutTheSideChannelsTokenAreRefused) {
+  auto snd = te("sender");
+  auto rcv = te("receiver");
+  ASSERT_TRUE(snd && rcv);
+  const auto data = pattern(1u << 20, 5);
+  auto pr = snd->put("0", "1", "k", payload_of(data));
+  ASSERT_TRUE(pr.ok());
+  ucx::EngineOptions eo;
+  eo.pool_bytes = 8u << 20;
+  auto eve = ucx::Engine::create(eo);
+  ASSERT_TRUE(eve.ok()) << eve.error().message;
+  // Eve meets the side channel once (as anyone may without CURVE): the sender's worker address
+  // and the token issued to Eve's engine.
+  zmq::context_t ctx(1);
+  zmq::socket_t d(ctx, zmq::socket_type::dealer);
+  d.set(zmq::sockopt::linger, 0);
+  d.set(zmq::sockopt::rcvtimeo, 5000);
+  d.connect("tcp://127.0.0.1:" + std::to_string(port_of(pr->metadata)));
+  Value::Map hello{{"op", Value("hello")}, {"key", Value("")}, {"rq", Value(uint64_t(1))},
+                   {"worker", Value::copy_bytes(eve.value()->worker_address())}};
+  const auto hb = value_to_msgpack(Value(std::move(hello)));
+  d.send(zmq::const_buffer(hb.data(), hb.size()));
+  zmq::message_t rep;
+  ASSERT_TRUE(d.recv(rep));
+  auto rv = value_from_msgpack(std::span<const std::byte>(static_cast<const std::byte*>(rep.data()), rep.size()));
+  ASSERT_TRUE(rv.ok());
+  const auto sender = rv->find("worker")->as<Value::Bytes>();
+  uint64_t issued = 0;
+  ASSERT_TRUE(rv->find("auth") && rv->find("auth")->get_u64(issued));
+  ASSERT_TRUE(eve.value()->connect(sender, 1, deadline_after(5)).ok());
+  const std::string ik = pr->metadata.find("key") ? pr->metadata.find("key")->as<std::string>() : std::string();
+  uint64_t size = 0;
+  pr->metadata.find("data_size")->get_u64(size);
+  auto pull = [&](std::optional<uint64_t> auth, uint64_t token) {
+    auto keep = std::make_shared<int>(0);
+    eve.value()->expect(token, eve.value()->pool_base(), size, keep);
+    Value::Map m{{"key", Value(ik)}, {"len", Value(size)}, {"token", Value(token)},
+                 {"worker", Value::copy_bytes(eve.value()->worker_address())}};
+    if (auth) m.emplace_back("auth", *auth);
+    const auto msg = value_to_msgpack(Value(std::move(m)));
+    EXPECT_TRUE(eve.value()->request(sender, msg, deadline_after(5)).ok());
+    Status st = eve.value()->wait_landed(token, deadline_after(5));
+    eve.value()->forget(token);
+    return st;
+  };
+  for (auto [auth, token] : {std::pair<std::optional<uint64_t>, uint64_t>{std::nullopt, 11}, {issued ^ 1, 12}}) {
+    Status st = pull(auth, token);
+    ASSERT_FALSE(st.ok()) << "served a pull without the issued token";
+    EXPECT_EQ(st.error().code, Errc::permission_denied) << st.error().to_string();
+  }
+  EXPECT_EQ(counter(*snd, "refused_pulls"), 2u);
+  auto g = rcv->get("0", "1", "k", &pr->metadata, kNoWait, {});  // the real reader: whole
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(data));
+  eve.value()->close();
 }
