@@ -7,6 +7,7 @@
 // and only then replies done. After the first pull, pulls go as UCX messages themselves. Every
 // message is a small msgpack map checked on receipt; a request id pairs replies with requests.
 #include <pthread.h>
+#include <sys/eventfd.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -120,7 +121,10 @@ double timeout_for(double base, size_t bytes) { return base + double(bytes) / 50
 class TeConnector final : public Connector {
  public:
   explicit TeConnector(TeOptions o) : o_(std::move(o)) {}
-  ~TeConnector() override { close(); }
+  ~TeConnector() override {
+    close();
+    if (hello_efd_ >= 0) ::close(hello_efd_);
+  }
 
   Status init(const std::string& name) {
     name_ = name;
@@ -467,10 +471,12 @@ class TeConnector final : public Connector {
       (void)new std::map<std::string, std::shared_ptr<Peer>>(std::move(peers_));
       abandon_after_fork(ctx_, router_);
       (void)new std::shared_ptr<zap::Admission>(std::move(admission_));
+      (void)new std::vector<Hello>(std::move(hellos_));  // the parent's threads
       return;
     }
     stop_.store(true);
     if (server_.joinable()) server_.join();
+    join_hellos();
     router_.reset();
     admission_.reset();  // after the socket, before the context: stops its ZAP handler
     {
@@ -597,10 +603,11 @@ class TeConnector final : public Connector {
   void serve() {
     pthread_setname_np(pthread_self(), "sl-te-side");
     while (!stop_.load()) {
-      zmq::pollitem_t it{router_->handle(), 0, ZMQ_POLLIN, 0};
+      zmq::pollitem_t its[2] = {{router_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, hello_efd_, ZMQ_POLLIN, 0}};
       try {
-        poll_through_signals(&it, 1, std::chrono::milliseconds(100));
-        if (!(it.revents & ZMQ_POLLIN)) {
+        poll_through_signals(its, 2, std::chrono::milliseconds(100));
+        if (its[1].revents & ZMQ_POLLIN) send_hello_replies();
+        if (!(its[0].revents & ZMQ_POLLIN)) {
           std::lock_guard<std::mutex> l(mu_);
           sweep_locked();
           continue;
@@ -613,7 +620,9 @@ class TeConnector final : public Connector {
           if (!router_->recv(rest, zmq::recv_flags::dontwait)) break;
           body = std::move(rest);
         }
-        Value rep = handle(std::span<const std::byte>(static_cast<const std::byte*>(body.data()), body.size()));
+        const std::span<const std::byte> req(static_cast<const std::byte*>(body.data()), body.size());
+        if (start_hello(ident, req)) continue;  // answered later, from another thread's result
+        Value rep = handle(req);
         const auto bytes = value_to_msgpack(rep);
         router_->send(ident, zmq::send_flags::sndmore | zmq::send_flags::dontwait);
         router_->send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait);
@@ -622,6 +631,83 @@ class TeConnector final : public Connector {
         SL_LOG_WARN("%s side channel: %s", name_.c_str(), e.what());
       }
     }
+  }
+
+  // A hello connects back to the asking receiver's engine, which may take up to the timeout (a
+  // stopped peer): never on this thread, which serves every peer. It runs on a thread of its own
+  // (at most kMaxHellos at once; more are refused at once) and its reply is sent from here when
+  // it is done (hello_efd_ wakes the serving loop). True: the request was a hello and is taken.
+  static constexpr size_t kMaxHellos = 16;
+  bool start_hello(zmq::message_t& ident, std::span<const std::byte> req) {
+    auto v = value_from_msgpack(req);
+    const Value* op = v.ok() && v->is<Value::Map>() ? v->find("op") : nullptr;
+    if (!op || !op->is<std::string>() || op->as<std::string>() != "hello") return false;
+    std::lock_guard<std::mutex> l(hello_mu_);
+    reap_hellos_locked();
+    Value rep;
+    if (hellos_.size() >= kMaxHellos) {
+      uint64_t rq = 0;
+      if (const Value* r = v->find("rq")) r->get_u64(rq);
+      rep = fail(Errc::exhausted, "the sender is connecting back to " + std::to_string(kMaxHellos) +
+                                      " receivers already; try again", rq);
+    }
+    auto id = std::make_shared<std::string>(static_cast<const char*>(ident.data()), ident.size());
+    if (!rep.is_nil()) {
+      hello_replies_.emplace_back(*id, value_to_msgpack(rep));
+      signal_hello();
+      return true;
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    std::vector<std::byte> copy(req.begin(), req.end());
+    hellos_.push_back({std::thread([this, id, done, copy = std::move(copy)] {
+                         Value r = handle(copy);  // the connect-back, with its own deadline
+                         {
+                           std::lock_guard<std::mutex> g(hello_mu_);
+                           hello_replies_.emplace_back(*id, value_to_msgpack(r));
+                         }
+                         signal_hello();
+                         done->store(true);
+                       }),
+                       done});
+    return true;
+  }
+  void signal_hello() {
+    const uint64_t one = 1;
+    if (::write(hello_efd_, &one, sizeof one) < 0) {
+    }
+  }
+  void reap_hellos_locked() {  // join the hello threads that are done
+    for (auto it = hellos_.begin(); it != hellos_.end();) {
+      if (it->done->load()) {
+        it->thread.join();
+        it = hellos_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  void send_hello_replies() {  // serving thread
+    uint64_t n;
+    if (::read(hello_efd_, &n, sizeof n) < 0) {
+    }
+    std::vector<std::pair<std::string, std::vector<std::byte>>> out;
+    {
+      std::lock_guard<std::mutex> l(hello_mu_);
+      out.swap(hello_replies_);
+      reap_hellos_locked();
+    }
+    for (auto& [id, bytes] : out) {
+      router_->send(zmq::const_buffer(id.data(), id.size()), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+      router_->send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait);
+    }
+  }
+  void join_hellos() {
+    std::vector<Hello> all;
+    {
+      std::lock_guard<std::mutex> l(hello_mu_);
+      all.swap(hellos_);
+    }
+    for (auto& h : all) h.thread.join();  // each bounded by its connect's deadline
   }
 
   static Value fail(Errc c, const std::string& msg, uint64_t rq) {
@@ -847,6 +933,14 @@ class TeConnector final : public Connector {
   std::unique_ptr<zmq::socket_t> router_;
   std::shared_ptr<zap::Admission> admission_;
   std::thread server_;
+  struct Hello {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::mutex hello_mu_;
+  std::vector<Hello> hellos_;  // connect-backs under way (under hello_mu_)
+  std::vector<std::pair<std::string, std::vector<std::byte>>> hello_replies_;  // (peer id, reply)
+  int hello_efd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   ForkStamp fork_;
   std::atomic<bool> stop_{false}, closed_{false};
   std::mutex mu_;

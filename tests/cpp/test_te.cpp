@@ -635,3 +635,53 @@ TEST(TransferEngine, UcxPullsWithoutTheSideChannelsTokenAreRefused) {
   EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(data));
   eve.value()->close();
 }
+
+// A hello naming a receiver engine that does not answer (a stopped process) used to hold the
+// side channel, which serves every peer on one thread, for the whole connect timeout. The
+// connect-back now runs off that thread: other receivers are served meanwhile.
+TEST(TransferEngine, AHelloNamingAStoppedPeerHoldsUpNoOtherReceiver) {
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  pid_t pid = fork();
+  if (pid == 0) {  // an engine whose process then stops
+    ucx::EngineOptions eo;
+    eo.pool_bytes = 4u << 20;
+    auto e = ucx::Engine::create(eo);
+    if (!e.ok()) _exit(2);
+    const auto& w = e.value()->worker_address();
+    const uint32_t n = uint32_t(w.size());
+    if (::write(fds[1], &n, 4) != 4 || ::write(fds[1], w.data(), n) != ssize_t(n)) _exit(3);
+    raise(SIGSTOP);
+    _exit(0);
+  }
+  uint32_t n = 0;
+  ASSERT_EQ(read(fds[0], &n, 4), 4);
+  std::vector<std::byte> stopped(n);
+  ASSERT_EQ(read(fds[0], stopped.data(), n), ssize_t(n));
+  close(fds[0]);
+  close(fds[1]);
+  auto snd = te("sender");
+  ASSERT_TRUE(snd);
+  const auto data = pattern(70000, 9);
+  auto pr = snd->put("0", "1", "k", payload_of(data));
+  ASSERT_TRUE(pr.ok());
+  zmq::context_t ctx(1);
+  zmq::socket_t d(ctx, zmq::socket_type::dealer);
+  d.set(zmq::sockopt::linger, 0);
+  d.connect("tcp://127.0.0.1:" + std::to_string(port_of(pr->metadata)));
+  Value::Map hello{{"op", Value("hello")}, {"key", Value("")}, {"rq", Value(uint64_t(1))},
+                   {"worker", Value::copy_bytes(stopped)}};
+  const auto hb = value_to_msgpack(Value(std::move(hello)));
+  d.send(zmq::const_buffer(hb.data(), hb.size()));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the connect-back is under way
+  auto rcv = te("receiver");
+  ASSERT_TRUE(rcv);
+  const auto t0 = Clock::now();
+  auto g = rcv->get("0", "1", "k", &pr->metadata, kNoWait, {});
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(data));
+  EXPECT_LT(took, 2.0) << "the side channel waited on the stopped peer";
+  kill(pid, SIGKILL);  // its pending connect-back then fails, and close() joins it at once
+  wait_child(pid);
+}
