@@ -363,6 +363,10 @@ class MqWriter final : public MessageQueue {
     m.emplace_back("dedicated_messages", uint64_t(dedicated_msgs_));
     m.emplace_back("local_readers_attached", uint64_t(ring_ ? ring_->attached_count() : 0));
     m.emplace_back("remote_readers_subscribed", uint64_t(remote_seen_.size()));
+    if (pub_) {  // remote readers: authenticated (CURVE), and the keys refused
+      m.emplace_back("curve", bool(admission_));
+      m.emplace_back("refused_peers", uint64_t(admission_ ? admission_->refused() : 0));
+    }
     m.emplace_back("overflow_used", uint64_t(ovf_alloc_ ? ovf_alloc_->used() : 0));
     if (ring_) m.emplace_back("live_mask", uint64_t(ring_->header().live_mask.load()));
     return Value(std::move(m));
@@ -474,9 +478,17 @@ class MqWriter final : public MessageQueue {
       std::string s(static_cast<const char*>(m.data()), m.size());
       if (s.size() < 3 || s[1] != '\xff' || s[2] != 'R') continue;
       const int64_t r = std::strtoll(s.c_str() + 3, nullptr, 10);
-      if (s[0] == 1) remote_seen_[s.substr(1)] = r;
-      else if (remote_seen_.erase(s.substr(1)))
-        SL_LOG_WARN("message queue: remote reader rank %lld disconnected", static_cast<long long>(r));
+      if (s[0] == 1) {
+        // A bounded table: a peer that subscribes under ever new topics grows nothing past it.
+        if (remote_seen_.size() < 4 * size_t(n_remote_) + 64) remote_seen_[s.substr(1)] = r;
+      } else if (remote_seen_.erase(s.substr(1))) {
+        // At most once a second: a peer that subscribes and unsubscribes in a loop cannot flood the log.
+        const uint64_t now = mono_ns();
+        if (now - last_leave_log_ns_ > 1'000'000'000ull) {
+          last_leave_log_ns_ = now;
+          SL_LOG_WARN("message queue: remote reader rank %lld disconnected", static_cast<long long>(r));
+        }
+      }
     }
   }
 
@@ -533,6 +545,7 @@ class MqWriter final : public MessageQueue {
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> pub_;
   std::shared_ptr<zap::Admission> admission_;
+  uint64_t last_leave_log_ns_ = 0;
   std::vector<std::byte> scratch_;
   FramePlan plan_;  // the last message's layout (enqueue, under mu_)
   uint64_t seq_ = 0;  // messages sent (to the ring, the remote readers, or both)

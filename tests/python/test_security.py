@@ -311,6 +311,8 @@ def test_message_queue_remote_readers_with_curve_and_a_rogue_subscriber(tmp_path
             assert reader.dequeue(timeout=5) == {"i": i, "s": {1, 2}}
         with pytest.raises(stagelink.TimeoutError):
             rogue.dequeue(timeout=0.3)
+        st = w.stats()
+        assert st["curve"] is True and st["refused_peers"] >= 1 and st["remote_readers_subscribed"] == 1
         rogue.close()
         reader.close()
 

@@ -461,6 +461,10 @@ class Pipeline:
     def _finish_locked(self, rid, r: _Req, result=None, error=None):
         if r.done:
             return
+        if self._closed and error is None:
+            # Closing: the stages abort what they run, so a result arriving now may lack streamed
+            # chunks its stage never sent (seen in a soak: 3 of 4 audio chunks). Not a success.
+            error = _core.ClosedError("pipeline closed while the request was finishing")
         r.done = True
         self._reqs.pop(rid, None)
         if error is not None:
