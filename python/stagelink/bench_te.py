@@ -263,6 +263,42 @@ def _perftest(h: TwoHosts, size: int):
         srv.wait()
 
 
+def side_channel_curve_figures(rounds=5, iters=300, sizes=(4 << 10, 64 << 10)):
+    """The cost of CURVE on the side channel: gets whose every pull goes through it
+    (pull_channel: zmq; 4 KiB comes back inside the reply, 64 KiB as a UCX message after it),
+    loopback TCP in one process, plain and with extra.curve, interleaved round by round. Returns
+    {size: {plain_us, curve_us, ratio}} (medians of per-round medians; ratio: of per-round ratios)."""
+    import numpy as np
+    import stagelink
+    _, secret = stagelink.curve_keypair()
+    base = {"host": "127.0.0.1", "memory_pool_size": 32 << 20, "pull_channel": "zmq"}
+
+    def once(curve, size):
+        extra = dict(base, curve={"secret_key": secret}) if curve else base
+        with stagelink.create_connector("TransferEngineConnector", dict(extra, role="sender")) as s, \
+                stagelink.create_connector("TransferEngineConnector", dict(extra, role="receiver")) as r:
+            data = np.ones(size, np.uint8)
+            lat = []
+            for i in range(iters + 20):
+                ok, _, md = s.put(0, 1, f"k{i}", data)
+                t0 = time.perf_counter()
+                got = r.get(0, 1, f"k{i}", md)
+                if i >= 20:
+                    lat.append((time.perf_counter() - t0) * 1e6)
+                assert ok and got is not None and got[0].nbytes == size
+            return statistics.median(lat)
+
+    res = {}
+    for size in sizes:
+        plain, curve = [], []
+        for _ in range(rounds):
+            plain.append(once(False, size))
+            curve.append(once(True, size))
+        res[size] = {"plain_us": statistics.median(plain), "curve_us": statistics.median(curve),
+                     "ratio": statistics.median([c / p for c, p in zip(curve, plain)])}
+    return res
+
+
 def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
     sizes = sizes or SIZES
     if namespaces is None:
@@ -316,4 +352,11 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                                       "mooncake_ran": bool(mc)}
         finally:
             h.close()
+    print("\nthe side channel with CURVE (extra.curve) against without, every pull through it (pull_channel: zmq), "
+          "loopback, interleaved:", file=out)
+    sc = side_channel_curve_figures()
+    result["side_channel_curve"] = {str(k): v for k, v in sc.items()}
+    for size, f in sc.items():
+        print(f"  get of {_fmt_size(size):>9}: plain {f['plain_us']:.0f} us, CURVE {f['curve_us']:.0f} us "
+              f"({f['ratio']:.2f}x)", file=out)
     return write_json(result, json_path, out)
