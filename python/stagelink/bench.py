@@ -234,6 +234,20 @@ def _list_cases():
             ("list of 4096 floats (audio samples)", [rng.uniform(-1.0, 1.0) for _ in range(4096)])]
 
 
+def plain_vs_curve(measure, sizes, rounds):
+    """`measure(curve: bool, size) -> us`, plain and CURVE interleaved round by round: per size
+    {plain_us, curve_us (medians of the rounds), ratio (median of the per-round ratios)}."""
+    res = {}
+    for size in sizes:
+        plain, curve = [], []
+        for _ in range(rounds):
+            plain.append(measure(False, size))
+            curve.append(measure(True, size))
+        res[size] = {"plain_us": statistics.median(plain), "curve_us": statistics.median(curve),
+                     "ratio": statistics.median([c / p for c, p in zip(curve, plain)])}
+    return res
+
+
 def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     """Python put+get per payload kind, native frames against the pickle path (what stagelink did
     before, and what vLLM-Omni's connector does) in the same run; then a get of ``big`` bytes.

@@ -10,7 +10,7 @@ import time
 import uuid
 
 from . import _core
-from .bench import _fmt_size, write_json
+from .bench import _fmt_size, plain_vs_curve, write_json
 
 # SGLang-Omni 0.1.9 on this machine class (issue 10): e2e ms, requests/s with 8 in flight, start-up s.
 REFERENCE = {"1MiB+8x8KiB": (8.4, 180.0), "4KiB+8x1KiB": (4.4, 398.0), "startup_s": 4.0,
@@ -22,7 +22,7 @@ REFERENCE = {"1MiB+8x8KiB": (8.4, 180.0), "4KiB+8x1KiB": (4.4, 398.0), "startup_
 def control_curve_figures(rounds=5, iters=400, sizes=(64, 64 << 10)):
     """The cost of CURVE on the tcp control plane: round trips of a control message (a body of
     `size` bytes) to an echoing inbox over loopback TCP, plain and CURVE-authenticated, interleaved
-    round by round. Returns {size: {plain_us, curve_us, ratio}} (medians of per-round medians)."""
+    round by round. Returns {size: {plain_us, curve_us, ratio}} (bench.plain_vs_curve)."""
     import threading
     from .control import ControlMessage, Inbox, Outbox
     keys = {n: _core.curve_keypair() for n in ("a", "b")}
@@ -56,16 +56,7 @@ def control_curve_figures(rounds=5, iters=400, sizes=(64, 64 << 10)):
             s.close()
         return statistics.median(out)
 
-    res = {}
-    for size in sizes:
-        plain, curve = [], []
-        for _ in range(rounds):
-            plain.append(rtts(False, size))
-            curve.append(rtts(True, size))
-        p, c = statistics.median(plain), statistics.median(curve)
-        res[size] = {"plain_rtt_us": p, "curve_rtt_us": c, "ratio": statistics.median(
-            [ci / pi for ci, pi in zip(curve, plain)])}
-    return res
+    return plain_vs_curve(rtts, sizes, rounds)
 
 
 def pipeline_figures(payload_bytes, chunk_bytes, sequential=60, concurrent=240, in_flight=8, progress=None):
@@ -141,7 +132,7 @@ def run_relay(sizes=None, iters=2000, json_path=None, out=sys.stdout, pipelines=
     cc = control_curve_figures()
     result["control_tcp_curve"] = {str(k): v for k, v in cc.items()}
     for size, f in cc.items():
-        print(f"  body {_fmt_size(size):>9}: plain {f['plain_rtt_us']:.1f} us, CURVE {f['curve_rtt_us']:.1f} us "
+        print(f"  body {_fmt_size(size):>9}: plain {f['plain_us']:.1f} us, CURVE {f['curve_us']:.1f} us "
               f"({f['ratio']:.2f}x)", file=out)
     if pipelines:
         print("\nthe reference's 3-stage pipeline (A -> B ~~> C, B streams 8 chunks; each stage its own process):",

@@ -21,7 +21,7 @@ import sys
 import textwrap
 import time
 
-from .bench import _fmt_size, write_json
+from .bench import _fmt_size, plain_vs_curve, write_json
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 512 << 20]
 # Mooncake TE 0.3.13 over TCP across the namespaces (issue 11): GB/s at 1 MiB and at 16-186 MiB.
@@ -288,15 +288,7 @@ def side_channel_curve_figures(rounds=5, iters=300, sizes=(4 << 10, 64 << 10)):
                 assert ok and got is not None and got[0].nbytes == size
             return statistics.median(lat)
 
-    res = {}
-    for size in sizes:
-        plain, curve = [], []
-        for _ in range(rounds):
-            plain.append(once(False, size))
-            curve.append(once(True, size))
-        res[size] = {"plain_us": statistics.median(plain), "curve_us": statistics.median(curve),
-                     "ratio": statistics.median([c / p for c, p in zip(curve, plain)])}
-    return res
+    return plain_vs_curve(once, sizes, rounds)
 
 
 def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
