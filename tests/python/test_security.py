@@ -227,12 +227,12 @@ def test_forged_control_messages_over_tcp_are_refused_and_the_pipeline_goes_on(n
          "relay": {"extra": {"namespace": ns}, "timeout_s": 10}, "control": "tcp"}
     with Pipeline.from_config(d) as p:
         assert p.submit("r0", {"x": np.arange(4)}).result(30)["x"].tolist() == [0, 4, 8, 12]
-        targets = [p.spec.control["coordinator"]] + [ep for ep in p._ready.values() if ep]
-        assert len(targets) == 3 and all(t.startswith("tcp://127.0.0.1:") for t in targets)
+        targets = [("coordinator", p.spec.control["coordinator"])] + [(k, ep) for k, ep in p._ready.items() if ep]
+        assert len(targets) == 3 and all(t.startswith("tcp://127.0.0.1:") for _, t in targets)
         pub, sec = stagelink.curve_keypair()
-        server_pub = p.spec.control["curve_public"]["coordinator"]
         fut = p.submit("r1", {"x": np.arange(4)})
-        for ep in targets:
+        for proc, ep in targets:  # the inboxes' public keys are no secret (they are in the spec)
+            server_pub = p.spec.control["curve_public"][proc]
             for curve in (None, {"public_key": pub, "secret_key": sec, "server_key": server_pub}):
                 with Outbox(ep, curve) as ob:
                     for m in (ControlMessage("shutdown"), ControlMessage("complete", "r1", error="forged"),
@@ -243,6 +243,7 @@ def test_forged_control_messages_over_tcp_are_refused_and_the_pipeline_goes_on(n
         for i in range(2, 6):
             assert p.submit(f"r{i}", {"x": np.arange(4)}).result(30)["x"].tolist() == [0, 4, 8, 12]
         assert all(proc.poll() is None for proc in p._procs.values())  # no stage took the shutdown
+    assert all(s["control_refused"] >= 1 for s in p.stats().values())  # the foreign key, at each stage
 
 
 def test_transfer_engine_side_channel_with_curve_serves_only_key_holders(tmp_path):

@@ -446,7 +446,8 @@ class Pipeline:
             return len(self._reqs)
 
     def stats(self) -> Dict[str, dict]:
-        """Per-process figures gathered at close (edges: bytes, messages, per-hop latencies)."""
+        """Per-process figures gathered at close (edges: bytes, messages, per-hop latencies;
+        `control_refused`: peers its control inbox refused at the CURVE handshake, control: tcp)."""
         return dict(self._stats)
 
     # -- the receive thread

@@ -601,7 +601,8 @@ class Worker:
     def stats(self) -> dict:
         with self.stats_lock:
             edges = {k: dict(v, lat_ns=list(v["lat_ns"])) for k, v in self.edges.items()}
-            return {"process": self.proc, "pid": os.getpid(), "edges": edges,
+            refused = self.inbox.refused if self.inbox is not None and not self.inbox.closed else 0
+            return {"process": self.proc, "pid": os.getpid(), "edges": edges, "control_refused": refused,
                     "stages": {n: {"runs": s.runs, "busy_s": s.busy_ns / 1e9} for n, s in self.stages.items()},
                     "relays": self.relay_figures()}
 
