@@ -28,6 +28,7 @@
 #include <mutex>
 #include <cstring>
 #include <random>
+#include <unistd.h>
 #include <functional>
 #include <optional>
 
@@ -282,19 +283,51 @@ namespace {
 // index too (one server: any key is reachable; a cluster's index lives in another slot: the caller
 // does it), the internal key, and the largest chunk 0 returned here (larger ones are read by the
 // caller straight into their place).
+//
+// The last read of a payload that does not come whole in this reply (more than one chunk, or a
+// chunk 0 larger than ARGV[4]) is held under a lease instead (KEYS[4] = ARGV[5], the reader's id,
+// for ARGV[6] ms plus the payload at 100 MB/s): kFinish takes the put away once every byte has
+// arrived. A reader that dies in the middle never finishes; when its lease lapses the next claim
+// finds every read taken, the payload still there and no lease, and takes that read over (its
+// reply's 4th element: 1 = leased). A read counts as done only when it completed. While a lease
+// holds the last read, the reply is the lease's milliseconds left (an integer): a getter waits no
+// longer than that before it claims again.
 constexpr const char* kClaim =
     "local m = redis.call('GET', KEYS[1]) "
     "if not m then return nil end "
+    "local function u64(i) local v = 0 if #m < i + 7 then return 0 end "
+    "for k = 7, 0, -1 do v = v * 256 + string.byte(m, i + k) end return v end "
     "local r = redis.call('DECR', KEYS[2]) "
-    "if r < 0 then redis.call('INCR', KEYS[2]) return nil end "
+    "if r < 0 then "
+    "  redis.call('INCR', KEYS[2]) "
+    "  local held = redis.call('PTTL', KEYS[4]) "
+    "  if held > 0 then return held end "
+    "  r = 0 "
+    "end "
     "local c0 = ARGV[1] .. string.sub(m, 5, 20) .. ':0' "
     "local d = false "
     "if redis.call('STRLEN', c0) <= tonumber(ARGV[4]) then d = redis.call('GET', c0) end "
-    "if r == 0 then redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3]) end "
+    "if r == 0 and not (d and u64(29) == 1) then "
+    "  redis.call('SET', KEYS[4], ARGV[5], 'PX', tonumber(ARGV[6]) + math.floor(u64(21) / 100000)) "
+    "  return {m, r, d, 1} "
+    "end "
+    "if r == 0 then redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4]) end "
     "if d and r == 0 and string.byte(m, 53) == 1 and string.sub(m, 54, 60) == '\\0\\0\\0\\0\\0\\0\\0' then "
     "redis.call('UNLINK', c0) end "
     "if r == 0 and ARGV[2] == '1' then redis.call('SREM', 'sl:req:{' .. string.sub(m, 61) .. '}', ARGV[3]) end "
     "return {m, r, d}";
+
+// The end of a leased last read (KEYS: meta, counter, signal, lease; ARGV: the reader's id, the
+// put's generation as 16 hex digits, '1' to take it out of its request's index, the internal
+// key): the put goes, unless the lease is no longer this reader's (it lapsed and another reader
+// took over) or the key holds a newer put. 1: it went; the caller then drops its chunks.
+constexpr const char* kFinish =
+    "if redis.call('GET', KEYS[4]) ~= ARGV[1] then return 0 end "
+    "local m = redis.call('GET', KEYS[1]) "
+    "if m and string.sub(m, 5, 20) ~= ARGV[2] then redis.call('UNLINK', KEYS[4]) return 0 end "
+    "redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4]) "
+    "if m and ARGV[3] == '1' then redis.call('SREM', 'sl:req:{' .. string.sub(m, 61) .. '}', ARGV[4]) end "
+    "return 1";
 
 
 // A frame as the spans it is made of: the header, zero padding, and each tensor's own memory.
@@ -484,7 +517,7 @@ class StoreConnector final : public Connector {
     meta = encode_meta(m);
     cmds.emplace_back().arg("SET").arg(base + ":m").arg(std::string_view(meta)).arg("PX").arg(ttl);
     cmds.emplace_back().arg("SET").arg(base + ":r").arg(std::to_string(m.readers)).arg("PX").arg(ttl);
-    cmds.emplace_back().arg("DEL").arg(base + ":s");
+    cmds.emplace_back().arg("DEL").arg(base + ":s").arg(base + ":l");  // and a lease on a replaced put
     cmds.emplace_back().arg("RPUSH").arg(base + ":s").arg(hex(m.gen));
     cmds.emplace_back().arg("PEXPIRE").arg(base + ":s").arg(ttl);
     const std::string req = "sl:req:{" + rid + "}";
@@ -549,8 +582,10 @@ class StoreConnector final : public Connector {
     // [BLPOP, claim]: the claim rides behind the wait (see below).
     std::vector<Cmd> wait_then_claim(2);
     Cmd& claim = wait_then_claim[1];
-    claim.arg("EVAL").arg(kClaim).arg("3").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":c:")
-        .arg(o_.redis.cluster ? "0" : "1").arg(ik).arg(std::to_string(kInlineChunk));
+    const std::string reader_id = hex(next_reader_id());
+    claim.arg("EVAL").arg(kClaim).arg("4").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":l")
+        .arg(base + ":c:").arg(o_.redis.cluster ? "0" : "1").arg(ik).arg(std::to_string(kInlineChunk))
+        .arg(reader_id).arg(std::to_string(lease_ms()));
     std::optional<Reply> woken_claim;  // the claim that ran the moment the wait returned
     bool waited = false;               // go.keep_waiting is asked before every wait but the first
     for (;;) {
@@ -565,10 +600,12 @@ class StoreConnector final : public Connector {
       if (!r.ok()) return fail(std::move(r).error());
       Reply& c = (*r)[0];
       if (store::is_error(c)) return fail(make_error(Errc::io, "redis: claiming '" + ik + "': " + std::string(store::str(c))));
+      const long long lease_left_ms = store::integer(c);  // its last read is held by another reader's lease
       if (store::elements(c) >= 2) {
         SL_ASSIGN(Meta m, decode_meta(store::str(store::element(c, 0))));
         const long long left = store::integer(store::element(c, 1));
-        auto got = read_payload(base, m, std::move(c), left, cmd_dl, go);
+        const bool leased = store::elements(c) >= 4 && store::integer(store::element(c, 3)) == 1;
+        auto got = read_payload(base, m, std::move(c), left, cmd_dl, go, leased ? &reader_id : nullptr, ik);
         if (left <= 0 && o_.redis.cluster) {  // the index of the put's request, in its own slot
           const std::string req = "sl:req:{" + m.rid + "}";
           Cmd srem;
@@ -592,7 +629,9 @@ class StoreConnector final : public Connector {
         return make_error(Errc::cancelled, "the get of '" + ik + "' was interrupted while it waited");
       if (!waited) waits_.fetch_add(1);  // "waits": gets that waited, each once however many stretches
       waited = true;
-      const Deadline until = wait_slice_end(deadline, go.keep_waiting);  // the BLPOP waits this long at most
+      Deadline until = wait_slice_end(deadline, go.keep_waiting);  // the BLPOP waits this long at most
+      if (lease_left_ms > 0)  // claim again when that lease lapses (its reader may have died)
+        until = std::min(until, deadline_after(double(lease_left_ms + 5) / 1000.0));
       const double left_s = std::chrono::duration<double>(until - Clock::now()).count();
       char secs[32];
       std::snprintf(secs, sizeof secs, "%.3f", std::max(0.001, left_s));
@@ -737,8 +776,10 @@ class StoreConnector final : public Connector {
   // the frame itself (the reply's buffer, no copy); otherwise every chunk not in the claim is read
   // from the socket straight into its place in one buffer from the cache (the only reader takes
   // them: GETDEL). not_found: a chunk is gone (the key was replaced or cleaned up meanwhile).
+  // `lease`: this reader holds the put's last read under that id (kClaim): its chunks are read,
+  // not taken, and kFinish takes the put away only once they all arrived intact.
   Result<GetResult> read_payload(const std::string& base, const Meta& m, Reply claim, long long left, Deadline dl,
-                                 const GetOptions& go) {
+                                 const GetOptions& go, const std::string* lease, const std::string& ik) {
     const std::string_view first = store::str(store::element(claim, 2));  // chunk 0, when small enough
     if (m.chunks == 1 && first.data()) {
       if (first.size() != m.size)
@@ -747,7 +788,7 @@ class StoreConnector final : public Connector {
       auto holder = std::make_shared<Reply>(std::move(claim));
       const std::string_view s0 = store::str(store::element(*holder, 2));
       count_done(base, m, dl);
-      return finish({reinterpret_cast<const std::byte*>(s0.data()), s0.size()}, holder, m, go);
+      return finish({reinterpret_cast<const std::byte*>(s0.data()), s0.size()}, holder, m, go);  // whole: never leased
     }
     std::shared_ptr<std::byte> buf = cache_->take(std::max<size_t>(size_t(m.size), 1));
     if (!buf) return make_error(Errc::exhausted, "no memory for a payload of " + std::to_string(m.size) + " bytes");
@@ -779,11 +820,21 @@ class StoreConnector final : public Connector {
       XXH3_64bits_update(st, items[j].dst.data(), items[j].dst.size());
       hashed += items[j].dst.size();
     };
-    SL_TRY(redis_->get_values(base, items, m.readers == 1 && left <= 0, o_.redis.connections, big, arrived));
-    count_done(base, m, dl);
+    SL_TRY(redis_->get_values(base, items, !lease && m.readers == 1 && left <= 0, o_.redis.connections, big, arrived));
     std::optional<uint64_t> sum;
     if (hashed == m.size) sum = XXH3_64bits_digest(st);
-    return finish({buf.get(), size_t(m.size)}, std::shared_ptr<const void>(buf, buf.get()), m, go, sum);
+    auto got = finish({buf.get(), size_t(m.size)}, std::shared_ptr<const void>(buf, buf.get()), m, go, sum);
+    if (!got.ok()) return got;  // a lease of ours lapses: another reader may try
+    count_done(base, m, dl);
+    if (lease) {  // every byte is here: the read is done, and the put goes
+      Cmd f;
+      f.arg("EVAL").arg(kFinish).arg("4").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":l")
+          .arg(*lease).arg(hex(m.gen)).arg(o_.redis.cluster ? "0" : "1").arg(ik);
+      auto done = redis_->run(base, std::span<const Cmd>(&f, 1), dl);
+      if (done.ok() && !store::is_error((*done)[0]) && store::integer((*done)[0]) == 1 && m.readers <= 1)
+        drop_chunks(base, m);
+    }
+    return got;
   }
 
   // The frame's checksum, then the payload (views that hold `keep`, or a copy).
@@ -838,7 +889,7 @@ class StoreConnector final : public Connector {
       if (auto now = decode_meta(store::str((*r)[0])); now.ok()) current = now->gen == m.gen;
     if (current) {
       std::vector<Cmd> d(1);
-      d[0].arg("UNLINK").arg(base + ":m").arg(base + ":r").arg(base + ":s");
+      d[0].arg("UNLINK").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":l");
       (void)redis_->run(base, d, deadline_after(o_.redis.timeout_s));
       const std::string req = "sl:req:{" + m.rid + "}";
       std::vector<Cmd> s(1);
@@ -847,6 +898,15 @@ class StoreConnector final : public Connector {
     }
     drop_chunks(base, m);
   }
+  // A leased read's base duration: the longer of 2 s and twice the command timeout (kClaim adds
+  // the payload's size at 100 MB/s).
+  uint64_t lease_ms() const { return uint64_t(std::max(2000.0, 2000.0 * o_.redis.timeout_s)); }
+  static uint64_t next_reader_id() {
+    static std::atomic<uint64_t> n{0};
+    static const uint64_t salt = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+    return salt ^ (uint64_t(::getpid()) << 40) ^ n.fetch_add(1);
+  }
+
   // A reader took the signal and readers remain: put the signal back for the next waiter.
   void wake_next(const std::string& base, const Meta& m) {
     std::vector<Cmd> c(1);
