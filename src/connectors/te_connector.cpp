@@ -842,7 +842,9 @@ class TeConnector final : public Connector {
     if (!k || !k->is<std::string>() || !n || !n->get_u64(len) || !t || !t->get_u64(token) || !w ||
         !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty()) {
       errors_.fetch_add(1);
-      if (t && t->get_u64(token) && w && w->is<Value::Bytes>() && !w->as<Value::Bytes>().empty())
+      // Answered only to a receiver engine the side channel met: an address from the message
+      // itself is never dialled (it would let anyone aim this engine at any address).
+      if (t && t->get_u64(token) && w && w->is<Value::Bytes>() && known_worker(w->as<Value::Bytes>()))
         engine_->send_error(w->as<Value::Bytes>(), token, make_error(Errc::corrupt, "malformed pull request"));
       return;
     }
@@ -859,6 +861,7 @@ class TeConnector final : public Connector {
       if (!a || !a->get_u64(auth) || issued == auth_by_worker_.end() || issued->second != auth) {
         errors_.fetch_add(1);
         refused_pulls_.fetch_add(1);
+        if (issued == auth_by_worker_.end()) return;  // an engine the side channel never met: dropped, unanswered
         return engine_->send_error(worker, token, make_error(Errc::permission_denied,
                                                              "a pull over UCX without a token this sender's side "
                                                              "channel issued to that receiver"));
@@ -897,6 +900,10 @@ class TeConnector final : public Connector {
     auth_by_worker_.emplace(key, t);
     auth_order_.push_back(std::move(key));
     return t;
+  }
+  bool known_worker(const Value::Bytes& worker) {
+    std::lock_guard<std::mutex> l(mu_);
+    return auth_by_worker_.count(std::vector<std::byte>(worker.begin(), worker.end())) > 0;
   }
   // Receiver side: the token a sender's reply carries, for the pulls sent to it over UCX.
   void remember_auth_locked(const std::string& peer, const Value& rep) {

@@ -685,3 +685,49 @@ TEST(TransferEngine, AHelloNamingAStoppedPeerHoldsUpNoOtherReceiver) {
   kill(pid, SIGKILL);  // its pending connect-back then fails, and close() joins it at once
   wait_child(pid);
 }
+
+// A hello's worker address comes from the peer and goes to UCX: garbage (random bytes, a real
+// address cut short or with bytes flipped) is an error reply, never a crash of the sender, which
+// then serves its real receiver as before.
+TEST(TransferEngine, GarbageWorkerAddressesInAHelloAreErrorsNotCrashes) {
+  auto snd = te("sender");
+  auto rcv = te("receiver");
+  ASSERT_TRUE(snd && rcv);
+  const auto data = pattern(100000, 3);
+  auto pr = snd->put("0", "1", "k", payload_of(data));
+  ASSERT_TRUE(pr.ok());
+  ucx::EngineOptions eo;
+  eo.pool_bytes = 4u << 20;
+  auto real = ucx::Engine::create(eo);
+  ASSERT_TRUE(real.ok());
+  const auto good = real.value()->worker_address();
+  std::mt19937 rng(7);
+  zmq::context_t ctx(1);
+  zmq::socket_t d(ctx, zmq::socket_type::dealer);
+  d.set(zmq::sockopt::linger, 0);
+  d.set(zmq::sockopt::rcvtimeo, 10000);
+  d.connect("tcp://127.0.0.1:" + std::to_string(port_of(pr->metadata)));
+  int answered = 0;
+  for (int i = 0; i < 60; ++i) {
+    std::vector<std::byte> w = good;
+    if (i % 3 == 0) {  // random bytes of a random length
+      w.resize(1 + rng() % 400);
+      for (auto& b : w) b = std::byte(rng());
+    } else if (i % 3 == 1) {  // cut short
+      w.resize(1 + rng() % w.size());
+    } else {  // bytes flipped
+      for (int k = 0; k < 4; ++k) w[rng() % w.size()] ^= std::byte(1 + rng() % 255);
+    }
+    Value::Map hello{{"op", Value("hello")}, {"key", Value("")}, {"rq", Value(uint64_t(i))},
+                     {"worker", Value::copy_bytes(w)}};
+    const auto hb = value_to_msgpack(Value(std::move(hello)));
+    d.send(zmq::const_buffer(hb.data(), hb.size()));
+    zmq::message_t rep;
+    if (d.recv(rep)) ++answered;
+  }
+  EXPECT_EQ(answered, 60);
+  auto g = rcv->get("0", "1", "k", &pr->metadata, kNoWait, {});
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  EXPECT_EQ(checksum(g->payload.tensors[0].data), checksum(data));
+  real.value()->close();
+}
