@@ -64,3 +64,25 @@ for y in ("runtime:\n  connectors:\n    shm: {name: SharedMemoryConnector, extra
           "stages:\n  - {stage_id: 0, output_connectors: {to_stage_1: big}}\n  - {stage_id: 1}\n",
           "stage_args: []\n"):
     write("config", y.encode())
+
+
+def mp(v) -> bytes:
+    """A small msgpack encoder (maps of str, int, bytes) for the side channel's requests."""
+    if isinstance(v, dict):
+        return bytes([0x80 | len(v)]) + b"".join(mp(k) + mp(x) for k, x in v.items())
+    if isinstance(v, str):
+        b = v.encode()
+        return (bytes([0xa0 | len(b)]) if len(b) < 32 else bytes([0xd9, len(b)])) + b
+    if isinstance(v, bytes):
+        return bytes([0xc4, len(v)]) + v
+    if isinstance(v, int):
+        return bytes([v]) if 0 <= v < 128 else b"\xcf" + struct.pack(">Q", v)
+    raise TypeError(type(v))
+
+
+for req in ({"op": "query", "key": "k0@0_1", "rq": 1},
+            {"op": "pull", "key": "k1@0_1", "rq": 2, "len": 4096, "token": 7, "worker": b"\x01" * 40, "inline_max": 65536},
+            {"op": "pull", "key": "k2@0_1", "rq": 3, "len": 10, "token": 9, "worker": b"\x02" * 8, "inline_max": 0},
+            {"op": "hello", "key": "", "rq": 4, "worker": b"\x00" * 60},
+            {"op": "nope", "key": "x", "rq": 5}):
+    write("side_channel", mp(req))
