@@ -284,31 +284,41 @@ namespace {
 // does it), the internal key, and the largest chunk 0 returned here (larger ones are read by the
 // caller straight into their place).
 //
-// The last read of a payload that does not come whole in this reply (more than one chunk, or a
-// chunk 0 larger than ARGV[4]) is held under a lease instead (KEYS[4] = ARGV[5], the reader's id,
-// for ARGV[6] ms plus the payload at 100 MB/s): kFinish takes the put away once every byte has
-// arrived. A reader that dies in the middle never finishes; when its lease lapses the next claim
-// finds every read taken, the payload still there and no lease, and takes that read over (its
-// reply's 4th element: 1 = leased). A read counts as done only when it completed. While a lease
-// holds the last read, the reply is the lease's milliseconds left (an integer): a getter waits no
-// longer than that before it claims again.
+// A read of a payload that does not come whole in this reply (more than one chunk, or a chunk
+// 0 larger than ARGV[4]) is held under a lease instead: the reader's id (ARGV[5]) in the zset
+// KEYS[4], scored with its expiry (ARGV[6] ms plus the payload at 100 MB/s). Its chunks are read,
+// not taken; kFinish ends the lease and counts the read done once every byte arrived, and the
+// last read done takes the put away. A reader that dies in the middle never finishes: once its
+// lease lapses, a claim that finds every read taken takes that read over (its reply's 4th
+// element: 1 = leased). A read counts as done only when it completed. While reads are leased and
+// none has lapsed, the reply is the milliseconds until the first lapses (an integer): a getter
+// waits no longer than that before it claims again.
 constexpr const char* kClaim =
     "local m = redis.call('GET', KEYS[1]) "
     "if not m then return nil end "
     "local function u64(i) local v = 0 if #m < i + 7 then return 0 end "
     "for k = 7, 0, -1 do v = v * 256 + string.byte(m, i + k) end return v end "
+    "local t = redis.call('TIME') "
+    "local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) "
     "local r = redis.call('DECR', KEYS[2]) "
     "if r < 0 then "
     "  redis.call('INCR', KEYS[2]) "
-    "  local held = redis.call('PTTL', KEYS[4]) "
-    "  if held > 0 then return held end "
+    "  local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 1) "
+    "  if #dead == 0 then "
+    "    local first = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES') "
+    "    if #first == 2 then return math.max(1, tonumber(first[2]) - now) end "
+    "    return nil "
+    "  end "
+    "  redis.call('ZREM', KEYS[4], dead[1]) "
     "  r = 0 "
     "end "
     "local c0 = ARGV[1] .. string.sub(m, 5, 20) .. ':0' "
     "local d = false "
     "if redis.call('STRLEN', c0) <= tonumber(ARGV[4]) then d = redis.call('GET', c0) end "
-    "if r == 0 and not (d and u64(29) == 1) then "
-    "  redis.call('SET', KEYS[4], ARGV[5], 'PX', tonumber(ARGV[6]) + math.floor(u64(21) / 100000)) "
+    "if not (d and u64(29) == 1) then "
+    "  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[6]) + math.floor(u64(21) / 100000), ARGV[5]) "
+    "  local ttl = redis.call('PTTL', KEYS[1]) "
+    "  if ttl > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end "
     "  return {m, r, d, 1} "
     "end "
     "if r == 0 then redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4]) end "
@@ -317,16 +327,21 @@ constexpr const char* kClaim =
     "if r == 0 and ARGV[2] == '1' then redis.call('SREM', 'sl:req:{' .. string.sub(m, 61) .. '}', ARGV[3]) end "
     "return {m, r, d}";
 
-// The end of a leased last read (KEYS: meta, counter, signal, lease; ARGV: the reader's id, the
-// put's generation as 16 hex digits, '1' to take it out of its request's index, the internal
-// key): the put goes, unless the lease is no longer this reader's (it lapsed and another reader
-// took over) or the key holds a newer put. 1: it went; the caller then drops its chunks.
+// The end of a leased read (KEYS: meta, counter, signal, leases, done count; ARGV: the reader's
+// id, the put's generation as 16 hex digits, '1' to take it out of its request's index, the
+// internal key, the put's readers, its TTL in ms): nothing if the lease is no longer this
+// reader's (it lapsed and another reader took the read over) or the key holds a newer put; else
+// the read counts done, and the last one takes the put away. 1: it went; the caller then drops
+// its chunks.
 constexpr const char* kFinish =
-    "if redis.call('GET', KEYS[4]) ~= ARGV[1] then return 0 end "
+    "if redis.call('ZREM', KEYS[4], ARGV[1]) == 0 then return 0 end "
     "local m = redis.call('GET', KEYS[1]) "
-    "if m and string.sub(m, 5, 20) ~= ARGV[2] then redis.call('UNLINK', KEYS[4]) return 0 end "
-    "redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4]) "
-    "if m and ARGV[3] == '1' then redis.call('SREM', 'sl:req:{' .. string.sub(m, 61) .. '}', ARGV[4]) end "
+    "if not m or string.sub(m, 5, 20) ~= ARGV[2] then return 0 end "
+    "local done = redis.call('INCR', KEYS[5]) "
+    "redis.call('PEXPIRE', KEYS[5], ARGV[6]) "
+    "if done < tonumber(ARGV[5]) then return 0 end "
+    "redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]) "
+    "if ARGV[3] == '1' then redis.call('SREM', 'sl:req:{' .. string.sub(m, 61) .. '}', ARGV[4]) end "
     "return 1";
 
 
@@ -776,8 +791,9 @@ class StoreConnector final : public Connector {
   // the frame itself (the reply's buffer, no copy); otherwise every chunk not in the claim is read
   // from the socket straight into its place in one buffer from the cache (the only reader takes
   // them: GETDEL). not_found: a chunk is gone (the key was replaced or cleaned up meanwhile).
-  // `lease`: this reader holds the put's last read under that id (kClaim): its chunks are read,
-  // not taken, and kFinish takes the put away only once they all arrived intact.
+  // `lease`: this reader holds its read under that id (kClaim): its chunks are read, not taken,
+  // and kFinish counts the read done (the last one taking the put away) once they all arrived
+  // intact.
   Result<GetResult> read_payload(const std::string& base, const Meta& m, Reply claim, long long left, Deadline dl,
                                  const GetOptions& go, const std::string* lease, const std::string& ik) {
     const std::string_view first = store::str(store::element(claim, 2));  // chunk 0, when small enough
@@ -825,15 +841,17 @@ class StoreConnector final : public Connector {
     if (hashed == m.size) sum = XXH3_64bits_digest(st);
     auto got = finish({buf.get(), size_t(m.size)}, std::shared_ptr<const void>(buf, buf.get()), m, go, sum);
     if (!got.ok()) return got;  // a lease of ours lapses: another reader may try
-    count_done(base, m, dl);
-    if (lease) {  // every byte is here: the read is done, and the put goes
-      Cmd f;
-      f.arg("EVAL").arg(kFinish).arg("4").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":l")
-          .arg(*lease).arg(hex(m.gen)).arg(o_.redis.cluster ? "0" : "1").arg(ik);
-      auto done = redis_->run(base, std::span<const Cmd>(&f, 1), dl);
-      if (done.ok() && !store::is_error((*done)[0]) && store::integer((*done)[0]) == 1 && m.readers <= 1)
-        drop_chunks(base, m);
+    if (!lease) {
+      count_done(base, m, dl);
+      return got;
     }
+    // Every byte is here: the read counts done, and the last one takes the put away.
+    Cmd f;
+    f.arg("EVAL").arg(kFinish).arg("5").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":l")
+        .arg(base + ":d:" + hex(m.gen)).arg(*lease).arg(hex(m.gen)).arg(o_.redis.cluster ? "0" : "1").arg(ik)
+        .arg(std::to_string(m.readers)).arg(std::to_string(uint64_t(o_.ttl_s * 1000)));
+    auto done = redis_->run(base, std::span<const Cmd>(&f, 1), dl);
+    if (done.ok() && !store::is_error((*done)[0]) && store::integer((*done)[0]) == 1) drop_chunks(base, m);
     return got;
   }
 
