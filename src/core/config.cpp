@@ -439,6 +439,11 @@ Result<YAML::Node> with_bases(YAML::Node root, const fs::path& dir, const std::s
     return make_error(Errc::invalid_argument, source + ": base_config cycle: " + loop + id);
   }
   chain.push_back(id);
+  // A directory (`base_config: /`) opens as a stream whose first read throws std::ios_base::failure,
+  // which is no YAML::Exception: it ended the process (found by tests/fuzz/fuzz_config).
+  if (fs::exists(base, ec) && !fs::is_regular_file(base, ec))
+    return make_error(Errc::invalid_argument, source + ": base_config '" + bn.Scalar() + "': " + base.string() +
+                                                  " is not a file");
   YAML::Node base_root;
   try {
     base_root = YAML::LoadFile(base.string());
@@ -447,6 +452,8 @@ Result<YAML::Node> with_bases(YAML::Node root, const fs::path& dir, const std::s
   } catch (const YAML::Exception& e) {
     return make_error(Errc::invalid_argument,
                       base.string() + ":" + std::to_string(e.mark.line + 1) + ": malformed YAML: " + e.msg);
+  } catch (const std::exception& e) {  // the stream's own failures (a device, a file unreadable midway)
+    return make_error(Errc::io, source + ": base_config '" + bn.Scalar() + "': reading " + base.string() + ": " + e.what());
   }
   SL_ASSIGN(YAML::Node full_base, with_bases(base_root, base.parent_path(), base.string(), chain));
   return merge_nodes(full_base, root);

@@ -332,3 +332,15 @@ stage_args:
   EXPECT_NE(missing.error().message.find("missing.yaml"), std::string::npos);
   fs::remove_all(dir);
 }
+
+// Found by tests/fuzz/fuzz_config: `base_config` naming a directory threw std::ios_base::failure
+// out of yaml-cpp's LoadFile (no YAML::Exception), which ended the process. The fuzzer's input.
+TEST(Config, BaseConfigNamingADirectoryIsAnErrorNotACrash) {
+  const std::string crash("base_config:\n  / \n\xff\xff" "a~\xff\xff\xff: []\nlare\xff" "d", 36);
+  auto r = load_transfer_config_string(crash, "<fuzz>");
+  ASSERT_FALSE(r.ok());
+  auto d = load_transfer_config_string("base_config: /tmp\n", "<string>");
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.error().code, Errc::invalid_argument) << d.error().to_string();
+  EXPECT_NE(d.error().message.find("is not a file"), std::string::npos) << d.error().message;
+}
