@@ -789,8 +789,8 @@ class StoreConnector final : public Connector {
 
   // The chunks, checked against the meta, as one frame. A single chunk that came with the claim is
   // the frame itself (the reply's buffer, no copy); otherwise every chunk not in the claim is read
-  // from the socket straight into its place in one buffer from the cache (the only reader takes
-  // them: GETDEL). not_found: a chunk is gone (the key was replaced or cleaned up meanwhile).
+  // from the socket straight into its place in one buffer from the cache (read, not taken: every
+  // such read is leased). not_found: a chunk is gone (the key was replaced or cleaned up meanwhile).
   // `lease`: this reader holds its read under that id (kClaim): its chunks are read, not taken,
   // and kFinish counts the read done (the last one taking the put away) once they all arrived
   // intact.
