@@ -70,8 +70,9 @@ class MessageQueue {
  public:
   static Result<std::unique_ptr<MessageQueue>> create(const MessageQueueOptions& o);
   // `rank` in h.local_reader_ranks: a local reader; any other (-1 included): a remote one.
-  // A remote reader of a queue whose handle names a server_key needs `curve` (its keys; an empty
-  // server_key there takes the handle's). Errors: invalid_argument (keys missing or malformed).
+  // A remote reader of a queue whose handle names a server_key needs `curve` (its keys and the
+  // writer's public key, which must match the handle's: never taken from it). Errors:
+  // invalid_argument (keys missing or malformed), permission_denied (the handle names another key).
   static Result<std::unique_ptr<MessageQueue>> create_from_handle(const MessageQueueHandle& h, int64_t rank,
                                                                   const CurveClient* curve = nullptr);
   virtual ~MessageQueue() = default;

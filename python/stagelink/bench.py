@@ -234,6 +234,13 @@ def _list_cases():
             ("list of 4096 floats (audio samples)", [rng.uniform(-1.0, 1.0) for _ in range(4096)])]
 
 
+def print_plain_vs_curve(label, figures, out, digits=1):
+    """One line per size of plain_vs_curve's figures."""
+    for size, f in figures.items():
+        print(f"  {label} {_fmt_size(size):>9}: plain {f['plain_us']:.{digits}f} us, CURVE {f['curve_us']:.{digits}f} us "
+              f"({f['ratio']:.2f}x)", file=out)
+
+
 def plain_vs_curve(measure, sizes, rounds):
     """`measure(curve: bool, size) -> us`, plain and CURVE interleaved round by round: per size
     {plain_us, curve_us (medians of the rounds), ratio (median of the per-round ratios)}."""

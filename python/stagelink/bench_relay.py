@@ -10,7 +10,7 @@ import time
 import uuid
 
 from . import _core
-from .bench import _fmt_size, plain_vs_curve, write_json
+from .bench import _fmt_size, plain_vs_curve, print_plain_vs_curve, write_json
 
 # SGLang-Omni 0.1.9 on this machine class (issue 10): e2e ms, requests/s with 8 in flight, start-up s.
 REFERENCE = {"1MiB+8x8KiB": (8.4, 180.0), "4KiB+8x1KiB": (4.4, 398.0), "startup_s": 4.0,
@@ -131,9 +131,7 @@ def run_relay(sizes=None, iters=2000, json_path=None, out=sys.stdout, pipelines=
           "and CURVE-authenticated (the default of control: tcp), interleaved:", file=out)
     cc = control_curve_figures()
     result["control_tcp_curve"] = {str(k): v for k, v in cc.items()}
-    for size, f in cc.items():
-        print(f"  body {_fmt_size(size):>9}: plain {f['plain_us']:.1f} us, CURVE {f['curve_us']:.1f} us "
-              f"({f['ratio']:.2f}x)", file=out)
+    print_plain_vs_curve("body", cc, out)
     if pipelines:
         print("\nthe reference's 3-stage pipeline (A -> B ~~> C, B streams 8 chunks; each stage its own process):",
               file=out)

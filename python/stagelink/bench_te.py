@@ -21,7 +21,7 @@ import sys
 import textwrap
 import time
 
-from .bench import _fmt_size, plain_vs_curve, write_json
+from .bench import _fmt_size, plain_vs_curve, print_plain_vs_curve, write_json
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 512 << 20]
 # Mooncake TE 0.3.13 over TCP across the namespaces (issue 11): GB/s at 1 MiB and at 16-186 MiB.
@@ -348,7 +348,5 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
           "loopback, interleaved:", file=out)
     sc = side_channel_curve_figures()
     result["side_channel_curve"] = {str(k): v for k, v in sc.items()}
-    for size, f in sc.items():
-        print(f"  get of {_fmt_size(size):>9}: plain {f['plain_us']:.0f} us, CURVE {f['curve_us']:.0f} us "
-              f"({f['ratio']:.2f}x)", file=out)
+    print_plain_vs_curve("get of", sc, out, digits=0)
     return write_json(result, json_path, out)

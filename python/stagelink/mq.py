@@ -137,7 +137,9 @@ class MessageQueue(NativeOwner):
                            allow_pickle: Optional[bool] = None) -> "MessageQueue":
         """Attach reader ``rank``: through shared memory when ``rank`` is one of the handle's
         ``local_reader_ranks``, otherwise over TCP (``-1``: a remote-only reader). A remote reader
-        of a CURVE queue needs ``curve`` (its keys; default from ``STAGELINK_CURVE_SECRET_FILE``)."""
+        of a CURVE queue needs ``curve`` (its keys, and ``server_key`` where the writer's key is not
+        the shared one; default from ``STAGELINK_CURVE_SECRET_FILE``). The writer's key is never
+        taken from the handle: one naming another key is refused (PermissionDeniedError)."""
         data = handle.data if isinstance(handle, Handle) else bytes(handle)
         info = _core.mq_handle_info(data)
         local = list(info["local_reader_ranks"])

@@ -163,7 +163,6 @@ class Registration final : public Admission {
     }
   }
   uint64_t refused() const override { return d_->refused.load(); }
-  const std::string& name() const { return name_; }
 
  private:
   void* ctx_;

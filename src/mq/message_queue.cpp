@@ -817,9 +817,15 @@ Result<std::unique_ptr<MessageQueue>> MessageQueue::create_from_handle(const Mes
                                                   "or STAGELINK_CURVE_SECRET_FILE)");
   auto r = std::make_unique<MqRemoteReader>(h, rank);
   if (curve) {
+    // The writer's key is the reader's to know (its `server_key`; by default the deployment's
+    // shared key), never the handle's: a handle travels unauthenticated, and a forged one naming
+    // its own address and key would otherwise be trusted, its pickles included.
+    SL_TRY(check_curve(*curve));
+    if (!h.server_key.empty() && h.server_key != curve->server_key)
+      return make_error(Errc::permission_denied, "the message queue handle names a writer key (" + h.server_key +
+                                                     ") other than the one this reader expects (" + curve->server_key +
+                                                     "): refused");
     r->curve_ = *curve;
-    if (r->curve_->server_key.empty()) r->curve_->server_key = h.server_key;
-    SL_TRY(check_curve(*r->curve_));
   }
   SL_TRY(r->init());
   return std::unique_ptr<MessageQueue>(std::move(r));

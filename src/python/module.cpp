@@ -2422,8 +2422,6 @@ NB_MODULE(_core, m) {
              auto h = unwrap(MessageQueueHandle::from_msgpack(
                  std::span<const std::byte>(reinterpret_cast<const std::byte*>(handle.c_str()), handle.size())));
              auto cc = mq_curve(curve);
-             if (cc && (!PyDict_Check(curve.ptr()) || !PyDict_GetItemString(curve.ptr(), "server_key")))
-               cc->client.server_key.clear();  // the handle's
              return PyMq(unwrap(MessageQueue::create_from_handle(h, rank, cc ? &cc->client : nullptr)));
            }, nb::arg("handle"), nb::arg("rank"), nb::arg("curve").none() = nb::none())
       .def("export_handle", [](PyMq& self) {

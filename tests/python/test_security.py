@@ -303,6 +303,12 @@ def test_message_queue_remote_readers_with_curve_and_a_rogue_subscriber(tmp_path
         h = w.export_handle()
         with pytest.raises(stagelink.InvalidArgumentError, match="CURVE"):
             stagelink.MessageQueue.create_from_handle(h, -1)  # no keys at all: refused at once
+        # A forged handle (another address, another writer key) is refused, not trusted.
+        evil_pub, evil_sec = stagelink.curve_keypair()
+        with stagelink.MessageQueue(1, 0, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1",
+                                    curve={"secret_key": evil_sec}) as evil:
+            with pytest.raises(stagelink.PermissionDeniedError, match="writer key"):
+                stagelink.MessageQueue.create_from_handle(evil.export_handle(), -1, curve=keys)
         rogue = stagelink.MessageQueue.create_from_handle(h, -1, curve={"secret_key": other, "server_key": pub})
         reader = stagelink.MessageQueue.create_from_handle(h, -1, curve=keys)
         w.wait_until_ready(timeout=10)

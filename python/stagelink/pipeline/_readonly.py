@@ -26,7 +26,7 @@ class ReadOnlyInputError(RuntimeError):
     """An in-place write to a `zero_copy` input (shared memory, mapped read-only)."""
 
 
-def _writes(func, kwargs) -> bool:
+def _writes(func) -> bool:
     name = getattr(func, "__name__", "")
     if name in _INPLACE_DUNDERS:
         return True
@@ -46,7 +46,7 @@ def _cls():
                 kwargs = kwargs or {}
                 target = args[0] if args else None
                 out = kwargs.get("out")
-                hit = (isinstance(target, cls) and _writes(func, kwargs)) or isinstance(out, cls) or (
+                hit = (isinstance(target, cls) and _writes(func)) or isinstance(out, cls) or (
                     isinstance(out, (tuple, list)) and any(isinstance(o, cls) for o in out))
                 if hit:
                     raise ReadOnlyInputError(
