@@ -162,9 +162,7 @@ class Pipeline:
                 self._procs[proc] = subprocess.Popen(
                     [python, "-m", "stagelink.pipeline._entry", spec_path, proc, self._dir], env=e,
                     stdin=subprocess.PIPE if self.spec.control.get("keys_on_stdin") else subprocess.DEVNULL)
-                if self.spec.control.get("keys_on_stdin"):  # its CURVE secret keys, then end of file
-                    self._procs[proc].stdin.write(json.dumps(self._keys[proc]).encode() + b"\n")
-                    self._procs[proc].stdin.close()
+                self._send_keys(proc, close=True)  # then end of file: it watches no stdin
                 continue
             # Another host: its `launch` prefix runs the process there. Its stdin is a pipe this
             # process holds and never writes: when this process ends, however it ends, the stage
@@ -174,12 +172,7 @@ class Pipeline:
             argv += remote_args(self.spec, proc, front, paths)
             try:
                 self._procs[proc] = subprocess.Popen(argv, env=e, stdin=subprocess.PIPE)
-                if self.spec.control.get("keys_on_stdin"):  # its keys; the pipe stays open (worker._watch_stdin)
-                    try:
-                        self._procs[proc].stdin.write(json.dumps(self._keys[proc]).encode() + b"\n")
-                        self._procs[proc].stdin.flush()
-                    except OSError:  # the launcher exited already: reported below as the process's exit
-                        pass
+                self._send_keys(proc, close=False)  # the pipe stays open (worker._watch_stdin)
             except OSError as err:
                 raise PipelineStartError(f"cannot launch stage process '{proc}' on host '{host}' with "
                                          f"{h['launch']}: {err}") from None
@@ -207,6 +200,20 @@ class Pipeline:
         if self.spec.free_ports:
             self._share_endpoints(deadline)
         self._connect_relays(senders, deadline)
+
+    def _send_keys(self, proc, close: bool):
+        """Process `proc`'s CURVE secret keys, one JSON line on its stdin (never argv, env or a file)."""
+        if not self.spec.control.get("keys_on_stdin"):
+            return
+        pipe = self._procs[proc].stdin
+        try:
+            pipe.write(json.dumps(self._keys[proc]).encode() + b"\n")
+            if close:
+                pipe.close()
+            else:
+                pipe.flush()
+        except OSError:  # it (or its launcher) exited already: reported below as the process's exit
+            pass
 
     def _connect_relays(self, senders, deadline):
         """Transfer-engine relays: each receiving process connects to its senders now (side
