@@ -179,7 +179,8 @@ def _nbytes(obj) -> int:
 
 def _report(spec, p, stats, wall, requests, failures, chunk_bytes, total_s) -> dict:
     edges = []
-    for proc, s in sorted(stats.items()):
+    per_proc = sorted(stats.items()) + [("coordinator", {"edges": p.coordinator_edges()})]
+    for proc, s in per_proc:
         for name, e in sorted(s.get("edges", {}).items()):
             lat = [x / 1e3 for x in e["lat_ns"]]
             edges.append({"edge": name, "process": proc, "messages": e["messages"], "bytes": e["bytes"],

@@ -502,3 +502,101 @@ def test_cpp_stages_compute_stream_and_fail_like_python_ones(ns):
     d["stages"][1]["factory"] = f"cpp:{CPP_LIB}:no_such_symbol"
     with pytest.raises(PipelineStartError, match="no_such_symbol"):
         Pipeline.from_config(d)
+
+
+def toy(ns, dec="dec", **top):
+    """SGLang-Omni's toy shape (stagelink.examples.toy): enc streams its chunks to dec, then sends
+    the payload on to dec; dec streams one message per chunk to the client."""
+    return spec(ns, [
+        {"name": "prep", "factory": "stagelink.examples.toy:prep", "next": "enc"},
+        {"name": "enc", "factory": "stagelink.examples.toy:enc", "next": "dec", "stream_to": "dec"},
+        {"name": "dec", "factory": f"stagelink.examples.toy:{dec}", "terminal": True},
+    ], **top)
+
+
+def run_toy(p, rid, req):
+    from stagelink.examples import toy as t
+    chunks = []
+    t.verify(req, p.submit(rid, req, on_chunk=chunks.append).result(20), chunks)
+
+
+@pytest.mark.parametrize("dec", ["dec", "Dec"])
+def test_toy_shape_with_default_credits_never_deadlocks(ns, dec):
+    """Issue 51: with 8 credits, enc's chunks (here larger than inline_bytes: relay puts) used to
+    hold every credit of enc->dec while dec waited for the payload behind them: ExhaustedError
+    after the relay's timeout. Chunks of a stage that cannot start yet are copied out of the relay
+    on arrival; a callback stage handles them at once."""
+    pytest.importorskip("torch")
+    from stagelink.examples import toy as t
+    with Pipeline.from_config(toy(ns, dec)) as p:
+        reqs = [t.make_request(i, payload_bytes=1 << 20, chunks=20, chunk_bytes=64 << 10) for i in range(8)]
+        t0 = time.monotonic()
+        got = [[] for _ in reqs]
+        futs = [p.submit(f"r{i}", r, on_chunk=got[i].append) for i, r in enumerate(reqs)]
+        for i, f in enumerate(futs):
+            t.verify(reqs[i], f.result(20), got[i])
+        assert time.monotonic() - t0 < 8  # not a relay timeout (10 s here) and a retry
+    st = p.stats()
+    assert st["dec"]["edges"]["enc->dec"]["messages"] == 8 * 21
+
+
+def test_early_chunks_beyond_their_budget_stay_in_the_relay(ns):
+    """settings.early_chunk_bytes bounds what a stage process copies out for requests whose stage
+    has not started: past it chunks wait in the relay (credits), and a pipeline that needs more
+    fails its request on the relay's timeout instead of growing without bound."""
+    pytest.importorskip("torch")
+    from stagelink.examples import toy as t
+    d = toy(ns, settings={"early_chunk_bytes": 4 << 20}, relay={"timeout_s": 2})
+    with Pipeline.from_config(d) as p:
+        ok = t.make_request(0, payload_bytes=4096, chunks=8, chunk_bytes=256 << 10)  # 2 MiB early: fits
+        run_toy(p, "ok", ok)
+        big = t.make_request(1, payload_bytes=4096, chunks=24, chunk_bytes=256 << 10)  # 6 MiB: 16 + 8 credits
+        with pytest.raises(StageError, match="no credit for edge 'dec'"):
+            p.submit("big", big).result(30)
+        # what it held was released: the pipeline goes on
+        run_toy(p, "ok2", ok)
+
+
+def test_torch_tensors_travel_inside_the_control_message(ns):
+    """Issue 51: torch tensors up to settings.inline_bytes ride in the control message as numpy
+    arrays do (no relay put, no credit), both ways."""
+    pytest.importorskip("torch")
+    from stagelink.examples import toy as t
+    with Pipeline.from_config(toy(ns)) as p:
+        for i in range(4):
+            r = t.make_request(i, payload_bytes=4096, chunks=8, chunk_bytes=1024)
+            run_toy(p, f"r{i}", r)
+    relays = [f for s in p.stats().values() for f in s["relays"]]
+    assert relays and all(f["puts"] == 0 for f in relays), relays  # the 4 KiB payloads too
+    assert p.stats()["dec"]["edges"]["enc->dec"]["messages"] == 4 * 9
+
+
+def test_a_callback_stage_takes_a_next_payload_too(ns):
+    """on_chunk handles chunks as they come (before the payload too), on_payload the payload,
+    finish(payload, ctx) runs once both are in; a failing on_payload fails only its request."""
+    pytest.importorskip("torch")
+    from stagelink.examples import toy as t
+    with Pipeline.from_config(toy(ns, "Dec")) as p:
+        for i in range(6):
+            r = t.make_request(i, payload_bytes=1 << 16, chunks=5, chunk_bytes=512)
+            run_toy(p, f"r{i}", r)
+        bad = t.make_request(7, payload_bytes=1 << 16, chunks=3, chunk_bytes=512)
+        bad["data"][-1] = 0  # dec's payload check fails in on_payload
+        with pytest.raises(StageError, match="payload byte"):
+            p.submit("bad", bad).result(20)
+
+
+def test_startup_timeout_counts_from_the_build_and_names_what_is_importing(ns, monkeypatch):
+    """Issue 51: a start-up timeout names the process, the stage it was building and the module
+    its build was importing; the clock starts when the process begins building its stages."""
+    monkeypatch.setenv("SL_T_IMPORT_S", "6")
+    d = spec(ns, [{"name": "a", "factory": "slow_import_stage:stage", "terminal": True}],
+             settings={"startup_timeout_s": 2.5})
+    t0 = time.monotonic()
+    with pytest.raises(PipelineStartError, match=r"stage 'a' \(slow_import_stage:stage\) was still importing "
+                                                 r"'slow_import_stage'"):
+        Pipeline.from_config(d)
+    assert time.monotonic() - t0 < 5.5
+    monkeypatch.setenv("SL_T_IMPORT_S", "1.5")  # slower than nothing, well within the limit
+    with Pipeline.from_config(d) as p:
+        assert p.submit("r", {"x": 1}).result(10) == {"x": 1}

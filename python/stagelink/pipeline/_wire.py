@@ -1,7 +1,8 @@
 """Small payloads inside the control message: a stagelink frame in its `body`, no relay slot.
 
-A payload of native kinds (numpy arrays and scalars, bytes, str, numbers, None, and dicts, lists,
-tuples of them) whose arrays and bytes total at most `limit` bytes travels this way (the
+A payload of native kinds (numpy arrays and scalars, torch tensors in host memory, bytes, str,
+numbers, None, and dicts, lists, tuples of them) whose arrays, tensors and bytes total at most
+`limit` bytes travels this way (the
 control ring bounds what is in flight); anything larger, or anything else, goes through the
 relay."""
 from __future__ import annotations
@@ -15,6 +16,12 @@ from .. import _core, _serde
 _SCALARS = (int, float, bool, type(None), np.generic)
 
 
+def _is_torch(o) -> bool:
+    """A torch tensor (or Parameter), told without importing torch."""
+    t = type(o)
+    return t.__module__.startswith("torch") and hasattr(o, "element_size") and hasattr(o, "nelement")
+
+
 def _fits(obj, budget: int) -> int:
     """What is left of `budget` after `obj`, or -1 when it does not fit or is not a native kind."""
     stack, n = [obj], 0
@@ -25,6 +32,10 @@ def _fits(obj, budget: int) -> int:
             return -1
         if isinstance(o, np.ndarray):
             budget -= o.nbytes
+        elif _is_torch(o):
+            if o.device.type != "cpu":  # a device tensor: the relay stages it (docs/cuda.md)
+                return -1
+            budget -= o.nelement() * o.element_size()
         elif isinstance(o, (bytes, bytearray, str)):
             budget -= len(o)
         elif isinstance(o, _SCALARS):

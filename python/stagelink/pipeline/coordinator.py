@@ -28,7 +28,8 @@ from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_
 from ..relay import Relay
 from ._wire import from_frame, small_frame
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
-from .worker import EXIT_NO_STDIN, NO_STDIN, keyed_relay, open_inbox, open_outbox, remote_args
+from .worker import (_LAT_WINDOW, EXIT_NO_STDIN, NO_STDIN, _relay_bytes, keyed_relay, open_inbox, open_outbox,
+                     remote_args)
 
 
 class StageError(RuntimeError):
@@ -87,6 +88,8 @@ class Pipeline:
         self._procs: Dict[str, subprocess.Popen] = {}
         self._ready: Dict[str, Optional[str]] = {}
         self._stats: Dict[str, dict] = {}
+        # The terminal stage's edge to this process, counted here as stage processes count theirs.
+        self._edge_in = {"bytes": 0, "messages": 0, "lat_ns": collections.deque(maxlen=_LAT_WINDOW)}
         self._outboxes: Dict[str, Outbox] = {}
         self._out_lock = threading.Lock()
         # The last settings.completed_window finished requests (request_id, e2e_s, ttfc_s, chunks):
@@ -176,20 +179,30 @@ class Pipeline:
             except OSError as err:
                 raise PipelineStartError(f"cannot launch stage process '{proc}' on host '{host}' with "
                                          f"{h['launch']}: {err}") from None
-        deadline = time.monotonic() + self.settings["startup_timeout_s"]
+        # Each process has settings.startup_timeout_s from when it starts building its stages (its
+        # first report: importing their modules, torch among them, is most of a start-up) or,
+        # until then, from its launch. Reports say which stage it builds and what that imports.
+        limit = self.settings["startup_timeout_s"]
+        launched = time.monotonic()
+        began: Dict[str, float] = {}
+        doing: Dict[str, dict] = {}
         senders: list = []  # [src, dst, sender_info] of the transfer-engine relays, from the processes
         while len(self._ready) < len(self._procs):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = [p for p in self._procs if p not in self._ready]
-                raise PipelineStartError(f"stage processes {missing} did not start within "
-                                         f"{self.settings['startup_timeout_s']} s (settings.startup_timeout_s)")
+            now = time.monotonic()
+            late = [p for p in self._procs if p not in self._ready and now - began.get(p, launched) > limit]
+            if late:
+                raise PipelineStartError("; ".join(self._slow_start(p, doing.get(p), now - began.get(p, launched))
+                                                   for p in late) + f" (settings.startup_timeout_s: {limit:g} s)")
             try:
-                m = self._inbox.recv(timeout=min(left, 0.2))
+                m = self._inbox.recv(timeout=0.2)
             except _core.TimeoutError:
                 self._raise_if_one_exited(set(self._ready))
                 continue
             if m.type != "ready":
+                continue
+            if isinstance(m.metadata, dict) and "building" in m.metadata:
+                began.setdefault(m.from_stage, time.monotonic())
+                doing[m.from_stage] = m.metadata
                 continue
             if m.error:
                 raise PipelineStartError(f"stage process '{m.from_stage}' (stages "
@@ -197,9 +210,21 @@ class Pipeline:
             md = m.metadata if isinstance(m.metadata, dict) else {}
             self._ready[m.from_stage] = md.get("endpoint")
             senders += [e for e in md.get("senders") or [] if isinstance(e, list) and len(e) == 3]
+        deadline = time.monotonic() + limit  # the steps after every process is ready
         if self.spec.free_ports:
             self._share_endpoints(deadline)
         self._connect_relays(senders, deadline)
+
+    def _slow_start(self, proc: str, doing: Optional[dict], waited: float) -> str:
+        stages = self.spec.processes()[proc]
+        if not doing:
+            return (f"stage process '{proc}' (stages {stages}) did not begin building its stages within "
+                    f"{waited:.0f} s of its launch (the interpreter or `import stagelink` did not finish)")
+        stage = doing.get("building")
+        factory = self.spec.stages[stage].factory if stage in self.spec.stages else "?"
+        what = f"importing '{doing['importing']}'" if doing.get("importing") else "running its factory"
+        return (f"stage process '{proc}' did not start within {waited:.0f} s of beginning to build its stages: "
+                f"stage '{stage}' ({factory}) was still {what}")
 
     def _send_keys(self, proc, close: bool):
         """Process `proc`'s CURVE secret keys, one JSON line on its stdin (never argv, env or a file)."""
@@ -457,6 +482,23 @@ class Pipeline:
         `control_refused`: peers its control inbox refused at the CURVE handshake, control: tcp)."""
         return dict(self._stats)
 
+    def coordinator_edges(self) -> Dict[str, dict]:
+        """The edge from the terminal stage to this process (its result and streamed chunks):
+        {"TERMINAL->coordinator": {bytes, messages, lat_ns}}, as stats() has each process's."""
+        with self._lock:
+            e = dict(self._edge_in, lat_ns=list(self._edge_in["lat_ns"]))
+        return {f"{self.spec.terminal}->{COORDINATOR}": e}
+
+    def _count_in(self, m: ControlMessage):
+        md = m.metadata if isinstance(m.metadata, dict) else {}
+        with self._lock:
+            e = self._edge_in
+            e["messages"] += 1
+            e["bytes"] += len(m.body) if m.body else _relay_bytes(md)
+            t = md.get("t_ns")
+            if isinstance(t, int) and t and not self.spec.stage_host(self.spec.terminal):  # one clock: one host
+                e["lat_ns"].append(time.monotonic_ns() - t)
+
     # -- the receive thread
     def _send(self, proc, msg, timeout):
         with self._out_lock:
@@ -537,6 +579,7 @@ class Pipeline:
             if m.is_done:
                 return
             obj = from_frame(m.body) if m.body else self._relay_in.get_async(m.metadata).result()
+            self._count_in(m)
             if r.t_first is None:
                 r.t_first = time.monotonic()
             r.n_chunks += 1
@@ -552,6 +595,7 @@ class Pipeline:
                 self._relay.cleanup(m.request_id)
                 return
             obj = from_frame(m.body) if m.body else self._relay_in.get_async(m.metadata).result()
+            self._count_in(m)
             with self._lock:
                 self._finish_locked(m.request_id, r, result=obj)
 

@@ -8,7 +8,7 @@
     #                                                 # (base_port 0, the default: free ports, chosen at start)
     hosts:                                            # optional: stage processes on other hosts
       gpu2: {address: 10.0.0.6, launch: "ssh -o BatchMode=yes 10.0.0.6", python: /opt/venv/bin/python}
-    settings: {request_timeout_s: 120, startup_timeout_s: 20}
+    settings: {request_timeout_s: 120, startup_timeout_s: 120}
     stages:
       - name: encoder
         factory: "stagelink.examples.omni:encoder"   # module:callable
@@ -47,8 +47,11 @@ _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "proc
                "inline", "zero_copy", "host", "env"}
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
              "control", "hosts"}
-_SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 20.0, "abort_timeout_s": 5.0,
-             "shutdown_timeout_s": 10.0, "inline_bytes": 16384, "completed_window": 10000}
+# startup_timeout_s counts per process from when it starts building its stages (importing their
+# modules): three processes importing torch at once on a loaded 2-core machine took over 20 s.
+_SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 120.0, "abort_timeout_s": 5.0,
+             "shutdown_timeout_s": 10.0, "inline_bytes": 16384, "completed_window": 10000,
+             "early_chunk_bytes": 256 << 20}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 COORDINATOR = "coordinator"
 
@@ -303,6 +306,13 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
             if not isinstance(v, int) or not 0 <= v <= (1 << 20):
                 raise PipelineConfigError(f"{source}: settings.inline_bytes must be an integer in [0, 1048576] "
                                           "(payloads up to it travel inside the control message; 0: never)")
+            settings[k] = v
+            continue
+        if k == "early_chunk_bytes":
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= (1 << 40):
+                raise PipelineConfigError(f"{source}: settings.early_chunk_bytes must be an integer in [0, 2**40] "
+                                          "(stream chunks a stage process copies out of the relay while their "
+                                          "stage waits for its payload)")
             settings[k] = v
             continue
         if k == "completed_window":

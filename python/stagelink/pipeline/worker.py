@@ -98,7 +98,7 @@ class Aborted(_core.CancelledError):
 
 class _Request:
     __slots__ = ("inputs", "started", "queue", "expect", "held", "done_srcs", "aborted", "cond", "n_streamed",
-                 "stream_closed", "ctx", "done")
+                 "stream_closed", "ctx", "done", "payload_in", "early")
 
     def __init__(self, lock):
         self.inputs: Dict[str, Any] = {}
@@ -113,6 +113,8 @@ class _Request:
         self.stream_closed: set = set()
         self.ctx: Optional["StageContext"] = None  # callback stages: one context for every call
         self.done = False
+        self.payload_in = False  # callback stages: every `next` source's payload has arrived
+        self.early = 0  # bytes of chunks copied out of the relay before the stage could start
 
 
 class StageContext:
@@ -147,14 +149,17 @@ class StageRuntime:
         self.spec, self.w = spec, worker
         base = os.path.dirname(os.path.abspath(worker.spec.source)) if worker.spec.source != "<dict>" else os.getcwd()
         self.obj, self.fn = build_stage(spec, base)
-        # A callback stage (on_chunk(chunk, ctx) and finish(payload, ctx)): driven by its chunks on
-        # the receive thread, no thread of its own.
+        # A callback stage (on_chunk(chunk, ctx), on_payload(payload, ctx) optional, finish(payload,
+        # ctx)): driven by its inputs as they arrive, on the thread that delivers them, no thread of
+        # its own. Chunks are handled whether or not the payload is there yet; finish runs once
+        # every stream has ended and the payload (if any `next` feeds the stage) has arrived.
         self.on_chunk = getattr(self.obj, "on_chunk", None)
+        self.on_payload = getattr(self.obj, "on_payload", None)
         self.finish = getattr(self.obj, "finish", None)
         if self.on_chunk is not None:
-            if not spec.stream_sources or spec.sources or not callable(self.finish):
-                raise PipelineConfigError(f"stage '{spec.name}': on_chunk stages read streams only (no next into "
-                                          "them) and need finish(payload, ctx)")
+            if not spec.stream_sources or not callable(self.finish):
+                raise PipelineConfigError(f"stage '{spec.name}': an on_chunk stage must be fed by a stream "
+                                          "(stream_to names it) and needs finish(payload, ctx)")
         self.merge = resolve(spec.merge) if spec.merge else None
         self.pool = ThreadPoolExecutor(spec.concurrency, thread_name_prefix=f"stage-{spec.name}")
         self.lock = threading.Lock()
@@ -163,6 +168,8 @@ class StageRuntime:
         self.stream_targets = spec.stream_to or ([COORDINATOR] if spec.terminal else [])
         self.runs = 0
         self.busy_ns = 0
+        self.early_bytes = 0  # chunks held copied for requests not started yet (settings.early_chunk_bytes)
+        self.early_limit = int(worker.spec.settings.get("early_chunk_bytes", 256 << 20))
 
     # -- inputs
     def _state(self, rid) -> Optional[_Request]:
@@ -176,14 +183,23 @@ class StageRuntime:
     def deliver_data(self, rid: str, src: str, obj) -> None:
         with self.lock:
             r = self._state(rid)
-            if r is None or r.started:
+            # (a callback stage's `started` says a thread is draining its inputs, not that it ran)
+            if r is None or (r.payload_in if self.on_chunk is not None else r.started):
                 return
             r.inputs[src] = obj
             need = self.spec.sources or [COORDINATOR]
             if not all(s in r.inputs for s in need):
                 return
-            r.started = True
-        if self.spec.inline:  # on the receive thread: no handoff (see StageSpec.inline)
+            if self.on_chunk is not None:  # a callback stage: on_payload now, finish once streams end
+                r.payload_in = True
+                if r.ctx is None:
+                    r.ctx = StageContext(self, rid, r)
+                r.queue.append((None, "payload", None, 0))
+            else:
+                r.started = True
+        if self.on_chunk is not None:
+            self._on_chunks(rid, r)
+        elif self.spec.inline:  # on the receive thread: no handoff (see StageSpec.inline)
             self._run(rid, r)
         else:
             self.pool.submit(self._run, rid, r)
@@ -219,6 +235,31 @@ class StageRuntime:
             self.pool.submit(self._run, rid, r)
         return True
 
+    def take_early(self, rid: str, nbytes: int) -> bool:
+        """Whether a chunk of `nbytes` for `rid` should be copied out of the relay now: its stage
+        waits for a payload too and has not started, so the chunk would hold a credit of the edge
+        the payload may need (the toy pipeline's `enc` streams its chunks, then sends its payload,
+        to `dec`). Copied chunks of requests not started are bounded by settings.early_chunk_bytes;
+        past it they stay in the relay (the sender's credits are the back-pressure)."""
+        if not self.spec.sources or self.on_chunk is not None:
+            return False
+        with self.lock:
+            r = self._state(rid)
+            if r is None or r.started or self.early_bytes + nbytes > self.early_limit:
+                return False
+            self.early_bytes += nbytes
+            r.early += nbytes
+            return True
+
+    def _payload(self, r: _Request):
+        """A stage's payload: its one source's, or with several (fan-in) merge({source: payload})."""
+        if not self.spec.sources and self.spec.stream_sources:
+            return None
+        ins = r.inputs
+        if len(self.spec.sources) > 1:
+            return self.merge(dict(ins)) if self.merge else dict(ins)
+        return next(iter(ins.values())) if ins else None
+
     def iter_chunks(self, rid: str, r: _Request, timeout: Optional[float]):
         timeout = self.w.spec.settings["request_timeout_s"] if timeout is None else timeout
         srcs = set(self.spec.stream_sources)
@@ -244,15 +285,7 @@ class StageRuntime:
         ctx = r.ctx or StageContext(self, rid, r)
         t0 = time.monotonic_ns()
         try:
-            if self.spec.sources or not self.spec.stream_sources:
-                ins = r.inputs
-                if len(self.spec.sources) > 1:
-                    payload = self.merge(dict(ins)) if self.merge else dict(ins)
-                else:
-                    payload = next(iter(ins.values()))
-            else:
-                payload = None
-            self._complete(rid, r, self.fn(payload, ctx))
+            self._complete(rid, r, self.fn(self._payload(r), ctx))
         except BaseException as e:  # noqa: BLE001  a stage's failure fails only its request
             self._failed(rid, r, e)
         finally:
@@ -284,9 +317,11 @@ class StageRuntime:
         self.w.send_failure(rid, self.spec.name, tb)
 
     def _on_chunks(self, rid: str, r: _Request):
-        """Callback stages (on_chunk/finish): handle every chunk that is ready, in order, on the
-        receive thread; at the end of every stream, finish() gives the result."""
+        """Callback stages (on_chunk/on_payload/finish): handle every input that is ready, in
+        order, on the thread that delivered it; once every stream has ended and the payload (if
+        any) has arrived, finish() gives the result."""
         srcs = set(self.spec.stream_sources)
+        need_payload = bool(self.spec.sources)
         with self.lock:
             if r.started:  # another thread is draining this request: it will see these chunks too
                 return
@@ -299,7 +334,7 @@ class StageRuntime:
                         r.started = False
                         return
                     if not r.queue:
-                        if not srcs <= r.done_srcs:
+                        if not srcs <= r.done_srcs or (need_payload and not r.payload_in):
                             r.started = False
                             return
                         r.done = True
@@ -307,8 +342,12 @@ class StageRuntime:
                     src, kind, item, t_ns = r.queue.popleft()
                 if kind == "error":
                     raise StreamError(f"stage '{src}' failed while streaming to '{self.spec.name}': {item}")
+                if kind == "payload":
+                    if self.on_payload is not None:
+                        self.on_payload(self._payload(r), r.ctx)
+                    continue
                 self.on_chunk(self.w.read(src, self.spec.name, kind, item, t_ns, self.spec.zero_copy), r.ctx)
-            self._complete(rid, r, self.finish(None, r.ctx))
+            self._complete(rid, r, self.finish(self._payload(r) if need_payload else None, r.ctx))
         except BaseException as e:  # noqa: BLE001
             r.done = True
             self._failed(rid, r, e)
@@ -319,6 +358,8 @@ class StageRuntime:
 
     def _finish(self, rid: str, r: _Request):
         with self.lock:
+            self.early_bytes -= r.early
+            r.early = 0
             self.reqs.pop(rid, None)
             self.finished[rid] = True
             if len(self.finished) > _SEEN_WINDOW:
@@ -343,6 +384,8 @@ class StageRuntime:
             if r is not None:
                 r.aborted = True
                 r.cond.notify_all()
+                self.early_bytes -= r.early
+                r.early = 0
                 left = list(r.queue)
                 r.queue.clear()
             else:
@@ -443,6 +486,8 @@ class Worker:
     def read(self, src, dst, kind, item, t_ns, zero_copy=False):
         """The payload a message carried: `kind` obj (by reference), body (a frame), relay (metadata;
         `zero_copy`: read-only views holding the relay slot until dropped)."""
+        if kind == "early":  # copied out of the relay on arrival, counted then (StageRuntime.take_early)
+            return item
         if kind == "obj":
             obj = item
         elif kind == "body":
@@ -510,9 +555,13 @@ class Worker:
                                               error=tb[-60000:]))
 
     # -- the receive loop
-    def start(self):
+    def start(self, progress=None):
+        """Bind the inbox, build the stages (`progress(stage)` before each: the coordinator's
+        start-up timeout names what is still being built) and make every relay."""
         self.inbox = open_inbox(self.spec, self.dir, self.proc, self.secret)
         for n in self.names:
+            if progress is not None:
+                progress(n)
             self.stages[n] = StageRuntime(self.spec.stages[n], self)
         for n in self.names:  # every relay this process uses, before any request
             s = self.spec.stages[n]
@@ -573,6 +622,15 @@ class Worker:
             md = m.metadata
             t_ns = int(md.get("t_ns", 0)) if isinstance(md, dict) else time.monotonic_ns()
             kind, item = ("body", m.body) if m.body else ("relay", md)
+            if kind == "relay" and isinstance(md, dict) and not m.is_done and st.take_early(
+                    m.request_id, _relay_bytes(md)):
+                try:
+                    item, kind = self.read(m.from_stage, m.to_stage, "relay", md, t_ns), "early"
+                except (_core.StagelinkError, ValueError, TypeError) as e:
+                    self.send_failure(m.request_id, m.to_stage, f"stage {m.to_stage}: a stream chunk from "
+                                                                f"{m.from_stage} could not be read: "
+                                                                f"{type(e).__name__}: {e}")
+                    return True
             if not st.deliver_stream(m.request_id, m.from_stage, int(m.chunk_id or 0), kind, item, m.is_done,
                                      m.error or "", t_ns) and kind == "relay" and md is not None:
                 self.discard(m.from_stage, m.to_stage, md)
@@ -630,6 +688,59 @@ class Worker:
         for st in self.stages.values():  # in-flight work ends (aborted above) before the relays go
             for th in list(getattr(st.pool, "_threads", ())):
                 th.join(max(0.0, deadline - time.monotonic()))
+
+
+class _StartProgress:
+    """Tells the coordinator, while this process builds its stages, which stage it is building
+    and which module the build is importing (sampled once a second from the main thread's stack),
+    so that a start-up timeout says what was slow. The first report starts the coordinator's
+    start-up clock for this process."""
+
+    def __init__(self, coord: Outbox, proc: str):
+        self.coord, self.proc = coord, proc
+        self.stage = ""
+        self.sent = None
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.main = threading.get_ident()
+        self.thread = threading.Thread(target=self._watch, name="stagelink-start-progress", daemon=True)
+
+    def __call__(self, stage: str):
+        self.stage = stage
+        self._send()
+        if not self.thread.is_alive():
+            self.thread.start()
+
+    def _importing(self) -> str:
+        f = sys._current_frames().get(self.main)
+        mod = ""
+        while f is not None:  # the innermost module body running is what is being imported
+            if f.f_code.co_name == "<module>":
+                mod = f.f_globals.get("__name__") or f.f_code.co_filename
+                break
+            f = f.f_back
+        if mod in ("__main__", "stagelink.pipeline._entry"):  # no import running: the factory itself
+            return ""
+        return str(mod)
+
+    def _send(self):
+        md = {"building": self.stage, "importing": self._importing()}
+        with self.lock:
+            if md == self.sent or self.stop.is_set():
+                return
+            self.sent = md
+            try:
+                self.coord.send(ControlMessage("ready", from_stage=self.proc, metadata=md), timeout=5)
+            except _core.StagelinkError:
+                pass
+
+    def _watch(self):
+        while not self.stop.wait(1.0):
+            self._send()
+
+    def close(self):
+        with self.lock:
+            self.stop.set()
 
 
 def _die_with_parent():
@@ -726,11 +837,14 @@ def main(argv=None) -> int:
     os.environ.update(spec.env_of(proc))  # before any stage, torch or UCX reads it
     w = Worker(spec, proc, sock_dir, keys)
     coord = open_outbox(spec, sock_dir, proc, COORDINATOR, keys.get("control"))
+    progress = _StartProgress(coord, proc)
     try:
-        w.start()
+        w.start(progress)
+        progress.close()
         if gone.is_set():  # /dev/null, or a launcher that does not forward it: it would end at once
             raise RuntimeError(NO_STDIN)
     except BaseException as e:  # noqa: BLE001  reported to the coordinator, which rolls back
+        progress.close()
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         coord.send(ControlMessage("ready", from_stage=proc, error=tb[-60000:]), timeout=5)
         coord.close()
