@@ -2513,13 +2513,20 @@ NB_MODULE(_core, m) {
     return unwrap(expand_env_value(value, key, source, bare));
   }, nb::arg("value"), nb::arg("key"), nb::arg("source"), nb::arg("bare") = false);
   // vLLM-Omni's serialize_obj/deserialize_obj: one frame in a bytes object.
-  m.def("encode_object", [](nb::handle obj) -> nb::object {
+  // `limit` >= 0: None too when the tensors, bytes and packed tree add up to more than `limit`
+  // bytes, found before anything is copied (the pipeline's payloads inside control messages).
+  m.def("encode_object", [](nb::handle obj, int64_t limit) -> nb::object {
     Payload p;
     BufferViews bv;
     PyEncoder enc{p, bv};
     if (!enc.run(obj)) return nb::none();  // needs pickle: the caller sends parts
+    if (limit >= 0) {
+      size_t n = p.packed_tree.size();
+      for (const Tensor& t : p.tensors) n += t.nbytes();
+      if (n > uint64_t(limit)) return nb::none();
+    }
     return frame_bytes(p);
-  }, nb::arg("obj").none());
+  }, nb::arg("obj").none(), nb::arg("limit") = -1);
   m.def("encode_parts", [](int kind, nb::list regions) {
     Payload p;
     BufferViews bv;

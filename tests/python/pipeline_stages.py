@@ -159,3 +159,11 @@ def torch_inplace(payload, ctx):
         assert type(y) is torch.Tensor
         x = y
     return {"x": x, "mode": mode}
+
+
+def thread_name(payload, ctx):
+    """Which thread ran it (after sleeping payload["sleep_s"], if any)."""
+    import threading
+    import time
+    time.sleep(payload.get("sleep_s", 0))
+    return {"thread": threading.current_thread().name}

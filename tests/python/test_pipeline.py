@@ -600,3 +600,25 @@ def test_startup_timeout_counts_from_the_build_and_names_what_is_importing(ns, m
     monkeypatch.setenv("SL_T_IMPORT_S", "1.5")  # slower than nothing, well within the limit
     with Pipeline.from_config(d) as p:
         assert p.submit("r", {"x": 1}).result(10) == {"x": 1}
+
+
+@pytest.mark.parametrize("inline", ["auto", False])
+def test_short_stages_run_on_the_receive_thread_by_default(ns, inline):
+    """Issue 51: `inline: auto` (the default) runs a stage on its process's receive thread once
+    its runs have stayed short (no thread handoff per request); one long run puts it back on the
+    pool. `inline: false` always uses the pool."""
+    st = {"name": "a", "factory": f"{S}:thread_name", "terminal": True}
+    if inline is not False:
+        st.pop("inline", None)
+    else:
+        st["inline"] = False
+    with Pipeline.from_config(spec(ns, [st])) as p:
+        names = [p.submit(f"r{i}", {}).result(10)["thread"] for i in range(40)]
+        assert all(n.startswith("stage-a") for n in names[:16]), names  # on the pool while unknown
+        if inline is False:
+            assert all(n.startswith("stage-a") for n in names), names
+            return
+        assert names[-1] == "MainThread", names
+        assert p.submit("slow", {"sleep_s": 0.01}).result(10)["thread"] == "MainThread"  # judged after it ran
+        assert p.submit("next", {}).result(10)["thread"].startswith("stage-a")  # back on the pool
+    assert p.stats()["a"]["stages"]["a"]["inline_runs"] >= 24

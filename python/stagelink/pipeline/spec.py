@@ -24,7 +24,9 @@
         factory: ...
         merge: "mod:fn"                               # fan-in: combine {source: payload}
         concurrency: 8                                # requests run at once (threads); or
-        inline: false                                 # true: on the receive thread, one at a time
+        inline: auto                                  # true: on the receive thread, one at a time;
+                                                      # false: a pool thread; auto (default): inline
+                                                      # while its runs stay short
         zero_copy: false                              # true: relay inputs as read-only views
         terminal: true                                # its result completes the request
     edges:                                            # optional: a connector per edge
@@ -74,7 +76,9 @@ class StageSpec:
     # Run on the process's receive thread instead of a pool thread: no thread handoff per request
     # (the fastest for short stages), one request at a time, aborts seen between requests. Not for
     # stages that read streams (they wait for chunks the receive thread must deliver).
-    inline: bool = False
+    # None (auto, the default): inline while its runs stay short (worker.AUTO_INLINE_NS), else on
+    # the pool; never for a stage that reads streams with ctx.chunks().
+    inline: Optional[bool] = None
     # Inputs that came through the relay are read-only views of its shared memory (no copy); each
     # holds its slot, and its edge's credit, until the stage drops it.
     zero_copy: bool = False
@@ -184,6 +188,15 @@ class PipelineSpec:
                    d.get("hosts") or {})
 
 
+def _inline(v, where: str) -> Optional[bool]:
+    if v is None or v == "auto":
+        return None
+    if not isinstance(v, bool):
+        raise PipelineConfigError(f"{where}: 'inline' must be true, false or auto (the default: on the receive "
+                                  "thread while the stage's runs stay short)")
+    return v
+
+
 def _list(v, where) -> List[str]:
     if v is None:
         return []
@@ -258,7 +271,7 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         stages[name] = StageSpec(name=name, factory=factory, args=args, next=_list(s.get("next"), f"{where}: next"),
                                  stream_to=_list(s.get("stream_to"), f"{where}: stream_to"),
                                  terminal=bool(s.get("terminal", False)), process=proc, merge=merge,
-                                 concurrency=conc, inline=bool(s.get("inline", False)),
+                                 concurrency=conc, inline=_inline(s.get("inline"), where),
                                  zero_copy=bool(s.get("zero_copy", False)), host=host, env=env)
     for s in stages.values():
         for key in ("next", "stream_to"):
