@@ -5,7 +5,10 @@ input), with default settings and with the speed options, beside SGLang-Omni's o
 it can run here (`bench_sglang_omni`), alternating, rounds in one run; medians and same-run ratios."""
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -73,6 +76,127 @@ def stagelink_toy(case: str, speed: bool = False, sequential: int = 200, concurr
         f = _measure(submit, reqs, toy.verify, sequential, concurrent, in_flight)
     f.update(startup_s=startup, total_s=time.monotonic() - t0)
     return f
+
+
+# SGLang-Omni 0.1.9's runtime, installed without its dependencies (sglang itself pulls CUDA
+# kernels, transformers and more) into a directory of its own, with only the packages its pipeline
+# runtime imports: what a model-free pipeline needs. Versions pinned as measured.
+PEER = "sglang-omni-0.1.9"
+PEER_PACKAGES = [
+    "sglang-omni==0.1.9", "sglang==0.5.22", "triton==3.9.0", "pyzmq==27.3.0", "msgpack==1.2.4", "msgspec==0.22.0",
+    "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated_types==0.8.0", "typing_inspection==0.4.5",
+    "orjson==3.13.0", "psutil==7.2.2", "pybase64==1.5.1", "requests==2.34.2", "urllib3==2.8.0", "idna==3.20",
+    "certifi==2026.10.19.post1", "pillow==13.0.0", "starlette==1.10.0", "anyio==4.16.0", "tqdm==4.70.1",
+    "ipython==9.18.1", "traitlets==5.16.1", "aiohttp==3.14.5", "multidict==7.2.1", "attrs==26.1.0",
+    "yarl==1.25.1", "propcache==0.5.4", "aiohappyeyeballs==2.7.1", "aiosignal==1.4.0", "frozenlist==1.8.0",
+    "huggingface_hub==2.4.0",
+]
+
+
+def peer_dir() -> str:
+    base = os.environ.get("STAGELINK_PEERS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "stagelink", "peers")
+    return os.path.join(base, PEER)
+
+
+def _peer_env(path: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([path] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def setup_peer(log=sys.stderr) -> tuple:
+    """(directory, None) with SGLang-Omni's runtime importable from it, installing it the first
+    time (pip --no-deps --target; about 300 MB, triton most of it), or (None, why not)."""
+    path = peer_dir()
+    ok = os.path.join(path, ".stagelink-ok")
+    if not os.path.exists(ok):
+        print(f"  ... installing SGLang-Omni 0.1.9's runtime into {path} (once; pip --no-deps)", file=log)
+        os.makedirs(path, exist_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", path]
+                           + PEER_PACKAGES, capture_output=True, text=True)
+        if r.returncode != 0:
+            return None, "pip could not install it: " + (r.stderr.strip().splitlines() or ["?"])[-1]
+    check = subprocess.run([sys.executable, "-c", "import sglang_omni.pipeline.mp_runner, "
+                            "stagelink.examples.sglang_omni_toy"], env=_peer_env(path), capture_output=True,
+                           text=True, timeout=600)
+    if check.returncode != 0:
+        return None, "its runtime does not import: " + (check.stderr.strip().splitlines() or ["?"])[-1]
+    open(ok, "w").close()
+    return path, None
+
+
+def sglang_omni_toy(path: str, case: str, sequential: int = 100, concurrent: int = 400, in_flight: int = 8) -> dict:
+    """One round of the toy on SGLang-Omni's own runtime, in a process of its own."""
+    pb, cb = CASES[case]
+    r = subprocess.run([sys.executable, "-m", "stagelink.examples.sglang_omni_toy", str(pb), str(cb),
+                        str(sequential), str(concurrent), str(in_flight)], env=_peer_env(path),
+                       capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"SGLang-Omni's toy pipeline failed (exit {r.returncode}): "
+                           + "\n".join(r.stderr.strip().splitlines()[-8:]))
+    return json.loads(lines[-1])
+
+
+VARIANTS = ("sglang-omni", "stagelink", "stagelink-speed")
+
+
+def run_pipeline(rounds: int = 3, json_path=None, peer: bool = True, out=sys.stdout, quick: bool = False) -> dict:
+    """`stagelink bench pipeline`: each case, each variant, alternating, `rounds` rounds; medians and
+    the ratios to SGLang-Omni measured in the same run."""
+    from .bench import write_json
+    print("stagelink bench pipeline: SGLang-Omni 0.1.9's model-free toy pipeline (prep -> enc -> dec; enc streams "
+          "8 chunks to dec, then sends the payload on to dec; dec streams one message per chunk to the client), "
+          "torch tensors, every stage checking its input, each stage its own process. Variants, alternating, in "
+          "one run: SGLang-Omni's own runtime; stagelink with default settings; stagelink with the speed options "
+          "(prep and enc inline and zero_copy, dec a callback stage).\n", file=out)
+    path, why = (setup_peer() if peer else (None, "not asked for (--no-peer)"))
+    if path is None:
+        print(f"SGLang-Omni is not measured: {why}\n", file=out)
+    seq, conc = (30, 120) if quick else (200, 800)
+    pseq, pconc = (20, 80) if quick else (100, 400)
+    runs: dict = {c: {v: [] for v in VARIANTS} for c in CASES}
+    for rnd in range(rounds):
+        for case in CASES:
+            order = list(VARIANTS) if rnd % 2 == 0 else list(reversed(VARIANTS))
+            for v in order:
+                if v == "sglang-omni" and path is None:
+                    continue
+                print(f"  ... round {rnd + 1}/{rounds}: {case}, {v}", file=sys.stderr, flush=True)
+                if v == "sglang-omni":
+                    f = sglang_omni_toy(path, case, pseq, pconc)
+                else:
+                    f = stagelink_toy(case, v == "stagelink-speed", seq, conc)
+                runs[case][v].append(f)
+    result = {"kind": "pipeline", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rounds": rounds,
+              "peer": PEER if path else None, "peer_missing": why, "cases": {}}
+    print(f"{'case':>12} {'variant':>16} {'e2e p50':>9} {'e2e p99':>9} {'req/s, 8 in flight':>19} {'start-up':>9}"
+          f" {'e2e vs peer':>12} {'req/s vs peer':>14} {'start-up vs peer':>17}", file=out)
+    for case in CASES:
+        med = {}
+        for v in VARIANTS:
+            fs = runs[case][v]
+            if fs:
+                med[v] = {k: statistics.median(f[k] for f in fs) for k in ("e2e_ms_p50", "e2e_ms_p99",
+                                                                          "requests_per_s", "startup_s")}
+                med[v]["rounds"] = fs
+        peer_m = med.get("sglang-omni")
+        for v, m in med.items():
+            if peer_m and v != "sglang-omni":
+                m["e2e_vs_peer"] = m["e2e_ms_p50"] / peer_m["e2e_ms_p50"]
+                m["rps_vs_peer"] = m["requests_per_s"] / peer_m["requests_per_s"]
+                m["startup_vs_peer"] = m["startup_s"] / peer_m["startup_s"]
+            ratios = (f"{m['e2e_vs_peer']:>11.2f}x {m['rps_vs_peer']:>13.1f}x {m['startup_vs_peer']:>16.2f}x"
+                      if "e2e_vs_peer" in m else f"{'':>12} {'':>14} {'':>17}")
+            print(f"{case:>12} {v:>16} {m['e2e_ms_p50']:>6.2f} ms {m['e2e_ms_p99']:>6.2f} ms "
+                  f"{m['requests_per_s']:>19.0f} {m['startup_s']:>7.2f} s {ratios}", file=out)
+        result["cases"][case] = med
+    print("\naims (issue 51): with default settings at least 10x SGLang-Omni's req/s and at most 0.2x its e2e p50; "
+          "with the speed options at least 15x its req/s; one request at a time, e2e p50 under 1 ms; start-up at "
+          "most 0.5x. Medians of the rounds; every result verified.", file=out)
+    return write_json(result, json_path, out)
 
 
 def main(argv=None) -> int:  # a quick look: python -m stagelink.bench_pipeline [rounds]

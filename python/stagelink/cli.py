@@ -156,6 +156,9 @@ def _cmd_bench(args):
     if args.kind in ("store", "all"):
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
         run_store(sizes, json_for("store"))
+    if args.kind in ("pipeline", "all"):
+        from .bench_pipeline import run_pipeline
+        run_pipeline(args.rounds, json_for("pipeline"), peer=not args.no_peer, quick=args.quick)
     if args.kind in ("cuda", "all"):
         from .bench_cuda import run_cuda
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
@@ -216,14 +219,20 @@ def main(argv=None):
                "         peers: ucx_perftest, iperf3, Mooncake TE when installed\n"
                "  store  store connector with a redis-server it starts (across namespaces when root);\n"
                "         peers: redis-benchmark, Mooncake Store when installed\n"
+               "  pipeline  SGLang-Omni's toy pipeline on stagelink (defaults, speed options) and on\n"
+               "         SGLang-Omni 0.1.9's own runtime (installed once into ~/.cache/stagelink/peers),\n"
+               "         alternating, --rounds rounds; peers: SGLang-Omni\n"
                "  cuda   CUDA tensors between processes (says why and stops without a GPU); peers:\n"
                "         pinned/pageable/device copies, CUDA IPC, the seed's design\n"
                "  all    each of the above in turn")
-    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "cuda", "all"], help="what to measure (below)")
+    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "pipeline", "cuda", "all"],
+                   help="what to measure (below)")
     b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
     b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
-    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-cuda.json)")
-    b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; relay: no pipeline figures (a smoke run)")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-pipeline.json, FILE-cuda.json)")
+    b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; relay: no pipeline figures; pipeline: fewer requests (a smoke run)")
+    b.add_argument("--rounds", type=int, default=3, help="pipeline: rounds of every variant, alternating (default 3)")
+    b.add_argument("--no-peer", action="store_true", help="pipeline: stagelink only, without installing or running SGLang-Omni")
     b.set_defaults(fn=_cmd_bench)
 
     c = sub.add_parser("config", help="configuration tools")

@@ -167,3 +167,18 @@ def thread_name(payload, ctx):
     import time
     time.sleep(payload.get("sleep_s", 0))
     return {"thread": threading.current_thread().name}
+
+
+class PayloadAndChunks:
+    """A callback stage fed by a payload and a stream: on_payload refuses a payload asking it to."""
+
+    def on_chunk(self, c, ctx):
+        ctx.state.setdefault("ids", []).append(c["i"])
+
+    def on_payload(self, payload, ctx):
+        if payload.get("x") == "refuse":
+            raise ValueError("on_payload refused its payload")
+        ctx.state["seen_payload_after"] = len(ctx.state.get("ids", []))
+
+    def finish(self, payload, ctx):
+        return {"ids": ctx.state.get("ids", []), "x": payload["x"], "n": payload["n"]}

@@ -77,3 +77,23 @@ def test_payload_floor_ratio_is_a_median_of_per_round_ratios(monkeypatch):
     floor = next(r for r in rows if "floor_us" in r)
     none = next(r for r in rows if r["payload"].startswith("None"))
     assert floor["floor_vs_numpy"] == none["vs_numpy"]
+
+
+def test_bench_pipeline_runs_the_toy_and_reports_without_the_peer(tmp_path):
+    """`stagelink bench pipeline --no-peer --quick`: the stagelink variants of SGLang-Omni's toy run,
+    every result verified, and the report says why the peer is missing (no ratios invented)."""
+    import json
+    import pytest
+    pytest.importorskip("torch")
+    from stagelink.bench_pipeline import CASES, VARIANTS, run_pipeline
+    out = io.StringIO()
+    res = run_pipeline(rounds=1, json_path=str(tmp_path / "p.json"), peer=False, out=out, quick=True)
+    assert res["peer"] is None and "--no-peer" in res["peer_missing"]
+    assert "SGLang-Omni is not measured" in out.getvalue()
+    for case in CASES:
+        m = res["cases"][case]
+        assert set(m) == set(VARIANTS) - {"sglang-omni"}
+        for v in m.values():
+            assert v["requests_per_s"] > 0 and 0 < v["e2e_ms_p50"] <= v["e2e_ms_p99"]
+            assert "rps_vs_peer" not in v
+    assert json.loads((tmp_path / "p.json").read_text())["kind"] == "pipeline"

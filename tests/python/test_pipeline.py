@@ -580,10 +580,16 @@ def test_a_callback_stage_takes_a_next_payload_too(ns):
         for i in range(6):
             r = t.make_request(i, payload_bytes=1 << 16, chunks=5, chunk_bytes=512)
             run_toy(p, f"r{i}", r)
-        bad = t.make_request(7, payload_bytes=1 << 16, chunks=3, chunk_bytes=512)
-        bad["data"][-1] = 0  # dec's payload check fails in on_payload
-        with pytest.raises(StageError, match="payload byte"):
-            p.submit("bad", bad).result(20)
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:streamer", "next": "b", "stream_to": "b"},
+        {"name": "b", "factory": f"{S}:PayloadAndChunks", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        assert p.submit("ok", {"chunks": 30, "x": 5}).result(20) == {"ids": list(range(30)), "x": 5, "n": 30}
+        with pytest.raises(StageError, match="on_payload refused its payload") as e:
+            p.submit("bad", {"chunks": 3, "x": "refuse"}).result(20)
+        assert e.value.stage == "b"
+        assert p.submit("ok2", {"chunks": 2, "x": 6}).result(20)["ids"] == [0, 1]
 
 
 def test_startup_timeout_counts_from_the_build_and_names_what_is_importing(ns, monkeypatch):

@@ -1,6 +1,8 @@
-"""SGLang-Omni's model-free 3-stage toy pipeline, written on stagelink's public API: `prep` checks
-the request and passes it on, `enc` streams `chunks` chunks to `dec` and then sends the payload on
-to `dec`, `dec` answers the client with one streamed message per chunk and a summary. Torch
+"""SGLang-Omni's model-free 3-stage toy pipeline, written on stagelink's public API: `prep` turns
+the request into its payload (a tensor of `payload_bytes`, as a preprocessor turns a prompt into
+features; a client's request to SGLang-Omni's entry stage is a control message, and cannot carry
+tensors), `enc` streams `chunks` chunks to `dec` and then sends the payload on to `dec`, `dec`
+answers the client with one streamed message per chunk and a summary. Torch
 tensors throughout (as the toy has them); every stage checks what it receives (sampled: a few
 elements, so that a check costs microseconds whatever the size). `examples/toy_pipeline.yaml`
 runs it with default settings; `stagelink bench pipeline` runs it beside SGLang-Omni's own.
@@ -15,8 +17,7 @@ _PROBES = 5
 
 
 def make_request(i: int, payload_bytes: int = 1 << 20, chunks: int = 8, chunk_bytes: int = 8192, **_):
-    return {"data": torch.full((payload_bytes,), i % 251, dtype=torch.uint8), "seed": i, "chunks": chunks,
-            "chunk_bytes": chunk_bytes}
+    return {"seed": i, "payload_bytes": payload_bytes, "chunks": chunks, "chunk_bytes": chunk_bytes}
 
 
 def _check_data(req, stage):
@@ -43,8 +44,13 @@ def _check_chunk(c, seed: int, i: int, stage: str):
 
 
 def prep(req, ctx):
-    _check_data(req, "prep")
-    return req
+    for k in ("seed", "payload_bytes", "chunks", "chunk_bytes"):
+        if not isinstance(req.get(k), int) or req[k] < 0:
+            raise ValueError(f"prep: request field {k!r} is {req.get(k)!r}, not a count")
+    data = torch.full((req["payload_bytes"],), req["seed"] % 251, dtype=torch.uint8)
+    if "damage" in req:  # a test's request: a byte the later stages' checks must catch
+        data[int(req["damage"])] ^= 0xFF
+    return dict(req, data=data)
 
 
 def enc(req, ctx):
@@ -98,7 +104,7 @@ class Dec:
 
 def verify(request, result, chunks):
     seed = int(request["seed"])
-    if result != {"seed": seed, "chunks": request["chunks"], "payload_bytes": int(request["data"].numel())}:
+    if result != {"seed": seed, "chunks": request["chunks"], "payload_bytes": request["payload_bytes"]}:
         raise ValueError(f"result {result} is not request {seed}'s")
     if [c["chunk"] for c in chunks] != list(range(request["chunks"])):
         raise ValueError(f"request {seed}: streamed {len(chunks)} messages out of order or missing")
