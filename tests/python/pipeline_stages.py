@@ -182,3 +182,15 @@ class PayloadAndChunks:
 
     def finish(self, payload, ctx):
         return {"ids": ctx.state.get("ids", []), "x": payload["x"], "n": payload["n"]}
+
+
+def collect_where(payload, ctx):
+    """Reads its stream; says which thread ran it and the thread-pool sizes its process was given."""
+    import threading
+    ids = [c["i"] for c in ctx.chunks()]
+    return {"ids": ids, "thread": threading.current_thread().name,
+            "omp": os.environ.get("OMP_NUM_THREADS"), "mkl": os.environ.get("MKL_NUM_THREADS")}
+
+
+def passthrough(payload, ctx):
+    return payload

@@ -628,3 +628,49 @@ def test_short_stages_run_on_the_receive_thread_by_default(ns, inline):
         assert p.submit("slow", {"sleep_s": 0.01}).result(10)["thread"] == "MainThread"  # judged after it ran
         assert p.submit("next", {}).result(10)["thread"].startswith("stage-a")  # back on the pool
     assert p.stats()["a"]["stages"]["a"]["inline_runs"] >= 24
+
+
+def test_a_stream_reader_runs_inline_only_when_its_streams_have_ended(ns):
+    """A stage fed by a payload and a stream whose stream ends before its payload arrives (the toy
+    shape) runs on the receive thread once short: ctx.chunks() cannot wait there. Streams still
+    open when the payload comes (chunk_sleep after the return is impossible, so: a second source
+    streaming slowly) keep it on the pool."""
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:streamer", "next": "b", "stream_to": "b"},
+        {"name": "b", "factory": f"{S}:collect_where", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        rs = [p.submit(f"r{i}", {"chunks": 4}).result(10) for i in range(30)]
+        assert all(r["ids"] == [0, 1, 2, 3] for r in rs)
+        assert rs[-1]["thread"] == "MainThread", [r["thread"] for r in rs]
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:passthrough", "next": ["b", "s"]},
+        {"name": "s", "factory": f"{S}:streamer", "stream_to": "b"},
+        {"name": "b", "factory": f"{S}:collect_where", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        rs = [p.submit(f"r{i}", {"x": 1, "chunks": 3, "chunk_sleep": 0.002}).result(10) for i in range(30)]
+        assert all(r["ids"] == [0, 1, 2] for r in rs), rs
+        assert any(r["thread"].startswith("stage-b") for r in rs[20:]), [r["thread"] for r in rs]
+
+
+def test_stage_processes_share_the_cpus_among_their_thread_pools(ns, monkeypatch):
+    """Each stage process sizes OpenMP/MKL pools to its share of the host's CPUs (CPUs over the
+    pipeline's processes there, the coordinator counted, at least 1), unless the environment or
+    the stage's env names a count."""
+    from stagelink.pipeline.worker import effective_cpus
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:streamer", "next": "b", "stream_to": "b"},
+        {"name": "b", "factory": f"{S}:collect_where", "terminal": True},
+    ])
+    share = str(max(1, effective_cpus() // 3))
+    with Pipeline.from_config(d) as p:
+        r = p.submit("r", {"chunks": 1}).result(10)
+        assert (r["omp"], r["mkl"]) == (share, share)
+    d["stages"][1]["env"] = {"OMP_NUM_THREADS": "3"}
+    monkeypatch.setenv("MKL_NUM_THREADS", "5")
+    with Pipeline.from_config(d) as p:
+        r = p.submit("r", {"chunks": 1}).result(10)
+        assert (r["omp"], r["mkl"]) == ("3", "5")
