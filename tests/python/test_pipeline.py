@@ -674,3 +674,16 @@ def test_stage_processes_share_the_cpus_among_their_thread_pools(ns, monkeypatch
     with Pipeline.from_config(d) as p:
         r = p.submit("r", {"chunks": 1}).result(10)
         assert (r["omp"], r["mkl"]) == ("3", "5")
+
+
+def test_a_zero_copy_callback_stage_gives_its_inputs_back_when_done(ns):
+    """A callback stage's request state referenced its context and the context the state (a
+    cycle), so a zero_copy payload it had finished with held its slot and its edge's credit until
+    Python's cycle collector ran: with 8 credits the 9th request waited for a credit and failed."""
+    pytest.importorskip("torch")
+    from stagelink.examples import toy as t
+    d = toy(ns, "Dec", relay={"timeout_s": 5})
+    d["stages"][2]["zero_copy"] = True
+    with Pipeline.from_config(d) as p:
+        for i in range(20):
+            run_toy(p, f"r{i}", t.make_request(i, payload_bytes=1 << 20, chunks=4, chunk_bytes=1024))

@@ -38,11 +38,17 @@ SEND_TIMEOUT_S = 30.0
 _LAT_WINDOW = 20_000
 _SEEN_WINDOW = 10_000
 # `inline: auto` (the default): a stage runs on the receive thread, with no handoff to a pool
-# thread, once AUTO_INLINE_STREAK runs in a row each took at most AUTO_INLINE_NS (its sends
-# included); one longer run puts it back on the pool. A handoff cost ~70 us of CPU per request per
-# stage (a thread woken, the GIL passed) in SGLang-Omni's toy pipeline, more than its stages'
-# work; a receive loop held 0.5 ms at most delays other messages by no more than that.
+# thread, once it has run AUTO_INLINE_STREAK times in a row without a run longer than
+# AUTO_INLINE_MAX_NS and its runs' moving average (weight 1/8 for the newest) is at most
+# AUTO_INLINE_NS (wall time, its sends included); a run longer than AUTO_INLINE_MAX_NS, or an
+# average above AUTO_INLINE_NS, hands the next requests to the pool again. A handoff cost ~70 us of
+# CPU per request per stage (a thread woken, the GIL passed) in SGLang-Omni's toy pipeline, more
+# than its stages' work. The average, not each run, decides because on a loaded machine a short
+# stage's wall time swings (preempted, 8 requests in flight on 2 cores: a third of the toy's
+# 0.2 ms `dec` runs went over 0.5 ms); the cap keeps a stage that blocks (a GPU sync, a sleep)
+# off the receive thread, whose other messages wait while it runs.
 AUTO_INLINE_NS = 500_000
+AUTO_INLINE_MAX_NS = 5_000_000
 AUTO_INLINE_STREAK = 16
 
 
@@ -179,7 +185,8 @@ class StageRuntime:
         # stage that reads streams only when every stream has ended before it starts (ctx.chunks()
         # then never waits for the receive thread it would be running on).
         self.auto = spec.inline is None
-        self.short_streak = 0
+        self.short_streak = 0  # runs in a row no longer than AUTO_INLINE_MAX_NS
+        self.avg_ns = float(AUTO_INLINE_NS)  # moving average of its runs' wall time
         self.inline_runs = 0
         self.early_bytes = 0  # chunks held copied for requests not started yet (settings.early_chunk_bytes)
         self.early_limit = int(worker.spec.settings.get("early_chunk_bytes", 256 << 20))
@@ -211,6 +218,7 @@ class StageRuntime:
             else:
                 r.started = True
             inline = self.spec.inline or (self.auto and self.short_streak >= AUTO_INLINE_STREAK
+                                          and self.avg_ns <= AUTO_INLINE_NS
                                           and set(self.spec.stream_sources) <= r.done_srcs)
         if self.on_chunk is not None:
             self._on_chunks(rid, r)
@@ -309,7 +317,8 @@ class StageRuntime:
             self.busy_ns += took
             self.runs += 1
             if self.auto:
-                self.short_streak = self.short_streak + 1 if took <= AUTO_INLINE_NS else 0
+                self.avg_ns += (took - self.avg_ns) / 8
+                self.short_streak = self.short_streak + 1 if took <= AUTO_INLINE_MAX_NS else 0
             self._finish(rid, r)
 
     def _complete(self, rid: str, r: _Request, result):
@@ -375,10 +384,19 @@ class StageRuntime:
         self.runs += 1
         self._finish(rid, r)
 
+    @staticmethod
+    def _let_go(r: _Request):
+        """Drop what a finished or aborted request holds: its inputs (a zero_copy one holds a relay
+        slot and its edge's credit) and its context, which refers back to it (a cycle only the
+        cycle collector would have broken, holding both for as long)."""
+        r.inputs = {}
+        r.ctx = None
+
     def _finish(self, rid: str, r: _Request):
         with self.lock:
             self.early_bytes -= r.early
             r.early = 0
+            self._let_go(r)
             self.reqs.pop(rid, None)
             self.finished[rid] = True
             if len(self.finished) > _SEEN_WINDOW:
@@ -405,6 +423,7 @@ class StageRuntime:
                 r.cond.notify_all()
                 self.early_bytes -= r.early
                 r.early = 0
+                self._let_go(r)
                 left = list(r.queue)
                 r.queue.clear()
             else:
