@@ -17,16 +17,17 @@ CASES = {"1MiB+8x8KiB": (1 << 20, 8 << 10), "4KiB+8x1KiB": (4 << 10, 1 << 10)}
 
 
 def toy_spec(speed: bool = False, ns: str = "") -> dict:
-    """The toy on stagelink: defaults only, or with the speed options (prep and enc `inline` and
-    `zero_copy`, dec a callback stage)."""
+    """The toy on stagelink: defaults only, or with the speed options (enc and dec `zero_copy`,
+    dec a callback stage). `inline` is no longer one of them: `inline: auto`, the default, runs
+    these short stages on their receive threads already."""
     ns = ns or "benchp" + uuid.uuid4().hex[:8]
-    fast = {"inline": True, "zero_copy": True} if speed else {}
+    fast = {"zero_copy": True} if speed else {}
     return {"name": "toy", "relay": {"extra": {"namespace": ns}},
-            "stages": [dict({"name": "prep", "factory": "stagelink.examples.toy:prep", "next": "enc"}, **fast),
+            "stages": [{"name": "prep", "factory": "stagelink.examples.toy:prep", "next": "enc"},
                        dict({"name": "enc", "factory": "stagelink.examples.toy:enc", "next": "dec",
                              "stream_to": "dec"}, **fast),
-                       {"name": "dec", "factory": "stagelink.examples.toy:" + ("Dec" if speed else "dec"),
-                        "terminal": True}]}
+                       dict({"name": "dec", "factory": "stagelink.examples.toy:" + ("Dec" if speed else "dec"),
+                             "terminal": True}, **fast)]}
 
 
 def _measure(submit, reqs, verify, sequential: int, concurrent: int, in_flight: int) -> dict:
@@ -151,7 +152,7 @@ def run_pipeline(rounds: int = 3, json_path=None, peer: bool = True, out=sys.std
           "8 chunks to dec, then sends the payload on to dec; dec streams one message per chunk to the client), "
           "torch tensors, every stage checking its input, each stage its own process. Variants, alternating, in "
           "one run: SGLang-Omni's own runtime; stagelink with default settings; stagelink with the speed options "
-          "(prep and enc inline and zero_copy, dec a callback stage).\n", file=out)
+          "(enc and dec zero_copy, dec a callback stage).\n", file=out)
     path, why = (setup_peer() if peer else (None, "not asked for (--no-peer)"))
     if path is None:
         print(f"SGLang-Omni is not measured: {why}\n", file=out)

@@ -149,7 +149,7 @@ def _cmd_bench(args):
         run_mq(quick=args.quick, json_path=json_for("mq"))
     if args.kind in ("relay", "all"):
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
-        run_relay(sizes, args.iters, json_for("relay"), pipelines=not args.quick)
+        run_relay(sizes, args.iters, json_for("relay"))
     if args.kind in ("te", "all"):
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
         run_te(sizes, json_for("te"))
@@ -213,8 +213,8 @@ def main(argv=None):
                "         peers: memcpy, the seed's Python design, the pickle path\n"
                "  mq     broadcast MessageQueue latency, throughput, bandwidth, idle CPU; peers: ZeroMQ\n"
                "         PUB/SUB, iceoryx2 when installed\n"
-               "  relay  a relay hop between processes, then the reference's 3-stage pipelines; peers:\n"
-               "         memcpy, ZeroMQ, the reference's figures\n"
+               "  relay  a relay hop between processes, control messages over tcp with and without\n"
+               "         CURVE; peers: memcpy, ZeroMQ\n"
                "  te     transfer engine over loopback, and across two network namespaces when root;\n"
                "         peers: ucx_perftest, iperf3, Mooncake TE when installed\n"
                "  store  store connector with a redis-server it starts (across namespaces when root);\n"
@@ -230,7 +230,7 @@ def main(argv=None):
     b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
     b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-pipeline.json, FILE-cuda.json)")
-    b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; relay: no pipeline figures; pipeline: fewer requests (a smoke run)")
+    b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; pipeline: fewer requests (a smoke run)")
     b.add_argument("--rounds", type=int, default=3, help="pipeline: rounds of every variant, alternating (default 3)")
     b.add_argument("--no-peer", action="store_true", help="pipeline: stagelink only, without installing or running SGLang-Omni")
     b.set_defaults(fn=_cmd_bench)

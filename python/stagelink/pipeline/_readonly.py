@@ -27,10 +27,15 @@ class ReadOnlyInputError(RuntimeError):
 
 
 def _writes(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if name in _INPLACE_DUNDERS:
-        return True
-    return name.endswith("_") and not name.startswith("__") and name not in _HARMLESS
+    w = _WRITES.get(func)
+    if w is None:
+        name = getattr(func, "__name__", "")
+        w = _WRITES[func] = name in _INPLACE_DUNDERS or (
+            name.endswith("_") and not name.startswith("__") and name not in _HARMLESS)
+    return w
+
+
+_WRITES: dict = {}  # func -> whether it writes its first argument (asked once per function)
 
 
 def _cls():
@@ -38,16 +43,17 @@ def _cls():
     if _CLS is None:
         import torch
 
+        numpy_fn = torch.Tensor.numpy
+
         class ReadOnlyInputTensor(torch.Tensor):
             """A zero_copy input: a view of read-only shared memory. In-place ops raise."""
 
             @classmethod
             def __torch_function__(cls, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                target = args[0] if args else None
                 out = kwargs.get("out")
-                hit = (isinstance(target, cls) and _writes(func)) or isinstance(out, cls) or (
-                    isinstance(out, (tuple, list)) and any(isinstance(o, cls) for o in out))
+                hit = (args and _writes(func) and isinstance(args[0], cls)) or (out is not None and (
+                    isinstance(out, cls) or (isinstance(out, (tuple, list)) and any(isinstance(o, cls) for o in out))))
                 if hit:
                     raise ReadOnlyInputError(
                         f"{getattr(func, '__name__', func)}: this tensor is a zero_copy input, a view of the relay's "
@@ -55,7 +61,7 @@ def _cls():
                         "stage)")
                 with torch._C.DisableTorchFunctionSubclass():
                     result = func(*args, **kwargs)
-                if getattr(func, "__name__", "") == "numpy" and hasattr(result, "flags"):
+                if func is numpy_fn and hasattr(result, "flags"):
                     result.flags.writeable = False
                     return result
                 return _rewrap(result, args, cls, torch)
@@ -79,13 +85,22 @@ def _ptrs(args, cls, out):
 def _rewrap(result, args, cls, torch):
     """Outputs that share memory with a protected input (views) stay protected; new ones are
     plain tensors."""
-    if isinstance(result, torch.Tensor):
-        if type(result) is torch.Tensor and result.device.type == "cpu":
-            try:
-                if result.untyped_storage().data_ptr() in _ptrs(args, cls, set()):
+    if type(result) is torch.Tensor:
+        for a in args:  # the common case: a protected tensor among the arguments themselves
+            if isinstance(a, cls):
+                if torch._C._is_alias_of(result, a):
                     return result.as_subclass(cls)
-            except RuntimeError:
-                pass
+            elif isinstance(a, (list, tuple)):
+                break
+        else:
+            return result
+        try:  # protected tensors inside lists (torch.cat((x, y)) returns new memory, but stack views ...)
+            if result.device.type == "cpu" and result.untyped_storage().data_ptr() in _ptrs(args, cls, set()):
+                return result.as_subclass(cls)
+        except RuntimeError:
+            pass
+        return result
+    if isinstance(result, torch.Tensor):
         return result
     if isinstance(result, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in result):
         return type(result)(_rewrap(r, args, cls, torch) for r in result) if type(result) in (tuple, list) else result
