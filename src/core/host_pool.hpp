@@ -25,9 +25,13 @@ inline constexpr size_t kPooledMin = 1u << 20;
 // system has no memory.
 std::shared_ptr<std::byte> allocate(size_t n);
 
-// A copy of `src`: allocate(src.size()) filled. A pooled buffer is already mapped; a fresh one
-// is filled by copy_into_fresh. nullptr when the system has no memory. Call without the GIL.
+// A copy of `src`: allocate(src.size()) filled. A pooled buffer is already mapped (16 MiB and
+// more copied in two threads); a fresh one is filled by copy_into_fresh. nullptr when the system has no memory. Call without the GIL.
 std::shared_ptr<std::byte> copy_of(std::span<const std::byte> src);
+
+// memcpy of `n` bytes into mapped memory, in two threads from 16 MiB (one if no thread can be
+// had). Call without the GIL.
+void copy_split(std::byte* dst, const std::byte* src, size_t n);
 
 // Copies `n` bytes into `dst`, memory the kernel has not mapped yet (a fresh anonymous mapping,
 // malloc's for a large block): from 8 MiB its 2 MiB pages are advised huge and mapped ahead of

@@ -1845,7 +1845,7 @@ nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, con
                                                  " bytes; the destination has " + std::to_string(view.len)));
   if (tn.nbytes() > kGilReleaseBytes) {
     nb::gil_scoped_release nogil;
-    std::memcpy(view.buf, tn.data.data(), tn.nbytes());
+    host_pool::copy_split(static_cast<std::byte*>(view.buf), tn.data.data(), tn.nbytes());
   } else if (tn.nbytes()) {
     std::memcpy(view.buf, tn.data.data(), tn.nbytes());
   }

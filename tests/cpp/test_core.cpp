@@ -660,11 +660,12 @@ TEST(HostPool, DroppedLargeBuffersAreReusedAndBounded) {
 }
 
 // copy_of and copy_into_fresh map fresh pages ahead of the copy (from 8 MiB) and copy two halves
-// in two threads (from 64 MiB): every byte lands where it belongs, at sizes and offsets that are
-// not whole pages, fresh buffers and pooled ones alike.
+// in two threads (fresh from 64 MiB, pooled from 16 MiB): every byte lands where it belongs, at
+// sizes and offsets that are not whole pages, fresh buffers and pooled ones alike.
 TEST(HostPool, CopiesIntoFreshAndPooledMemoryAreExact) {
   host_pool::trim();
-  for (size_t n : {size_t(0), size_t(100), (size_t(1) << 20) + 3, (size_t(9) << 20) + 5, (size_t(70) << 20) + 7}) {
+  for (size_t n : {size_t(0), size_t(100), (size_t(1) << 20) + 3, (size_t(9) << 20) + 5, (size_t(17) << 20) + 9,
+                   (size_t(70) << 20) + 7}) {
     const auto src = testing_util::pattern(n, uint32_t(n));
     for (int round = 0; round < 2; ++round) {  // the second: a pooled buffer (n >= 1 MiB)
       auto c = host_pool::copy_of(src);
