@@ -6,8 +6,9 @@ installed, in the same run.
 
 A get with metadata = pull request (over the side channel the first time, then as a UCX message)
 + the payload as a UCX active message into the receiver's pool + done; the receiver takes the
-payload zero-copy (its pool region), so the figure is the transfer. Every size's first get is
-checked end to end (BLAKE2 of the whole payload). Each path runs five sender/receiver pairs and
+payload zero-copy (its pool region) or, by default, copies it out into a host buffer; the two
+alternate get by get. Every size's first get of each kind is checked end to end (BLAKE2 of the
+whole payload). Each path runs five sender/receiver pairs and
 reports the median of their medians."""
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ _SENDER = textwrap.dedent("""
     rng = np.random.default_rng(1)
     for size, n in plan:
         data = rng.integers(0, 256, size, dtype=np.uint8)
-        ok, _, md = c.put(0, 1, f"b{size}", data, readers=n)
+        ok, _, md = c.put(0, 1, f"b{size}", data, readers=2 * n)
         import hashlib
         out.append({"size": size, "n": n, "md": md, "sum": hashlib.blake2b(data.tobytes()).hexdigest()})
         del data
@@ -54,15 +55,18 @@ _RECEIVER = textwrap.dedent("""
         "memory_pool_size": 2 * big + (64 << 20), "role": "receiver", "timeout_s": 30, "strict": True})
     res = []
     for t in todo:
-        lat, ok = [], True
+        lat, ok = {"view": [], "copy": []}, True
         for i in range(t["n"]):
-            t0 = time.perf_counter()
-            data, size = c.get(0, 1, f"b{t['size']}", t["md"], zero_copy=True)
-            lat.append((time.perf_counter() - t0) * 1e6)
-            if i == 0:
-                ok = hashlib.blake2b(memoryview(data).cast("B")).hexdigest() == t["sum"] and size >= t["size"]
-            del data
-        res.append({"size": t["size"], "lat_us": lat[2:] if len(lat) > 4 else lat, "verified": ok})
+            for mode in ("view", "copy"):  # alternating: the copying get is the default, the view zero_copy
+                t0 = time.perf_counter()
+                data, size = c.get(0, 1, f"b{t['size']}", t["md"], zero_copy=mode == "view")
+                lat[mode].append((time.perf_counter() - t0) * 1e6)
+                if i == 0:
+                    ok = ok and (hashlib.blake2b(memoryview(data).cast("B")).hexdigest() == t["sum"]
+                                 and size >= t["size"])
+                del data  # as a consumer that is done with a payload: its buffer is reused
+        res.append({"size": t["size"], "verified": ok,
+                    **{f"lat_us_{m}": (v[2:] if len(v) > 4 else v) for m, v in lat.items()}})
     print(json.dumps(res), flush=True)
     c.close()
 """)
@@ -182,15 +186,20 @@ ROUNDS = 5  # process pairs per path: on a small VM a run's thread placement mov
 
 
 def _stagelink(h: TwoHosts, sizes, rounds=ROUNDS):
-    """The median, per size, of `rounds` runs' medians (each run a fresh sender/receiver pair)."""
+    """Per size and get (`copy`, the default; `view`, zero_copy): the median of `rounds` runs'
+    medians (each run a fresh sender/receiver pair), the pairs' spread and the median pair's p99."""
     runs = [_stagelink_once(h, sizes) for _ in range(rounds)]
     out = []
     for i, r in enumerate(runs[0]):
-        per = sorted((run[i] for run in runs), key=lambda x: x["median_us"])
-        mid = dict(per[len(per) // 2])
-        mid["verified"] = all(x["verified"] for x in per)
-        mid["runs_gbps"] = [round(x["gbps"], 3) for x in (run[i] for run in runs)]
-        out.append(mid)
+        row = {"size": r["size"], "verified": all(run[i]["verified"] for run in runs)}
+        for m in ("copy", "view"):
+            per = sorted((run[i][m] for run in runs), key=lambda x: x["median_us"])
+            mid = per[len(per) // 2]
+            gb = sorted(x["gbps"] for x in per)
+            row[m] = dict(mid, pairs_gbps=[round(x["gbps"], 3) for x in (run[i][m] for run in runs)],
+                          pairs_min_gbps=gb[0], pairs_max_gbps=gb[-1])
+        row["copy_vs_view"] = row["copy"]["median_us"] / row["view"]["median_us"]
+        out.append(row)
     return out
 
 
@@ -215,10 +224,13 @@ def _stagelink_once(h: TwoHosts, sizes):
         release(snd)
     out = []
     for r in rows:
-        lat = sorted(r["lat_us"])
-        med = statistics.median(lat)
-        out.append({"size": r["size"], "median_us": med, "p99_us": lat[int(len(lat) * 0.99)] if len(lat) > 1 else med,
-                    "gbps": r["size"] / med / 1e3, "verified": r["verified"]})
+        row = {"size": r["size"], "verified": r["verified"]}
+        for m in ("copy", "view"):
+            lat = sorted(r[f"lat_us_{m}"])
+            med = statistics.median(lat)
+            row[m] = {"median_us": med, "p99_us": lat[int(len(lat) * 0.99)] if len(lat) > 1 else med,
+                      "gbps": r["size"] / med / 1e3}
+        out.append(row)
     return out
 
 
@@ -297,7 +309,7 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
         namespaces = os.geteuid() == 0 and shutil.which("ip") is not None
     result = {"kind": "te", "machine": os.uname().nodename, "cpus": os.cpu_count(), "paths": {}}
     print("stagelink bench te: TransferEngineConnector get with metadata (pull + UCX active message + done), "
-          "zero-copy into the receiver's pool;\npeers in the same run: iperf3 (1 and 4 TCP streams) and "
+          "the default (copying) get and the zero_copy get alternating;\npeers in the same run: iperf3 (1 and 4 TCP streams) and "
           f"ucx_perftest ucp_am_bw (UCX_TLS=tcp) over the same path. Medians of {ROUNDS} runs.", file=out)
     for where in (["loopback"] + (["namespaces"] if namespaces else [])):
         h = TwoHosts(where == "namespaces")
@@ -310,13 +322,19 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
             for r in rows:
                 r["ucx_perftest_gbps"] = _perftest(h, r["size"]) if r["size"] >= (64 << 10) else None
                 r["mooncake_gbps"] = mc.get(r["size"]) if mc else None
-            print(f"{'size':>9} {'get p50':>10} {'get p99':>10} {'GB/s':>7} {'ucx_perftest':>12} {'mooncake':>9} "
+            print(f"{'size':>9} {'get p50':>10} {'get p99':>10} {'GB/s':>7} {'pairs GB/s min-max':>19} "
+                  f"{'view p50':>10} {'view GB/s':>9} {'get/view':>8} {'ucx_perftest':>12} {'mooncake':>9} "
                   f"{'verified':>8}", file=out)
             for r in rows:
                 pt = f"{r['ucx_perftest_gbps']:.2f}" if r["ucx_perftest_gbps"] else "-"
                 mk = f"{r['mooncake_gbps']:.2f}" if r["mooncake_gbps"] else "-"
-                print(f"{_fmt_size(r['size']):>9} {r['median_us']:>7.0f} us {r['p99_us']:>7.0f} us {r['gbps']:>7.2f} "
+                c, v = r["copy"], r["view"]
+                spread = f"{c['pairs_min_gbps']:.2f}-{c['pairs_max_gbps']:.2f}"
+                print(f"{_fmt_size(r['size']):>9} {c['median_us']:>7.0f} us {c['p99_us']:>7.0f} us {c['gbps']:>7.2f} "
+                      f"{spread:>19} {v['median_us']:>7.0f} us {v['gbps']:>9.2f} {r['copy_vs_view']:>7.2f}x "
                       f"{pt:>12} {mk:>9} {str(r['verified']):>8}", file=out)
+            print("get: the default (a copy into a host buffer, reused once dropped); view: zero_copy=True (the "
+                  "pool region); pairs: the spread of the 5 sender/receiver pairs' medians (copying get)", file=out)
             print(f"iperf3: {ip1:.2f} GB/s (1 stream), {ip4:.2f} GB/s (4 streams)" if ip1 and ip4 else
                   "iperf3: not available", file=out)
             missing = {t: pkg for t, pkg in (("iperf3", "iperf3"), ("ucx_perftest", "ucx-utils")) if not shutil.which(t)}
@@ -327,19 +345,26 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
             # Mooncake of this run where it ran; else the figures the issue measured.
             ref = (lambda r: r["mooncake_gbps"]) if mc else (lambda r: MOONCAKE["16MiB+" if r["size"] >= 16 << 20 else "1MiB"])
             src = "Mooncake TE of this run" if mc else "Mooncake TE's figures from the issue (not installed here)"
-            if big and ip4:
-                x4 = [r["gbps"] / ip4 for r in big]
-                xm = [r["gbps"] / ref(r) for r in big]
-                print(f"16 MiB and above: {min(r['gbps'] for r in big):.2f}-{max(r['gbps'] for r in big):.2f} GB/s = "
-                      f"{min(x4):.2f}-{max(x4):.2f}x iperf3 with 4 streams (aim 0.7x), {min(xm):.2f}-{max(xm):.2f}x "
-                      f"{src} (aim 1.5x)", file=out)
-            by = {r["size"]: r for r in rows}
-            if 1 << 20 in by:
-                print(f"1 MiB: {by[1 << 20]['gbps']:.2f} GB/s = {by[1 << 20]['gbps'] / ref(by[1 << 20]):.2f}x {src} "
-                      f"(aim 1x)", file=out)
+            for m, what in (("copy", "the default get"), ("view", "the zero_copy get")):
+                if big and ip4:
+                    x4 = [r[m]["gbps"] / ip4 for r in big]
+                    xm = [r[m]["gbps"] / ref(r) for r in big]
+                    print(f"{what}, 16 MiB and above: {min(r[m]['gbps'] for r in big):.2f}-"
+                          f"{max(r[m]['gbps'] for r in big):.2f} GB/s = {min(x4):.2f}-{max(x4):.2f}x iperf3 with 4 "
+                          f"streams (aim 0.7x), {min(xm):.2f}-{max(xm):.2f}x {src} (aim 1.5x)", file=out)
+                by = {r["size"]: r for r in rows}
+                if 1 << 20 in by:
+                    print(f"{what}, 1 MiB: {by[1 << 20][m]['gbps']:.2f} GB/s = "
+                          f"{by[1 << 20][m]['gbps'] / ref(by[1 << 20]):.2f}x {src} (aim 1x)", file=out)
             if 4 << 10 in by:
                 mk4 = f"; Mooncake's 4 KiB write {4096 / mc[4 << 10] / 1e3:.0f} us" if mc and mc.get(4 << 10) else ""
-                print(f"4 KiB get: {by[4 << 10]['median_us']:.0f} us median (aim under 100 us{mk4})", file=out)
+                print(f"4 KiB get: {by[4 << 10]['copy']['median_us']:.0f} us median, {by[4 << 10]['copy']['p99_us']:.0f}"
+                      f" us p99 (aims: under 100 us and 1 ms{mk4})", file=out)
+            big16 = [r for r in rows if r["size"] >= 16 << 20]
+            if big16:
+                print(f"copying get against the zero_copy get, 16 MiB and above: "
+                      f"{min(r['copy_vs_view'] for r in big16):.2f}-{max(r['copy_vs_view'] for r in big16):.2f}x "
+                      "(aim at most 1.25x)", file=out)
             result["paths"][where] = {"rows": rows, "iperf3_1_stream_gbps": ip1, "iperf3_4_streams_gbps": ip4,
                                       "mooncake_ran": bool(mc)}
         finally:
