@@ -70,6 +70,11 @@ struct GetOptions {
   // Errc::cancelled. The Python binding runs Python's signal handlers here, so Ctrl-C ends a long
   // get. Empty: the get waits until its deadline.
   std::function<bool()> keep_waiting;
+  // With zero_copy, for a caller that would copy the result out at once (the Python binding's
+  // default get): a connector that can land the payload straight in memory of this process that
+  // no one else writes (a host buffer of its own, not shared memory nor a pool region) may do so
+  // and say GetResult::owned. The transfer engine does, from 1 MiB: no copy after the transfer.
+  bool private_ok = false;
 };
 inline constexpr std::chrono::milliseconds kWaitCheckEvery{200};
 // The end of the next stretch of a wait that ends at `deadline`: `deadline`, or sooner when there
@@ -81,6 +86,9 @@ inline Deadline wait_slice_end(Deadline deadline, const std::function<bool()>& k
 struct GetResult {
   Payload payload;
   size_t size = 0;
+  // The tensors view memory this get alone holds (their keepalive): the caller may hand them out
+  // writable instead of copying them (GetOptions::private_ok).
+  bool owned = false;
 };
 
 // A writable reservation in the transport's memory (write tensors in place, then publish).

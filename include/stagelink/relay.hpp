@@ -59,6 +59,7 @@ struct RelayGetOptions {
   bool zero_copy = false;          // tensors are views holding the slot until dropped
   double timeout_s = -1;           // < 0: the relay's timeout_s
   std::function<bool()> keep_waiting;  // passed to the connector's get (GetOptions::keep_waiting)
+  bool private_ok = false;  // with zero_copy: GetOptions::private_ok (RelayOp::owned says the outcome)
 };
 
 // One piece of a put_segments payload: `data` written at byte `offset` of its one uint8 tensor.
@@ -90,6 +91,8 @@ class RelayOp {
   // Get: the payload (empty for a put), its frame size, and bytes copied into dest.
   Payload& payload();
   size_t size() const;
+  // Get: the payload's memory is this get's alone (GetResult::owned).
+  bool owned() const;
 
  private:
   std::shared_ptr<State> s_;

@@ -456,7 +456,7 @@ nb::object copied_array(std::span<const std::byte> src, int type, const Dims& di
 // A received tensor as a numpy array: a copy the array owns, or (zero_copy) a read-only view whose
 // base holds the slot until the array is dropped. A dtype numpy lacks (bfloat16, float8, ...) comes
 // back as its raw bytes (uint8).
-nb::object tensor_array(const Tensor& t, bool zero_copy) {
+nb::object tensor_array(const Tensor& t, bool zero_copy, bool owned = false) {
   int type = npy_type(t.dtype);
   Dims dims;
   if (type < 0) {
@@ -470,6 +470,7 @@ nb::object tensor_array(const Tensor& t, bool zero_copy) {
     for (int i = 0; i < dims.n; ++i) dims.v[i] = npy_intp(t.shape[size_t(i)]);
   }
   if (zero_copy && t.keepalive) return array_over(t.data.data(), type, dims, t.keepalive, false);
+  if (owned && t.keepalive) return array_over(t.data.data(), type, dims, t.keepalive, true);  // ours alone: no copy
   nb::object arr = copied_array(t.data, type, dims);
   // An inline payload asked for zero-copy is a private copy: read-only all the same, so code
   // that works for small payloads works for large ones.
@@ -1273,6 +1274,7 @@ struct PyDecoder {
   const Payload& p;
   bool zero_copy;
   const ExtInfo& ext;  // kinds, tuples, and where torch tensors lived at put ("" or absent: the host)
+  bool owned = false;  // the tensors' memory is this get's alone (GetResult::owned): views, writable, no copy
   detail::MpReader* rd = nullptr;  // set while building from the packed tree
   size_t next_tuple = 0;
   uint32_t lists = 0;
@@ -1308,7 +1310,7 @@ struct PyDecoder {
     // A zero-copy view is documented as not to be written (torch has no read-only tensors). A
     // tensor bound for a device is read from shared memory as a view too: the copy to the device
     // is then the only one (a pageable source: .to() returns once it is read).
-    const bool view = (zero_copy || !dev.empty()) && t.keepalive;
+    const bool view = (zero_copy || owned || !dev.empty()) && t.keepalive;
     nb::object out = torch_via_dlpack(*T, t, dims, view);
     if (!out.is_valid()) {  // the numpy route: an array, then torch.from_numpy
       // A dtype numpy lacks (bfloat16, float8, ...) goes as integers of its size, then torch
@@ -1352,7 +1354,7 @@ struct PyDecoder {
     if (base == kKindTorch) return torch_tensor(t, k, i);
     if (base != kKindNumpy) return bytes_like(t, base);
     if (!(k & kFlagScalar)) {
-      nb::object arr = tensor_array(t, zero_copy);
+      nb::object arr = tensor_array(t, zero_copy, owned);
       if (k & kFlagReadOnly) PyArray_CLEARFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
       return arr;
     }
@@ -1466,14 +1468,14 @@ struct PyDecoder {
 
 // A frame without a pickle (anything put from Python without pickling, or by a C++ producer): the
 // Python object it holds. The tree is built from Payload::packed_tree when the get left it packed.
-nb::object native_object(const Payload& p, bool zero_copy, const ExtInfo& ext) {
+nb::object native_object(const Payload& p, bool zero_copy, const ExtInfo& ext, bool owned = false) {
   const bool single = p.packed_tree.empty() ? p.tree.is<TensorRef>()
                                             : p.packed_tree.size() == 6 && uint8_t(p.packed_tree[0]) == 0xd6;
   if (single && p.tensors.size() == 1) {  // one tensor: no tree to walk
-    if (ext.plain()) return tensor_array(p.tensors[0], zero_copy);
-    if (ext.tuples.empty()) return PyDecoder{p, zero_copy, ext}.tensor(0);
+    if (ext.plain()) return tensor_array(p.tensors[0], zero_copy, owned);
+    if (ext.tuples.empty()) return PyDecoder{p, zero_copy, ext, owned}.tensor(0);
   }
-  PyDecoder d{p, zero_copy, ext};
+  PyDecoder d{p, zero_copy, ext, owned};
   // Gets and dequeues leave the tree packed; a tree decoded as a Value (a frame from elsewhere) is
   // packed once and read the same way.
   std::vector<std::byte> packed;
@@ -1702,7 +1704,7 @@ struct MetadataHold {
 // converted metadata and the bytes of an inline payload: its tensors view them, so the caller
 // keeps `md` alive until it has copied them out.
 std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle to, const std::string& key,
-                                nb::handle metadata, nb::handle timeout, MetadataHold& md) {
+                                nb::handle metadata, nb::handle timeout, MetadataHold& md, bool private_ok = false) {
   std::string f = stage_str(from), t = stage_str(to);
   const bool has_md = !metadata.is_none();
   // Our own metadata of an inline payload ({"size", "entry", "gen", "inline": bytes}): the frame is
@@ -1731,6 +1733,7 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   Result<GetResult> r = make_error(Errc::io, "");
   // Zero-copy, inline payloads viewing `md`, the tree left packed: the caller builds its objects.
   GetOptions go{true, true, true};
+  go.private_ok = private_ok;  // a copying get: a connector may land the payload in memory the result owns
   if (inline_ref.is_valid())
     go.metadata_inline = std::span<const std::byte>(reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(inline_ref.ptr())),
                                                     size_t(PyBytes_GET_SIZE(inline_ref.ptr())));
@@ -1770,7 +1773,7 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
   // Always borrow the slot: copy mode copies each region exactly once, into the Python object,
   // and the slot is released when `g` goes out of scope below.
   MetadataHold md;  // outlives `got`: inline tensors view it
-  std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout, md);
+  std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout, md, !zero_copy);
   if (!got) return std::nullopt;
   return found_of(*got, zero_copy, self.allow_pickle, key);
 }
@@ -1778,7 +1781,7 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
 // The Python object of a received payload (KIND_OBJECT), or a pickle's kind and regions to unpickle.
 Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key) {
   const ExtInfo ext = ExtInfo::of(g.payload);
-  if (!ext.pickle) return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext), g.size};
+  if (!ext.pickle) return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, g.owned && !zero_copy), g.size};
   if (!allow_pickle)
     raise(make_error(Errc::corrupt, "'" + key + "' holds a pickled object and allow_pickle is off: refused unread"));
   const int64_t kind = *ext.pickle;
@@ -2509,6 +2512,16 @@ NB_MODULE(_core, m) {
     return d;
   });
   m.def("host_address", &net::host_address);
+  m.def("host_pool_stats", [] {  // the pool of host buffers copying gets land in (tests, diagnosis)
+    const auto s = host_pool::stats();
+    nb::dict d;
+    d["cached_bytes"] = s.cached_bytes;
+    d["cached_buffers"] = s.cached_buffers;
+    d["limit_bytes"] = s.limit_bytes;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    return d;
+  });
   m.def("expand_env", [](const std::string& value, const std::string& key, const std::string& source, bool bare) {
     return unwrap(expand_env_value(value, key, source, bare));
   }, nb::arg("value"), nb::arg("key"), nb::arg("source"), nb::arg("bare") = false);
@@ -2628,8 +2641,14 @@ NB_MODULE(_core, m) {
            nb::arg("edge"), nb::arg("readers"))
       .def("_get_found", [](PyRelay& self, nb::handle metadata, nb::handle rid, nb::handle timeout, bool zero_copy) {
              std::string rh;
-             RelayOp op = relay_get(self, metadata, relay_get_options(rid, timeout, zero_copy, rh));
-             GetResult g{std::move(op.payload()), op.size()};
+             // Always views (the slot held until `g` goes): a copying get copies each region once,
+             // into its Python object (found_of), or not at all where the transport landed the
+             // payload in memory it then owns (private_ok). A copying get at the connector too
+             // copied every payload twice.
+             RelayGetOptions o = relay_get_options(rid, timeout, true, rh);
+             o.private_ok = !zero_copy;
+             RelayOp op = relay_get(self, metadata, o);
+             GetResult g{std::move(op.payload()), op.size(), op.owned()};
              Found f = found_of(g, zero_copy, self.allow_pickle, "relay payload");
              return nb::make_tuple(f.kind, f.obj, f.size);
            }, nb::arg("metadata").none(), nb::arg("request_id").none(), nb::arg("timeout").none(), nb::arg("zero_copy"))

@@ -122,6 +122,7 @@ struct RelayOp::State {
   Value metadata;
   Payload payload;
   size_t size = 0;
+  bool owned = false;
 };
 
 class RelayCore : public std::enable_shared_from_this<RelayCore> {
@@ -405,10 +406,12 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       const double tmo = o.timeout_s >= 0 ? o.timeout_s : lookup_only ? 0.0 : cfg.timeout_s;
       GetOptions go;
       go.zero_copy = o.zero_copy || !o.dest.empty();
+      go.private_ok = o.private_ok && go.zero_copy && o.dest.empty();
       go.keep_waiting = o.keep_waiting;
       SL_ASSIGN(GetResult g, conn->get("relay", "r", kv->as<std::string>(), &md, deadline_after(tmo), go));
       st->payload = std::move(g.payload);
       st->size = g.size;
+      st->owned = g.owned;
       bytes_in.fetch_add(g.size, std::memory_order_relaxed);
     }
     if (!o.dest.empty()) {
@@ -573,6 +576,7 @@ Payload& RelayOp::payload() {
 }
 
 size_t RelayOp::size() const { return s_ ? s_->size : 0; }
+bool RelayOp::owned() const { return s_ && s_->owned; }
 
 Result<std::unique_ptr<Relay>> Relay::create(const RelayConfig& cfg) {
   if (cfg.credits == 0) return make_error(Errc::invalid_argument, "relay config: credits must be at least 1");

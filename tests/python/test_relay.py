@@ -69,6 +69,23 @@ def test_cleanup_and_close_release_puts(ns):
         r.put_async(b"x")
 
 
+def test_a_copying_get_copies_a_payload_once(ns):
+    """A copying relay get asked its connector for a copy and then copied that copy into the
+    Python object: two copies of every payload (a 1 MiB get took 94 us where one copy is ~35 us).
+    Now it views the slot and copies once: one host buffer per get of 4 MiB."""
+    with stagelink.Relay({"backend": "shm", "extra": {"namespace": ns}}) as r:
+        data = np.arange(1 << 20, dtype=np.float32)
+        for i in range(3):
+            op = r.put_async(data, request_id=f"r{i}")
+            before = stagelink._core.host_pool_stats()
+            got = r.get_async(op.metadata).result()
+            after = stagelink._core.host_pool_stats()
+            assert np.array_equal(got, data) and got.flags.writeable
+            assert (after["hits"] + after["misses"]) - (before["hits"] + before["misses"]) == 1
+            op.wait(5)  # the slot was released by the get: the put is done
+            del got
+
+
 def test_get_into_a_destination_buffer(ns):
     with relay(ns) as r:
         x = np.arange(1000, dtype=np.int32)

@@ -50,6 +50,38 @@ def test_copying_get_owns_its_array_and_frees_the_region_at_once():
         r.close()
 
 
+def test_copying_get_lands_in_memory_it_owns_copied_once_at_most():
+    """Issue 52: a copying get of 1 MiB and more lands the payload straight in a host buffer the
+    result owns (no copy after the transfer: it took 1.2-1.6x the zero-copy get), so it needs no
+    room in the receiver's pool: 32 MiB into a 16 MiB pool, where a zero-copy get is refused.
+    Exactly one host buffer per get (the copy out of the pool made one, then the binding a
+    second)."""
+    s = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "zmq_port": 0, "role": "sender",
+                                                               "memory_pool_size": 128 << 20})
+    r = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "role": "receiver",
+                                                               "memory_pool_size": 16 << 20})
+    try:
+        data = np.arange(8 << 20, dtype=np.float32)  # 32 MiB
+        for i in range(3):
+            ok, _, md = s.put(0, 1, f"big{i}", data)
+            assert ok
+            before = stagelink._core.host_pool_stats()
+            x, size = r.get(0, 1, f"big{i}", md)
+            after = stagelink._core.host_pool_stats()
+            assert x is not None, r.last_error
+            assert np.array_equal(x, data) and x.flags.writeable and size >= data.nbytes
+            assert (after["hits"] + after["misses"]) - (before["hits"] + before["misses"]) == 1
+            x[0] = -1.0  # ours: writes go nowhere else
+            assert r.health()["ucx"]["pool_used"] == 0
+            del x
+        ok, _, md = s.put(0, 1, "zc", data)
+        assert r.get(0, 1, "zc", md, zero_copy=True) is None
+        assert "more than this receiver's memory pool" in str(r.last_error)
+    finally:
+        s.close()
+        r.close()
+
+
 def _use_inherited(s, r, q):
     ok, _, _ = s.put(0, 1, "from_child", np.arange(10))
     q.put((ok, type(s.last_error).__name__, str(s.last_error)[:200]))
