@@ -31,7 +31,7 @@ MOONCAKE = {"1MiB": 2.9, "16MiB+": 1.67}
 _SENDER = textwrap.dedent("""
     import json, sys, numpy as np, stagelink
     host, plan = sys.argv[1], json.loads(sys.argv[2])
-    total = sum(s for s, n in plan)
+    total = 2 * sum(s for s, n in plan)
     c = stagelink.create_connector("TransferEngineConnector", {"host": host, "zmq_port": 0, "protocol": "tcp",
         "memory_pool_size": total + (64 << 20), "role": "sender", "timeout_s": 30, "strict": True})
     out = []
@@ -39,8 +39,9 @@ _SENDER = textwrap.dedent("""
     for size, n in plan:
         data = rng.integers(0, 256, size, dtype=np.uint8)
         ok, _, md = c.put(0, 1, f"b{size}", data, readers=2 * n)
+        ok, _, mdy = c.put(0, 1, f"y{size}", data.tobytes(), readers=n)  # the same payload as bytes
         import hashlib
-        out.append({"size": size, "n": n, "md": md, "sum": hashlib.blake2b(data.tobytes()).hexdigest()})
+        out.append({"size": size, "n": n, "md": md, "mdy": mdy, "sum": hashlib.blake2b(data.tobytes()).hexdigest()})
         del data
     print(json.dumps(out), flush=True)
     sys.stdin.readline()
@@ -55,11 +56,14 @@ _RECEIVER = textwrap.dedent("""
         "memory_pool_size": 2 * big + (64 << 20), "role": "receiver", "timeout_s": 30, "strict": True})
     res = []
     for t in todo:
-        lat, ok = {"view": [], "copy": []}, True
+        lat, ok = {"view": [], "copy": [], "bytes": []}, True
         for i in range(t["n"]):
-            for mode in ("view", "copy"):  # alternating: the copying get is the default, the view zero_copy
-                t0 = time.perf_counter()
-                data, size = c.get(0, 1, f"b{t['size']}", t["md"], zero_copy=mode == "view")
+            for mode in ("view", "copy", "bytes"):  # alternating: the copying get is the default, the view
+                t0 = time.perf_counter()          # zero_copy; bytes: the payload put as bytes, got as bytes
+                if mode == "bytes":
+                    data, size = c.get(0, 1, f"y{t['size']}", t["mdy"])
+                else:
+                    data, size = c.get(0, 1, f"b{t['size']}", t["md"], zero_copy=mode == "view")
                 lat[mode].append((time.perf_counter() - t0) * 1e6)
                 if i == 0:
                     ok = ok and (hashlib.blake2b(memoryview(data).cast("B")).hexdigest() == t["sum"]
@@ -192,7 +196,7 @@ def _stagelink(h: TwoHosts, sizes, rounds=ROUNDS):
     out = []
     for i, r in enumerate(runs[0]):
         row = {"size": r["size"], "verified": all(run[i]["verified"] for run in runs)}
-        for m in ("copy", "view"):
+        for m in ("copy", "view", "bytes"):
             per = sorted((run[i][m] for run in runs), key=lambda x: x["median_us"])
             mid = per[len(per) // 2]
             gb = sorted(x["gbps"] for x in per)
@@ -225,7 +229,7 @@ def _stagelink_once(h: TwoHosts, sizes):
     out = []
     for r in rows:
         row = {"size": r["size"], "verified": r["verified"]}
-        for m in ("copy", "view"):
+        for m in ("copy", "view", "bytes"):
             lat = sorted(r[f"lat_us_{m}"])
             med = statistics.median(lat)
             row[m] = {"median_us": med, "p99_us": lat[int(len(lat) * 0.99)] if len(lat) > 1 else med,
@@ -317,13 +321,15 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
             print(f"\n{where}{' (two network namespaces, veth, TCP)' if where == 'namespaces' else ' (TCP on lo)'}:",
                   file=out)
             rows = _stagelink(h, sizes)
-            ip1, ip4 = _iperf(h, 1), _iperf(h, 4)
+            ip1 = _iperf(h, 1)
+            ip4s = [x for x in (_iperf(h, 4) for _ in range(3)) if x]
+            ip4 = statistics.median(ip4s) if ip4s else None
             mc = _mooncake(h, sizes)
             for r in rows:
                 r["ucx_perftest_gbps"] = _perftest(h, r["size"]) if r["size"] >= (64 << 10) else None
                 r["mooncake_gbps"] = mc.get(r["size"]) if mc else None
             print(f"{'size':>9} {'get p50':>10} {'get p99':>10} {'GB/s':>7} {'pairs GB/s min-max':>19} "
-                  f"{'view p50':>10} {'view GB/s':>9} {'get/view':>8} {'ucx_perftest':>12} {'mooncake':>9} "
+                  f"{'view p50':>10} {'view GB/s':>9} {'get/view':>8} {'bytes GB/s':>10} {'ucx_perftest':>12} {'mooncake':>9} "
                   f"{'verified':>8}", file=out)
             for r in rows:
                 pt = f"{r['ucx_perftest_gbps']:.2f}" if r["ucx_perftest_gbps"] else "-"
@@ -332,10 +338,13 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                 spread = f"{c['pairs_min_gbps']:.2f}-{c['pairs_max_gbps']:.2f}"
                 print(f"{_fmt_size(r['size']):>9} {c['median_us']:>7.0f} us {c['p99_us']:>7.0f} us {c['gbps']:>7.2f} "
                       f"{spread:>19} {v['median_us']:>7.0f} us {v['gbps']:>9.2f} {r['copy_vs_view']:>7.2f}x "
+                      f"{r['bytes']['gbps']:>10.2f} "
                       f"{pt:>12} {mk:>9} {str(r['verified']):>8}", file=out)
             print("get: the default (a copy into a host buffer, reused once dropped); view: zero_copy=True (the "
-                  "pool region); pairs: the spread of the 5 sender/receiver pairs' medians (copying get)", file=out)
-            print(f"iperf3: {ip1:.2f} GB/s (1 stream), {ip4:.2f} GB/s (4 streams)" if ip1 and ip4 else
+                  "pool region); bytes: the payload put and got as bytes (a new bytes object: fresh memory each "
+                  "get); pairs: the spread of the 5 sender/receiver pairs' medians (copying get)", file=out)
+            print(f"iperf3: {ip1:.2f} GB/s (1 stream), {ip4:.2f} GB/s (4 streams; {len(ip4s)} runs "
+                  f"{min(ip4s):.2f}-{max(ip4s):.2f}: the link's own spread between runs)" if ip1 and ip4 else
                   "iperf3: not available", file=out)
             missing = {t: pkg for t, pkg in (("iperf3", "iperf3"), ("ucx_perftest", "ucx-utils")) if not shutil.which(t)}
             if missing:  # Debian's packages of the peers
@@ -366,6 +375,7 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                       f"{min(r['copy_vs_view'] for r in big16):.2f}-{max(r['copy_vs_view'] for r in big16):.2f}x "
                       "(aim at most 1.25x)", file=out)
             result["paths"][where] = {"rows": rows, "iperf3_1_stream_gbps": ip1, "iperf3_4_streams_gbps": ip4,
+                                      "iperf3_4_streams_runs_gbps": ip4s,
                                       "mooncake_ran": bool(mc)}
         finally:
             h.close()

@@ -101,13 +101,14 @@ def test_bench_pipeline_runs_the_toy_and_reports_without_the_peer(tmp_path):
 
 def test_bench_te_times_the_default_copying_get_beside_the_zero_copy_one():
     """Issue 52: `stagelink bench te` reports the get users call by default (a copy) beside the
-    zero-copy one, each verified, with the pairs' spread; one pair on loopback here."""
+    zero-copy one and a bytes payload's, each verified, with the pairs' spread; two pairs on
+    loopback here."""
     from stagelink.bench_te import TwoHosts, _stagelink
     rows = _stagelink(TwoHosts(False), [4096, 1 << 20], rounds=2)
     assert [r["size"] for r in rows] == [4096, 1 << 20]
     for r in rows:
         assert r["verified"] is True
-        for m in ("copy", "view"):
+        for m in ("copy", "view", "bytes"):
             f = r[m]
             assert 0 < f["median_us"] <= f["p99_us"] and f["gbps"] > 0
             assert len(f["pairs_gbps"]) == 2 and f["pairs_min_gbps"] <= f["pairs_max_gbps"]
