@@ -59,7 +59,7 @@ def _measure(submit, reqs, verify, sequential: int, concurrent: int, in_flight: 
             "requests_per_s": rps}
 
 
-def stagelink_toy(case: str, speed: bool = False, sequential: int = 200, concurrent: int = 800,
+def stagelink_toy(case: str, speed: bool = False, sequential: int = 200, concurrent: int = 2400,
                   in_flight: int = 8) -> dict:
     """One round of the toy on stagelink: start-up (processes importing torch included), e2e one
     at a time, requests/s with `in_flight` in flight."""
@@ -156,7 +156,7 @@ def run_pipeline(rounds: int = 3, json_path=None, peer: bool = True, out=sys.std
     path, why = (setup_peer() if peer else (None, "not asked for (--no-peer)"))
     if path is None:
         print(f"SGLang-Omni is not measured: {why}\n", file=out)
-    seq, conc = (30, 120) if quick else (200, 800)
+    seq, conc = (30, 120) if quick else (200, 2400)
     pseq, pconc = (20, 80) if quick else (100, 400)
     runs: dict = {c: {v: [] for v in VARIANTS} for c in CASES}
     for rnd in range(rounds):
