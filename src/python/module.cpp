@@ -877,6 +877,9 @@ struct PyEncoder {
   std::vector<std::string> gpus;     // per tensor, the UUID of that GPU ("" where unknown)
   uint32_t lists = 0;
   size_t total = 0;
+  // encode_object's byte limit (>= 0): a device tensor that would take the payload past it fails
+  // the encoding before it is staged through the host (a copy off the GPU for nothing).
+  int64_t limit = -1;
   std::string why;
   std::vector<std::byte>& buf = bv.tree_buffer();  // the packed tree (BufferViews says whose)
   detail::ByteSink sink{&buf, 0};
@@ -982,6 +985,12 @@ struct PyEncoder {
       }
     }
     if (!truthy(ok(attr(T.s_is_cpu)))) {  // a device tensor: staged through the host (CUDA IPC: later)
+      if (limit >= 0) {
+        const nb::object nbo = ok(nb::steal(PyObject_GetAttrString(t.ptr(), "nbytes")));
+        const Py_ssize_t n = PyLong_AsSsize_t(nbo.ptr());
+        if (n < 0 && PyErr_Occurred()) throw nb::python_error();
+        if (total + size_t(n) > uint64_t(limit)) return fail(h, " (a device tensor) over the inline limit");
+      }
       devices.resize(kinds.size());
       devices.emplace_back(nb::cast<std::string>(nb::str(ok(attr(T.s_device)))));
       if (std::string u = gpu_uuid_of(devices.back()); !u.empty()) {
@@ -2532,7 +2541,8 @@ NB_MODULE(_core, m) {
     Payload p;
     BufferViews bv;
     PyEncoder enc{p, bv};
-    if (!enc.run(obj)) return nb::none();  // needs pickle: the caller sends parts
+    enc.limit = limit;
+    if (!enc.run(obj)) return nb::none();  // needs pickle (or over the limit): the caller sends parts
     if (limit >= 0) {
       size_t n = p.packed_tree.size();
       for (const Tensor& t : p.tensors) n += t.nbytes();

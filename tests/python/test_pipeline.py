@@ -687,3 +687,14 @@ def test_a_zero_copy_callback_stage_gives_its_inputs_back_when_done(ns):
     with Pipeline.from_config(d) as p:
         for i in range(20):
             run_toy(p, f"r{i}", t.make_request(i, payload_bytes=1 << 20, chunks=4, chunk_bytes=1024))
+
+
+def test_a_device_tensor_over_the_inline_limit_is_never_staged_to_decide():
+    """Deciding whether a payload travels inside a control message must not copy a device tensor
+    to the host first: the encoder gives up on its size before staging it (a meta tensor, which
+    cannot be copied at all, stands in for a GPU's here); small host tensors still go inline."""
+    torch = pytest.importorskip("torch")
+    from stagelink.pipeline._wire import from_frame, small_frame
+    assert small_frame({"x": torch.empty(1 << 20, device="meta"), "n": 1}, 16384) is None
+    body = small_frame({"x": torch.arange(8.0), "n": 1}, 16384)
+    assert body is not None and torch.equal(from_frame(body)["x"], torch.arange(8.0))

@@ -4,7 +4,7 @@ A payload of native kinds (numpy arrays and scalars, torch tensors, bytes, str, 
 and dicts, lists, tuples of them) whose tensors, bytes and tree total at most `limit` bytes
 travels this way (the control ring bounds what is in flight); anything larger, or anything else,
 goes through the relay. The native encoder walks the object once and gives up before copying
-anything when it is over the limit or needs pickle."""
+anything when it is over the limit or needs pickle (a device tensor over it is never staged)."""
 from __future__ import annotations
 
 from typing import Optional
