@@ -267,6 +267,11 @@ class TeConnector final : public Connector {
         std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
       }
     }
+    // The receiver's memory is bounded by its pool whichever way the payload lands: a size named
+    // by metadata or by a sender's reply never makes it allocate more.
+    if (size > engine_->pool_size())
+      return make_error(Errc::exhausted, "'" + ik + "' holds " + std::to_string(size) +
+                                             " bytes, more than this receiver's memory pool");
     const double tmo = timeout_for(o_.timeout_s, size);
     // Where the payload lands: a region of the pool, or, for a caller that would copy it out at
     // once (private_ok: the Python binding's default get) and from 1 MiB, a host buffer of this
@@ -282,9 +287,6 @@ class TeConnector final : public Connector {
       dst = buf.get();
       region = std::shared_ptr<void>(buf, buf.get());
     } else {
-      if (size > engine_->pool_size())
-        return make_error(Errc::exhausted, "'" + ik + "' holds " + std::to_string(size) +
-                                               " bytes, more than this receiver's memory pool");
       SL_ASSIGN(size_t off, engine_->allocate(size, deadline_after(tmo)));
       dst = engine_->pool_base() + off;
       region = std::shared_ptr<void>(dst, [eng = engine_, off, size](void*) { eng->free(off, size); });

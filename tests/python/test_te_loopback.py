@@ -52,17 +52,18 @@ def test_copying_get_owns_its_array_and_frees_the_region_at_once():
 
 def test_copying_get_lands_in_memory_it_owns_copied_once_at_most():
     """Issue 52: a copying get of 1 MiB and more lands the payload straight in a host buffer the
-    result owns (no copy after the transfer: it took 1.2-1.6x the zero-copy get), so it needs no
-    room in the receiver's pool: 32 MiB into a 16 MiB pool, where a zero-copy get is refused.
-    Exactly one host buffer per get (the copy out of the pool made one, then the binding a
-    second)."""
+    result owns (no copy after the transfer: it took 1.2-1.6x the zero-copy get), never in the
+    pool: held results take none of its room. Exactly one host buffer per get (the copy out of the
+    pool made one, then the binding a second). A payload larger than the pool is refused either
+    way: the pool bounds what a receiver accepts."""
     s = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "zmq_port": 0, "role": "sender",
                                                                "memory_pool_size": 128 << 20})
     r = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "role": "receiver",
-                                                               "memory_pool_size": 16 << 20})
+                                                               "memory_pool_size": 40 << 20})
     try:
         data = np.arange(8 << 20, dtype=np.float32)  # 32 MiB
-        for i in range(3):
+        held = []
+        for i in range(3):  # three 32 MiB results alive at once in a 40 MiB pool
             ok, _, md = s.put(0, 1, f"big{i}", data)
             assert ok
             before = stagelink._core.host_pool_stats()
@@ -73,10 +74,12 @@ def test_copying_get_lands_in_memory_it_owns_copied_once_at_most():
             assert (after["hits"] + after["misses"]) - (before["hits"] + before["misses"]) == 1
             x[0] = -1.0  # ours: writes go nowhere else
             assert r.health()["ucx"]["pool_used"] == 0
-            del x
-        ok, _, md = s.put(0, 1, "zc", data)
-        assert r.get(0, 1, "zc", md, zero_copy=True) is None
-        assert "more than this receiver's memory pool" in str(r.last_error)
+            held.append(x)
+        big = np.zeros(12 << 20, dtype=np.float32)  # 48 MiB: over the pool
+        for zc in (False, True):
+            ok, _, md = s.put(0, 1, f"over{zc}", big)
+            assert r.get(0, 1, f"over{zc}", md, zero_copy=zc) is None
+            assert "more than this receiver's memory pool" in str(r.last_error)
     finally:
         s.close()
         r.close()
