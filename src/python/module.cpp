@@ -2543,11 +2543,7 @@ NB_MODULE(_core, m) {
     PyEncoder enc{p, bv};
     enc.limit = limit;
     if (!enc.run(obj)) return nb::none();  // needs pickle (or over the limit): the caller sends parts
-    if (limit >= 0) {
-      size_t n = p.packed_tree.size();
-      for (const Tensor& t : p.tensors) n += t.nbytes();
-      if (n > uint64_t(limit)) return nb::none();
-    }
+    if (limit >= 0 && enc.total + p.packed_tree.size() > uint64_t(limit)) return nb::none();
     return frame_bytes(p);
   }, nb::arg("obj").none(), nb::arg("limit") = -1);
   m.def("encode_parts", [](int kind, nb::list regions) {

@@ -77,7 +77,7 @@ class StageSpec:
     # (the fastest for short stages), one request at a time, aborts seen between requests. Not for
     # stages that read streams (they wait for chunks the receive thread must deliver).
     # None (auto, the default): inline while its runs stay short (worker.AUTO_INLINE_NS), else on
-    # the pool; never for a stage that reads streams with ctx.chunks().
+    # the pool; a stage that reads ctx.chunks() only for a request whose streams have all ended.
     inline: Optional[bool] = None
     # Inputs that came through the relay are read-only views of its shared memory (no copy); each
     # holds its slot, and its edge's credit, until the stage drops it.

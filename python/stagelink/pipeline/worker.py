@@ -185,6 +185,7 @@ class StageRuntime:
         # stage that reads streams only when every stream has ended before it starts (ctx.chunks()
         # then never waits for the receive thread it would be running on).
         self.auto = spec.inline is None
+        self.stream_srcs = frozenset(spec.stream_sources)
         self.short_streak = 0  # runs in a row no longer than AUTO_INLINE_MAX_NS
         self.avg_ns = float(AUTO_INLINE_NS)  # moving average of its runs' wall time
         self.inline_runs = 0
@@ -219,7 +220,7 @@ class StageRuntime:
                 r.started = True
             inline = self.spec.inline or (self.auto and self.short_streak >= AUTO_INLINE_STREAK
                                           and self.avg_ns <= AUTO_INLINE_NS
-                                          and set(self.spec.stream_sources) <= r.done_srcs)
+                                          and self.stream_srcs <= r.done_srcs)
         if self.on_chunk is not None:
             self._on_chunks(rid, r)
         elif inline:
@@ -286,7 +287,7 @@ class StageRuntime:
 
     def iter_chunks(self, rid: str, r: _Request, timeout: Optional[float]):
         timeout = self.w.spec.settings["request_timeout_s"] if timeout is None else timeout
-        srcs = set(self.spec.stream_sources)
+        srcs = self.stream_srcs
         while True:
             with self.lock:
                 deadline = time.monotonic() + timeout
@@ -348,7 +349,7 @@ class StageRuntime:
         """Callback stages (on_chunk/on_payload/finish): handle every input that is ready, in
         order, on the thread that delivered it; once every stream has ended and the payload (if
         any) has arrived, finish() gives the result."""
-        srcs = set(self.spec.stream_sources)
+        srcs = self.stream_srcs
         need_payload = bool(self.spec.sources)
         with self.lock:
             if r.started:  # another thread is draining this request: it will see these chunks too
