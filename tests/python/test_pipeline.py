@@ -540,6 +540,18 @@ def test_toy_shape_with_default_credits_never_deadlocks(ns, dec):
     assert st["dec"]["edges"]["enc->dec"]["messages"] == 8 * 21
 
 
+def test_toy_checks_hold_for_every_request_number():
+    """The toy's chunks held seed * 1000 + i as float32, which is inexact past seed 16777: a
+    long `stagelink run` of the toy failed its own checks from request 16778 on."""
+    pytest.importorskip("torch")
+    from stagelink.examples import toy as t
+    for seed in (0, 16777, 16781, 10 ** 6 + 3):
+        for i in (0, 1, 7):
+            t._check_chunk(t._chunk(seed, i, 64), seed, i, "dec")
+    with pytest.raises(ValueError, match="chunk 1 holds"):
+        t._check_chunk(t._chunk(16781, 2, 64), 16781, 1, "dec")
+
+
 def test_early_chunks_beyond_their_budget_stay_in_the_relay(ns):
     """settings.early_chunk_bytes bounds what a stage process copies out for requests whose stage
     has not started: past it chunks wait in the relay (credits), and a pipeline that needs more

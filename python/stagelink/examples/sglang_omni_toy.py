@@ -26,7 +26,7 @@ from sglang_omni.proto.request import OmniRequest
 from sglang_omni.scheduling.message import OutgoingMessage
 from sglang_omni.scheduling.simple_scheduler import SimpleScheduler
 
-from .toy import _check_chunk, _check_data, make_request, verify
+from .toy import _check_chunk, _check_data, _chunk, make_request, verify
 
 
 def _prep(payload):
@@ -82,7 +82,7 @@ class Enc(_Scheduler):
         _check_data(d, "enc")
         seed, nbytes = int(d["seed"]), int(d["chunk_bytes"])
         for i in range(int(d["chunks"])):
-            c = torch.full((max(1, nbytes // 4),), float(seed * 1000 + i), dtype=torch.float32)
+            c = _chunk(seed, i, nbytes)
             self.outbox.put(OutgoingMessage(request_id=msg.request_id, type="stream", data=c, target=None))
         self.outbox.put(OutgoingMessage(request_id=msg.request_id, type="result", data=p))
 

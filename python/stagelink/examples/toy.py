@@ -31,14 +31,19 @@ def _check_data(req, stage):
             raise ValueError(f"{stage}: payload byte {j} is {int(d[j])}, expected {seed % 251}")
 
 
+def _chunk_value(seed: int, i: int) -> float:
+    """What chunk i of request seed holds: exact in float32 (under 2**24) for any seed."""
+    return float((seed % 4096) * 1000 + i)
+
+
 def _chunk(seed: int, i: int, nbytes: int):
-    return torch.full((max(1, nbytes // 4),), float(seed * 1000 + i), dtype=torch.float32)
+    return torch.full((max(1, nbytes // 4),), _chunk_value(seed, i), dtype=torch.float32)
 
 
 def _check_chunk(c, seed: int, i: int, stage: str):
     if not isinstance(c, torch.Tensor) or c.dtype != torch.float32:
         raise TypeError(f"{stage}: chunk {i} is {type(c).__name__}, not a float32 tensor")
-    want = float(seed * 1000 + i)
+    want = _chunk_value(seed, i)
     if float(c[0]) != want or float(c[-1]) != want:
         raise ValueError(f"{stage}: chunk {i} holds {float(c[0])}..{float(c[-1])}, expected {want}")
 
