@@ -2,6 +2,8 @@
 // examples/cpp_pipeline.yaml and the tests:
 //   scale_stage:   {"x": float32 tensor, "factor": number} -> {"x": x * factor, "by": "c++"}
 //   chunker_stage: {"x": tensor, "chunks": n} -> streams n chunks {"i": i, "x": x}, returns {"n": n}
+//   sum_stage:     fed by a stream of {"i": i, "x": float32 tensor} -> streams {"i": i, "sum": sum of x}
+//                  per chunk, returns {"n": chunks read, "sum": sum over all} (checks i counts up)
 #include <cstring>
 #include <vector>
 
@@ -64,6 +66,37 @@ Result<Payload> chunker(const Payload& in, StageContext& ctx) {
   return out;
 }
 
+Result<Payload> sum(const Payload&, StageContext& ctx) {
+  int64_t n = 0;
+  double total = 0;
+  while (true) {
+    SL_ASSIGN(std::optional<Payload> chunk, ctx.next_chunk());
+    if (!chunk) break;  // every source has ended
+    int64_t i = -1;
+    if (const Value* v = field(chunk->tree, "i"); !v || !v->get_i64(i) || i != n)
+      return make_error(Errc::invalid_argument, "sum: chunk " + std::to_string(n) + " carries i=" + std::to_string(i));
+    SL_ASSIGN(const Tensor* x, tensor_field(*chunk, "x"));
+    if (x->dtype != DType::f32) return make_error(Errc::invalid_argument, "sum: x must be float32");
+    const float* v = reinterpret_cast<const float*>(x->data.data());
+    double s = 0;
+    for (size_t k = 0; k < x->nbytes() / 4; ++k) s += v[k];
+    total += s;
+    Payload out;
+    Value::Map m;
+    m.emplace_back("i", i);
+    m.emplace_back("sum", s);
+    out.tree = Value(std::move(m));
+    SL_TRY(ctx.stream(out));
+    ++n;
+  }
+  Payload out;
+  Value::Map m;
+  m.emplace_back("n", n);
+  m.emplace_back("sum", total);
+  out.tree = Value(std::move(m));
+  return out;
+}
+
 Result<Payload> fail(const Payload&, StageContext& ctx) {
   return make_error(Errc::invalid_argument, "fail_stage refuses request " + std::string(ctx.request_id));
 }
@@ -72,4 +105,5 @@ Result<Payload> fail(const Payload&, StageContext& ctx) {
 
 STAGELINK_STAGE(scale_stage, scale)
 STAGELINK_STAGE(chunker_stage, chunker)
+STAGELINK_STAGE(sum_stage, sum)
 STAGELINK_STAGE(fail_stage, fail)

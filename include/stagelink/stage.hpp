@@ -3,6 +3,10 @@
 //   #include "stagelink/stage.hpp"
 //   stagelink::Result<stagelink::Payload> scale(const stagelink::Payload& in, stagelink::StageContext& ctx) {
 //     ...                                   // in.tree, in.tensors (views valid during the call)
+//     while (true) {                        // a stage fed by a stream: its chunks, in order
+//       SL_ASSIGN(auto chunk, ctx.next_chunk());
+//       if (!chunk) break;                  // every source has ended
+//     }
 //     SL_TRY(ctx.stream(chunk));            // to the stage's stream_to targets
 //     return out;                           // to its next targets
 //   }
@@ -20,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string_view>
 
 #include "stagelink/frame.hpp"
@@ -30,6 +35,11 @@ extern "C" {
 // The C interface a stage library exports (version 1). The host fills the inputs; the stage
 // fills `output` (malloc'd; the host frees it with free()) or `error`, and returns 0 or -1.
 typedef int (*stagelink_stream_fn)(void* opaque, const uint8_t* frame, size_t len);
+// Take the next chunk streamed to the stage (a frame, valid until the next call or the end of the
+// stage call), waiting at most timeout_s (negative: the pipeline's request_timeout_s). Returns 0
+// with *frame/*len set, 1 once every source has ended, -1 the request was aborted or an upstream
+// stage failed, -2 timed out (for -1/-2 the host writes why into `error`).
+typedef int (*stagelink_chunk_fn)(void* opaque, double timeout_s, const uint8_t** frame, size_t* len);
 struct stagelink_stage_call_v1 {
   uint32_t abi_version;      // 1
   const char* request_id;
@@ -42,6 +52,13 @@ struct stagelink_stage_call_v1 {
   size_t output_len;
   char error[4096];          // out: why it failed
 };
+// Version 2 (what stage processes pass): version 1's fields, then the stage's incoming stream. The
+// entry point still takes a stagelink_stage_call_v1*; abi_version says which it points to.
+struct stagelink_stage_call_v2 {
+  stagelink_stage_call_v1 v1;  // abi_version 2
+  stagelink_chunk_fn next_chunk;
+  void* chunk_opaque;
+};
 }
 
 namespace stagelink {
@@ -51,6 +68,16 @@ struct StageContext {
   // Stream `chunk` to the stage's stream_to targets (a terminal stage's go to the coordinator).
   // Errors: cancelled (the request was aborted), invalid_argument.
   std::function<Status(const Payload&)> stream;
+  // The next chunk streamed to this stage (stream_to names it), in order across its sources; an
+  // empty optional once every source has ended. The chunk's tensors view memory valid until the
+  // next call or the end of the stage call: copy what you keep. timeout_s < 0: the pipeline's
+  // request_timeout_s. Errors: timeout; cancelled (the request was aborted, or a stage streaming
+  // to this one failed; the message says which); unsupported (a host of stage ABI 1).
+  Result<std::optional<Payload>> next_chunk(double timeout_s = -1) const {
+    if (!next_chunk_fn) return make_error(Errc::unsupported, "this host passes no stream (stage ABI 1)");
+    return next_chunk_fn(timeout_s);
+  }
+  std::function<Result<std::optional<Payload>>(double)> next_chunk_fn;
 };
 
 using StageFn = Result<Payload> (*)(const Payload& input, StageContext& ctx);
@@ -62,7 +89,8 @@ inline int stage_fail(stagelink_stage_call_v1* c, const std::string& msg) {
 }
 // The body of an exported entry point: frame in, fn, frame out. Exceptions become errors.
 inline int run_stage(stagelink_stage_call_v1* c, StageFn fn) {
-  if (!c || c->abi_version != 1) return c ? stage_fail(c, "stagelink stage ABI version mismatch (want 1)") : -1;
+  if (!c || c->abi_version < 1 || c->abi_version > 2)
+    return c ? stage_fail(c, "stagelink stage ABI version mismatch (want 1 or 2)") : -1;
   c->output = nullptr;
   c->output_len = 0;
   try {
@@ -78,6 +106,24 @@ inline int run_stage(stagelink_stage_call_v1* c, StageFn fn) {
         return make_error(Errc::cancelled, "stream refused (request aborted?)");
       return {};
     };
+    if (c->abi_version >= 2) {
+      auto* c2 = reinterpret_cast<stagelink_stage_call_v2*>(c);
+      ctx.next_chunk_fn = [c2](double timeout_s) -> Result<std::optional<Payload>> {
+        stagelink_stage_call_v1* c1 = &c2->v1;
+        if (!c2->next_chunk) return make_error(Errc::unsupported, "this host passes no stream");
+        const uint8_t* f = nullptr;
+        size_t n = 0;
+        c1->error[0] = '\0';
+        const int rc = c2->next_chunk(c2->chunk_opaque, timeout_s, &f, &n);
+        if (rc == 1) return std::optional<Payload>{};
+        if (rc == -2) return make_error(Errc::timeout, c1->error);
+        if (rc != 0) return make_error(Errc::cancelled, c1->error[0] ? c1->error : "stream refused");
+        if (!f && n) return make_error(Errc::corrupt, "the host passed a chunk without bytes");
+        auto p = decode_frame(std::span<const std::byte>(reinterpret_cast<const std::byte*>(f), n));
+        if (!p.ok()) return make_error(p.error().code, "chunk: " + p.error().message);
+        return std::optional<Payload>(std::move(p).value());
+      };
+    }
     auto out = fn(in.value(), ctx);
     if (!out.ok()) return stage_fail(c, out.error().to_string());
     auto f = encode_frame(out.value());

@@ -194,3 +194,16 @@ def collect_where(payload, ctx):
 
 def passthrough(payload, ctx):
     return payload
+
+
+def float_streamer(payload, ctx):
+    """Streams payload["chunks"] chunks {"i": i, "x": float32 x chunk_len, all i}; gives up with an
+    error at chunk payload["fail_after"] when given; sleeps chunk_sleep s after each chunk."""
+    n, size = int(payload.get("chunks", 4)), int(payload.get("chunk_len", 1000))
+    for i in range(n):
+        if i == payload.get("fail_after"):
+            raise ValueError(f"float_streamer gives up at chunk {i}")
+        ctx.stream({"i": i, "x": np.full(size, i, np.float32)})
+        if payload.get("chunk_sleep"):
+            time.sleep(payload["chunk_sleep"])
+    return None

@@ -504,6 +504,38 @@ def test_cpp_stages_compute_stream_and_fail_like_python_ones(ns):
         Pipeline.from_config(d)
 
 
+@pytest.mark.skipif(not os.path.exists(CPP_LIB), reason="the C++ example stages are built by ./scripts/test")
+def test_cpp_stages_read_streams_like_python_ones(ns):
+    """Issue 51: a C++ stage could not read what was streamed to it (ctx.chunks() had no C++ twin);
+    now ctx.next_chunk() does, from a C++ or a Python sender, and failures upstream, aborts and
+    timeouts reach it as errors."""
+    d = spec(ns, [
+        {"name": "chunk", "factory": f"cpp:{CPP_LIB}:chunker_stage", "stream_to": "sum"},
+        {"name": "sum", "factory": f"cpp:{CPP_LIB}:sum_stage", "terminal": True},
+    ])
+    with Pipeline.from_config(d) as p:
+        x = np.arange(100_000, dtype=np.float32)  # through the relay
+        got = []
+        r = p.submit("r", {"x": x, "chunks": 5}, on_chunk=got.append).result(20)
+        assert r["n"] == 5 and r["sum"] == float(x.sum(dtype=np.float64)) * 5
+        assert [c["i"] for c in got] == list(range(5))
+        assert all(c["sum"] == float(x.sum(dtype=np.float64)) for c in got)
+    d["stages"][0]["factory"] = f"{S}:float_streamer"  # Python to C++
+    d["settings"] = {"request_timeout_s": 1.5}
+    with Pipeline.from_config(d) as p:
+        assert p.submit("a", {"chunks": 6, "chunk_len": 1000}).result(20) == {"n": 6, "sum": 1000.0 * 15}
+        with pytest.raises(StageError, match="gives up at chunk 2"):
+            p.submit("b", {"chunks": 6, "fail_after": 2}).result(20)
+        f = p.submit("c", {"chunks": 100, "chunk_sleep": 0.05})
+        time.sleep(0.4)
+        assert p.abort("c", timeout=10)
+        with pytest.raises(stagelink.CancelledError):
+            f.result(5)
+        with pytest.raises(StageError, match="TimeoutError: stage 'sum': no stream chunk of 'd'"):
+            p.submit("d", {"chunks": 2, "chunk_sleep": 3}).result(20)
+        assert p.submit("e", {"chunks": 3, "chunk_len": 10}).result(20) == {"n": 3, "sum": 30.0}
+
+
 def toy(ns, dec="dec", **top):
     """SGLang-Omni's toy shape (stagelink.examples.toy): enc streams its chunks to dec, then sends
     the payload on to dec; dec streams one message per chunk to the client."""

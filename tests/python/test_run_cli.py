@@ -16,8 +16,14 @@ def shm_files():
     return set(os.listdir("/dev/shm"))
 
 
-@pytest.mark.parametrize("example,requests", [("omni_pipeline.yaml", 12), ("fanin_pipeline.yaml", 8)])
+@pytest.mark.parametrize("example,requests", [("omni_pipeline.yaml", 12), ("fanin_pipeline.yaml", 8),
+                                              ("toy_pipeline.yaml", 64), ("cpp_pipeline.yaml", 16)])
 def test_run_example_verifies_every_result(tmp_path, example, requests):
+    if example == "toy_pipeline.yaml":
+        pytest.importorskip("torch")
+    if example == "cpp_pipeline.yaml" and not os.path.exists(os.path.join(ROOT, "build", "cpp",
+                                                                          "libstagelink_example_stages.so")):
+        pytest.skip("the C++ example stages are built by ./scripts/test")
     before = shm_files()
     out = tmp_path / "r.json"
     p = subprocess.run([STAGELINK, "run", os.path.join(ROOT, "examples", example), "--requests", str(requests),
