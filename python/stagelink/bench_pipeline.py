@@ -30,9 +30,25 @@ def toy_spec(speed: bool = False, ns: str = "") -> dict:
                              "terminal": True}, **fast)]}
 
 
-def _measure(submit, reqs, verify, sequential: int, concurrent: int, in_flight: int) -> dict:
+def cpu_seconds(pids: dict) -> dict:
+    """CPU time (user + system, every thread) of each process {name: pid}, and of this one as
+    "client": where a pipeline's CPU goes, read from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"client": time.process_time()}
+    for name, pid in pids.items():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _measure(submit, reqs, verify, sequential: int, concurrent: int, in_flight: int, pids=None) -> dict:
     """e2e p50/p99 one request at a time, then requests/s with `in_flight` in flight; `submit(i,
-    req)` returns (future, chunks list); every result is verified."""
+    req)` returns (future, chunks list); every result is verified. With `pids` ({process: pid}),
+    also the CPU each process (and this one, "client") spent per request while `in_flight` ran."""
     for i in range(10):  # warm-up
         f, ch = submit(f"w{i}", reqs[i % len(reqs)])
         verify(reqs[i % len(reqs)], f.result(60), ch)
@@ -45,6 +61,7 @@ def _measure(submit, reqs, verify, sequential: int, concurrent: int, in_flight: 
         lat.append((time.perf_counter() - t) * 1e3)
         verify(req, res, ch)
     pending, t = [], time.perf_counter()
+    cpu0 = cpu_seconds(pids) if pids is not None else None
     for i in range(concurrent):
         if len(pending) >= in_flight:
             j, f, ch = pending.pop(0)
@@ -55,8 +72,12 @@ def _measure(submit, reqs, verify, sequential: int, concurrent: int, in_flight: 
         verify(reqs[j % len(reqs)], f.result(60), ch)
     rps = concurrent / (time.perf_counter() - t)
     lat.sort()
-    return {"e2e_ms_p50": statistics.median(lat), "e2e_ms_p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
-            "requests_per_s": rps}
+    f = {"e2e_ms_p50": statistics.median(lat), "e2e_ms_p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+         "requests_per_s": rps}
+    if cpu0 is not None:
+        cpu1 = cpu_seconds(pids)
+        f["cpu_us_per_request"] = {k: (cpu1[k] - cpu0[k]) / concurrent * 1e6 for k in cpu0 if k in cpu1}
+    return f
 
 
 def stagelink_toy(case: str, speed: bool = False, sequential: int = 200, concurrent: int = 2400,
@@ -74,7 +95,7 @@ def stagelink_toy(case: str, speed: bool = False, sequential: int = 200, concurr
         def submit(rid, req):
             chunks: list = []
             return p.submit(rid, req, on_chunk=chunks.append), chunks
-        f = _measure(submit, reqs, toy.verify, sequential, concurrent, in_flight)
+        f = _measure(submit, reqs, toy.verify, sequential, concurrent, in_flight, p.process_ids())
     f.update(startup_s=startup, total_s=time.monotonic() - t0)
     return f
 
@@ -194,6 +215,18 @@ def run_pipeline(rounds: int = 3, json_path=None, peer: bool = True, out=sys.std
             print(f"{case:>12} {v:>16} {m['e2e_ms_p50']:>6.2f} ms {m['e2e_ms_p99']:>6.2f} ms "
                   f"{m['requests_per_s']:>19.0f} {m['startup_s']:>7.2f} s {ratios}", file=out)
         result["cases"][case] = med
+    print("\nCPU per request with 8 in flight (us; user + system of each process, /proc; client: the process "
+          "submitting, its coordinator included):", file=out)
+    procs = ("client", "prep", "enc", "dec")
+    print(f"{'case':>12} {'variant':>16} " + " ".join(f"{n:>7}" for n in procs) + f" {'total':>7}", file=out)
+    for case in CASES:
+        for v, m in result["cases"][case].items():
+            per = [f["cpu_us_per_request"] for f in m["rounds"] if "cpu_us_per_request" in f]
+            if not per:
+                continue
+            m["cpu_us_per_request"] = cpu = {n: statistics.median(c.get(n, 0.0) for c in per) for n in procs}
+            print(f"{case:>12} {v:>16} " + " ".join(f"{cpu[n]:>7.0f}" for n in procs) +
+                  f" {sum(cpu.values()):>7.0f}", file=out)
     print("\naims (issue 51): with default settings at least 10x SGLang-Omni's req/s and at most 0.2x its e2e p50; "
           "with the speed options at least 15x its req/s; one request at a time, e2e p50 under 1 ms; start-up at "
           "most 0.5x. Medians of the rounds; every result verified.", file=out)

@@ -96,6 +96,9 @@ def test_bench_pipeline_runs_the_toy_and_reports_without_the_peer(tmp_path):
         for v in m.values():
             assert v["requests_per_s"] > 0 and 0 < v["e2e_ms_p50"] <= v["e2e_ms_p99"]
             assert "rps_vs_peer" not in v
+            cpu = v["cpu_us_per_request"]  # where the CPU went, per process
+            assert set(cpu) == {"client", "prep", "enc", "dec"} and min(cpu.values()) >= 0 < sum(cpu.values())
+    assert "CPU per request" in out.getvalue()
     assert json.loads((tmp_path / "p.json").read_text())["kind"] == "pipeline"
 
 

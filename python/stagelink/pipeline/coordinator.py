@@ -482,6 +482,11 @@ class Pipeline:
         `control_refused`: peers its control inbox refused at the CURVE handshake, control: tcp)."""
         return dict(self._stats)
 
+    def process_ids(self) -> Dict[str, int]:
+        """{process name: pid} of the stage processes this coordinator started and that still run
+        (for a stage on another host, the pid of its launcher here, e.g. ssh)."""
+        return {p: h.pid for p, h in self._procs.items() if h.poll() is None}
+
     def coordinator_edges(self) -> Dict[str, dict]:
         """The edge from the terminal stage to this process (its result and streamed chunks):
         {"TERMINAL->coordinator": {bytes, messages, lat_ns}}, as stats() has each process's."""
