@@ -13,7 +13,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from . import _core
+from . import __version__, _core
 from .connector import create_connector
 
 DEFAULT_SIZES = [1 << 10, 64 << 10, 1 << 20, 16 << 20, 186 << 20]
@@ -425,17 +425,16 @@ def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
               file=out)
         rows.append({"size": size, "cpp": c, "python": p})
     print_payloads(kinds, out)
-    if json_path:
-        import json
-        with open(json_path, "w") as f:
-            json.dump({"kind": "shm", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows,
-                       "payload_kinds": kinds}, f, indent=1)
-        print(f"\nwrote {json_path}", file=out)
+    write_json({"kind": "shm", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows,
+                "payload_kinds": kinds}, json_path, out)
     return rows
 
 
 def write_json(result, json_path, out=sys.stdout):
-    """Every bench's last step: its result as indented JSON at `json_path` (if given), said on `out`."""
+    """Every bench's last step: its result as indented JSON at `json_path` (if given), said on `out`,
+    stamped with when it ran (UTC) and the stagelink version that ran it."""
+    result.setdefault("date", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    result.setdefault("stagelink", __version__)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)

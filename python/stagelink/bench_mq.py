@@ -2,13 +2,13 @@
 its PyPI package is installed), measured in the same run."""
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import sys
 import time
 
 from . import _core
+from .bench import write_json
 
 
 def _py_reader(handle, n, ack, out):
@@ -165,8 +165,5 @@ def run_mq(quick=False, json_path=None, out=sys.stdout):
               f" (its subscriber polls: one core at 100%)", file=out)
     if "note" in iox:
         print(f"iceoryx2: {iox['note']}", file=out)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"kind": "mq", "machine": os.uname().nodename, "cpus": os.cpu_count(), "results": res}, f, indent=1)
-        print(f"\nwrote {json_path}", file=out)
+    write_json({"kind": "mq", "machine": os.uname().nodename, "cpus": os.cpu_count(), "results": res}, json_path, out)
     return res

@@ -1,6 +1,7 @@
 """`stagelink bench`'s reading of the machine: what it says about the figures it prints."""
 import io
 
+import stagelink
 from stagelink import bench
 
 
@@ -99,7 +100,9 @@ def test_bench_pipeline_runs_the_toy_and_reports_without_the_peer(tmp_path):
             cpu = v["cpu_us_per_request"]  # where the CPU went, per process
             assert set(cpu) == {"client", "prep", "enc", "dec"} and min(cpu.values()) >= 0 < sum(cpu.values())
     assert "CPU per request" in out.getvalue()
-    assert json.loads((tmp_path / "p.json").read_text())["kind"] == "pipeline"
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["kind"] == "pipeline"
+    assert saved["date"].endswith("Z") and saved["stagelink"] == stagelink.__version__  # bench/results/ says when
 
 
 def test_bench_te_times_the_default_copying_get_beside_the_zero_copy_one():
