@@ -1,0 +1,239 @@
+// Module functions: configuration, shared-memory administration, CUDA status, the payload codec
+// as bytes, and the C++ benchmarks behind `stagelink bench`.
+#include "python/bindings.hpp"
+
+#include "bench/mq_bench.hpp"
+#include "bench/relay_bench.hpp"
+#include "bench/shm_bench.hpp"
+#include "core/net.hpp"
+#include "cuda/driver.hpp"
+#include "python/codec.hpp"
+#include "python/torch.hpp"
+
+namespace stagelink::py {
+
+namespace {
+
+nb::dict spec_dict(const ConnectorSpec& s) {
+  nb::dict d;
+  d["name"] = s.name;
+  d["extra"] = to_py(s.extra);
+  d["ref"] = s.ref;
+  return d;
+}
+
+nb::dict config_dict(const TransferConfig& cfg) {
+  nb::dict out;
+  nb::list edges;
+  for (auto& e : cfg.edges) {
+    nb::dict d;
+    d["from"] = e.from;
+    d["to"] = e.to;
+    d["connector"] = spec_dict(e.connector);
+    d["defaulted"] = e.defaulted;
+    edges.append(d);
+  }
+  out["edges"] = edges;
+  nb::dict conns;
+  for (auto& [k, v] : cfg.connectors) conns[nb::str(k.c_str())] = spec_dict(v);
+  out["connectors"] = conns;
+  nb::list stages;
+  nb::dict per_stage;
+  for (auto& s : cfg.stages) {
+    stages.append(s);
+    nb::list l;
+    for (auto& sc : cfg.stage_connectors(s)) {
+      nb::dict d;
+      d["peer"] = sc.peer;
+      d["direction"] = sc.input ? "input" : "output";
+      d["role"] = role_name(sc.role);
+      d["connector"] = spec_dict(sc.connector);
+      l.append(d);
+    }
+    per_stage[nb::str(s.c_str())] = l;
+  }
+  out["stages"] = stages;
+  out["stage_connectors"] = per_stage;
+  out["default_shm_threshold_bytes"] = cfg.default_shm_threshold_bytes;
+  out["source"] = cfg.source;
+  nb::list notes;
+  for (auto& n : cfg.notes) notes.append(n);
+  out["notes"] = notes;
+  return out;
+}
+
+nb::dict stat_dict(const bench::Stat& s) {
+  nb::dict d;
+  d["median_us"] = s.median_us;
+  d["p99_us"] = s.p99_us;
+  return d;
+}
+
+
+}  // namespace
+
+void bind_tools(nb::module_& m) {
+  // A frame as C++ sees it (tree with tensor leaves as (dtype, shape, bytes), and the ext a C++ reader
+  // ignores): what tests use to check that Python payloads are native frames.
+  m.def("_torch_routes", [](bool exchange_api, bool dlpack) {
+        const TorchRoutes was = g_torch_routes;
+        g_torch_routes = TorchRoutes{exchange_api, dlpack};
+        return nb::make_tuple(was.exchange_api, was.dlpack);
+      }, nb::arg("exchange_api"), nb::arg("dlpack"),
+      "For tests: which of torch's routes tensors may take (DLPack's C exchange API, DLPack capsules; "
+      "off: the attribute and numpy routes an older torch leaves). Returns the previous setting.");
+  m.def("_frame_as_cpp_sees_it", [](nb::bytes frame) {
+    auto p = unwrap(decode_frame(std::span<const std::byte>(reinterpret_cast<const std::byte*>(frame.c_str()), frame.size())));
+    std::vector<nb::object> leaves;
+    for (auto& t : p.tensors) {
+      nb::list shape;
+      for (auto d : t.shape) shape.append(d);
+      leaves.push_back(nb::make_tuple(dtype_name(t.dtype), nb::tuple(shape),
+                                      nb::bytes(reinterpret_cast<const char*>(t.data.data()), t.nbytes())));
+    }
+    nb::dict d;
+    d["tree"] = to_py(p.tree, &leaves);
+    d["ext"] = to_py(p.ext);
+    return d;
+  });
+  m.def("cuda_status", [] { return to_py(cuda::status()); },
+        "Whether this process can use CUDA (the driver is loaded at run time): {'available': bool, "
+        "'reason': why not, or 'driver_version' and 'devices' [{ordinal, name, uuid, total_bytes}]}.");
+  m.def("mq_handle_info", [](nb::bytes handle) {
+    auto h = unwrap(MessageQueueHandle::from_msgpack(
+        std::span<const std::byte>(reinterpret_cast<const std::byte*>(handle.c_str()), handle.size())));
+    nb::dict d;
+    nb::list ranks;
+    for (auto r : h.local_reader_ranks) ranks.append(r);
+    d["local_reader_ranks"] = ranks;
+    d["n_reader"] = h.n_reader;
+    d["ring_name"] = h.ring_name;
+    d["overflow_name"] = h.overflow_name;
+    d["shm_dir"] = h.shm_dir;
+    d["remote_addr"] = h.remote_addr;
+    d["server_key"] = h.server_key;
+    d["chunk_bytes"] = h.chunk_bytes;
+    d["max_chunks"] = h.max_chunks;
+    return d;
+  });
+  m.def("host_address", &net::host_address);
+  m.def("host_pool_stats", [] {  // the pool of host buffers copying gets land in (tests, diagnosis)
+    const auto s = host_pool::stats();
+    nb::dict d;
+    d["cached_bytes"] = s.cached_bytes;
+    d["cached_buffers"] = s.cached_buffers;
+    d["limit_bytes"] = s.limit_bytes;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    return d;
+  });
+  m.def("expand_env", [](const std::string& value, const std::string& key, const std::string& source, bool bare) {
+    return unwrap(expand_env_value(value, key, source, bare));
+  }, nb::arg("value"), nb::arg("key"), nb::arg("source"), nb::arg("bare") = false);
+  // vLLM-Omni's serialize_obj/deserialize_obj: one frame in a bytes object.
+  // `limit` >= 0: None too when the tensors, bytes and packed tree add up to more than `limit`
+  // bytes, found before anything is copied (the pipeline's payloads inside control messages).
+  m.def("encode_object", [](nb::handle obj, int64_t limit) -> nb::object {
+    Payload p;
+    BufferViews bv;
+    Encoding enc = encode_py(obj, p, bv, limit);
+    if (!enc.ok) return nb::none();  // needs pickle (or over the limit): the caller sends parts
+    if (limit >= 0 && enc.total + p.packed_tree.size() > uint64_t(limit)) return nb::none();
+    return frame_bytes(p);
+  }, nb::arg("obj").none(), nb::arg("limit") = -1);
+  m.def("encode_parts", [](int kind, nb::list regions) {
+    Payload p;
+    BufferViews bv;
+    payload_from_parts(kind, regions, bv, p);
+    return frame_bytes(p);
+  });
+  m.def("decode_frame_parts", [](nb::bytes data) {
+    return frame_parts(std::span<const std::byte>(reinterpret_cast<const std::byte*>(data.c_str()), data.size()));
+  });
+  m.def("make_private_socket_dir", [](const std::string& tag) { return unwrap(make_private_socket_dir(tag)); },
+        nb::arg("tag") = "stagelink");
+  m.def("remove_private_socket_dir", &remove_private_socket_dir);
+  m.def("registered_connectors", &registered_connectors);
+  m.def("load_config_file", [](const std::string& path, uint64_t default_shm_threshold) {
+    return config_dict(unwrap(load_transfer_config_file(path, default_shm_threshold)));
+  }, nb::arg("path"), nb::arg("default_shm_threshold") = kDefaultShmThresholdBytes);
+  m.def("load_config_string", [](const std::string& text, const std::string& source, uint64_t default_shm_threshold) {
+    return config_dict(unwrap(load_transfer_config_string(text, source, default_shm_threshold)));
+  }, nb::arg("text"), nb::arg("source"), nb::arg("default_shm_threshold") = kDefaultShmThresholdBytes);
+  m.def("transfer_engine_port", [](int base, const std::string& purpose, int from_stage, int dp_index, int tp_size, int tp_rank) {
+    PortPurpose p = purpose == "kv_transfer" ? PortPurpose::kv_transfer
+                    : purpose == "orchestrator" ? PortPurpose::orchestrator
+                    : purpose == "request_forwarding" ? PortPurpose::request_forwarding
+                    : (throw nb::value_error("purpose must be request_forwarding, kv_transfer or orchestrator"), PortPurpose::kv_transfer);
+    return transfer_engine_port(base, p, from_stage, dp_index, tp_size, tp_rank);
+  }, nb::arg("base"), nb::arg("purpose"), nb::arg("from_stage"), nb::arg("dp_index") = 0, nb::arg("tp_size") = 1, nb::arg("tp_rank") = 0);
+  m.def("shm_list", [](const std::string& dir) {
+    nb::list l;
+    for (auto& r : shm::list_resources(dir)) {
+      nb::dict d;
+      d["name"] = r.name; d["kind"] = r.kind; d["owner_pid"] = r.owner_pid; d["owner_alive"] = r.owner_alive;
+      d["size"] = r.size; d["held"] = r.held; d["age_s"] = r.age_s; d["live_entries"] = r.live_entries;
+      d["attached"] = r.attached;
+      l.append(d);
+    }
+    return l;
+  }, nb::arg("shm_dir") = "/dev/shm");
+  m.def("shm_reap", [](const std::string& dir) { return shm::reap(dir); }, nb::arg("shm_dir") = "/dev/shm");
+  m.def("shm_user_prefix", &shm::user_prefix);
+  m.def("curve_keypair", [] {
+    auto k = unwrap(curve_keypair());
+    return nb::make_tuple(k.public_key, k.secret_key);
+  }, "A fresh CurveZMQ key pair, (public_key, secret_key), each 40 Z85 characters.");
+  m.def("bench_mq_cpp", [](uint64_t latency_msgs, uint64_t throughput_msgs, uint64_t bandwidth_msgs, uint64_t idle_msgs,
+                           double idle_gap_s, nb::object progress) {
+    bench::MqBenchOptions o{latency_msgs, throughput_msgs, bandwidth_msgs, idle_msgs, idle_gap_s};
+    Value v;
+    {
+      nb::gil_scoped_release nogil;
+      v = bench::bench_mq(o, [&](const std::string& msg) {
+        nb::gil_scoped_acquire gil;
+        if (!progress.is_none()) progress(msg);
+      });
+    }
+    return to_py(v);
+  });
+  m.def("bench_relay_cpp", [](std::vector<size_t> sizes, int iters, const std::string& ns, nb::object progress) {
+    Result<std::vector<bench::RelayRow>> rows = make_error(Errc::io, "");
+    {
+      nb::gil_scoped_release nogil;
+      rows = bench::bench_relay(sizes, iters, ns, [&](const std::string& what) {
+        nb::gil_scoped_acquire gil;
+        if (!progress.is_none()) progress(what);
+      });
+    }
+    nb::list l;
+    for (auto& r : unwrap(std::move(rows))) {
+      nb::dict d;
+      d["size"] = r.size;
+      d["rtt_copy"] = stat_dict(r.rtt_copy); d["rtt_view"] = stat_dict(r.rtt_view);
+      d["rtt_zmq"] = stat_dict(r.rtt_zmq); d["memcpy"] = stat_dict(r.memcpy_);
+      d["rtt_view_zmqctl"] = stat_dict(r.rtt_view_zmqctl);
+      l.append(d);
+    }
+    return l;
+  }, nb::arg("sizes"), nb::arg("iters"), nb::arg("ns"), nb::arg("progress").none());
+  m.def("bench_shm_cpp", [](std::vector<size_t> sizes, int iters, const std::string& ns, size_t arena) {
+    std::vector<bench::ShmRow> rows;
+    {
+      nb::gil_scoped_release nogil;
+      rows = bench::bench_shm(sizes, iters, ns, arena);
+    }
+    nb::list l;
+    for (auto& r : rows) {
+      nb::dict d;
+      d["size"] = r.size; d["iters"] = r.iters;
+      d["put"] = stat_dict(r.put); d["get"] = stat_dict(r.get); d["get_view"] = stat_dict(r.get_view);
+      d["get_into"] = stat_dict(r.get_into);
+      d["roundtrip"] = stat_dict(r.roundtrip); d["memcpy"] = stat_dict(r.memcpy_);
+      l.append(d);
+    }
+    return l;
+  });
+}
+
+}  // namespace stagelink::py
