@@ -306,7 +306,10 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
     }
     // Declared more than once (both of its stages, an edge list): equal specs merge, any
     // difference is an error naming both (no silent winner). Role is not compared: the first
-    // declaration (edge lists, then stages in stage order) that sets one keeps it.
+    // declaration (edge lists, then stages in stage order) is kept as it stands, as vLLM-Omni
+    // 0.30.0 keeps it, so a role it lacks stays missing and each side then gets its direction's
+    // (a later declaration's role is not taken over: a receiving stage listed first would have
+    // been told the sender's role, which decides which side listens on a transfer-engine edge).
     std::vector<Side> decl = sd->second;
     auto rank = [&](const Side& x) {
       return x.stage.empty() ? -1 : int(std::find(cfg.stages.begin(), cfg.stages.end(), x.stage) - cfg.stages.begin());
@@ -328,9 +331,6 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
                               "') with different connectors: " + keys +
                               "; declare it once, or make both declarations equal");
       }
-      if (!e.connector.extra.find("role") || e.connector.extra.find("role")->is_nil())
-        if (const Value* r = other.spec.extra.find("role"); r && !r->is_nil() && e.connector.extra.is<Value::Map>())
-          e.connector.extra.as<Value::Map>().emplace_back("role", *r);
     }
     cfg.edges.push_back(std::move(e));
   }

@@ -196,9 +196,14 @@ TEST(Config, AnEdgeDeclaredTwiceMergesWhenEqualAndFailsNamingTheDifference) {
   ASSERT_TRUE(ok.ok()) << ok.error().message;
   ASSERT_EQ(ok->edges.size(), 1u);
   EXPECT_EQ(ok->edges[0].connector.extra.find("role")->as<std::string>(), "sender");  // first in stage order
+  // The first declaration is kept as it stands (vLLM-Omni 0.30.0): a role only a later one sets
+  // is not taken over; each side gets its direction's.
   auto role_from_second = load_transfer_config_string(two("{a: 1}", "{a: 1, role: receiver}"), "m2.yaml");
   ASSERT_TRUE(role_from_second.ok());
-  EXPECT_EQ(role_from_second->edges[0].connector.extra.find("role")->as<std::string>(), "receiver");
+  const Value* r2 = role_from_second->edges[0].connector.extra.find("role");
+  EXPECT_TRUE(!r2 || r2->is_nil());
+  EXPECT_EQ(role_from_second->stage_connectors("0").at(0).role, Role::sender);
+  EXPECT_EQ(role_from_second->stage_connectors("1").at(0).role, Role::receiver);
   struct Case { const char *out, *in, *key; };
   for (const Case& k : {Case{"{shm_threshold_bytes: 1024}", "{shm_threshold_bytes: 2048}", "extra.shm_threshold_bytes"},
                         Case{"{a: 1}", "{a: 1, b: null}", "extra.b"},  // missing vs None: different
@@ -208,6 +213,29 @@ TEST(Config, AnEdgeDeclaredTwiceMergesWhenEqualAndFailsNamingTheDifference) {
     for (const char* want : {"edge 0 -> 1", "stage 0", "stage 1", k.key})
       EXPECT_NE(bad.error().message.find(want), std::string::npos) << bad.error().message;
   }
+}
+
+TEST(Config, AReceivingStageListedFirstIsNeverToldTheSendersRole) {
+  // Issue 53: the input side first in stage order, `role: sender` only on the output side. Both
+  // declarations are otherwise equal; the receiving stage used to be told role=sender.
+  const char* y = R"(
+stage_args:
+  - stage_id: 1
+    input_connectors:
+      from_stage_0: {name: MooncakeTransferEngineConnector, extra: {zmq_port: 50051}}
+  - stage_id: 0
+    output_connectors:
+      to_stage_1: {name: MooncakeTransferEngineConnector, extra: {zmq_port: 50051, role: sender}}
+)";
+  auto cfg = load_transfer_config_string(y, "r.yaml");
+  ASSERT_TRUE(cfg.ok()) << cfg.error().message;
+  auto rx = cfg->stage_connectors("1");
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].role, Role::receiver);
+  EXPECT_EQ(rx[0].connector.extra.find("role")->as<std::string>(), "receiver");
+  auto tx = cfg->stage_connectors("0");
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].role, Role::sender);
 }
 
 TEST(Config, TopLevelEdgesAndRuntimeConnectorsWin) {
