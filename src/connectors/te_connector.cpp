@@ -174,6 +174,7 @@ class TeConnector final : public Connector {
   Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key, const Payload& p,
                         const PutOptions& po) override {
     SL_TRY(same_process());
+    if (closed_) return make_error(Errc::closed, name_ + " is closed");
     if (!router_) return make_error(Errc::invalid_argument, name_ + " with role receiver cannot put");
     SL_TRY(validate_name("from_stage", from, 64));
     SL_TRY(validate_name("to_stage", to, 64));
@@ -238,6 +239,7 @@ class TeConnector final : public Connector {
   Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key, const Value* md,
                         Deadline deadline, const GetOptions& go) override {
     SL_TRY(same_process());
+    if (closed_) return make_error(Errc::closed, name_ + " is closed");
     SL_TRY(validate_name("from_stage", from, 64));
     SL_TRY(validate_name("to_stage", to, 64));
     SL_TRY(validate_name("key", key, 160));
