@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include "connectors/internal_key.hpp"
+#include "connectors/names.hpp"
 #include "connectors/shm_connector.hpp"
 #include "connectors/store_connector.hpp"
 #include "connectors/te_connector.hpp"

@@ -9,7 +9,9 @@
 #include <mutex>
 #include <vector>
 
+#include "connectors/capabilities.hpp"
 #include "connectors/internal_key.hpp"
+#include "connectors/names.hpp"
 #include "core/log.hpp"
 #include "stagelink/allocator.hpp"
 #include "core/proc.hpp"
@@ -134,7 +136,12 @@ Result<ShmConnectorOptions> ShmConnectorOptions::from_extra(const Value& extra) 
   return o;
 }
 
-class ShmConnector final : public Connector {
+class ShmConnector final : public Connector,
+                           public Lending,
+                           public WaitingGets,
+                           public ArrivalSignals,
+                           public ReleaseTracking,
+                           public BindingFields {
  public:
   explicit ShmConnector(ShmConnectorOptions o) : opts_(std::move(o)), gate_(std::make_shared<LoanGate>()) {
     gate_->owner = this;
@@ -151,6 +158,10 @@ class ShmConnector final : public Connector {
   }
 
   const std::string& name() const override { return name_; }
+  // The metadata a put writes: "inline" holds a small payload's frame, "entry" (with "gen") names
+  // the directory entry, so a get by it is one lookup.
+  std::string_view inline_frame_field() const override { return "inline"; }
+  std::string_view direct_lookup_field() const override { return "entry"; }
 
   Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key,
                         const Payload& payload, const PutOptions& po) override {
@@ -258,6 +269,17 @@ class ShmConnector final : public Connector {
     for (const auto& o : out_)
       if (auto k = dir_->unread_put_key(o.idx, o.gen)) keys.push_back(std::move(*k));
     return keys;
+  }
+
+  void* find_capability(CapabilityId id) override {
+    switch (id) {
+      case CapabilityId::lending: return static_cast<Lending*>(this);
+      case CapabilityId::waiting_gets: return static_cast<WaitingGets*>(this);
+      case CapabilityId::arrivals: return static_cast<ArrivalSignals*>(this);
+      case CapabilityId::releases: return static_cast<ReleaseTracking*>(this);
+      case CapabilityId::binding: return static_cast<BindingFields*>(this);
+      default: return nullptr;
+    }
   }
 
   Value health() override {
@@ -586,7 +608,7 @@ class ShmConnector final : public Connector {
     md.emplace_back("gen", uint64_t(cl.gen));
     if (!inline_bytes.empty()) {
       if (sink && *sink)
-        (*sink)(inline_bytes);  // the caller adds "inline" itself (PutOptions::inline_sink)
+        (*sink)(inline_bytes);  // the caller adds "inline" itself (PutHooks::inline_sink)
       else
         md.emplace_back("inline", Value::copy_bytes(inline_bytes));
       bump_locked(inline_puts_);
@@ -629,7 +651,7 @@ class ShmConnector final : public Connector {
     write_frame(plan, payload.tensors, reg->base);
     std::span<const std::byte> inl;
     if (plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(reg->base, plan.total);
-    return publish_locked(cl, reg.value(), plan.total, readers, inl, now, &po.inline_sink);
+    return publish_locked(cl, reg.value(), plan.total, readers, inl, now, po.hooks ? &po.hooks->inline_sink : nullptr);
   }
 
   Result<GetResult> get_impl(const std::string& from, const std::string& to, const std::string& key,
@@ -648,7 +670,7 @@ class ShmConnector final : public Connector {
       cl = dir->claim(uint32_t(idx), uint32_t(gen), ikey);
       // The inline frame: the metadata's own, or the one its caller handed beside it.
       const bool in_md = inl && inl->is<Value::Bytes>();
-      const std::span<const std::byte> frame = in_md ? std::span<const std::byte>(inl->as<Value::Bytes>()) : go.metadata_inline;
+      const std::span<const std::byte> frame = in_md ? std::span<const std::byte>(inl->as<Value::Bytes>()) : (go.hooks ? go.hooks->metadata_inline : std::span<const std::byte>());
       if (in_md || !frame.empty()) {
         // Small payload: the bytes are in the metadata; only the reader accounting touches shm.
         // An entry already gone (producer closed or died) does not stop it; metadata of another
@@ -656,7 +678,7 @@ class ShmConnector final : public Connector {
         if (!cl.ok() && cl.error().code == Errc::corrupt) return std::move(cl).error();
         GetResult g;
         g.size = frame.size();
-        Status st = go.zero_copy && go.view_metadata ? decode_frame_into(frame, nullptr, g.payload, !go.raw_tree)
+        Status st = go.zero_copy && go.hooks && go.hooks->view_metadata ? decode_frame_into(frame, nullptr, g.payload, !go.hooks->raw_tree)
                                                      : decode_frame_copy_into(frame, g.payload);
         if (cl.ok()) dir->release(cl.value());
         if (!st.ok()) return std::move(st).error();
@@ -705,7 +727,7 @@ class ShmConnector final : public Connector {
     GetResult g;
     g.size = c.length;
     if (go.zero_copy) {
-      SL_TRY(decode_frame_into(bytes, std::make_shared<Lease>(dir, seg.value(), c), g.payload, !go.raw_tree));
+      SL_TRY(decode_frame_into(bytes, std::make_shared<Lease>(dir, seg.value(), c), g.payload, !(go.hooks && go.hooks->raw_tree)));
       return g;
     }
     Status st = decode_frame_copy_into(bytes, g.payload);
@@ -851,7 +873,7 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   Region reg{impl->base, impl->offset, impl->length, impl->dedicated, impl->arena_idx, impl->arena_gen};
   std::span<const std::byte> inl;
   if (impl->plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(impl->base, impl->plan.total);
-  auto r = publish_locked(cl, reg, impl->plan.total, readers, inl, now, &po.inline_sink);
+  auto r = publish_locked(cl, reg, impl->plan.total, readers, inl, now, po.hooks ? &po.hooks->inline_sink : nullptr);
   lock.unlock();
   loan = Loan();
   count_error(r);

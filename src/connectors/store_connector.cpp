@@ -33,7 +33,9 @@
 #include <optional>
 
 #include "connectors/extra.hpp"
+#include "connectors/capabilities.hpp"
 #include "connectors/internal_key.hpp"
+#include "connectors/names.hpp"
 #include "core/log.hpp"
 #include "core/proc.hpp"
 #include "stagelink/frame.hpp"
@@ -417,7 +419,7 @@ class BufferCache : public std::enable_shared_from_this<BufferCache> {
   size_t cached_ = 0, cap_;
 };
 
-class StoreConnector final : public Connector {
+class StoreConnector final : public Connector, public WaitingGets {
  public:
   StoreConnector(std::string name, StoreOptions o, std::unique_ptr<Redis> r)
       : name_(std::move(name)), o_(std::move(o)), redis_(std::move(r)),
@@ -737,6 +739,9 @@ class StoreConnector final : public Connector {
 
   // Every get of `key` blocked in this connector returns `cancelled` at once: its waiting
   // connection is shut down (and dialled again by the next call).
+  void* find_capability(CapabilityId id) override {
+    return id == CapabilityId::waiting_gets ? static_cast<WaitingGets*>(this) : nullptr;
+  }
   size_t abandon_get(const std::string& key) override {
     std::lock_guard<std::mutex> l(wait_mu_);
     size_t n = 0;
@@ -863,7 +868,7 @@ class StoreConnector final : public Connector {
     GetResult g;
     g.size = size_t(m.size);
     if (go.zero_copy) {
-      SL_TRY(decode_frame_into(frame, std::move(keep), g.payload, !go.raw_tree));
+      SL_TRY(decode_frame_into(frame, std::move(keep), g.payload, !(go.hooks && go.hooks->raw_tree)));
     } else {
       SL_TRY(decode_frame_copy_into(frame, g.payload));
     }

@@ -23,7 +23,9 @@
 #include <zmq.hpp>
 
 #include "connectors/extra.hpp"
+#include "connectors/capabilities.hpp"
 #include "connectors/internal_key.hpp"
+#include "connectors/names.hpp"
 #include "core/log.hpp"
 #include "core/net.hpp"
 #include "core/proc.hpp"
@@ -119,7 +121,7 @@ constexpr size_t kSideChannelMaxReply = kInlineMax + (64u << 10);
 // Timeouts grow with size: the base, plus the size at 50 MB/s.
 double timeout_for(double base, size_t bytes) { return base + double(bytes) / 50e6; }
 
-class TeConnector final : public Connector {
+class TeConnector final : public Connector, public SenderLink, public ReleaseTracking {
  public:
   explicit TeConnector(TeOptions o) : o_(std::move(o)) {}
   ~TeConnector() override {
@@ -282,7 +284,7 @@ class TeConnector final : public Connector {
     // zero-copy one).
     std::byte* dst = nullptr;
     std::shared_ptr<void> region;  // non-null (views test their keepalive)
-    const bool own = go.zero_copy && go.private_ok && size >= host_pool::kPooledMin;
+    const bool own = go.zero_copy && go.hooks && go.hooks->private_ok && size >= host_pool::kPooledMin;
     if (own) {
       std::shared_ptr<std::byte> buf = host_pool::allocate(size);
       if (!buf) return make_error(Errc::exhausted, "no memory for a buffer of " + std::to_string(size) + " bytes");
@@ -403,7 +405,7 @@ class TeConnector final : public Connector {
     g.size = size;
     g.owned = own;
     if (go.zero_copy) {
-      SL_TRY(decode_frame_into(bytes, region, g.payload, !go.raw_tree));  // views hold the region
+      SL_TRY(decode_frame_into(bytes, region, g.payload, !(go.hooks && go.hooks->raw_tree)));  // views hold the region
     } else {
       SL_TRY(decode_frame_copy_into(bytes, g.payload));
     }
@@ -430,6 +432,13 @@ class TeConnector final : public Connector {
   bool wait_release_epoch(uint64_t seen, Deadline deadline) override {
     std::unique_lock<std::mutex> l(mu_);
     return release_cv_.wait_until(l, deadline, [&] { return epoch_ != seen || closed_.load(); });
+  }
+
+  size_t reap_consumed() override { return 0; }  // a read put's region is freed when its transfer ends
+  void* find_capability(CapabilityId id) override {
+    if (id == CapabilityId::sender_link) return static_cast<SenderLink*>(this);
+    if (id == CapabilityId::releases) return static_cast<ReleaseTracking*>(this);
+    return nullptr;
   }
 
   size_t cleanup(const std::string& rid) override {

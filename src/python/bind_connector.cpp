@@ -2,6 +2,8 @@
 // a Python frame) and `_Loan`.
 #include "python/bindings.hpp"
 
+#include "connectors/capabilities.hpp"
+
 #include "python/arrays.hpp"
 #include "python/codec.hpp"
 
@@ -29,6 +31,10 @@ struct PyConnector {
   // the GIL, however small, so the process's other Python threads run during its round trips.
   // Shared memory's calls take microseconds and keep it below kGilReleaseBytes.
   bool networked = false;
+  // The metadata fields this connector lets a binding read in place (BindingFields: the shared
+  // memory connector's inline frame and direct-lookup fields), as interned strs; null: none.
+  PyObject* inline_field = nullptr;
+  PyObject* lookup_field = nullptr;
   // `last_error`: why the last put or get failed or found nothing (None after one that worked).
   // Held here, not in the instance dict, so a successful call clears it with a pointer test.
   nb::object last_error = nb::none();
@@ -40,6 +46,14 @@ struct PyConnector {
     return c;
   }
 };
+
+// The connector's Lending, or UnsupportedError naming it (a connector that lends nothing).
+Lending& lending(PyConnector& self) {
+  const std::shared_ptr<Connector>& c = self.get();
+  auto* l = c->capability<Lending>();
+  if (!l) raise(make_error(Errc::unsupported, c->name() + " does not lend buffers"));
+  return *l;
+}
 
 // `last_error` may hold an exception whose traceback reaches the connector (strict mode raises
 // it): the cycle goes through this native field, so the collector must see it.
@@ -71,11 +85,18 @@ nb::object exception_of(const Error& e) {
   return exc;
 }
 
-// "inline", the shared-memory connector's metadata key for a small payload's frame: interned once
-// (immortal: kept), for the put that adds it and the get that reads it in place.
-PyObject* inline_key() {
-  static PyObject* const k = PyUnicode_InternFromString("inline");
-  return k;
+// A field name a connector's BindingFields gives, as an interned str kept for the interpreter's
+// life (few: one per distinct name).
+PyObject* field_str(std::string_view f) {
+  if (f.empty()) return nullptr;
+  static std::vector<std::pair<std::string, PyObject*>> made;  // under the GIL
+  for (auto& [name, s] : made)
+    if (name == f) return s;
+  PyObject* s = PyUnicode_FromStringAndSize(f.data(), Py_ssize_t(f.size()));
+  if (!s) throw nb::python_error();
+  PyUnicode_InternInPlace(&s);
+  made.emplace_back(std::string(f), s);
+  return s;
 }
 
 // A put from Python: its size and its metadata as a dict.
@@ -91,7 +112,7 @@ PyPut put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::
   const std::shared_ptr<Connector> keep = self.get();  // raises ClosedError: must run while holding the GIL
   Connector& conn = *keep;
   Result<PutResult> r = make_error(Errc::io, "");
-  // An inline frame becomes the metadata's bytes straight from the arena (PutOptions::inline_sink),
+  // An inline frame becomes the metadata's bytes straight from the arena (PutHooks::inline_sink),
   // where this thread keeps the GIL through the put; else the connector copies it into the Value.
   // The sink captures one pointer: it fits std::function's own storage (no allocation per put).
   struct {
@@ -99,21 +120,23 @@ PyPut put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::
     bool failed = false;  // out of memory: raised below (the put is published)
   } inline_out;
   nb::object& inl = inline_out.bytes;
-  if (total > kGilReleaseBytes || self.networked) {  // the caller pinned the memory for this
+  if (total > kGilReleaseBytes || self.networked || !self.inline_field) {  // the caller pinned the memory for this
     nb::gil_scoped_release nogil;
-    r = conn.put(f, t, key, p, PutOptions{readers, rid, {}});
+    r = conn.put(f, t, key, p, PutOptions{readers, rid});
   } else {
-    PutOptions po{readers, rid, {}};
-    po.inline_sink = [out = &inline_out](std::span<const std::byte> frame) {
+    PutHooks hooks;
+    hooks.inline_sink = [out = &inline_out](std::span<const std::byte> frame) {
       out->bytes = nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(frame.data()), Py_ssize_t(frame.size())));
       out->failed = !out->bytes.is_valid();
     };
+    PutOptions po{readers, rid};
+    po.hooks = &hooks;
     r = conn.put(f, t, key, p, po);
   }
   if (inline_out.failed) throw nb::python_error();
   PutResult pr = unwrap(std::move(r));
   PyPut out{pr.size, to_py(pr.metadata)};
-  if (inl.is_valid() && PyDict_SetItem(out.metadata.ptr(), inline_key(), inl.ptr()) != 0) throw nb::python_error();
+  if (inl.is_valid() && PyDict_SetItem(out.metadata.ptr(), self.inline_field, inl.ptr()) != 0) throw nb::python_error();
   return out;
 }
 
@@ -176,7 +199,7 @@ nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std
 
 // A get's metadata as the connector reads it: the converted Value, and the bytes object of an
 // inline payload (the shared-memory connector's "inline"), read in place rather than copied into
-// the Value (GetOptions::metadata_inline). An inline payload's tensors view one or the other.
+// the Value (GetHooks::metadata_inline). An inline payload's tensors view one or the other.
 struct MetadataHold {
   Value value;
   nb::object inline_bytes;
@@ -195,16 +218,16 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   // read from the bytes object in place (held in `md` for the caller) instead of copied into the
   // Value. Any other shape goes through from_py whole.
   nb::object& inline_ref = md.inline_bytes;
-  if (has_md && !self.networked && PyDict_CheckExact(metadata.ptr())) {  // the shared-memory connector's
-    PyObject* b = PyDict_GetItemWithError(metadata.ptr(), inline_key());
+  if (has_md && self.inline_field && PyDict_CheckExact(metadata.ptr())) {  // the shared-memory connector's
+    PyObject* b = PyDict_GetItemWithError(metadata.ptr(), self.inline_field);
     if (!b && PyErr_Occurred()) throw nb::python_error();
     if (b && PyBytes_CheckExact(b) && PyBytes_GET_SIZE(b) > 0) inline_ref = nb::borrow(b);
   }
   if (has_md) md.value = from_py(metadata, 0, inline_ref.ptr());
   // Our metadata is a direct lookup (microseconds: the GIL is kept); anything else (none, another
   // connector's) may wait for the key.
-  static PyObject* const kEntry = PyUnicode_InternFromString("entry");  // immortal: kept
-  const bool lookup = has_md && PyDict_Check(metadata.ptr()) && PyDict_GetItem(metadata.ptr(), kEntry);
+  const bool lookup = has_md && self.lookup_field && PyDict_Check(metadata.ptr()) &&
+                      PyDict_GetItem(metadata.ptr(), self.lookup_field);
   double secs = -1;  // no timeout: no wait
   if (!timeout.is_none()) {
     secs = PyFloat_AsDouble(timeout.ptr());  // TypeError for a non-number
@@ -216,10 +239,14 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   Connector& conn = *keep;
   Result<GetResult> r = make_error(Errc::io, "");
   // Zero-copy, inline payloads viewing `md`, the tree left packed: the caller builds its objects.
-  GetOptions go{true, true, true};
-  go.private_ok = private_ok;  // a copying get: a connector may land the payload in memory the result owns
+  GetHooks hooks;
+  hooks.view_metadata = hooks.raw_tree = true;
+  hooks.private_ok = private_ok;  // a copying get: a connector may land the payload in memory the result owns
+  GetOptions go;
+  go.zero_copy = true;
+  go.hooks = &hooks;
   if (inline_ref.is_valid())
-    go.metadata_inline = std::span<const std::byte>(reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(inline_ref.ptr())),
+    hooks.metadata_inline = std::span<const std::byte>(reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(inline_ref.ptr())),
                                                     size_t(PyBytes_GET_SIZE(inline_ref.ptr())));
   SignalCheck sig;  // a get that may wait for its key: Ctrl-C ends the wait
   if (secs > 0) go.keep_waiting = std::ref(sig);
@@ -333,7 +360,12 @@ void bind_connector(nb::module_& m) {
              }
              auto c = unwrap(std::move(made));
              const bool networked = c->name() != "SharedMemoryConnector";
-             new (self) PyConnector{std::move(c), allow_pickle, networked};
+             PyObject *inl = nullptr, *lookup = nullptr;
+             if (auto* f = c->capability<BindingFields>()) {
+               inl = field_str(f->inline_frame_field());
+               lookup = field_str(f->direct_lookup_field());
+             }
+             new (self) PyConnector{std::move(c), allow_pickle, networked, inl, lookup};
            }, nb::arg("name"), nb::arg("extra").none(), nb::arg("allow_pickle") = true)
       .def("put", [](nb::handle self, nb::handle from, nb::handle to, nb::handle key, nb::handle data,
                      nb::handle readers, nb::handle request_id) {
@@ -375,13 +407,13 @@ void bind_connector(nb::module_& m) {
              }
              spec.nbytes = n;
              spec.shape = std::move(shape);
-             return PyLoan{unwrap(self.get()->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1)))};
+             return PyLoan{unwrap(lending(self).loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1)))};
            })
       .def("_put_loan", [](PyConnector& self, nb::handle from, nb::handle to, const std::string& key, PyLoan& loan,
                            uint32_t readers, nb::handle request_id) {
              const std::string rid = rid_str(request_id);
              PutResult pr =
-                 unwrap(self.get()->put_loan(stage_str(from), stage_str(to), key, std::move(loan.loan), PutOptions{readers, rid}));
+                 unwrap(lending(self).put_loan(stage_str(from), stage_str(to), key, std::move(loan.loan), PutOptions{readers, rid}));
              return nb::make_tuple(pr.size, to_py(pr.metadata));
            }, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("loan"), nb::arg("readers") = 0,
            nb::arg("request_id").none() = nb::none())
@@ -391,46 +423,64 @@ void bind_connector(nb::module_& m) {
              nb::gil_scoped_release nogil;  // a store's cleanup is a few round trips
              return c->cleanup(rid);
            })
-      .def("_abandon_get", [](PyConnector& self, const std::string& key) { return self.get()->abandon_get(key); })
-      .def("_reap_consumed", [](PyConnector& self) { return self.get()->reap_consumed(); })
+      .def("_abandon_get", [](PyConnector& self, const std::string& key) -> size_t {
+             auto* w = self.get()->capability<WaitingGets>();
+             return w ? w->abandon_get(key) : 0;
+           })
+      .def("_reap_consumed", [](PyConnector& self) -> size_t {
+             auto* r = self.get()->capability<ReleaseTracking>();
+             return r ? r->reap_consumed() : 0;
+           })
       .def("_arrival_epoch", [](PyConnector& self) -> nb::object {
-             if (!self.c) return nb::none();
-             auto e = self.c->arrival_epoch();
+             auto* a = self.c ? self.c->capability<ArrivalSignals>() : nullptr;
+             if (!a) return nb::none();
+             auto e = a->arrival_epoch();
              if (!e.ok()) return nb::none();
              return nb::int_(e.value());
            })
       .def("_wait_arrival", [](PyConnector& self, uint64_t seen, double timeout_s) {
-             if (!self.c) return false;
-             const std::shared_ptr<Connector> c = self.c;
+             auto* a = self.c ? self.c->capability<ArrivalSignals>() : nullptr;
+             if (!a) return false;
+             const std::shared_ptr<Connector> c = self.c;  // keeps `a` alive
              // In slices (a Status: timeout while nothing arrived), so Ctrl-C ends the wait.
              Status st = sliced_nogil(std::max(timeout_s, 0.0), [&](double slice) -> Status {
-               if (c->wait_arrival(seen, deadline_after(slice))) return {};
+               if (a->wait_arrival(seen, deadline_after(slice))) return {};
                return make_error(Errc::timeout, "no arrival");
              });
              return st.ok();
            })
       .def("_pending_key_list", [](PyConnector& self) -> nb::object {
              if (!self.c) return nb::list();
-             auto k = self.c->pending_keys();
+             auto* a = self.c->capability<ArrivalSignals>();
+             if (!a) return nb::none();
+             auto k = a->pending_keys();
              if (!k.ok()) return nb::none();
              nb::list out;
              for (auto& s : k.value()) out.append(nb::str(s.data(), s.size()));
              return out;
            })
-      .def("_sender_info", [](PyConnector& self) { return self.c ? to_py(self.c->sender_info()) : nb::none(); })
+      .def("_sender_info", [](PyConnector& self) {
+             auto* l = self.c ? self.c->capability<SenderLink>() : nullptr;
+             return l ? to_py(l->sender_info()) : nb::none();
+           })
       .def("_connect", [](PyConnector& self, nb::handle info, nb::handle timeout) {
              const Value v = info.is_none() ? Value() : from_py(info);
              const Deadline dl = deadline_after(timeout_or(timeout, 1e9));  // None: for ever
              const std::shared_ptr<Connector> c = self.get();
+             auto* l = c->capability<SenderLink>();
+             if (!l) return;  // nothing to connect (shared memory, the store)
              Status st;
              {
                nb::gil_scoped_release nogil;
-               st = c->connect(v, dl);
+               st = l->connect(v, dl);
              }
              if (!st.ok()) raise(st.error());
            }, nb::arg("sender_info").none(), nb::arg("timeout").none())
       .def("_update_sender_info", [](PyConnector& self, const std::string& host, int port) {
-             auto st = self.get()->update_sender_info(host, port);
+             auto c = self.get();
+             auto* l = c->capability<SenderLink>();
+             if (!l) raise(make_error(Errc::unsupported, c->name() + " has no sender to update"));
+             auto st = l->update_sender_info(host, port);
              if (!st.ok()) raise(st.error());
            })
       .def_prop_ro("allow_pickle", [](PyConnector& self) { return self.allow_pickle; })

@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "connectors/capabilities.hpp"
 #include "core/proc.hpp"
 
 namespace stagelink {
@@ -154,12 +155,20 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       if (!has("timeout_s")) extra.emplace_back("timeout_s", cfg.timeout_s);
     }
     SL_ASSIGN(conn, create_connector(name, Value(std::move(extra))));
+    releases = conn->capability<ReleaseTracking>();
+    lending = conn->capability<Lending>();
+    link = conn->capability<SenderLink>();
     lookup_only = name == "SharedMemoryConnector";
     return {};
   }
 
   bool is_local() const { return cfg.backend == "local"; }
   bool lookup_only = false;  // a shared-memory connector: a get by metadata is one lookup
+  // The connector's capabilities the relay uses (null where it has none: a connector that cannot
+  // report releases counts a put released once sent, one that lends nothing gets a copy).
+  ReleaseTracking* releases = nullptr;
+  Lending* lending = nullptr;
+  SenderLink* link = nullptr;
 
   // Forget released puts of `edge` (their credits return). Under mu.
   void reap_locked(std::deque<std::shared_ptr<PutRec>>& q) {
@@ -172,7 +181,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
   bool released(PutRec& r) {
     if (r.released.load(std::memory_order_acquire)) return true;
     if (is_local() || !conn) return false;
-    auto rr = conn->put_released(r.md);
+    auto rr = releases ? releases->put_released(r.md) : Result<bool>(true);
     if (rr.ok() && !rr.value()) return false;
     r.released.store(true, std::memory_order_release);
     return true;
@@ -183,7 +192,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       std::lock_guard<std::mutex> l(local_table().mu);
       return local_table().epoch;
     }
-    return conn ? conn->release_epoch() : 0;
+    return releases ? releases->release_epoch() : 0;
   }
 
   // Sleep until a release may have happened, `deadline`, or close(). The shared-memory wait is cut
@@ -195,7 +204,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       t.cv.wait_until(l, deadline, [&] { return t.epoch != seen || closed.load(); });
       return;
     }
-    if (conn) conn->wait_release_epoch(seen, std::min(deadline, later(Clock::now(), kWaitCheckEvery)));
+    if (releases) releases->wait_release_epoch(seen, std::min(deadline, later(Clock::now(), kWaitCheckEvery)));
   }
 
   Result<std::shared_ptr<PutRec>> take_credit(const std::string& edge, std::string_view rid, Deadline deadline,
@@ -359,12 +368,11 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     return put(
         p, o,
         [&](const std::string& key, const PutOptions& po) -> Result<PutResult> {
-          auto loan = conn->loan(p.tree, std::span<const TensorSpec>(&spec, 1));
-          if (!loan.ok() && loan.error().code == Errc::unsupported)  // the transfer engine lends nothing
-            return conn->put("relay", "r", key, owned(), po);
+          if (!lending) return conn->put("relay", "r", key, owned(), po);  // the transfer engine lends nothing
+          auto loan = lending->loan(p.tree, std::span<const TensorSpec>(&spec, 1));
           if (!loan.ok()) return std::move(loan).error();
           fill(loan->region(0));
-          return conn->put_loan("relay", "r", key, std::move(loan).value(), po);
+          return lending->put_loan("relay", "r", key, std::move(loan).value(), po);
         },
         total);
   }
@@ -406,7 +414,9 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       const double tmo = o.timeout_s >= 0 ? o.timeout_s : lookup_only ? 0.0 : cfg.timeout_s;
       GetOptions go;
       go.zero_copy = o.zero_copy || !o.dest.empty();
-      go.private_ok = o.private_ok && go.zero_copy && o.dest.empty();
+      GetHooks hooks;
+      hooks.private_ok = o.private_ok && go.zero_copy && o.dest.empty();
+      go.hooks = &hooks;
       go.keep_waiting = o.keep_waiting;
       SL_ASSIGN(GetResult g, conn->get("relay", "r", kv->as<std::string>(), &md, deadline_after(tmo), go));
       st->payload = std::move(g.payload);
@@ -446,7 +456,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     for (auto& r : mine) n += withdraw(r) ? 1 : 0;
     // Puts every reader already released hold their memory until this producer's next put; a
     // request cleaned up (an abort) returns it now.
-    if (conn) conn->reap_consumed();
+    if (releases) releases->reap_consumed();
     return n;
   }
 
@@ -593,13 +603,13 @@ Result<RelayOp> Relay::put_segments(std::span<const RelaySegment> segments, size
   return core_->put_segments(segments, total, o);
 }
 Value Relay::sender_info() {
-  if (core_->closed || !core_->conn) return Value();
-  return core_->conn->sender_info();
+  if (core_->closed || !core_->link) return Value();
+  return core_->link->sender_info();
 }
 Status Relay::connect(const Value& sender_info, double timeout_s) {
   if (core_->closed) return make_error(Errc::closed, "relay closed");
-  if (!core_->conn) return {};  // the same-process backend: nothing to connect
-  return core_->conn->connect(sender_info, deadline_after(timeout_s < 0 ? core_->cfg.timeout_s : timeout_s));
+  if (!core_->link) return {};  // the same-process backend, shared memory: nothing to connect
+  return core_->link->connect(sender_info, deadline_after(timeout_s < 0 ? core_->cfg.timeout_s : timeout_s));
 }
 size_t Relay::cleanup(const std::string& rid) { return core_->cleanup(rid); }
 Value Relay::health() { return core_->health(); }

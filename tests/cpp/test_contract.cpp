@@ -4,6 +4,7 @@
 // (test_shm.cpp, test_te.cpp, test_store.cpp).
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -30,6 +31,8 @@ struct Kind {
   const char* name;
   // A fresh pair, or a reason to skip (empty: made).
   std::function<std::string(Pair&)> make;
+  // The public capabilities it offers (docs/parity.md and the connector pages say which).
+  bool lending, waiting_gets, arrivals, sender_link;
 };
 
 std::string make_shm(Pair& p) {
@@ -62,7 +65,7 @@ std::string make_te(Pair& p) {
   const Value h = p.snd->health();
   uint64_t port = 0;
   if (const Value* v = h.find("zmq_port")) v->get_u64(port);
-  if (!p.rcv->update_sender_info("127.0.0.1", int(port)).ok()) return "update_sender_info failed";
+  if (!p.rcv->capability<SenderLink>()->update_sender_info("127.0.0.1", int(port)).ok()) return "update_sender_info failed";
   return {};
 }
 
@@ -82,7 +85,9 @@ std::string make_store(Pair& p) {
   return {};
 }
 
-const Kind kKinds[] = {{"SharedMemory", make_shm}, {"TransferEngine", make_te}, {"Store", make_store}};
+const Kind kKinds[] = {{"SharedMemory", make_shm, true, true, true, false},
+                       {"TransferEngine", make_te, false, false, false, true},
+                       {"Store", make_store, false, true, false, false}};
 
 class Contract : public ::testing::TestWithParam<Kind> {
  protected:
@@ -246,6 +251,26 @@ TEST_P(Contract, CloseEndsEveryLaterCallAndMayBeRepeated) {
   auto p2 = snd().put("0", "1", "c2", payload_of(pattern(100, 1)));
   ASSERT_FALSE(p2.ok());
   EXPECT_EQ(p2.error().code, Errc::closed) << p2.error().to_string();
+}
+
+TEST_P(Contract, OffersExactlyItsCapabilities) {
+  const Kind& k = GetParam();
+  EXPECT_EQ(snd().capability<Lending>() != nullptr, k.lending);
+  EXPECT_EQ(snd().capability<WaitingGets>() != nullptr, k.waiting_gets);
+  EXPECT_EQ(snd().capability<ArrivalSignals>() != nullptr, k.arrivals);
+  EXPECT_EQ(snd().capability<SenderLink>() != nullptr, k.sender_link);
+  if (auto* l = snd().capability<Lending>()) {  // a loan is a put written in place
+    const TensorSpec spec{DType::u8, {4096}, 4096, "cpu"};
+    auto loan = l->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
+    ASSERT_TRUE(loan.ok()) << loan.error().to_string();
+    const auto d = pattern(4096, 11);
+    std::memcpy(loan->region(0).data(), d.data(), d.size());
+    auto pr = l->put_loan("0", "1", "loaned", std::move(loan).value());
+    ASSERT_TRUE(pr.ok()) << pr.error().to_string();
+    auto g = rcv().get("0", "1", "loaned", &pr->metadata, deadline_after(5), {});
+    ASSERT_TRUE(g.ok()) << g.error().to_string();
+    EXPECT_TRUE(same_bytes(*g, d));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Connectors, Contract, ::testing::ValuesIn(kKinds),

@@ -12,6 +12,7 @@
 #include "util.hpp"
 #include "core/proc.hpp"
 #include "cuda/driver.hpp"
+#include "connectors/names.hpp"
 #include "stagelink/stagelink.hpp"
 
 using namespace stagelink;

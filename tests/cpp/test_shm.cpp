@@ -14,6 +14,7 @@
 
 #include "shm/directory.hpp"
 #include "util.hpp"
+#include "connectors/capabilities.hpp"
 #include "stagelink/stagelink.hpp"
 
 using namespace stagelink;
@@ -138,15 +139,21 @@ TEST(Shm, InlineFrameHandedBesideTheMetadata) {
     ASSERT_TRUE(inl && inl->is<Value::Bytes>());
     std::vector<std::byte> frame;  // the caller's copy
     int calls = 0;
+    PutHooks ph;
+    ph.inline_sink = [&](std::span<const std::byte> f) { frame.assign(f.begin(), f.end()), ++calls; };
     PutOptions po;
-    po.inline_sink = [&](std::span<const std::byte> f) { frame.assign(f.begin(), f.end()), ++calls; };
+    po.hooks = &ph;
     auto r = c->put("0", "1", key, payload_of(d, testing_util::checksum(d)), po);
     ASSERT_TRUE(r.ok());
     EXPECT_EQ(calls, 1);
     EXPECT_EQ(r->metadata.find("inline"), nullptr) << "the sink took the frame: not in the metadata too";
     EXPECT_EQ(frame, inl->as<Value::Bytes>()) << "the sink's frame is the one the metadata would hold";
-    GetOptions go{true, view};
-    go.metadata_inline = frame;
+    GetHooks gh;
+    gh.view_metadata = view;
+    gh.metadata_inline = frame;
+    GetOptions go;
+    go.zero_copy = true;
+    go.hooks = &gh;
     auto g = c->get("0", "1", key, &r->metadata, kNoWait, go);
     ASSERT_OK(g);
     ASSERT_EQ(g->payload.tensors.size(), 1u);
@@ -159,8 +166,10 @@ TEST(Shm, InlineFrameHandedBesideTheMetadata) {
     EXPECT_FALSE(c->get("0", "1", key, nullptr, kNoWait).ok());
   }
   int calls = 0;
+  PutHooks ph;
+  ph.inline_sink = [&](std::span<const std::byte>) { ++calls; };
   PutOptions po;
-  po.inline_sink = [&](std::span<const std::byte>) { ++calls; };
+  po.hooks = &ph;
   const auto big = pattern(70000, 9);  // above the 64 KiB threshold
   auto r = c->put("0", "1", "big", payload_of(big, 0), po);
   ASSERT_TRUE(r.ok());
@@ -337,12 +346,12 @@ TEST(Shm, LoansWriteInPlaceAndMayOutliveTheirConnector) {
   spec.dtype = DType::f32;
   spec.shape = {1024};
   spec.nbytes = 4096;
-  auto l = c->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
+  auto l = c->capability<Lending>()->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
   ASSERT_TRUE(l.ok()) << l.error().message;
   auto bytes = pattern(4096, 9);
   std::memcpy(l->region(0).data(), bytes.data(), bytes.size());
-  EXPECT_EQ(other->put_loan("0", "1", "k", std::move(*l)).error().code, Errc::invalid_argument);
-  auto r = c->put_loan("0", "1", "k", std::move(*l));
+  EXPECT_EQ(other->capability<Lending>()->put_loan("0", "1", "k", std::move(*l)).error().code, Errc::invalid_argument);
+  auto r = c->capability<Lending>()->put_loan("0", "1", "k", std::move(*l));
   ASSERT_TRUE(r.ok()) << r.error().message;
   auto g = c->get("0", "1", "k", &r->metadata);
   ASSERT_TRUE(g.ok());
@@ -352,11 +361,11 @@ TEST(Shm, LoansWriteInPlaceAndMayOutliveTheirConnector) {
 
   // One loan in the arena, one larger than the arena (a segment of its own); then the connector
   // goes away first. Writing to the loans stays valid, dropping them frees, nothing is left.
-  auto in_arena = c->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
+  auto in_arena = c->capability<Lending>()->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
   TensorSpec big = spec;
   big.shape = {1 << 20};
   big.nbytes = 4u << 20;
-  auto own = c->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&big, 1));
+  auto own = c->capability<Lending>()->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&big, 1));
   ASSERT_TRUE(in_arena.ok() && own.ok());
   EXPECT_EQ(files_with(ns + ".x"), 1u);
   c.reset();
@@ -699,11 +708,11 @@ TEST(Shm, PutReplacesAnUnreadKeyAndHeldViewsKeepTheOldPayload) {
   EXPECT_EQ(checksum(got->payload.tensors[0].data), checksum(v3));
   EXPECT_EQ(r->get("0", "1", "k", nullptr).error().code, Errc::not_found);  // one payload, read once
   EXPECT_EQ(checksum(view->payload.tensors[0].data), checksum(v1));  // the view still reads v1
-  EXPECT_EQ(c->reap_consumed(), 2u);  // v2 (cancelled, unread) and v3 (read); v1 is held
+  EXPECT_EQ(c->capability<ReleaseTracking>()->reap_consumed(), 2u);  // v2 (cancelled, unread) and v3 (read); v1 is held
   EXPECT_EQ(c->health().find("outstanding")->as<uint64_t>(), 1u);
   EXPECT_EQ(c->health().find("replaced")->as<uint64_t>(), 2u);
   view = Result<GetResult>(make_error(Errc::cancelled, "dropped"));  // drop the view
-  EXPECT_EQ(c->reap_consumed(), 1u);
+  EXPECT_EQ(c->capability<ReleaseTracking>()->reap_consumed(), 1u);
   EXPECT_EQ(c->health().find("outstanding")->as<uint64_t>(), 0u);
   auto bad = create_connector("SharedMemoryConnector", with(extra(ns), "on_existing_key", "sometimes"));
   ASSERT_FALSE(bad.ok());
@@ -756,7 +765,7 @@ TEST(Shm, AbandonGetAndCloseEndABlockedGet) {
     size_t woken = 0;
     for (int i = 0; i < 200 && !woken; ++i) {  // until the get is blocked
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      if (round == 0) woken = c->abandon_get("never");
+      if (round == 0) woken = c->capability<WaitingGets>()->abandon_get("never");
       else if (i == 20) { c->close(); woken = 1; }
     }
     t.join();
@@ -765,7 +774,7 @@ TEST(Shm, AbandonGetAndCloseEndABlockedGet) {
     EXPECT_EQ(got.error().code, Errc::cancelled) << got.error().message;
     EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
   }
-  EXPECT_EQ(c->abandon_get("nobody"), 0u);
+  EXPECT_EQ(c->capability<WaitingGets>()->abandon_get("nobody"), 0u);
 }
 
 // GetOptions::keep_waiting (how the Python binding lets Ctrl-C end a long get): asked about every
@@ -820,24 +829,24 @@ TEST(Shm, PendingKeysFollowReadsCleanupAndClose) {
   PutOptions two;
   two.readers = 2;
   ASSERT_TRUE(p->put("0", "1", "fan", payload_of(d, 0), two).ok());
-  EXPECT_EQ(p->pending_keys().value(), (V{"a", "b", "c", "fan"}));
+  EXPECT_EQ(p->capability<ArrivalSignals>()->pending_keys().value(), (V{"a", "b", "c", "fan"}));
   ASSERT_TRUE(r->get("0", "1", "b", nullptr).ok());  // another connector reads it
   ASSERT_TRUE(r->get("0", "1", "fan", nullptr).ok());  // one of two readers: still pending
-  EXPECT_EQ(p->pending_keys().value(), (V{"a", "c", "fan"}));
+  EXPECT_EQ(p->capability<ArrivalSignals>()->pending_keys().value(), (V{"a", "c", "fan"}));
   ASSERT_TRUE(r->get("0", "1", "fan", nullptr).ok());
   EXPECT_EQ(p->cleanup("c"), 1u);
-  EXPECT_EQ(p->pending_keys().value(), (V{"a"}));
-  EXPECT_EQ(r->pending_keys().value(), V{});  // a reader owns no puts
+  EXPECT_EQ(p->capability<ArrivalSignals>()->pending_keys().value(), (V{"a"}));
+  EXPECT_EQ(r->capability<ArrivalSignals>()->pending_keys().value(), V{});  // a reader owns no puts
   p->close();
-  EXPECT_EQ(p->pending_keys().value(), V{});
+  EXPECT_EQ(p->capability<ArrivalSignals>()->pending_keys().value(), V{});
 }
 
 TEST(Shm, ArrivalEpochWakesOnAPutAndTimesOutWithoutOne) {
   const std::string ns = unique_ns("arr");
   auto rcv = make(extra(ns));
-  const uint64_t g = rcv->arrival_epoch().value();
+  const uint64_t g = rcv->capability<ArrivalSignals>()->arrival_epoch().value();
   auto t0 = Clock::now();
-  EXPECT_FALSE(rcv->wait_arrival(g, deadline_after(0.1)));
+  EXPECT_FALSE(rcv->capability<ArrivalSignals>()->wait_arrival(g, deadline_after(0.1)));
   EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(95));
   pid_t pid = fork();
   if (pid == 0) {  // another process puts after a while
@@ -848,13 +857,13 @@ TEST(Shm, ArrivalEpochWakesOnAPutAndTimesOutWithoutOne) {
     _exit(ok ? 0 : 1);
   }
   t0 = Clock::now();
-  EXPECT_TRUE(rcv->wait_arrival(g, deadline_after(10)));
+  EXPECT_TRUE(rcv->capability<ArrivalSignals>()->wait_arrival(g, deadline_after(10)));
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
   EXPECT_EQ(wait_child(pid), 0);
-  EXPECT_NE(rcv->arrival_epoch().value(), g);
-  EXPECT_TRUE(rcv->wait_arrival(g, deadline_after(10)));  // already moved: at once
+  EXPECT_NE(rcv->capability<ArrivalSignals>()->arrival_epoch().value(), g);
+  EXPECT_TRUE(rcv->capability<ArrivalSignals>()->wait_arrival(g, deadline_after(10)));  // already moved: at once
   rcv->close();
-  EXPECT_EQ(rcv->arrival_epoch().error().code, Errc::closed);
+  EXPECT_EQ(rcv->capability<ArrivalSignals>()->arrival_epoch().error().code, Errc::closed);
 }
 
 // Regressions (found reading the reaper after the ring's attach race on a 16-core machine): a
@@ -943,7 +952,7 @@ TEST(Shm, AConnectorInheritedThroughForkIsTheChildsOwnAndLeavesTheParentsAlone) 
   spec.dtype = DType::u8;
   spec.shape = {int64_t(n)};
   spec.nbytes = n;
-  auto loan = c->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
+  auto loan = c->capability<Lending>()->loan(Value(TensorRef{0}), std::span<const TensorSpec>(&spec, 1));
   ASSERT_TRUE(loan.ok()) << loan.error().message;
   int to_parent[2], to_child[2];
   ASSERT_EQ(pipe(to_parent), 0);
@@ -953,7 +962,7 @@ TEST(Shm, AConnectorInheritedThroughForkIsTheChildsOwnAndLeavesTheParentsAlone) 
     char b = 0;
     if (!c->put("0", "1", "c1", payload_of(dc, checksum(dc))).ok()) _exit(10);
     if (write(to_parent[1], "x", 1) != 1 || read(to_child[0], &b, 1) != 1) _exit(11);  // parent reads c1
-    auto lp = c->put_loan("0", "1", "fromloan", std::move(loan.value()), {});
+    auto lp = c->capability<Lending>()->put_loan("0", "1", "fromloan", std::move(loan.value()), {});
     if (lp.ok() || lp.error().code != Errc::invalid_argument) _exit(12);
     c->close();  // frees the child's own arena, nothing of the parent's
     r->close();
@@ -975,7 +984,7 @@ TEST(Shm, AConnectorInheritedThroughForkIsTheChildsOwnAndLeavesTheParentsAlone) 
     ASSERT_TRUE(gp.ok()) << key << ": " << gp.error().message;
     EXPECT_EQ(checksum(gp->payload.tensors[0].data), checksum(*data)) << key;
   }
-  ASSERT_TRUE(c->put_loan("0", "1", "fromloan", std::move(loan.value()), {}).ok());  // still ours here
+  ASSERT_TRUE(c->capability<Lending>()->put_loan("0", "1", "fromloan", std::move(loan.value()), {}).ok());  // still ours here
   auto gl = r->get("0", "1", "fromloan", nullptr, deadline_after(5), {});
   EXPECT_TRUE(gl.ok()) << gl.error().message;
   for (int fd : {to_parent[0], to_parent[1], to_child[0], to_child[1]}) close(fd);

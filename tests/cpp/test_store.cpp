@@ -485,12 +485,12 @@ TEST(Store, AbandonGetAndCloseWakeBlockedGets) {
   std::thread waiter([&] { got = c->get("0", "1", "slow", nullptr, deadline_after(10), {}); });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const auto t0 = Clock::now();
-  EXPECT_EQ(c->abandon_get("slow"), 1u);
+  EXPECT_EQ(c->capability<WaitingGets>()->abandon_get("slow"), 1u);
   waiter.join();
   EXPECT_LT(since(t0), 1.0);
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.error().code, Errc::cancelled) << got.error().to_string();
-  EXPECT_EQ(c->abandon_get("nobody"), 0u);
+  EXPECT_EQ(c->capability<WaitingGets>()->abandon_get("nobody"), 0u);
   ASSERT_TRUE(c->put("0", "1", "after", payload_of(pattern(100, 1))).ok());
   ASSERT_TRUE(c->get("0", "1", "after", nullptr, kNoWait, {}).ok());
   std::thread waiter2([&] { got = c->get("0", "1", "slow2", nullptr, deadline_after(10), {}); });
