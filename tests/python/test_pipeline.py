@@ -152,6 +152,31 @@ def test_an_edge_uses_the_connector_the_config_names(ns):
         load_pipeline(d)
 
 
+def test_edge_connectors_are_read_as_load_transfer_config_reads_them(ns, monkeypatch):
+    """Issue 53: the pipeline's edges and connectors went through a Python reader of their own;
+    now through the C++ loader load_transfer_config uses: inline specs, top-level connectors,
+    ${VAR} in extra, and its error for an undefined name, beside the pipeline's own checks."""
+    d = spec(ns, [
+        {"name": "a", "factory": f"{S}:double", "next": "b"},
+        {"name": "b", "factory": f"{S}:add_one", "terminal": True},
+    ])
+    monkeypatch.setenv("SL_TEST_EDGE_NS", ns + "v")
+    d["connectors"] = {"big": {"name": "SharedMemoryConnector", "extra": {"namespace": "${SL_TEST_EDGE_NS}"}}}
+    d["edges"] = [{"from": "a", "to": "b", "connector": "big"}]
+    assert load_pipeline(d).relay_for("a", "b")["extra"]["namespace"] == ns + "v"
+    d["edges"] = [{"from": "a", "to": "b", "connector": {"name": "SharedMemoryConnector", "extra": {"readers": 1}}}]
+    assert load_pipeline(d).relay_for("a", "b")["extra"] == {"readers": 1}
+    d["edges"] = [{"from": "a", "to": "b"}]  # no connector: the relay
+    assert load_pipeline(d).relay_for("a", "b")["backend"] == "shm"
+    for edges, want in (([{"from": "b", "to": "a", "connector": "big"}], "b -> a is not an edge of the pipeline"),
+                        ([{"from": "a", "to": "b", "connector": "nope"}], "names connector 'nope' which is not defined"),
+                        ([{"from": "a", "to": "b", "connector": {"name": "NoSuchConnector"}}], "is not available"),
+                        ({"from": "a"}, "edges is a list")):
+        d["edges"] = edges
+        with pytest.raises(PipelineConfigError, match=want):
+            load_pipeline(d)
+
+
 def test_pipeline_over_the_ucx_relay(ns):
     # Every payload and chunk through the transfer engine (UCX over TCP on loopback).
     d = spec(ns, [

@@ -37,6 +37,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import shlex
@@ -509,27 +510,38 @@ def _relay_cfg(v, where) -> dict:
 
 def _edges(raw, stages, relay, source) -> Dict[str, dict]:
     """Per-edge connectors, in vLLM-Omni's syntax: `edges: [{from, to, connector}]` naming an entry
-    of `connectors:` or `runtime.connectors` ({name, extra})."""
-    conns = dict(raw.get("connectors") or {})
-    rt = raw.get("runtime") or {}
-    if isinstance(rt, dict):
-        conns.update(rt.get("connectors") or {})
+    of `connectors:` or `runtime.connectors` ({name, extra}), or a spec inline. Read by the C++
+    loader `load_transfer_config` uses (one reader of connector specs: references, `${VAR}`,
+    its errors); only what is the pipeline's own is checked here (the edge exists, the class is
+    available). An edge without a connector keeps the relay."""
+    edges = raw.get("edges")
+    if not edges:
+        return {}
+    if not isinstance(edges, list):
+        raise PipelineConfigError(f"{source}: edges is a list of {{from, to, connector}}")
+    sub: Dict[str, Any] = {"edges": edges}
+    if raw.get("connectors") is not None:
+        sub["connectors"] = raw["connectors"]
+    rt = raw.get("runtime")
+    if isinstance(rt, dict) and rt.get("connectors") is not None:
+        sub["runtime"] = {"connectors": rt["connectors"]}
+    try:
+        cfg = _core.load_config_string(json.dumps(sub, default=str), source)
+    except _core.StagelinkError as e:
+        raise PipelineConfigError(str(e)) from None
     out = {}
-    for i, e in enumerate(raw.get("edges") or []):
-        where = f"{source}: edges[{i}]"
-        if not isinstance(e, dict) or not {"from", "to"} <= set(e):
-            raise PipelineConfigError(f"{where}: an edge is a map with from, to and connector")
+    for i, e in enumerate(cfg["edges"]):
         src, dst = str(e["from"]), str(e["to"])
         if src not in stages or (dst not in stages[src].next and dst not in stages[src].stream_to):
-            raise PipelineConfigError(f"{where}: {src} -> {dst} is not an edge of the pipeline")
-        ref = e.get("connector")
-        spec = conns.get(ref) if isinstance(ref, str) else ref
-        if not isinstance(spec, dict) or "name" not in spec:
-            raise PipelineConfigError(f"{where}: connector {ref!r} is not defined under connectors or runtime.connectors")
-        if spec["name"] not in _core.registered_connectors():
-            raise PipelineConfigError(f"{where}: connector class {spec['name']!r} is not available "
+            raise PipelineConfigError(f"{source}: edges[{i}]: {src} -> {dst} is not an edge of the pipeline "
+                                      "(edges name a stage's `next` or `stream_to` target)")
+        if e.get("defaulted"):
+            continue
+        c = e["connector"]
+        if c["name"] not in _core.registered_connectors():
+            raise PipelineConfigError(f"{source}: edges[{i}]: connector class {c['name']!r} is not available "
                                       f"(registered: {', '.join(_core.registered_connectors())})")
-        out[f"{src}->{dst}"] = dict(relay, backend="connector", connector=spec["name"], extra=dict(spec.get("extra") or {}))
+        out[f"{src}->{dst}"] = dict(relay, backend="connector", connector=c["name"], extra=dict(c.get("extra") or {}))
     return out
 
 
