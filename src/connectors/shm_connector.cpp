@@ -13,6 +13,7 @@
 #include "connectors/internal_key.hpp"
 #include "connectors/names.hpp"
 #include "core/log.hpp"
+#include "core/options.hpp"
 #include "stagelink/allocator.hpp"
 #include "core/proc.hpp"
 #include "shm/directory.hpp"
@@ -25,17 +26,6 @@ using shm::Segment;
 
 namespace {
 std::atomic<uint32_t> g_segment_counter{0};
-
-bool read_number(const Value& extra, const char* key, double& out, std::string& err) {
-  const Value* v = extra.find(key);
-  if (!v) return true;
-  if (v->is<double>()) out = v->as<double>();
-  else if (v->is<int64_t>()) out = double(v->as<int64_t>());
-  else if (v->is<uint64_t>()) out = double(v->as<uint64_t>());
-  else { err = std::string("extra.") + key + " must be a number"; return false; }
-  if (out < 0) { err = std::string("extra.") + key + " must not be negative"; return false; }
-  return true;
-}
 
 // Held by a zero-copy payload: keeps the claim (and the mapping) until the last view is dropped.
 // Non-copyable: a copied or moved-from temporary would release the slot early (a bug the
@@ -87,52 +77,62 @@ class InternalKey {
 };
 }  // namespace
 
+namespace {
+using options::Key;
+using options::Type;
+// The extra keys of SharedMemoryConnector (README's table is this schema).
+constexpr Key kShmKeys[] = {
+    {"shm_threshold_bytes", Type::size, "65536", "frames up to this size also travel inline in the metadata", 0, 1u << 30},
+    {"arena_bytes", Type::size, "256 MiB",
+     "the producer's arena, made at the first put and reserved in 2 MiB steps as puts reach into it; larger frames "
+     "get a segment of their own", 1u << 16, 1ull << 40},
+    {"preallocate_arena", Type::boolean, "false", "create and reserve the whole arena when the connector is made"},
+    {"readers", Type::integer, "1", "default fan-out; put(..., readers=N) per call", 1, shm::kMaxFanout},
+    {"fanout", Type::integer, "", "the seed's name for readers", 1, shm::kMaxFanout},
+    {"put_timeout_s", Type::number, "5", "how long a put waits for arena room before `exhausted`", 0, 1e9},
+    {"ttl_s", Type::number, "300", "unread puts older than this are cancelled", 0, 1e12},
+    {"namespace", Type::string, "default", "isolates groups of processes (1..48 letters, digits, '_', '-')"},
+    {"shm_dir", Type::string, "/dev/shm", "where segments live (an absolute path)"},
+    {"max_entries", Type::integer, "4096", "key-directory size (a power of two), fixed by the first process", 64,
+     1u << 20},
+    {"on_existing_key", Type::choice, "replace", "a put of an unread key replaces it, or fails (`error`)", 0, 0,
+     "replace|error"},
+    {"get_timeout_s", Type::number, "none", "default timeout of a keyless get (Python; none: one attempt)", 0, 1e9},
+    {"strict", Type::boolean, "false", "raise instead of returning False/None (Python)"},
+    {"allow_pickle", Type::boolean, "true", "objects without a native frame may be pickled; off: refused at put and get"},
+    {"role", Type::string, "", "sender, receiver or dual (set by the config loader)"},
+    {"stage_id", Type::any, "", "the stage this connector serves (vLLM-Omni's orchestrator sets it)"},
+};
+constexpr options::Schema kShmSchema{"SharedMemoryConnector", "extra.", kShmKeys};
+const options::Register kShmRegistered{kShmSchema};
+}  // namespace
+
 Result<ShmConnectorOptions> ShmConnectorOptions::from_extra(const Value& extra) {
   ShmConnectorOptions o;
-  if (extra.is_nil()) return o;
-  if (!extra.is<Value::Map>()) return make_error(Errc::invalid_argument, "SharedMemoryConnector extra must be a map");
-  std::string err;
-  double thr = double(o.shm_threshold_bytes), arena = double(o.arena_bytes), ents = o.max_entries,
-         rd = o.readers, pt = o.put_timeout_s, ttl = o.ttl_s;
-  if (!read_number(extra, "shm_threshold_bytes", thr, err) || !read_number(extra, "arena_bytes", arena, err) ||
-      !read_number(extra, "max_entries", ents, err) || !read_number(extra, "readers", rd, err) ||
-      !read_number(extra, "put_timeout_s", pt, err) || !read_number(extra, "ttl_s", ttl, err))
-    return make_error(Errc::invalid_argument, err);
-  if (const Value* f = extra.find("fanout")) {
-    if (!read_number(extra, "fanout", rd, err)) return make_error(Errc::invalid_argument, err);
-    (void)f;
-  }
-  o.shm_threshold_bytes = size_t(thr);
-  o.arena_bytes = size_t(arena);
-  o.max_entries = uint32_t(ents);
-  o.readers = uint32_t(rd);
-  o.put_timeout_s = pt;
-  o.ttl_s = ttl;
-  if (o.readers < 1 || o.readers > shm::kMaxFanout)
-    return make_error(Errc::invalid_argument, "extra.readers must be in [1, 8], got " + std::to_string(o.readers));
-  if (const Value* v = extra.find("namespace")) {
-    if (!v->is<std::string>()) return make_error(Errc::invalid_argument, "extra.namespace must be a string");
-    o.ns = v->as<std::string>();
-  }
-  if (const Value* v = extra.find("on_existing_key")) {
-    if (!v->is<std::string>() || (v->as<std::string>() != "replace" && v->as<std::string>() != "error"))
-      return make_error(Errc::invalid_argument, "extra.on_existing_key must be 'replace' or 'error'");
-    o.replace_existing = v->as<std::string>() == "replace";
-  }
-  if (const Value* v = extra.find("preallocate_arena")) {
-    if (!v->is<bool>()) return make_error(Errc::invalid_argument, "extra.preallocate_arena must be true or false");
-    o.preallocate_arena = v->as<bool>();
-  }
-  if (const Value* v = extra.find("shm_dir")) {
-    if (!v->is<std::string>() || v->as<std::string>().empty() || v->as<std::string>()[0] != '/')
-      return make_error(Errc::invalid_argument, "extra.shm_dir must be an absolute path");
-    o.shm_dir = v->as<std::string>();
-  }
+  SL_ASSIGN(const options::Reader r, options::Reader::open(kShmSchema, extra));
+  o.ignored = r.unused();
+  std::string on_existing = "replace";
+  SL_TRY(r.read_int("shm_threshold_bytes", o.shm_threshold_bytes));
+  SL_TRY(r.read_int("arena_bytes", o.arena_bytes));
+  SL_TRY(r.read("preallocate_arena", o.preallocate_arena));
+  SL_TRY(r.read_int("readers", o.readers));
+  SL_TRY(r.read_int("fanout", o.readers));
+  SL_TRY(r.read("put_timeout_s", o.put_timeout_s));
+  SL_TRY(r.read("ttl_s", o.ttl_s));
+  SL_TRY(r.read("namespace", o.ns));
+  SL_TRY(r.read("shm_dir", o.shm_dir));
+  SL_TRY(r.read_int("max_entries", o.max_entries));
+  SL_TRY(r.read("on_existing_key", on_existing));
+  o.replace_existing = on_existing == "replace";
+  if (o.shm_dir.empty() || o.shm_dir[0] != '/')
+    return make_error(Errc::invalid_argument, "SharedMemoryConnector: extra.shm_dir must be an absolute path, got '" +
+                                                  o.shm_dir + "'");
   if (o.ns.empty() || o.ns.size() > 48)
-    return make_error(Errc::invalid_argument, "extra.namespace must have 1..48 characters");
+    return make_error(Errc::invalid_argument, "SharedMemoryConnector: extra.namespace must have 1..48 characters");
   for (char c : o.ns)
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-')
-      return make_error(Errc::invalid_argument, "extra.namespace '" + o.ns + "' may hold only letters, digits, '_' and '-'");
+      return make_error(Errc::invalid_argument, "SharedMemoryConnector: extra.namespace '" + o.ns +
+                                                    "' may hold only letters, digits, '_' and '-'");
   return o;
 }
 
@@ -287,6 +287,7 @@ class ShmConnector final : public Connector,
     if (open_locked() && dir_) reclaim_all_locked();
     Value::Map m;
     m.emplace_back("status", closed_ ? "closed" : "healthy");
+    options::add_ignored(m, opts_.ignored);
     m.emplace_back("connector", name_);
     m.emplace_back("puts", uint64_t(puts_.load()));
     m.emplace_back("gets", uint64_t(gets_.load()));

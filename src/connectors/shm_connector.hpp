@@ -1,6 +1,8 @@
 // SharedMemoryConnector: the default same-host connector.
 #pragma once
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "stagelink/connector.hpp"
 
@@ -17,6 +19,7 @@ struct ShmConnectorOptions {
   double ttl_s = 300.0;                // unread puts older than this are cancelled
   bool replace_existing = true;        // on_existing_key: replace (vLLM-Omni) | error
   bool preallocate_arena = false;      // create and reserve the whole arena when the connector is made
+  std::vector<std::string> ignored;    // extra keys it does not read (kept, and named in health())
   static Result<ShmConnectorOptions> from_extra(const Value& extra);
 };
 

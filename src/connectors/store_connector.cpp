@@ -32,10 +32,10 @@
 #include <functional>
 #include <optional>
 
-#include "connectors/extra.hpp"
 #include "connectors/capabilities.hpp"
 #include "connectors/internal_key.hpp"
 #include "connectors/names.hpp"
+#include "core/options.hpp"
 #include "core/log.hpp"
 #include "core/proc.hpp"
 #include "stagelink/frame.hpp"
@@ -57,6 +57,7 @@ struct StoreOptions {
   uint32_t readers = 1;
   double put_timeout_s = 30;
   size_t cache_bytes = 512u << 20;  // frame buffers kept for reuse
+  std::vector<std::string> ignored;  // extra keys this connector does not read (options::Reader::unused)
 };
 
 // "host", "host:port", "[v6]" or "[v6]:port".
@@ -110,21 +111,49 @@ Result<std::pair<std::string, int>> host_port(const std::string& s, int default_
   return std::make_pair(h, port);
 }
 
+using options::Key;
+using options::Type;
+// The extra keys of StoreConnector (docs/store.md).
+constexpr Key kStoreKeys[] = {
+    {"backend", Type::choice, "redis", "the store (only Redis is built)", 0, 0, "redis"},
+    {"url", Type::string, "", "redis[s]://[[user]:password@]host[:port][/db] (sets host, port, db, credentials, tls)"},
+    {"host", Type::string, "127.0.0.1", "the server"},
+    {"port", Type::integer, "6379", "the server's port", 1, 65535},
+    {"username", Type::string, "", "ACL user name"},
+    {"password", Type::string, "", "password (or in the url)"},
+    {"db", Type::integer, "0", "database number", 0, 1 << 16},
+    {"ttl_seconds", Type::number, "600", "unread puts expire after this", 1e-3, 1e12},
+    {"chunk_bytes", Type::size, "1 MiB", "values are stored in chunks of this size", 4096, 512u << 20},
+    {"timeout_ms", Type::number, "5000", "the server's reply timeout", 1e-3, 1e12},
+    {"connections", Type::integer, "1", "connections per node", 1, 64},
+    {"readers", Type::integer, "1", "default fan-out", 1, 1e6},
+    {"put_timeout_s", Type::number, "30", "how long a put waits (server memory, a key being read)", 0, 1e9},
+    {"buffer_cache_bytes", Type::size, "512 MiB", "frame buffers kept for reuse by gets", 0, 1ull << 40},
+    {"tls", Type::any, "false", "true, or {ca_file, cert_file, key_file, server_name, verify, enabled}"},
+    {"cluster", Type::any, "false", "Redis Cluster: true, or seed nodes 'host:port'"},
+    {"get_timeout_s", Type::number, "none", "default timeout of a keyless get (Python)", 0, 1e9},
+    {"strict", Type::boolean, "false", "raise instead of returning False/None (Python)"},
+    {"allow_pickle", Type::boolean, "false", "objects without a native frame may be pickled (off between hosts)"},
+    {"role", Type::string, "", "sender, receiver or dual (set by the config loader)"},
+    {"stage_id", Type::any, "", "the stage this connector serves (vLLM-Omni's orchestrator sets it)"},
+};
+constexpr options::Schema kStoreSchema{"StoreConnector", "extra.", kStoreKeys};
+const options::Register kStoreRegistered{kStoreSchema};
+
 Result<StoreOptions> store_options(const Value& e) {
   StoreOptions o;
+  SL_ASSIGN(const options::Reader r, options::Reader::open(kStoreSchema, e));
+  o.ignored = r.unused();
   std::string backend = "redis", url, host = "127.0.0.1", user, pass;
   double port = 6379, ttl = o.ttl_s, chunk = double(o.chunk_bytes), tmo = 5000, conns = 1, db = 0, readers = 1,
          put_tmo = o.put_timeout_s, cache = double(o.cache_bytes);
-  if (!extra_string(e, "backend", backend) || !extra_string(e, "url", url) || !extra_string(e, "host", host) || !extra_string(e, "username", user) ||
-      !extra_string(e, "password", pass) || !extra_number(e, "port", port) || !extra_number(e, "ttl_seconds", ttl) ||
-      !extra_number(e, "chunk_bytes", chunk) || !extra_number(e, "timeout_ms", tmo) || !extra_number(e, "connections", conns) ||
-      !extra_number(e, "db", db) || !extra_number(e, "readers", readers) || !extra_number(e, "put_timeout_s", put_tmo) ||
-      !extra_number(e, "buffer_cache_bytes", cache))
-    return make_error(Errc::invalid_argument,
-                      "StoreConnector extra: backend, url, host, username, password are strings; port, ttl_seconds, "
-                      "chunk_bytes, timeout_ms, connections, db, readers, put_timeout_s numbers");
-  if (backend != "redis")
-    return make_error(Errc::invalid_argument, "StoreConnector backend '" + backend + "': only 'redis' is built");
+  for (auto [k, out] : {std::pair{"backend", &backend}, {"url", &url}, {"host", &host}, {"username", &user},
+                        {"password", &pass}})
+    SL_TRY(r.read(k, *out));
+  for (auto [k, out] : {std::pair{"port", &port}, {"ttl_seconds", &ttl}, {"chunk_bytes", &chunk}, {"timeout_ms", &tmo},
+                        {"connections", &conns}, {"db", &db}, {"readers", &readers}, {"put_timeout_s", &put_tmo},
+                        {"buffer_cache_bytes", &cache}})
+    SL_TRY(r.read(k, *out));
   // tls: true, or {ca_file, cert_file, key_file, server_name, verify}; a rediss:// url turns it on.
   if (const Value* t = e.find("tls"); t && !t->is_nil()) {
     if (t->is<bool>()) {
@@ -179,13 +208,7 @@ Result<StoreOptions> store_options(const Value& e) {
     host = hp.first;
     port = hp.second;
   }
-  if (port <= 0 || port > 65535) return make_error(Errc::invalid_argument, "StoreConnector port must be in [1, 65535]");
-  if (ttl <= 0) return make_error(Errc::invalid_argument, "StoreConnector ttl_seconds must be positive");
-  if (chunk < 4096 || chunk > double(512u << 20))
-    return make_error(Errc::invalid_argument, "StoreConnector chunk_bytes must be in [4096, 512 MiB]");
-  if (tmo <= 0) return make_error(Errc::invalid_argument, "StoreConnector timeout_ms must be positive");
-  if (conns < 1 || conns > 64) return make_error(Errc::invalid_argument, "StoreConnector connections must be in [1, 64]");
-  if (readers < 1 || readers > 1e6) return make_error(Errc::invalid_argument, "StoreConnector readers must be in [1, 1000000]");
+  if (port <= 0 || port > 65535) return make_error(Errc::invalid_argument, "StoreConnector: port must be in [1, 65535]");
   o.redis.username = user;
   o.redis.password = pass;
   o.redis.db = int(db);
@@ -720,6 +743,7 @@ class StoreConnector final : public Connector, public WaitingGets {
     m.emplace_back("status", closed_.load() ? "closed" : "healthy");
     m.emplace_back("connector", name_);
     m.emplace_back("backend", "redis");
+    options::add_ignored(m, o_.ignored);
     if (redis_) {
       Value info = redis_->info();
       if (const Value* ok = info.find("reachable"); ok && ok->is<bool>() && !ok->as<bool>()) m[0].second = "unreachable";

@@ -22,12 +22,12 @@
 #include <thread>
 #include <zmq.hpp>
 
-#include "connectors/extra.hpp"
 #include "connectors/capabilities.hpp"
 #include "connectors/internal_key.hpp"
 #include "connectors/names.hpp"
 #include "core/log.hpp"
 #include "core/net.hpp"
+#include "core/options.hpp"
 #include "core/proc.hpp"
 #include "core/curve_config.hpp"
 #include "core/host_pool.hpp"
@@ -58,48 +58,69 @@ struct TeOptions {
   unsigned lanes = 1;  // endpoints one payload is split over (measured here: 1 fills a veth link best)
   std::string pull_channel = "ucx";  // ucx: pulls after the first go as UCX messages; zmq: all by the side channel
   std::optional<CurveConfig> curve;  // extra.curve: the side channel authenticated and encrypted
+  std::vector<std::string> ignored;  // extra keys this connector does not read (options::Reader::unused)
 };
+
+using options::Key;
+using options::Type;
+// The extra keys of TransferEngineConnector / MooncakeTransferEngineConnector (docs/te.md).
+constexpr Key kTeKeys[] = {
+    {"host", Type::string, "auto", "the address this connector serves on and puts name (auto: this host's)"},
+    {"zmq_port", Type::integer, "50051", "the side channel's port (0: a free one)", 0, 65535},
+    {"protocol", Type::choice, "tcp", "UCX transport family", 0, 0, "tcp|rdma"},
+    {"device_name", Type::string, "", "the RDMA device (empty: RDMA_DEVICE_NAME, else UCX's choice)"},
+    {"memory_pool_size", Type::size, "256 MiB", "the registered pool puts copy into and gets land in", 4096, 1ull << 44},
+    {"memory_pool_device", Type::string, "cpu", "where the pool lives (cpu; cuda is not built yet)"},
+    {"role", Type::choice, "", "sender, receiver or dual (set by the config loader)", 0, 0, "sender|receiver|dual|"},
+    {"sender_host", Type::string, "", "where a get without metadata finds its sender (update_sender_info)"},
+    {"sender_zmq_port", Type::integer, "", "that sender's side-channel port", 0, 65535},
+    {"timeout_s", Type::number, "10", "how long a get waits for its transfer", 0, 1e9},
+    {"put_timeout_s", Type::number, "5", "how long a put waits for pool room", 0, 1e9},
+    {"ttl_s", Type::number, "300", "unread puts older than this are dropped", 0, 1e12},
+    {"readers", Type::integer, "1", "default fan-out", 1, 1024},
+    {"lanes", Type::integer, "1", "endpoints one payload is split over", 1, 16},
+    {"pull_channel", Type::choice, "ucx", "later pulls as UCX messages, or all through the side channel", 0, 0,
+     "ucx|zmq"},
+    {"curve", Type::map, "", "CurveZMQ keys for the side channel (docs/te.md, SECURITY.md)"},
+    {"get_timeout_s", Type::number, "none", "default timeout of a keyless get (Python)", 0, 1e9},
+    {"strict", Type::boolean, "false", "raise instead of returning False/None (Python)"},
+    {"allow_pickle", Type::boolean, "false", "objects without a native frame may be pickled (off between hosts)"},
+    {"stage_id", Type::any, "", "the stage this connector serves (vLLM-Omni's orchestrator sets it)"},
+};
+constexpr options::Schema kTeSchema{"TransferEngineConnector", "extra.", kTeKeys};
+const options::Register kTeRegistered{kTeSchema};
 
 Result<TeOptions> te_options(const Value& e) {
   TeOptions o;
-  double port = o.zmq_port, pool = double(o.pool_bytes), tmo = o.timeout_s, ptmo = o.put_timeout_s, ttl = o.ttl_s,
-         readers = o.readers, sport = 0, lanes = o.lanes;
-  if (!extra_string(e, "host", o.host) || !extra_number(e, "zmq_port", port) || !extra_string(e, "protocol", o.protocol) ||
-      !extra_string(e, "device_name", o.device) || !extra_number(e, "memory_pool_size", pool) || !extra_string(e, "role", o.role) ||
-      !extra_string(e, "sender_host", o.sender_host) || !extra_number(e, "sender_zmq_port", sport) ||
-      !extra_number(e, "timeout_s", tmo) || !extra_number(e, "put_timeout_s", ptmo) || !extra_number(e, "ttl_s", ttl) ||
-      !extra_number(e, "readers", readers) || !extra_number(e, "lanes", lanes) || !extra_string(e, "pull_channel", o.pull_channel))
-    return make_error(Errc::invalid_argument,
-                      "TransferEngineConnector extra: host, protocol, device_name, role, sender_host are strings; "
-                      "zmq_port, memory_pool_size (bytes or '4GB'), timeout_s, put_timeout_s, ttl_s, readers, lanes numbers; "
-                      "pull_channel ucx or zmq");
+  SL_ASSIGN(const options::Reader r, options::Reader::open(kTeSchema, e));
+  o.ignored = r.unused();
+  std::string pool_device = "cpu";
+  SL_TRY(r.read("host", o.host));
+  SL_TRY(r.read_int("zmq_port", o.zmq_port));
+  SL_TRY(r.read("protocol", o.protocol));
+  SL_TRY(r.read("device_name", o.device));
+  SL_TRY(r.read_int("memory_pool_size", o.pool_bytes));
+  SL_TRY(r.read("memory_pool_device", pool_device));
+  SL_TRY(r.read("role", o.role));
+  SL_TRY(r.read("sender_host", o.sender_host));
+  SL_TRY(r.read_int("sender_zmq_port", o.sender_port));
+  SL_TRY(r.read("timeout_s", o.timeout_s));
+  SL_TRY(r.read("put_timeout_s", o.put_timeout_s));
+  SL_TRY(r.read("ttl_s", o.ttl_s));
+  SL_TRY(r.read_int("readers", o.readers));
+  SL_TRY(r.read_int("lanes", o.lanes));
+  SL_TRY(r.read("pull_channel", o.pull_channel));
   if (o.device.empty())
     if (const char* d = std::getenv("RDMA_DEVICE_NAME")) o.device = d;
-  if (const Value* dev = e.find("memory_pool_device"); dev && dev->is<std::string>() && dev->as<std::string>() != "cpu") {
-    const std::string& d = dev->as<std::string>();
-    if (d.rfind("cuda", 0) != 0)
-      return make_error(Errc::invalid_argument, "memory_pool_device '" + d + "': cpu or cuda");
+  if (pool_device != "cpu") {
+    if (pool_device.rfind("cuda", 0) != 0)
+      return make_error(Errc::invalid_argument, "TransferEngineConnector: extra.memory_pool_device must be cpu or "
+                                                "cuda, got '" + pool_device + "'");
     auto drv = cuda::driver();  // say first what this host lacks, if anything
-    return make_error(Errc::unsupported, "memory_pool_device '" + d + "': " +
+    return make_error(Errc::unsupported, "memory_pool_device '" + pool_device + "': " +
                                              (drv.ok() ? std::string("GPU pools are not built yet (docs/cuda.md)")
                                                        : drv.error().message) + "; use cpu");
   }
-  if (port < 0 || port > 65535) return make_error(Errc::invalid_argument, "zmq_port must be in [0, 65535]");
-  if (pool < 4096) return make_error(Errc::invalid_argument, "memory_pool_size must be at least 4096 bytes");
-  if (readers < 1 || readers > 1024) return make_error(Errc::invalid_argument, "readers must be in [1, 1024]");
-  if (lanes < 1 || lanes > 16) return make_error(Errc::invalid_argument, "lanes must be in [1, 16]");
-  if (o.pull_channel != "ucx" && o.pull_channel != "zmq")
-    return make_error(Errc::invalid_argument, "pull_channel must be ucx or zmq, got '" + o.pull_channel + "'");
-  o.lanes = unsigned(lanes);
-  if (o.protocol != "tcp" && o.protocol != "rdma")
-    return make_error(Errc::invalid_argument, "protocol must be tcp or rdma, got '" + o.protocol + "'");
-  o.zmq_port = int(port);
-  o.sender_port = int(sport);
-  o.pool_bytes = size_t(pool);
-  o.timeout_s = tmo;
-  o.put_timeout_s = ptmo;
-  o.ttl_s = ttl;
-  o.readers = uint32_t(readers);
   SL_ASSIGN(o.curve, curve_from_extra(e, "TransferEngineConnector"));
   return o;
 }
@@ -462,6 +483,7 @@ class TeConnector final : public Connector, public SenderLink, public ReleaseTra
     m.emplace_back("status", closed_ ? "closed" : "healthy");
     m.emplace_back("connector", name_);
     m.emplace_back("role", o_.role.empty() ? std::string("sender+receiver") : o_.role);
+    options::add_ignored(m, o_.ignored);
     m.emplace_back("host", advertised_);
     m.emplace_back("zmq_port", uint64_t(port_));
     m.emplace_back("puts", uint64_t(puts_.load()));

@@ -2,10 +2,13 @@
 // as bytes, and the C++ benchmarks behind `stagelink bench`.
 #include "python/bindings.hpp"
 
+#include <cmath>
+
 #include "bench/mq_bench.hpp"
 #include "bench/relay_bench.hpp"
 #include "bench/shm_bench.hpp"
 #include "core/net.hpp"
+#include "core/options.hpp"
 #include "cuda/driver.hpp"
 #include "python/codec.hpp"
 #include "python/torch.hpp"
@@ -150,6 +153,31 @@ void bind_tools(nb::module_& m) {
   m.def("decode_frame_parts", [](nb::bytes data) {
     return frame_parts(std::span<const std::byte>(reinterpret_cast<const std::byte*>(data.c_str()), data.size()));
   });
+  m.def("option_schemas", [] {
+    nb::list out;
+    for (const options::Schema* s : options::schemas()) {
+      nb::list keys;
+      for (const options::Key& k : s->keys) {
+        nb::dict d;
+        d["name"] = std::string(k.name);
+        d["type"] = options::type_name(k.type);
+        d["default"] = std::string(k.def);
+        d["doc"] = std::string(k.doc);
+        if (!std::isinf(k.min)) d["min"] = k.min;
+        if (!std::isinf(k.max)) d["max"] = k.max;
+        if (!k.choices.empty()) d["choices"] = std::string(k.choices);
+        keys.append(d);
+      }
+      nb::dict sd;
+      sd["owner"] = std::string(s->owner);
+      sd["prefix"] = std::string(s->prefix);
+      sd["closed"] = s->closed;
+      sd["keys"] = keys;
+      out.append(sd);
+    }
+    return out;
+  }, "Every connector's and the relay's option schema (key, type, default, range, meaning): the source of the "
+     "configuration reference.");
   m.def("make_private_socket_dir", [](const std::string& tag) { return unwrap(make_private_socket_dir(tag)); },
         nb::arg("tag") = "stagelink");
   m.def("remove_private_socket_dir", &remove_private_socket_dir);

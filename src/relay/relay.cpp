@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "connectors/capabilities.hpp"
+#include "core/options.hpp"
 #include "core/proc.hpp"
 
 namespace stagelink {
@@ -51,53 +52,41 @@ LocalTable& local_table() {
   return *t;
 }
 
-Result<double> num_field(const Value& v, const char* key, double dflt, double lo, double hi) {
-  const Value* f = v.find(key);
-  if (!f || f->is_nil()) return dflt;
-  double d = 0;
-  if (f->is<double>()) d = f->as<double>();
-  else if (int64_t i; f->get_i64(i)) d = double(i);
-  else return make_error(Errc::invalid_argument, std::string("relay config: '") + key + "' must be a number");
-  if (!(d >= lo && d <= hi))
-    return make_error(Errc::invalid_argument, std::string("relay config: '") + key + "' = " + std::to_string(d) +
-                                                  " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  return d;
-}
-
-Result<std::string> str_field(const Value& v, const char* key, std::string dflt) {
-  const Value* f = v.find(key);
-  if (!f || f->is_nil()) return dflt;
-  if (!f->is<std::string>()) return make_error(Errc::invalid_argument, std::string("relay config: '") + key + "' must be a string");
-  return f->as<std::string>();
-}
-
 }  // namespace
+
+using options::Key;
+using options::Type;
+// The relay's config (docs/relay.md, docs/pipeline.md's `relay:`): a closed schema, every unknown
+// key refused (only stagelink and SGLang-Omni's relay arguments write it).
+constexpr Key kRelayKeys[] = {
+    {"backend", Type::choice, "shm", "shm, ucx (the transfer engine), local (same process) or connector", 0, 0,
+     "shm|ucx|local|connector"},
+    {"connector", Type::string, "", "with backend connector: the connector class"},
+    {"extra", Type::map, "", "the connector's extra (shm's namespace, ucx's host and zmq_port, ...)"},
+    {"slot_size_mb", Type::number, "16", "the pool's slot size; larger payloads get memory of their own", 0.001,
+     1 << 20},
+    {"credits", Type::integer, "8", "unread puts per edge before a put waits", 1, 65536},
+    {"rank", Type::integer, "0", "this relay's rank (SGLang-Omni's)", 0, 1 << 20},
+    {"world_size", Type::integer, "0", "ranks in all (SGLang-Omni's)", 0, 1 << 20},
+    {"device", Type::string, "cpu", "where relay buffers live (cpu)"},
+    {"timeout_s", Type::number, "30", "how long a put waits for a credit and a get for its transfer", 0, 1e9},
+    {"engine_id", Type::string, "", "SGLang-Omni's engine id, carried in the metadata"},
+};
+constexpr options::Schema kRelaySchema{"relay config", "", kRelayKeys, true};
+const options::Register kRelayRegistered{kRelaySchema};
 
 Result<RelayConfig> RelayConfig::from_value(const Value& v) {
   RelayConfig c;
-  if (v.is_nil()) return c;
-  if (!v.is<Value::Map>()) return make_error(Errc::invalid_argument, "relay config must be a map");
-  static const char* kKnown[] = {"backend", "connector", "extra", "slot_size_mb", "credits", "rank",
-                                 "world_size", "device", "timeout_s", "engine_id"};
-  for (const auto& kv : v.as<Value::Map>()) {
-    const std::string& k = kv.first;
-    if (std::none_of(std::begin(kKnown), std::end(kKnown), [&](const char* n) { return k == n; }))
-      return make_error(Errc::invalid_argument, "relay config: unknown key '" + k +
-                                                    "' (known: backend, connector, extra, slot_size_mb, credits, "
-                                                    "rank, world_size, device, timeout_s, engine_id)");
-  }
-  SL_ASSIGN(c.backend, str_field(v, "backend", c.backend));
-  SL_ASSIGN(c.connector, str_field(v, "connector", ""));
-  SL_ASSIGN(c.device, str_field(v, "device", c.device));
-  SL_ASSIGN(c.engine_id, str_field(v, "engine_id", ""));
-  SL_ASSIGN(c.slot_size_mb, num_field(v, "slot_size_mb", c.slot_size_mb, 0.001, 1 << 20));
-  SL_ASSIGN(double credits, num_field(v, "credits", c.credits, 1, 65536));
-  SL_ASSIGN(double rank, num_field(v, "rank", c.rank, 0, 1 << 20));
-  SL_ASSIGN(double ws, num_field(v, "world_size", c.world_size, 0, 1 << 20));
-  SL_ASSIGN(c.timeout_s, num_field(v, "timeout_s", c.timeout_s, 0, 1e9));
-  c.credits = uint32_t(credits);
-  c.rank = int(rank);
-  c.world_size = int(ws);
+  SL_ASSIGN(const options::Reader r, options::Reader::open(kRelaySchema, v));
+  SL_TRY(r.read("backend", c.backend));
+  SL_TRY(r.read("connector", c.connector));
+  SL_TRY(r.read("device", c.device));
+  SL_TRY(r.read("engine_id", c.engine_id));
+  SL_TRY(r.read("slot_size_mb", c.slot_size_mb));
+  SL_TRY(r.read_int("credits", c.credits));
+  SL_TRY(r.read_int("rank", c.rank));
+  SL_TRY(r.read_int("world_size", c.world_size));
+  SL_TRY(r.read("timeout_s", c.timeout_s));
   if (const Value* e = v.find("extra"); e && !e->is_nil()) {
     if (!e->is<Value::Map>()) return make_error(Errc::invalid_argument, "relay config: 'extra' must be a map");
     c.extra = *e;
@@ -106,9 +95,6 @@ Result<RelayConfig> RelayConfig::from_value(const Value& v) {
     c.backend = "connector";
     c.connector = "TransferEngineConnector";
   }
-  if (c.backend != "shm" && c.backend != "local" && c.backend != "connector")
-    return make_error(Errc::invalid_argument, "relay config: backend '" + c.backend +
-                                                  "' is not one of shm, ucx, local, connector");
   if (c.backend == "connector" && c.connector.empty())
     return make_error(Errc::invalid_argument, "relay config: backend 'connector' needs 'connector' (a class name)");
   if (c.device != "cpu")

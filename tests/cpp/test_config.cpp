@@ -2,6 +2,11 @@
 
 #include "stagelink/config.hpp"
 
+#include <algorithm>
+
+#include "core/options.hpp"
+#include "stagelink/connector.hpp"
+
 #include <unistd.h>
 
 #include <cstdlib>
@@ -371,4 +376,93 @@ TEST(Config, BaseConfigNamingADirectoryIsAnErrorNotACrash) {
   ASSERT_FALSE(d.ok());
   EXPECT_EQ(d.error().code, Errc::invalid_argument) << d.error().to_string();
   EXPECT_NE(d.error().message.find("is not a file"), std::string::npos) << d.error().message;
+}
+
+// Issue 53: one reader of option maps, one error style naming the owner and the key.
+TEST(Options, OneReaderOneErrorStyleForEveryOwner) {
+  using namespace stagelink::options;
+  static constexpr Key keys[] = {
+      {"threshold_bytes", Type::size, "64 KiB", "t", 0, 1u << 30},
+      {"readers", Type::integer, "1", "r", 1, 8},
+      {"timeout_s", Type::number, "5", "s", 0, 1e9},
+      {"mode", Type::choice, "a", "m", 0, 0, "a|b"},
+      {"on", Type::boolean, "false", "o"},
+      {"name", Type::string, "", "n"},
+  };
+  static constexpr Schema open_schema{"Thing", "extra.", keys};
+  static constexpr Schema closed_schema{"thing config", "", keys, true};
+  auto map = [](Value::Map m) { return Value(std::move(m)); };
+  // Types, ranges, choices: each error names owner and key, what it must be and what it got.
+  struct Bad { Value::Map m; const char* want; };
+  for (const Bad& b : {Bad{{{"readers", Value(int64_t(9))}}, "Thing: extra.readers must be an integer in [1, 8], got 9"},
+                       Bad{{{"readers", Value(2.5)}}, "extra.readers must be an integer in [1, 8], got 2.5"},
+                       Bad{{{"timeout_s", Value("soon")}}, "extra.timeout_s must be a number in [0, 1000000000], got 'soon'"},
+                       Bad{{{"mode", Value("c")}}, "extra.mode must be one of: a b, got 'c'"},
+                       Bad{{{"on", Value(int64_t(1))}}, "extra.on must be true or false, got 1"},
+                       Bad{{{"name", Value(int64_t(1))}}, "extra.name must be a string, got 1"},
+                       Bad{{{"threshold_bytes", Value("lots")}}, "extra.threshold_bytes must be a size in bytes"}}) {
+    auto r = Reader::open(open_schema, map(b.m));
+    ASSERT_TRUE(r.ok());
+    double d = 0;
+    std::string s;
+    bool o = false;
+    Status st = r->read("readers", d);
+    if (st.ok()) st = r->read("timeout_s", d);
+    if (st.ok()) st = r->read("threshold_bytes", d);
+    if (st.ok()) st = r->read("mode", s);
+    if (st.ok()) st = r->read("on", o);
+    if (st.ok()) st = r->read("name", s);
+    ASSERT_FALSE(st.ok()) << b.want;
+    EXPECT_EQ(st.error().code, Errc::invalid_argument);
+    EXPECT_NE(st.error().message.find(b.want), std::string::npos) << st.error().message;
+  }
+  // Numbers as strings (a config's "${PORT}"), sizes with units; a missing or null key keeps the default.
+  auto r = Reader::open(open_schema, map({{"readers", Value("4")}, {"threshold_bytes", Value("2MiB")},
+                                          {"timeout_s", Value()}}));
+  ASSERT_TRUE(r.ok());
+  uint32_t readers = 1;
+  size_t thr = 0;
+  double t = 5;
+  ASSERT_TRUE(r->read_int("readers", readers).ok());
+  ASSERT_TRUE(r->read_int("threshold_bytes", thr).ok());
+  ASSERT_TRUE(r->read("timeout_s", t).ok());
+  EXPECT_EQ(readers, 4u);
+  EXPECT_EQ(thr, size_t(2) << 20);
+  EXPECT_EQ(t, 5.0);
+  // A near miss of a known key is a typo: refused with the key meant. Another key is left alone
+  // (vLLM-Omni's callers add their own, e.g. stage_id) and reported; a closed schema refuses it.
+  auto typo = Reader::open(open_schema, map({{"treshold_bytes", Value(int64_t(1))}}));
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.error().message.find("Thing: unknown key 'extra.treshold_bytes'; did you mean 'threshold_bytes'?"),
+            std::string::npos) << typo.error().message;
+  auto other = Reader::open(open_schema, map({{"stage_id", Value(int64_t(3))}}));
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(other->unused(), std::vector<std::string>{"stage_id"});
+  auto closed = Reader::open(closed_schema, map({{"stage_id", Value(int64_t(3))}}));
+  ASSERT_FALSE(closed.ok());
+  EXPECT_NE(closed.error().message.find("thing config: unknown key 'stage_id' (known: threshold_bytes, readers"),
+            std::string::npos) << closed.error().message;
+  EXPECT_FALSE(Reader::open(open_schema, Value("x")).ok());
+  EXPECT_TRUE(Reader::open(open_schema, Value()).ok());
+  // Every connector and the relay declared theirs.
+  std::vector<std::string> owners;
+  for (const Schema* s : schemas()) owners.emplace_back(s->owner);
+  for (const char* o : {"SharedMemoryConnector", "TransferEngineConnector", "StoreConnector", "relay config"})
+    EXPECT_NE(std::find(owners.begin(), owners.end(), o), owners.end()) << o;
+}
+
+TEST(Options, ConnectorsReportTheKeysTheyDoNotRead) {
+  auto c = create_connector("SharedMemoryConnector",
+                            Value(Value::Map{{"namespace", Value("optsreport" + std::to_string(getpid()))},
+                                             {"stage_id", Value(int64_t(2))}, {"vendor_knob", Value(true)}}));
+  ASSERT_TRUE(c.ok()) << c.error().to_string();
+  const Value h = c.value()->health();
+  const Value* ig = h.find("ignored_extra_keys");
+  ASSERT_TRUE(ig && ig->is<Value::List>());
+  ASSERT_EQ(ig->as<Value::List>().size(), 1u);  // stage_id is a known key (vLLM-Omni's)
+  EXPECT_EQ(ig->as<Value::List>()[0].as<std::string>(), "vendor_knob");
+  auto typo = create_connector("SharedMemoryConnector", Value(Value::Map{{"shm_treshold_bytes", Value(int64_t(1))}}));
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.error().message.find("did you mean 'shm_threshold_bytes'"), std::string::npos) << typo.error().message;
+  c.value()->close();
 }

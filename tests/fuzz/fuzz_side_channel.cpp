@@ -40,7 +40,7 @@ Peer& peer() {
       (void)g->sender->put("0", "1", "k" + std::to_string(i), p, po);
     }
     uint64_t port = 0;
-    g->sender->sender_info().find("source_port")->get_u64(port);
+    g->sender->capability<stagelink::SenderLink>()->sender_info().find("source_port")->get_u64(port);
     g->dealer.set(zmq::sockopt::linger, 0);
     g->dealer.set(zmq::sockopt::rcvtimeo, 3000);
     g->dealer.connect("tcp://127.0.0.1:" + std::to_string(port));

@@ -355,3 +355,26 @@ def test_stage_view_derives_transfer_engine_endpoints_as_vllm_omni(monkeypatch):
     finally:
         for c in made:
             c.close()
+
+
+def test_connector_options_share_one_reader_and_its_schemas_are_listed():
+    """Issue 53: every connector's extra and the relay's config are read through one schema-driven
+    reader: one error style naming the key, typos refused with the key meant, keys another caller
+    adds (vLLM-Omni's stage_id) accepted and named in health(); the schemas are listed for the docs."""
+    owners = {s["owner"]: s for s in stagelink._core.option_schemas()}
+    assert {"SharedMemoryConnector", "TransferEngineConnector", "StoreConnector", "relay config"} <= set(owners)
+    shm = {k["name"]: k for k in owners["SharedMemoryConnector"]["keys"]}
+    assert shm["readers"] == {"name": "readers", "type": "integer", "default": "1", "min": 1.0, "max": 8.0,
+                              "doc": shm["readers"]["doc"]}
+    assert owners["relay config"]["closed"] and not owners["StoreConnector"]["closed"]
+    with pytest.raises(stagelink.InvalidArgumentError, match="did you mean 'shm_threshold_bytes'"):
+        stagelink.create_connector("SharedMemoryConnector", {"shm_treshold_bytes": 1024, "strict": True})
+    with pytest.raises(stagelink.InvalidArgumentError,
+                       match=r"TransferEngineConnector: extra.protocol must be one of: tcp rdma, got 'udp'"):
+        stagelink.create_connector("TransferEngineConnector", {"protocol": "udp", "strict": True})
+    c = stagelink.create_connector("SharedMemoryConnector", {"stage_id": 1, "namespace": f"opt{os.getpid()}",
+                                                             "vendor_knob": "x"})
+    try:
+        assert c.health()["ignored_extra_keys"] == ["vendor_knob"]
+    finally:
+        c.close()

@@ -127,10 +127,16 @@ def test_local_backend_passes_python_objects_by_reference():
 
 
 def test_bad_config_and_metadata_are_clear_errors(ns):
-    with pytest.raises(stagelink.InvalidArgumentError, match="unknown key 'credit'"):
+    with pytest.raises(stagelink.InvalidArgumentError, match="unknown key 'credit'; did you mean 'credits'"):
         stagelink.Relay(credit=3)
-    with pytest.raises(stagelink.InvalidArgumentError, match="backend 'nccl'"):
+    with pytest.raises(stagelink.InvalidArgumentError, match=r"unknown key 'spin' \(known: backend, connector"):
+        stagelink.Relay(spin=3)  # the relay's config is closed: every unknown key is refused
+    with pytest.raises(stagelink.InvalidArgumentError, match="relay config: backend must be one of: shm ucx local "
+                                                             "connector, got 'nccl'"):
         stagelink.Relay(backend="nccl")
+    with pytest.raises(stagelink.InvalidArgumentError, match=r"relay config: credits must be an integer in \[1, "
+                                                             r"65536\], got 2.5"):
+        stagelink.Relay(credits=2.5)
     with relay(ns) as r:
         with pytest.raises(stagelink.CorruptError, match="relay_key"):
             r.get_async({"size": 3})
