@@ -11,9 +11,6 @@
 #include <string>
 #include <string_view>
 #include <vector>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "stagelink/payload.hpp"
 
@@ -43,25 +40,10 @@ inline constexpr uint8_t kIdListSigned = 0x80;
 // The id-list header byte (width | kIdListSigned when signed) that holds every one of n values
 // written as 4-byte little-endian ones at d: unsigned when none is negative (width by their OR),
 // else signed (width by the OR of their magnitudes' bits below the sign: v, or ~v for a negative
-// v). A pass of its own over the written values, SSE2 four at a time, so that the writer's loop
-// over Python objects does no more than load, check and store each one.
+// v).
 inline uint8_t id_list_width(const uint8_t* d, size_t n) {
   uint32_t all = 0, mag = 0;
-  size_t i = 0;
-#if defined(__SSE2__)
-  __m128i va = _mm_setzero_si128(), vm = _mm_setzero_si128();
-  for (; i + 4 <= n; i += 4) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 4 * i));
-    va = _mm_or_si128(va, x);
-    vm = _mm_or_si128(vm, _mm_xor_si128(x, _mm_srai_epi32(x, 31)));
-  }
-  alignas(16) uint32_t a[4], m[4];
-  _mm_store_si128(reinterpret_cast<__m128i*>(a), va);
-  _mm_store_si128(reinterpret_cast<__m128i*>(m), vm);
-  all = a[0] | a[1] | a[2] | a[3];
-  mag = m[0] | m[1] | m[2] | m[3];
-#endif
-  for (; i < n; ++i) {
+  for (size_t i = 0; i < n; ++i) {
     const uint32_t u = id_at(d, 4, i);
     all |= u;
     mag |= u ^ uint32_t(int32_t(u) >> 31);
@@ -72,30 +54,11 @@ inline uint8_t id_list_width(const uint8_t* d, size_t n) {
 // Narrows n values written as 4-byte little-endian ones at d to width w (1 or 2) in place: each
 // value's low w bytes, so a signed value keeps its two's complement (the writer checked that w
 // holds every value). Writes only below what it has read: the narrowed values end at d + n * w.
-// SSE2 (every x86-64) packs 8 or 16 values per step, ~10x fewer instructions than a byte at a
-// time, which was a quarter of a 300-id put's encode; other CPUs and the tail go value by value.
 inline void narrow_ids(uint8_t* d, size_t n, uint32_t w) {
-  size_t i = 0;
-#if defined(__SSE2__)
-  // Each value's low w bytes sign-extended (so that the signed saturating packs keep them exact).
-  auto low16 = [](__m128i x) { return _mm_srai_epi32(_mm_slli_epi32(x, 16), 16); };
-  auto low8 = [](__m128i x) { return _mm_srai_epi32(_mm_slli_epi32(x, 24), 24); };
-  auto at = [d](size_t k) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 4 * k)); };
-  if (w == 2) {
-    for (; i + 8 <= n; i += 8)  // reads d[4i, 4i + 32), then writes d[2i, 2i + 16)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 2 * i), _mm_packs_epi32(low16(at(i)), low16(at(i + 4))));
-  } else {
-    for (; i + 16 <= n; i += 16) {  // reads d[4i, 4i + 64), then writes d[i, i + 16)
-      const __m128i a = _mm_packs_epi32(low8(at(i)), low8(at(i + 4)));
-      const __m128i b = _mm_packs_epi32(low8(at(i + 8)), low8(at(i + 12)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm_packs_epi16(a, b));
-    }
-  }
-#endif
   if (w == 1)
-    for (; i < n; ++i) d[i] = d[4 * i];
+    for (size_t i = 0; i < n; ++i) d[i] = d[4 * i];
   else
-    for (; i < n; ++i) d[2 * i] = d[4 * i], d[2 * i + 1] = d[4 * i + 1];
+    for (size_t i = 0; i < n; ++i) d[2 * i] = d[4 * i], d[2 * i + 1] = d[4 * i + 1];
 }
 // A list (or tuple) of floats -- audio samples, scores, embeddings handed on as Python lists --
 // may travel as msgpack ext type 3: the values as IEEE-754 doubles, 8 little-endian bytes each

@@ -16,22 +16,13 @@ bool truthy(const nb::object& o) {
   return r == 1;
 }
 
-// One digit holds at most 30 bits: such a value and its sign fit an int32 (id lists rely on it).
-static_assert(PyLong_SHIFT <= 30, "a one-digit int must fit 31 bits and its sign");
-// The value of an exact int that fits one digit (every token id and count), read from the object
-// without a call; false for larger ones, which PyLong_AsLongLongAndOverflow takes.
-inline bool compact_int(PyObject* o, long long& v) {
-#if PY_VERSION_HEX >= 0x030C0000
-  auto* l = reinterpret_cast<PyLongObject*>(o);
-  if (!PyUnstable_Long_IsCompact(l)) return false;
-  v = PyUnstable_Long_CompactValue(l);
-  return true;
-#else
-  const Py_ssize_t sz = Py_SIZE(o);
-  if (sz < -1 || sz > 1) return false;
-  v = (long long)sz * (long long)reinterpret_cast<PyLongObject*>(o)->ob_digit[0];
-  return true;
-#endif
+// The value of an exact int of id range (|v| < 2^30: every token id, codec code, count and
+// padding), which id lists and msgpack's small ints take; false for others, which go the general
+// way. Through CPython's API: reading its int layout directly measured no faster end to end.
+inline bool small_int(PyObject* o, long long& v) {
+  int overflow = 0;
+  v = PyLong_AsLongLongAndOverflow(o, &overflow);
+  return !overflow && v > -(1LL << 30) && v < (1LL << 30);
 }
 
 // Ints of token-id range, shared across gets: a list of ids is rebuilt with an incref per item
@@ -227,8 +218,8 @@ struct PyEncoder {
     h[1] = uint8_t(body >> 24), h[2] = uint8_t(body >> 16), h[3] = uint8_t(body >> 8), h[4] = uint8_t(body);
     h[5] = uint8_t(type);
   }
-  // A list of compact ints (|v| < 2^30: token ids, codes, -1 paddings) as an id list (ext type
-  // 2, msgpack_io.hpp): one pass over the items writes each as 4 bytes (a compact int always fits
+  // A list of small ints (|v| < 2^30: token ids, codes, -1 paddings) as an id list (ext type
+  // 2, msgpack_io.hpp): one pass over the items writes each as 4 bytes (a small int always fits
   // 31 bits and its sign: no range check), a second over those bytes finds the width they need
   // (unsigned when none is negative), then they are narrowed in place to it. The first loop does
   // no more than load, check and store each item: it runs once per id and is what a list's put
@@ -242,7 +233,7 @@ struct PyEncoder {
     uint8_t* const d = h + 7;
     for (Py_ssize_t i = 0; i < n; ++i) {
       long long v;
-      if (!Py_IS_TYPE(items[i], &PyLong_Type) || !compact_int(items[i], v)) [[unlikely]]
+      if (!Py_IS_TYPE(items[i], &PyLong_Type) || !small_int(items[i], v)) [[unlikely]]
         return false;
       const uint32_t u = uint32_t(v);
       uint8_t* q = d + 4 * i;  // little-endian on any host; one 4-byte store on x86-64 and aarch64
@@ -315,18 +306,18 @@ struct PyEncoder {
       PyObject** items = PySequence_Fast_ITEMS(o);
       if (n >= kPackedListMin && (PyFloat_CheckExact(items[0]) ? float_list(items, n) : id_list(items, n))) return true;
       pk.pack_array(uint32_t(n));
-      // Runs of compact ints are written through a cursor of our own, in room reserved 4096 ints
+      // Runs of small ints are written through a cursor of our own, in room reserved 4096 ints
       // at a time (a huge list reserves no more): no bounds check nor call per int.
       for (Py_ssize_t i = 0; i < n;) {
         long long v;
-        if (Py_IS_TYPE(items[i], &PyLong_Type) && compact_int(items[i], v)) {
+        if (Py_IS_TYPE(items[i], &PyLong_Type) && small_int(items[i], v)) {
           // A run of them (kept in registers: no lambda, no member written per value).
           const Py_ssize_t room = std::min<Py_ssize_t>(4096, n - i);
           sink.reserve(9 * size_t(room));
           uint8_t* const d0 = sink.at();
           uint8_t* d = detail::ByteSink::put_int(d0, v);
           const Py_ssize_t end = i + room;
-          for (++i; i < end && Py_IS_TYPE(items[i], &PyLong_Type) && compact_int(items[i], v); ++i)
+          for (++i; i < end && Py_IS_TYPE(items[i], &PyLong_Type) && small_int(items[i], v); ++i)
             d = detail::ByteSink::put_int(d, v);
           sink.len += size_t(d - d0);
           continue;
