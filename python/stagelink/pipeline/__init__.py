@@ -9,4 +9,4 @@ A stage is ``fn(payload, ctx)`` (see :class:`StageContext`); the file format is 
 """
 from .coordinator import Pipeline, PipelineStartError, StageDiedError, StageError  # noqa: F401
 from .spec import PipelineConfigError, PipelineSpec, load_pipeline  # noqa: F401
-from .worker import Aborted, PerTarget, StageContext, StreamError  # noqa: F401
+from .stage import Aborted, PerTarget, StageContext, StreamError  # noqa: F401

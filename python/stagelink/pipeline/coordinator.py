@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, Optional
 
 from .. import _core
 from ..connector import Connector

@@ -77,7 +77,7 @@ class StageSpec:
     # Run on the process's receive thread instead of a pool thread: no thread handoff per request
     # (the fastest for short stages), one request at a time, aborts seen between requests. Not for
     # stages that read streams (they wait for chunks the receive thread must deliver).
-    # None (auto, the default): inline while its runs stay short (worker.AUTO_INLINE_NS), else on
+    # None (auto, the default): inline while its runs stay short (stage.AUTO_INLINE_NS), else on
     # the pool; a stage that reads ctx.chunks() only for a request whose streams have all ended.
     inline: Optional[bool] = None
     # Inputs that came through the relay are read-only views of its shared memory (no copy); each
