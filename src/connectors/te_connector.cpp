@@ -6,60 +6,13 @@
 // UCX active message tagged with the token, which the receiver's engine lands in that room, flushes,
 // and only then replies done. After the first pull, pulls go as UCX messages themselves. Every
 // message is a small msgpack map checked on receipt; a request id pairs replies with requests.
-#include <pthread.h>
-#include <sys/eventfd.h>
-#include <sys/types.h>
-#include <unistd.h>
+#include "connectors/te_connector.hpp"
 
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <cstring>
-#include <deque>
-#include <random>
-#include <map>
-#include <mutex>
-#include <thread>
-#include <zmq.hpp>
-
-#include "connectors/capabilities.hpp"
-#include "connectors/internal_key.hpp"
-#include "connectors/names.hpp"
-#include "core/log.hpp"
-#include "core/net.hpp"
-#include "core/options.hpp"
-#include "core/proc.hpp"
-#include "core/curve_config.hpp"
-#include "core/host_pool.hpp"
-#include "core/zap.hpp"
-#include "core/zmq_fork.hpp"
-#include "core/zmq_util.hpp"
-#include "cuda/driver.hpp"
-#include "stagelink/connector.hpp"
-#include "stagelink/frame.hpp"
-#include "ucx/engine.hpp"
+#include "connectors/te_impl.hpp"
 
 namespace stagelink {
+namespace te {
 namespace {
-
-struct TeOptions {
-  std::string host = "auto";
-  int zmq_port = 50051;
-  std::string protocol = "tcp";
-  std::string device;
-  size_t pool_bytes = 256u << 20;
-  std::string role;
-  std::string sender_host;  // receiver side, for gets without metadata (update_sender_info)
-  int sender_port = 0;
-  double timeout_s = 10;
-  double put_timeout_s = 5;
-  double ttl_s = 300;
-  uint32_t readers = 1;
-  unsigned lanes = 1;  // endpoints one payload is split over (measured here: 1 fills a veth link best)
-  std::string pull_channel = "ucx";  // ucx: pulls after the first go as UCX messages; zmq: all by the side channel
-  std::optional<CurveConfig> curve;  // extra.curve: the side channel authenticated and encrypted
-  std::vector<std::string> ignored;  // extra keys this connector does not read (options::Reader::unused)
-};
 
 using options::Key;
 using options::Type;
@@ -125,905 +78,495 @@ Result<TeOptions> te_options(const Value& e) {
   return o;
 }
 
-std::string errc_str(Errc c) { return errc_name(c); }
-Errc errc_from(const std::string& s) {
-  for (int i = 0; i <= int(Errc::permission_denied); ++i)
-    if (s == errc_name(Errc(i))) return Errc(i);
-  return Errc::io;
-}
-
-// Payloads up to this size travel in the side channel's reply instead of a UCX write.
-constexpr size_t kInlineMax = 64u << 10;
-// The side channel's message bounds (ZMQ_MAXMSGSIZE): requests carry keys and a UCX worker
-// address (a few hundred bytes to a few KiB); replies at most an inline payload and its frame.
-constexpr size_t kSideChannelMaxRequest = 64u << 10;
-constexpr size_t kSideChannelMaxReply = kInlineMax + (64u << 10);
-
-// Timeouts grow with size: the base, plus the size at 50 MB/s.
-double timeout_for(double base, size_t bytes) { return base + double(bytes) / 50e6; }
-
-class TeConnector final : public Connector, public SenderLink, public ReleaseTracking {
- public:
-  explicit TeConnector(TeOptions o) : o_(std::move(o)) {}
-  ~TeConnector() override {
-    close();
-    if (hello_efd_ >= 0) ::close(hello_efd_);
-  }
-
-  Status init(const std::string& name) {
-    name_ = name;
-    ucx::EngineOptions eo;
-    eo.protocol = o_.protocol;
-    eo.device = o_.device;
-    eo.pool_bytes = o_.pool_bytes;
-    eo.lanes = o_.lanes;
-    SL_ASSIGN(engine_, ucx::Engine::create(eo));
-    advertised_ = o_.host == "auto" ? net::host_address() : o_.host;
-    if (o_.role != "receiver") {  // a sender (or both): serve the side channel
-      // The address it advertises, never every interface: a side channel reachable on an
-      // interface no peer uses is only exposure.
-      const std::string bind_host = advertised_;
-      try {
-        router_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::router);
-        router_->set(zmq::sockopt::linger, 0);
-        // Requests are small maps (a key, a worker address): a peer declaring a larger frame is
-        // disconnected by libzmq before anything of it is buffered.
-        router_->set(zmq::sockopt::maxmsgsize, int64_t(kSideChannelMaxRequest));
-        if (o_.curve) {
-          SL_ASSIGN(admission_, zap::serve(ctx_, *router_, o_.curve->server));
-        } else if (bind_host.rfind("127.", 0) != 0 && bind_host != "localhost" && bind_host != "::1") {
-          static std::atomic<bool> said{false};
-          if (!said.exchange(true))
-            SL_LOG_WARN("%s: its side channel serves %s without CURVE: any host that reaches it can list this "
-                        "sender's keys and pull small payloads. Set extra.curve (SECURITY.md)",
-                        name.c_str(), bind_host.c_str());
-        }
-        router_->bind("tcp://" + bind_host + ":" + std::to_string(o_.zmq_port));
-        const std::string last = router_->get(zmq::sockopt::last_endpoint);
-        port_ = std::stoi(last.substr(last.rfind(':') + 1));
-      } catch (const zmq::error_t& e) {
-        return make_error(Errc::io, "side channel on " + bind_host + ":" + std::to_string(o_.zmq_port) +
-                                        " (zmq_port): " + e.what() +
-                                        (e.num() == EADDRINUSE ? " (the port is taken)" : ""));
-      }
-      engine_->on_request([this](std::span<const std::byte> b) { serve_am_pull(b); });
-      server_ = std::thread([this] { serve(); });
-    }
-    return {};
-  }
-
-  const std::string& name() const override { return name_; }
-
-  Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key, const Payload& p,
-                        const PutOptions& po) override {
-    SL_TRY(same_process());
-    if (closed_) return make_error(Errc::closed, name_ + " is closed");
-    if (!router_) return make_error(Errc::invalid_argument, name_ + " with role receiver cannot put");
-    SL_TRY(validate_name("from_stage", from, 64));
-    SL_TRY(validate_name("to_stage", to, 64));
-    SL_TRY(validate_name("key", key, 160));
-    SL_ASSIGN(FramePlan plan, plan_frame(p));
-    SL_ASSIGN(size_t off, engine_->allocate(plan.total, deadline_after(o_.put_timeout_s)));
-    write_frame(plan, p.tensors, engine_->pool_base() + off);
-    Entry e;
-    e.offset = off;
-    e.size = plan.total;
-    e.fast = !p.ext_has("pickle");
-    e.readers_left = po.readers ? po.readers : o_.readers;
-    e.rid = std::string(po.request_id);
-    e.put_key = key;
-    e.created_ns = mono_ns();
-    e.seq = next_seq_.fetch_add(1) + 1;
-    const std::string ik = make_internal_key(key, from, to);
-    {
-      std::unique_lock<std::mutex> l(mu_);
-      sweep_locked();
-      // A transfer of the key's previous put still under way (its reader may already have the
-      // bytes while the sender's completion is on its way): waited for, up to put_timeout_s.
-      const Deadline dl = deadline_after(o_.put_timeout_s);
-      release_cv_.wait_until(l, dl, [&] {
-        auto i = entries_.find(ik);
-        return i == entries_.end() || i->second.in_flight == 0 || closed_.load();
-      });
-      auto it = entries_.find(ik);
-      if (it != entries_.end() && it->second.in_flight == 0) {  // an unread put of the key: replaced
-        engine_->free(it->second.offset, it->second.size);
-        entries_.erase(it);
-      } else if (it != entries_.end()) {
-        engine_->free(off, plan.total);
-        return make_error(Errc::exists, "key '" + ik + "' is being transferred; put it again after");
-      }
-      entries_.emplace(ik, e);
-    }
-    puts_.fetch_add(1);
-    put_bytes_.fetch_add(plan.total);
-    PutResult r;
-    r.size = plan.total;
-    Value::Map md;
-    md.emplace_back("source_host", advertised_);
-    md.emplace_back("source_port", uint64_t(port_));
-    md.emplace_back("data_size", uint64_t(plan.total));
-    md.emplace_back("is_fast_path", e.fast);
-    md.emplace_back("put_seq", e.seq);  // beyond the seed: lets this connector say when it was read
-    md.emplace_back("key", ik);
-    r.metadata = Value(std::move(md));
-    return r;
-  }
-
-  Status update_sender_info(const std::string& host, int port) override {
-    if (host.empty() || port <= 0 || port > 65535)
-      return make_error(Errc::invalid_argument, "update_sender_info: a host and a port in [1, 65535]");
-    std::lock_guard<std::mutex> l(mu_);
-    o_.sender_host = host;
-    o_.sender_port = port;
-    return {};
-  }
-
-  Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key, const Value* md,
-                        Deadline deadline, const GetOptions& go) override {
-    SL_TRY(same_process());
-    if (closed_) return make_error(Errc::closed, name_ + " is closed");
-    SL_TRY(validate_name("from_stage", from, 64));
-    SL_TRY(validate_name("to_stage", to, 64));
-    SL_TRY(validate_name("key", key, 160));
-    const std::string ik = make_internal_key(key, from, to);
-    uint64_t size = 0;
-    bool have_size = false;
-    SL_ASSIGN(const std::string peer, sender_endpoint(md, key, "get of '" + ik + "'", &size, &have_size));
-    if (!have_size) {  // ask the sender (query) first; until `deadline` while it has no such put
-      for (uint64_t backoff_us = 1000;; backoff_us = std::min<uint64_t>(backoff_us * 2, 50'000)) {
-        Value::Map q;
-        q.emplace_back("op", "query");
-        q.emplace_back("key", ik);
-        SL_ASSIGN(Value rep, call(peer, std::move(q), o_.timeout_s));
-        Status st = reply_status(rep, ik);
-        if (st.ok()) {
-          const Value* s = rep.find("size");
-          if (!s || !s->get_u64(size)) return make_error(Errc::corrupt, "query reply without a size");
-          break;
-        }
-        // The sender has no such put yet: ask again (backing off to 50 ms; the side channel has
-        // no notification) until the deadline.
-        if (st.error().code != Errc::not_found || deadline == kNoWait ||
-            Clock::now() + std::chrono::microseconds(backoff_us) >= deadline)
-          return std::move(st).error();
-        if (go.keep_waiting && !go.keep_waiting())
-          return make_error(Errc::cancelled, "the get of '" + ik + "' was interrupted while it waited");
-        std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
-      }
-    }
-    // The receiver's memory is bounded by its pool whichever way the payload lands: a size named
-    // by metadata or by a sender's reply never makes it allocate more.
-    if (size > engine_->pool_size())
-      return make_error(Errc::exhausted, "'" + ik + "' holds " + std::to_string(size) +
-                                             " bytes, more than this receiver's memory pool");
-    const double tmo = timeout_for(o_.timeout_s, size);
-    // Where the payload lands: a region of the pool, or, for a caller that would copy it out at
-    // once (private_ok: the Python binding's default get) and from 1 MiB, a host buffer of this
-    // process (pooled: already mapped when one of that size was dropped before), which the result
-    // then owns: the copy after the transfer is gone (issue 52: the copying get took 1.2-1.6x the
-    // zero-copy one).
-    std::byte* dst = nullptr;
-    std::shared_ptr<void> region;  // non-null (views test their keepalive)
-    const bool own = go.zero_copy && go.hooks && go.hooks->private_ok && size >= host_pool::kPooledMin;
-    if (own) {
-      std::shared_ptr<std::byte> buf = host_pool::allocate(size);
-      if (!buf) return make_error(Errc::exhausted, "no memory for a buffer of " + std::to_string(size) + " bytes");
-      dst = buf.get();
-      region = std::shared_ptr<void>(buf, buf.get());
-    } else {
-      SL_ASSIGN(size_t off, engine_->allocate(size, deadline_after(tmo)));
-      dst = engine_->pool_base() + off;
-      region = std::shared_ptr<void>(dst, [eng = engine_, off, size](void*) { eng->free(off, size); });
-    }
-    const uint64_t token = (uint64_t(getpid()) << 40) ^ next_token_.fetch_add(1);
-    engine_->expect(token, dst, size, region);
-    struct Forget {
-      ucx::Engine* e;
-      uint64_t t;
-      ~Forget() { e->forget(t); }
-    } forget{engine_.get(), token};
-    // A sender met before is asked over UCX (one message each way, no side-channel thread hops);
-    // otherwise, or when that endpoint broke, over the side channel, whose reply says how to reach
-    // the sender's engine next time.
-    std::vector<std::byte> sender_worker;
-    uint64_t auth = 0;
-    if (o_.pull_channel == "ucx") {
-      std::lock_guard<std::mutex> l(peers_mu_);
-      if (auto it = workers_.find(peer); it != workers_.end()) sender_worker = it->second;
-      if (auto it = auths_.find(peer); it != auths_.end()) auth = it->second;
-    }
-    if (!sender_worker.empty()) {
-      Value::Map pull;
-      pull.emplace_back("key", ik);
-      pull.emplace_back("len", uint64_t(size));
-      pull.emplace_back("token", token);
-      pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
-      pull.emplace_back("auth", auth);  // issued to this receiver by the sender's side channel
-      const auto msg = value_to_msgpack(Value(std::move(pull)));
-      Status sent = engine_->request(sender_worker, msg, deadline_after(o_.timeout_s));
-      if (sent.ok()) {
-        Status st = engine_->wait_landed(token, deadline_after(tmo), sender_worker);
-        if (st.ok()) {
-          gets_ucx_.fetch_add(1);
-          return finish_get(dst, size, region, go, own);
-        }
-        if (st.error().code != Errc::peer_dead) return make_error(st.error().code, "'" + ik + "': " + st.error().message);
-      }
-      std::lock_guard<std::mutex> l(peers_mu_);  // that engine is gone: back to the side channel
-      workers_.erase(peer);
-      engine_->expect(token, dst, size, region);
-    }
-    Value::Map pull;
-    pull.emplace_back("op", "pull");
-    pull.emplace_back("key", ik);
-    pull.emplace_back("len", uint64_t(size));
-    pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
-    pull.emplace_back("inline_max", uint64_t(kInlineMax));
-    pull.emplace_back("token", token);
-    SL_ASSIGN(Value rep, call(peer, std::move(pull), tmo));
-    SL_TRY(reply_status(rep, ik));
-    gets_side_.fetch_add(1);
-    if (const Value* w = rep.find("worker"); w && w->is<Value::Bytes>() && !w->as<Value::Bytes>().empty()) {
-      const auto& wb = w->as<Value::Bytes>();
-      std::lock_guard<std::mutex> l(peers_mu_);
-      workers_[peer].assign(wb.begin(), wb.end());
-      remember_auth_locked(peer, rep);
-    }
-    if (const Value* d = rep.find("data")) {  // a small payload came back in the reply itself
-      if (!d->is<Value::Bytes>() || d->as<Value::Bytes>().size() != size)
-        return make_error(Errc::corrupt, "inline reply of " + std::to_string(d->is<Value::Bytes>() ? d->as<Value::Bytes>().size() : 0) +
-                                             " bytes for a payload of " + std::to_string(size));
-      std::memcpy(dst, d->as<Value::Bytes>().data(), size);
-    } else if (rep.find("am")) {  // sent as an active message: wait until it has landed here
-      SL_TRY(engine_->wait_landed(token, deadline_after(tmo)));
-    }
-    return finish_get(dst, size, region, go, own);
-  }
-
-  Value sender_info() override {
-    if (!router_) return Value();
-    Value::Map m;
-    m.emplace_back("source_host", advertised_);
-    m.emplace_back("source_port", uint64_t(port_));
-    return Value(std::move(m));
-  }
-
-  // The side channel's hello: the sender connects its engine to ours (every lane it sends on) and
-  // says how to reach its engine, which ours connects to (the lane pull requests take). What the
-  // first get would otherwise do, and the endpoints ready for the next ones.
-  Status connect(const Value& info, Deadline deadline) override {
-    SL_TRY(same_process());
-    if (closed_) return make_error(Errc::closed, name_ + " is closed");
-    if (!info.is_nil() && !info.is<Value::Map>())
-      return make_error(Errc::corrupt, "connect takes a sender's sender_info() or one of its puts' metadata (a map)");
-    SL_ASSIGN(const std::string peer, sender_endpoint(info.is_nil() ? nullptr : &info, "", "connect", nullptr, nullptr));
-    Value::Map hello;
-    hello.emplace_back("op", "hello");
-    hello.emplace_back("key", "");
-    hello.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
-    const double left_s = std::chrono::duration<double>(deadline - Clock::now()).count();
-    if (!(left_s > 0)) return make_error(Errc::timeout, "connect to " + peer + ": the deadline has passed");
-    SL_ASSIGN(Value rep, call(peer, std::move(hello), std::min(left_s, 1e9)));
-    SL_TRY(reply_status(rep, "connect"));
-    const Value* w = rep.find("worker");
-    if (!w || !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty())
-      return make_error(Errc::corrupt, "the sender at " + peer + " replied to connect without its worker address");
-    SL_TRY(engine_->connect(w->as<Value::Bytes>(), 1, deadline));  // pull requests take lane 0
-    if (o_.pull_channel == "ucx") {
-      std::lock_guard<std::mutex> l(peers_mu_);
-      workers_[peer].assign(w->as<Value::Bytes>().begin(), w->as<Value::Bytes>().end());
-      remember_auth_locked(peer, rep);
-    }
-    connects_.fetch_add(1);
-    return {};
-  }
-
-  Result<GetResult> finish_get(const std::byte* at, size_t size, const std::shared_ptr<void>& region,
-                               const GetOptions& go, bool own) {
-    const std::span<const std::byte> bytes(at, size);
-    GetResult g;
-    g.size = size;
-    g.owned = own;
-    if (go.zero_copy) {
-      SL_TRY(decode_frame_into(bytes, region, g.payload, !(go.hooks && go.hooks->raw_tree)));  // views hold the region
-    } else {
-      SL_TRY(decode_frame_copy_into(bytes, g.payload));
-    }
-    gets_.fetch_add(1);
-    get_bytes_.fetch_add(size);
-    return g;
-  }
-
-  // Relay support: a put is released when its entry is gone (read by every reader, cleaned up,
-  // expired) or replaced by a newer put of the key.
-  Result<bool> put_released(const Value& md) override {
-    const Value *k = md.find("key"), *sq = md.find("put_seq");
-    uint64_t seq = 0;
-    if (!k || !k->is<std::string>() || !sq || !sq->get_u64(seq))
-      return make_error(Errc::corrupt, "put_released: not this connector's put metadata");
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = entries_.find(k->as<std::string>());
-    return it == entries_.end() || it->second.seq != seq;
-  }
-  uint64_t release_epoch() override {
-    std::lock_guard<std::mutex> l(mu_);
-    return epoch_;
-  }
-  bool wait_release_epoch(uint64_t seen, Deadline deadline) override {
-    std::unique_lock<std::mutex> l(mu_);
-    return release_cv_.wait_until(l, deadline, [&] { return epoch_ != seen || closed_.load(); });
-  }
-
-  size_t reap_consumed() override { return 0; }  // a read put's region is freed when its transfer ends
-  void* find_capability(CapabilityId id) override {
-    if (id == CapabilityId::sender_link) return static_cast<SenderLink*>(this);
-    if (id == CapabilityId::releases) return static_cast<ReleaseTracking*>(this);
-    return nullptr;
-  }
-
-  size_t cleanup(const std::string& rid) override {
-    std::lock_guard<std::mutex> l(mu_);
-    size_t n = 0;
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      if (it->second.in_flight == 0 && (it->second.put_key == rid || it->second.rid == rid)) {
-        engine_->free(it->second.offset, it->second.size);
-        it = entries_.erase(it);
-        released_locked();
-        ++n;
-      } else {
-        ++it;
-      }
-    }
-    return n;
-  }
-
-  Value health() override {
-    Value::Map m;
-    m.emplace_back("status", closed_ ? "closed" : "healthy");
-    m.emplace_back("connector", name_);
-    m.emplace_back("role", o_.role.empty() ? std::string("sender+receiver") : o_.role);
-    options::add_ignored(m, o_.ignored);
-    m.emplace_back("host", advertised_);
-    m.emplace_back("zmq_port", uint64_t(port_));
-    m.emplace_back("puts", uint64_t(puts_.load()));
-    m.emplace_back("gets", uint64_t(gets_.load()));
-    m.emplace_back("bytes_transferred", uint64_t(put_bytes_.load() + get_bytes_.load()));
-    m.emplace_back("pulls_served", uint64_t(pulls_.load()));
-    m.emplace_back("gets_over_ucx", uint64_t(gets_ucx_.load()));  // pull request sent as a UCX message
-    m.emplace_back("gets_over_side_channel", uint64_t(gets_side_.load()));
-    m.emplace_back("connects", uint64_t(connects_.load()));  // connect() calls that set up a sender
-    m.emplace_back("errors", uint64_t(errors_.load()));
-    m.emplace_back("curve", bool(o_.curve));  // the side channel authenticated and encrypted
-    m.emplace_back("refused_peers", uint64_t(admission_ ? admission_->refused() : 0));
-    m.emplace_back("refused_pulls", uint64_t(refused_pulls_.load()));  // UCX pulls without a token
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      m.emplace_back("outstanding", uint64_t(entries_.size()));
-    }
-    if (engine_) m.emplace_back("ucx", engine_->info());
-    return Value(std::move(m));
-  }
-
-  // UCX (its worker, its registered pool) and the side-channel thread do not survive fork(): a
-  // connector inherited by a forked child says so instead of using the parent's.
-  Status same_process() const {
-    if (!fork_.inherited()) [[likely]]
-      return {};
-    return make_error(Errc::unsupported, name_ + " was made in the parent of this forked process; UCX does not "
-                                                 "survive fork(): make a new connector in this process");
-  }
-
-  void close() override {
-    if (closed_.exchange(true)) return;
-    if (fork_.inherited()) {
-      // Inherited through fork(): the side-channel thread, the UCX engine (and its progress
-      // thread), the sockets and the pool are the parent's. Nothing is joined, closed or freed.
-      (void)new std::thread(std::move(server_));
-      (void)new std::shared_ptr<ucx::Engine>(std::move(engine_));
-      (void)new std::map<std::string, std::shared_ptr<Peer>>(std::move(peers_));
-      abandon_after_fork(ctx_, router_);
-      (void)new std::shared_ptr<zap::Admission>(std::move(admission_));
-      (void)new std::vector<Hello>(std::move(hellos_));  // the parent's threads
-      return;
-    }
-    stop_.store(true);
-    if (server_.joinable()) server_.join();
-    join_hellos();
-    router_.reset();
-    admission_.reset();  // after the socket, before the context: stops its ZAP handler
-    {
-      std::lock_guard<std::mutex> l(peers_mu_);
-      peers_.clear();
-    }
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      entries_.clear();  // their memory goes with the pool
-      released_locked();
-    }
-    if (engine_) engine_->close();
-    ctx_.close();
-  }
-
- private:
-  struct Entry {
-    size_t offset = 0, size = 0;
-    bool fast = true;
-    uint32_t readers_left = 1;
-    uint32_t in_flight = 0;
-    std::string rid, put_key;
-    uint64_t created_ns = 0;
-    uint64_t seq = 0;  // this put among the connector's (a replaced key's new put differs)
-  };
-  struct Peer {
-    std::mutex mu;
-    zmq::socket_t sock;
-    uint64_t next_id = 1;
-    Peer(zmq::context_t& c) : sock(c, zmq::socket_type::dealer) {}
-  };
-
-  static Status reply_status(const Value& rep, const std::string& ik) {
-    const Value* ok = rep.find("ok");
-    if (!ok || !ok->is<bool>()) return make_error(Errc::corrupt, "side-channel reply without 'ok'");
-    if (ok->as<bool>()) return {};
-    const Value* code = rep.find("code");
-    const Value* err = rep.find("err");
-    return make_error(code && code->is<std::string>() ? errc_from(code->as<std::string>()) : Errc::io,
-                      "sender, for '" + ik + "': " + (err && err->is<std::string>() ? err->as<std::string>() : "failed"));
-  }
-
-  // The side channel ("tcp://host:port") of the sender a get (of `key`) or a connect asks: the
-  // source_host and source_port of `md` (a put's metadata, or {key: metadata}), else the sender
-  // of update_sender_info or the config. `size`/`have_size`: the metadata's data_size. Errors:
-  // corrupt (those keys malformed; a non-map is ignored, as other connectors' metadata is),
-  // not_found (no sender known).
-  Result<std::string> sender_endpoint(const Value* md, const std::string& key, const std::string& what, uint64_t* size,
-                                      bool* have_size) {
-    std::string host;
-    uint64_t port = 0;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      host = o_.sender_host;
-      port = uint64_t(o_.sender_port);
-    }
-    if (md && md->is<Value::Map>()) {
-      const Value* m = md;
-      if (!key.empty() && m->as<Value::Map>().size() == 1 && m->find(key)) m = m->find(key);  // {key: metadata}
-      const Value *h = m->find("source_host"), *pt = m->find("source_port"), *ds = m->find("data_size");
-      if (h && pt) {
-        uint64_t sz = 0;
-        if (!h->is<std::string>() || !pt->get_u64(port) || port > 65535 || (ds && !ds->get_u64(sz)))
-          return make_error(Errc::corrupt, "transfer-engine metadata: source_host must be a string, source_port a "
-                                           "port, data_size a size");
-        host = h->as<std::string>();
-        if (size) *size = sz;
-        if (have_size) *have_size = ds != nullptr;
-      }
-    }
-    if (host.empty() || port == 0)
-      return make_error(Errc::not_found, what + " needs the put's metadata (source_host, source_port) "
-                                                "or the sender's address (update_sender_info / extra sender_host, "
-                                                "sender_zmq_port)");
-    return "tcp://" + (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
-  }
-
-  // One request/reply with the sender at `peer` (a DEALER per sender, requests numbered).
-  Result<Value> call(const std::string& peer, Value::Map req, double timeout_s) {
-    std::shared_ptr<Peer> p;
-    {
-      std::lock_guard<std::mutex> l(peers_mu_);
-      if (closed_) return make_error(Errc::closed, name_ + " is closed");
-      auto& slot = peers_[peer];
-      if (!slot) {
-        slot = std::make_shared<Peer>(ctx_);
-        slot->sock.set(zmq::sockopt::linger, 0);
-        slot->sock.set(zmq::sockopt::maxmsgsize, int64_t(kSideChannelMaxReply));  // an inline payload at most
-        if (o_.curve) SL_TRY(zap::connect_as(slot->sock, o_.curve->client));
-        slot->sock.connect(peer);
-      }
-      p = slot;
-    }
-    std::lock_guard<std::mutex> l(p->mu);
-    const uint64_t id = p->next_id++;
-    req.emplace_back("rq", id);
-    const auto bytes = value_to_msgpack(Value(std::move(req)));
-    try {
-      if (!p->sock.send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait))
-        return make_error(Errc::timeout, "side channel to " + peer + " is not accepting requests");
-      const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-      for (;;) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-        if (left.count() <= 0)
-          return make_error(Errc::timeout, "no reply from the sender at " + peer + " within " + std::to_string(timeout_s) + " s");
-        zmq::pollitem_t it{p->sock.handle(), 0, ZMQ_POLLIN, 0};
-        poll_through_signals(&it, 1, left);
-        if (!(it.revents & ZMQ_POLLIN)) continue;
-        zmq::message_t m;
-        if (!p->sock.recv(m, zmq::recv_flags::dontwait)) continue;
-        auto v = value_from_msgpack(std::span<const std::byte>(static_cast<const std::byte*>(m.data()), m.size()));
-        if (!v.ok() || !v->is<Value::Map>()) return make_error(Errc::corrupt, "malformed side-channel reply from " + peer);
-        uint64_t got = 0;
-        const Value* rq = v->find("rq");
-        if (!rq || !rq->get_u64(got) || got != id) continue;  // a late reply to an earlier request
-        return std::move(v).value();
-      }
-    } catch (const zmq::error_t& e) {
-      return make_error(Errc::io, "side channel to " + peer + ": " + e.what());
-    }
-  }
-
-  // The sender's side channel: one request at a time (each is a query or a whole pull).
-  void serve() {
-    pthread_setname_np(pthread_self(), "sl-te-side");
-    while (!stop_.load()) {
-      zmq::pollitem_t its[2] = {{router_->handle(), 0, ZMQ_POLLIN, 0}, {nullptr, hello_efd_, ZMQ_POLLIN, 0}};
-      try {
-        poll_through_signals(its, 2, std::chrono::milliseconds(100));
-        if (its[1].revents & ZMQ_POLLIN) send_hello_replies();
-        if (!(its[0].revents & ZMQ_POLLIN)) {
-          std::lock_guard<std::mutex> l(mu_);
-          sweep_locked();
-          continue;
-        }
-        zmq::message_t ident, body;
-        if (!router_->recv(ident, zmq::recv_flags::dontwait)) continue;
-        if (!ident.more() || !router_->recv(body, zmq::recv_flags::dontwait)) continue;
-        while (body.more()) {  // not ours: drain
-          zmq::message_t rest;
-          if (!router_->recv(rest, zmq::recv_flags::dontwait)) break;
-          body = std::move(rest);
-        }
-        const std::span<const std::byte> req(static_cast<const std::byte*>(body.data()), body.size());
-        if (start_hello(ident, req)) continue;  // answered later, from another thread's result
-        Value rep = handle(req);
-        const auto bytes = value_to_msgpack(rep);
-        router_->send(ident, zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-        router_->send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait);
-      } catch (const zmq::error_t& e) {
-        if (stop_.load()) return;
-        SL_LOG_WARN("%s side channel: %s", name_.c_str(), e.what());
-      }
-    }
-  }
-
-  // A hello connects back to the asking receiver's engine, which may take up to the timeout (a
-  // stopped peer): never on this thread, which serves every peer. It runs on a thread of its own
-  // (at most kMaxHellos at once; more are refused at once) and its reply is sent from here when
-  // it is done (hello_efd_ wakes the serving loop). True: the request was a hello and is taken.
-  static constexpr size_t kMaxHellos = 16;
-  bool start_hello(zmq::message_t& ident, std::span<const std::byte> req) {
-    auto v = value_from_msgpack(req);
-    const Value* op = v.ok() && v->is<Value::Map>() ? v->find("op") : nullptr;
-    if (!op || !op->is<std::string>() || op->as<std::string>() != "hello") return false;
-    std::lock_guard<std::mutex> l(hello_mu_);
-    reap_hellos_locked();
-    Value rep;
-    if (hellos_.size() >= kMaxHellos) {
-      uint64_t rq = 0;
-      if (const Value* r = v->find("rq")) r->get_u64(rq);
-      rep = fail(Errc::exhausted, "the sender is connecting back to " + std::to_string(kMaxHellos) +
-                                      " receivers already; try again", rq);
-    }
-    auto id = std::make_shared<std::string>(static_cast<const char*>(ident.data()), ident.size());
-    if (!rep.is_nil()) {
-      hello_replies_.emplace_back(*id, value_to_msgpack(rep));
-      signal_hello();
-      return true;
-    }
-    auto done = std::make_shared<std::atomic<bool>>(false);
-    std::vector<std::byte> copy(req.begin(), req.end());
-    hellos_.push_back({std::thread([this, id, done, copy = std::move(copy)] {
-                         Value r = handle(copy);  // the connect-back, with its own deadline
-                         {
-                           std::lock_guard<std::mutex> g(hello_mu_);
-                           hello_replies_.emplace_back(*id, value_to_msgpack(r));
-                         }
-                         signal_hello();
-                         done->store(true);
-                       }),
-                       done});
-    return true;
-  }
-  void signal_hello() {
-    const uint64_t one = 1;
-    if (::write(hello_efd_, &one, sizeof one) < 0) {
-    }
-  }
-  void reap_hellos_locked() {  // join the hello threads that are done
-    for (auto it = hellos_.begin(); it != hellos_.end();) {
-      if (it->done->load()) {
-        it->thread.join();
-        it = hellos_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  void send_hello_replies() {  // serving thread
-    uint64_t n;
-    if (::read(hello_efd_, &n, sizeof n) < 0) {
-    }
-    std::vector<std::pair<std::string, std::vector<std::byte>>> out;
-    {
-      std::lock_guard<std::mutex> l(hello_mu_);
-      out.swap(hello_replies_);
-      reap_hellos_locked();
-    }
-    for (auto& [id, bytes] : out) {
-      router_->send(zmq::const_buffer(id.data(), id.size()), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-      router_->send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait);
-    }
-  }
-  void join_hellos() {
-    std::vector<Hello> all;
-    {
-      std::lock_guard<std::mutex> l(hello_mu_);
-      all.swap(hellos_);
-    }
-    for (auto& h : all) h.thread.join();  // each bounded by its connect's deadline
-  }
-
-  static Value fail(Errc c, const std::string& msg, uint64_t rq) {
-    Value::Map m;
-    m.emplace_back("ok", false);
-    m.emplace_back("code", errc_str(c));
-    m.emplace_back("err", msg);
-    m.emplace_back("rq", rq);
-    return Value(std::move(m));
-  }
-
-  Value handle(std::span<const std::byte> bytes) {
-    auto v = value_from_msgpack(bytes);
-    uint64_t rq = 0;
-    if (!v.ok() || !v->is<Value::Map>()) {
-      errors_.fetch_add(1);
-      return fail(Errc::corrupt, "malformed request", 0);
-    }
-    if (const Value* r = v->find("rq")) r->get_u64(rq);
-    const Value *op = v->find("op"), *key = v->find("key");
-    if (!op || !op->is<std::string>() || !key || !key->is<std::string>())
-      return fail(Errc::corrupt, "request without op/key", rq);
-    const std::string& ik = key->as<std::string>();
-    if (op->as<std::string>() == "hello") {  // a receiver's connect
-      const Value* w = v->find("worker");
-      if (!w || !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty())
-        return fail(Errc::corrupt, "hello without the receiver's worker address", rq);
-      Status st = engine_->connect(w->as<Value::Bytes>(), 0, deadline_after(o_.timeout_s));
-      if (!st.ok()) return fail(st.error().code, "connecting back to the receiver: " + st.error().message, rq);
-      Value::Map m;
-      m.emplace_back("ok", true);
-      m.emplace_back("rq", rq);
-      m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
-      m.emplace_back("auth", issue_auth(w->as<Value::Bytes>()));
-      return Value(std::move(m));
-    }
-    if (op->as<std::string>() == "query") {
-      std::lock_guard<std::mutex> l(mu_);
-      auto it = entries_.find(ik);
-      if (it == entries_.end() || it->second.readers_left == 0)
-        return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
-      Value::Map m;
-      m.emplace_back("ok", true);
-      m.emplace_back("size", uint64_t(it->second.size));
-      m.emplace_back("fast", it->second.fast);
-      m.emplace_back("rq", rq);
-      m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
-      return Value(std::move(m));
-    }
-    if (op->as<std::string>() != "pull") return fail(Errc::invalid_argument, "unknown op", rq);
-    // The receiver names its engine and a token; the payload goes back as an active message that
-    // its engine lands in the region it set aside. No address of the receiver's memory is ever
-    // taken from a request: a remote write (RMA) to an address a message named was the older
-    // path, removed (a request naming the sender's own engine made it write into itself).
-    uint64_t len = 0, token = 0;
-    const Value *n = v->find("len"), *w = v->find("worker"), *tk = v->find("token");
-    if (!n || !n->get_u64(len) || !w || !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty() || !tk ||
-        !tk->get_u64(token))
-      return fail(Errc::corrupt, "pull request without len/worker/token", rq);
-    uint64_t inline_max = 0;
-    if (const Value* im = v->find("inline_max")) im->get_u64(inline_max);
-    Entry e;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      auto it = entries_.find(ik);
-      // A reader is counted when its pull is accepted (given back if the transfer fails): a put
-      // for N readers is never read by N + 1.
-      if (it == entries_.end() || it->second.readers_left == 0)
-        return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
-      if (it->second.size <= std::min<uint64_t>(inline_max, kInlineMax)) {
-        // Small: the bytes go back in the reply (one round trip, no UCX write to wait for).
-        Value::Map m;
-        m.emplace_back("ok", true);
-        m.emplace_back("rq", rq);
-        m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
-        m.emplace_back("auth", issue_auth_locked(w->as<Value::Bytes>()));
-        m.emplace_back("data", Value::copy_bytes(std::span<const std::byte>(engine_->pool_base() + it->second.offset,
-                                                                            it->second.size)));
-        if (--it->second.readers_left == 0 && it->second.in_flight == 0) {
-          engine_->free(it->second.offset, it->second.size);
-          entries_.erase(it);
-          released_locked();
-        }
-        pulls_.fetch_add(1);
-        return Value(std::move(m));
-      }
-      if (len < it->second.size)
-        return fail(Errc::invalid_argument, "destination of " + std::to_string(len) + " bytes for a payload of " +
-                                                std::to_string(it->second.size), rq);
-      --it->second.readers_left;
-      ++it->second.in_flight;
-      e = it->second;
-    }
-    const std::span<const std::byte> src(engine_->pool_base() + e.offset, e.size);
-    const Deadline dl = deadline_after(timeout_for(o_.timeout_s, e.size));
-    Status st = engine_->send(w->as<Value::Bytes>(), token, src, dl);
-    end_pull(ik, st);
-    if (!st.ok()) return fail(st.error().code, st.error().message, rq);
-    Value::Map m;
-    m.emplace_back("ok", true);
-    m.emplace_back("rq", rq);
-    m.emplace_back("am", true);
-    m.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
-    m.emplace_back("auth", issue_auth(w->as<Value::Bytes>()));
-    return Value(std::move(m));
-  }
-
-  // A pull is over: a failed one gives its reader back; the entry goes after its last reader.
-  void end_pull(const std::string& ik, const Status& st) {
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = entries_.find(ik);
-    if (it != entries_.end()) {
-      --it->second.in_flight;
-      if (!st.ok()) ++it->second.readers_left;
-      if (it->second.readers_left == 0 && it->second.in_flight == 0) {
-        engine_->free(it->second.offset, it->second.size);
-        entries_.erase(it);
-        released_locked();
-      }
-    }
-    (st.ok() ? pulls_ : errors_).fetch_add(1);
-    release_cv_.notify_all();  // a put waiting for this key's transfer to end
-  }
-
-  // A pull that came as a UCX message (progress thread: nothing here waits). The payload goes
-  // back in parts over the lanes; errors go back as an error part.
-  void serve_am_pull(std::span<const std::byte> bytes) {
-    auto v = value_from_msgpack(bytes);
-    const Value *k = v.ok() ? v->find("key") : nullptr, *n = v.ok() ? v->find("len") : nullptr,
-                *t = v.ok() ? v->find("token") : nullptr, *w = v.ok() ? v->find("worker") : nullptr;
-    uint64_t len = 0, token = 0;
-    if (!k || !k->is<std::string>() || !n || !n->get_u64(len) || !t || !t->get_u64(token) || !w ||
-        !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty()) {
-      errors_.fetch_add(1);
-      // Answered only to a receiver engine the side channel met: an address from the message
-      // itself is never dialled (it would let anyone aim this engine at any address).
-      if (t && t->get_u64(token) && w && w->is<Value::Bytes>() && known_worker(w->as<Value::Bytes>()))
-        engine_->send_error(w->as<Value::Bytes>(), token, make_error(Errc::corrupt, "malformed pull request"));
-      return;
-    }
-    const std::string& ik = k->as<std::string>();
-    const auto& worker = w->as<Value::Bytes>();
-    std::span<const std::byte> src;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      // Served only to a receiver the side channel (CURVE-authenticated where configured) met:
-      // the token it issued that receiver's engine. Nothing is counted as read before that.
-      uint64_t auth = 0;
-      const Value* a = v->find("auth");
-      auto issued = auth_by_worker_.find(std::vector<std::byte>(worker.begin(), worker.end()));
-      if (!a || !a->get_u64(auth) || issued == auth_by_worker_.end() || issued->second != auth) {
-        errors_.fetch_add(1);
-        refused_pulls_.fetch_add(1);
-        if (issued == auth_by_worker_.end()) return;  // an engine the side channel never met: dropped, unanswered
-        return engine_->send_error(worker, token, make_error(Errc::permission_denied,
-                                                             "a pull over UCX without a token this sender's side "
-                                                             "channel issued to that receiver"));
-      }
-      auto it = entries_.find(ik);
-      if (it == entries_.end() || it->second.readers_left == 0)
-        return engine_->send_error(worker, token, make_error(Errc::not_found, "no put of '" + ik + "' here"));
-      if (len != it->second.size)
-        return engine_->send_error(worker, token, make_error(Errc::invalid_argument,
-                                                             "destination of " + std::to_string(len) +
-                                                                 " bytes for a payload of " + std::to_string(it->second.size)));
-      --it->second.readers_left;
-      ++it->second.in_flight;
-      src = {engine_->pool_base() + it->second.offset, it->second.size};
-    }
-    engine_->send_async(worker, token, src, deadline_after(timeout_for(o_.timeout_s, src.size())),
-                        [this, ik](Status st) { end_pull(ik, st); });
-  }
-
-  // A random token for the receiver engine `worker` (the same one while it is remembered): its
-  // pulls over UCX carry it. At most kMaxAuth receivers are remembered (the oldest forgotten).
-  uint64_t issue_auth(const Value::Bytes& worker) {
-    std::lock_guard<std::mutex> l(mu_);
-    return issue_auth_locked(worker);
-  }
-  uint64_t issue_auth_locked(const Value::Bytes& worker) {
-    std::vector<std::byte> key(worker.begin(), worker.end());
-    if (auto it = auth_by_worker_.find(key); it != auth_by_worker_.end()) return it->second;
-    static constexpr size_t kMaxAuth = 4096;
-    if (auth_order_.size() >= kMaxAuth) {
-      auth_by_worker_.erase(auth_order_.front());
-      auth_order_.pop_front();
-    }
-    std::random_device rd;
-    const uint64_t t = (uint64_t(rd()) << 32 | rd()) | 1;  // never 0 (no token)
-    auth_by_worker_.emplace(key, t);
-    auth_order_.push_back(std::move(key));
-    return t;
-  }
-  bool known_worker(const Value::Bytes& worker) {
-    std::lock_guard<std::mutex> l(mu_);
-    return auth_by_worker_.count(std::vector<std::byte>(worker.begin(), worker.end())) > 0;
-  }
-  // Receiver side: the token a sender's reply carries, for the pulls sent to it over UCX.
-  void remember_auth_locked(const std::string& peer, const Value& rep) {
-    uint64_t a = 0;
-    if (const Value* v = rep.find("auth"); v && v->get_u64(a)) auths_[peer] = a;
-  }
-
-  // Unclaimed puts expire after ttl_s, never while a transfer is in flight.
-  void sweep_locked() {
-    const uint64_t ttl = uint64_t(o_.ttl_s * 1e9), now = mono_ns();
-    if (!ttl) return;
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      if (it->second.in_flight == 0 && now - it->second.created_ns > ttl) {
-        SL_LOG_WARN("%s: put '%s' unclaimed after %.0f s (ttl_s): freed", name_.c_str(), it->first.c_str(), o_.ttl_s);
-        engine_->free(it->second.offset, it->second.size);
-        it = entries_.erase(it);
-        released_locked();
-      } else {
-        ++it;
-      }
-    }
-  }
-
-  void released_locked() {
-    ++epoch_;
-    release_cv_.notify_all();
-  }
-
-  TeOptions o_;
-  std::string name_, advertised_;
-  int port_ = 0;
-  std::shared_ptr<ucx::Engine> engine_;
-  zmq::context_t ctx_{1};
-  std::unique_ptr<zmq::socket_t> router_;
-  std::shared_ptr<zap::Admission> admission_;
-  std::thread server_;
-  struct Hello {
-    std::thread thread;
-    std::shared_ptr<std::atomic<bool>> done;
-  };
-  std::mutex hello_mu_;
-  std::vector<Hello> hellos_;  // connect-backs under way (under hello_mu_)
-  std::vector<std::pair<std::string, std::vector<std::byte>>> hello_replies_;  // (peer id, reply)
-  int hello_efd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  ForkStamp fork_;
-  std::atomic<bool> stop_{false}, closed_{false};
-  std::mutex mu_;
-  std::condition_variable release_cv_;
-  uint64_t epoch_ = 0;
-  std::atomic<uint64_t> next_seq_{0}, next_token_{1};
-  std::map<std::string, Entry> entries_;
-  std::mutex peers_mu_;
-  std::map<std::string, std::shared_ptr<Peer>> peers_;
-  std::map<std::string, std::vector<std::byte>> workers_;  // side-channel address -> its engine's worker address
-  std::map<std::string, uint64_t> auths_;                    // side-channel address -> the token it issued us
-  std::map<std::vector<std::byte>, uint64_t> auth_by_worker_;  // sender: receiver engine -> its token (under mu_)
-  std::deque<std::vector<std::byte>> auth_order_;              // the order they were issued (under mu_)
-  std::atomic<uint64_t> refused_pulls_{0};
-  std::atomic<uint64_t> puts_{0}, gets_{0}, put_bytes_{0}, get_bytes_{0}, pulls_{0}, errors_{0}, gets_ucx_{0},
-      gets_side_{0}, connects_{0};
-};
-
 }  // namespace
 
+Status TeConnector::init(const std::string& name) {
+  name_ = name;
+  ucx::EngineOptions eo;
+  eo.protocol = o_.protocol;
+  eo.device = o_.device;
+  eo.pool_bytes = o_.pool_bytes;
+  eo.lanes = o_.lanes;
+  SL_ASSIGN(engine_, ucx::Engine::create(eo));
+  advertised_ = o_.host == "auto" ? net::host_address() : o_.host;
+  if (o_.role != "receiver") {  // a sender (or both): serve the side channel
+    // The address it advertises, never every interface: a side channel reachable on an
+    // interface no peer uses is only exposure.
+    const std::string bind_host = advertised_;
+    try {
+      router_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::router);
+      router_->set(zmq::sockopt::linger, 0);
+      // Requests are small maps (a key, a worker address): a peer declaring a larger frame is
+      // disconnected by libzmq before anything of it is buffered.
+      router_->set(zmq::sockopt::maxmsgsize, int64_t(kSideChannelMaxRequest));
+      if (o_.curve) {
+        SL_ASSIGN(admission_, zap::serve(ctx_, *router_, o_.curve->server));
+      } else if (bind_host.rfind("127.", 0) != 0 && bind_host != "localhost" && bind_host != "::1") {
+        static std::atomic<bool> said{false};
+        if (!said.exchange(true))
+          SL_LOG_WARN("%s: its side channel serves %s without CURVE: any host that reaches it can list this "
+                      "sender's keys and pull small payloads. Set extra.curve (SECURITY.md)",
+                      name.c_str(), bind_host.c_str());
+      }
+      router_->bind("tcp://" + bind_host + ":" + std::to_string(o_.zmq_port));
+      const std::string last = router_->get(zmq::sockopt::last_endpoint);
+      port_ = std::stoi(last.substr(last.rfind(':') + 1));
+    } catch (const zmq::error_t& e) {
+      return make_error(Errc::io, "side channel on " + bind_host + ":" + std::to_string(o_.zmq_port) +
+                                      " (zmq_port): " + e.what() +
+                                      (e.num() == EADDRINUSE ? " (the port is taken)" : ""));
+    }
+    engine_->on_request([this](std::span<const std::byte> b) { serve_am_pull(b); });
+    server_ = std::thread([this] { serve(); });
+  }
+  return {};
+}
+
+Result<PutResult> TeConnector::put(const std::string& from, const std::string& to, const std::string& key, const Payload& p, const PutOptions& po) {
+  SL_TRY(same_process());
+  if (closed_) return make_error(Errc::closed, name_ + " is closed");
+  if (!router_) return make_error(Errc::invalid_argument, name_ + " with role receiver cannot put");
+  SL_TRY(validate_name("from_stage", from, 64));
+  SL_TRY(validate_name("to_stage", to, 64));
+  SL_TRY(validate_name("key", key, 160));
+  SL_ASSIGN(FramePlan plan, plan_frame(p));
+  SL_ASSIGN(size_t off, engine_->allocate(plan.total, deadline_after(o_.put_timeout_s)));
+  write_frame(plan, p.tensors, engine_->pool_base() + off);
+  Entry e;
+  e.offset = off;
+  e.size = plan.total;
+  e.fast = !p.ext_has("pickle");
+  e.readers_left = po.readers ? po.readers : o_.readers;
+  e.rid = std::string(po.request_id);
+  e.put_key = key;
+  e.created_ns = mono_ns();
+  e.seq = next_seq_.fetch_add(1) + 1;
+  const std::string ik = make_internal_key(key, from, to);
+  {
+    std::unique_lock<std::mutex> l(mu_);
+    sweep_locked();
+    // A transfer of the key's previous put still under way (its reader may already have the
+    // bytes while the sender's completion is on its way): waited for, up to put_timeout_s.
+    const Deadline dl = deadline_after(o_.put_timeout_s);
+    release_cv_.wait_until(l, dl, [&] {
+      auto i = entries_.find(ik);
+      return i == entries_.end() || i->second.in_flight == 0 || closed_.load();
+    });
+    auto it = entries_.find(ik);
+    if (it != entries_.end() && it->second.in_flight == 0) {  // an unread put of the key: replaced
+      engine_->free(it->second.offset, it->second.size);
+      entries_.erase(it);
+    } else if (it != entries_.end()) {
+      engine_->free(off, plan.total);
+      return make_error(Errc::exists, "key '" + ik + "' is being transferred; put it again after");
+    }
+    entries_.emplace(ik, e);
+  }
+  puts_.fetch_add(1);
+  put_bytes_.fetch_add(plan.total);
+  PutResult r;
+  r.size = plan.total;
+  Value::Map md;
+  md.emplace_back("source_host", advertised_);
+  md.emplace_back("source_port", uint64_t(port_));
+  md.emplace_back("data_size", uint64_t(plan.total));
+  md.emplace_back("is_fast_path", e.fast);
+  md.emplace_back("put_seq", e.seq);  // beyond the seed: lets this connector say when it was read
+  md.emplace_back("key", ik);
+  r.metadata = Value(std::move(md));
+  return r;
+}
+
+Status TeConnector::update_sender_info(const std::string& host, int port) {
+  if (host.empty() || port <= 0 || port > 65535)
+    return make_error(Errc::invalid_argument, "update_sender_info: a host and a port in [1, 65535]");
+  std::lock_guard<std::mutex> l(mu_);
+  o_.sender_host = host;
+  o_.sender_port = port;
+  return {};
+}
+
+Result<GetResult> TeConnector::get(const std::string& from, const std::string& to, const std::string& key, const Value* md, Deadline deadline, const GetOptions& go) {
+  SL_TRY(same_process());
+  if (closed_) return make_error(Errc::closed, name_ + " is closed");
+  SL_TRY(validate_name("from_stage", from, 64));
+  SL_TRY(validate_name("to_stage", to, 64));
+  SL_TRY(validate_name("key", key, 160));
+  const std::string ik = make_internal_key(key, from, to);
+  uint64_t size = 0;
+  bool have_size = false;
+  SL_ASSIGN(const std::string peer, sender_endpoint(md, key, "get of '" + ik + "'", &size, &have_size));
+  if (!have_size) {  // ask the sender (query) first; until `deadline` while it has no such put
+    for (uint64_t backoff_us = 1000;; backoff_us = std::min<uint64_t>(backoff_us * 2, 50'000)) {
+      Value::Map q;
+      q.emplace_back("op", "query");
+      q.emplace_back("key", ik);
+      SL_ASSIGN(Value rep, call(peer, std::move(q), o_.timeout_s));
+      Status st = reply_status(rep, ik);
+      if (st.ok()) {
+        const Value* s = rep.find("size");
+        if (!s || !s->get_u64(size)) return make_error(Errc::corrupt, "query reply without a size");
+        break;
+      }
+      // The sender has no such put yet: ask again (backing off to 50 ms; the side channel has
+      // no notification) until the deadline.
+      if (st.error().code != Errc::not_found || deadline == kNoWait ||
+          Clock::now() + std::chrono::microseconds(backoff_us) >= deadline)
+        return std::move(st).error();
+      if (go.keep_waiting && !go.keep_waiting())
+        return make_error(Errc::cancelled, "the get of '" + ik + "' was interrupted while it waited");
+      std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
+    }
+  }
+  // The receiver's memory is bounded by its pool whichever way the payload lands: a size named
+  // by metadata or by a sender's reply never makes it allocate more.
+  if (size > engine_->pool_size())
+    return make_error(Errc::exhausted, "'" + ik + "' holds " + std::to_string(size) +
+                                           " bytes, more than this receiver's memory pool");
+  const double tmo = timeout_for(o_.timeout_s, size);
+  // Where the payload lands: a region of the pool, or, for a caller that would copy it out at
+  // once (private_ok: the Python binding's default get) and from 1 MiB, a host buffer of this
+  // process (pooled: already mapped when one of that size was dropped before), which the result
+  // then owns: the copy after the transfer is gone (issue 52: the copying get took 1.2-1.6x the
+  // zero-copy one).
+  std::byte* dst = nullptr;
+  std::shared_ptr<void> region;  // non-null (views test their keepalive)
+  const bool own = go.zero_copy && go.hooks && go.hooks->private_ok && size >= host_pool::kPooledMin;
+  if (own) {
+    std::shared_ptr<std::byte> buf = host_pool::allocate(size);
+    if (!buf) return make_error(Errc::exhausted, "no memory for a buffer of " + std::to_string(size) + " bytes");
+    dst = buf.get();
+    region = std::shared_ptr<void>(buf, buf.get());
+  } else {
+    SL_ASSIGN(size_t off, engine_->allocate(size, deadline_after(tmo)));
+    dst = engine_->pool_base() + off;
+    region = std::shared_ptr<void>(dst, [eng = engine_, off, size](void*) { eng->free(off, size); });
+  }
+  const uint64_t token = (uint64_t(getpid()) << 40) ^ next_token_.fetch_add(1);
+  engine_->expect(token, dst, size, region);
+  struct Forget {
+    ucx::Engine* e;
+    uint64_t t;
+    ~Forget() { e->forget(t); }
+  } forget{engine_.get(), token};
+  // A sender met before is asked over UCX (one message each way, no side-channel thread hops);
+  // otherwise, or when that endpoint broke, over the side channel, whose reply says how to reach
+  // the sender's engine next time.
+  std::vector<std::byte> sender_worker;
+  uint64_t auth = 0;
+  if (o_.pull_channel == "ucx") {
+    std::lock_guard<std::mutex> l(peers_mu_);
+    if (auto it = workers_.find(peer); it != workers_.end()) sender_worker = it->second;
+    if (auto it = auths_.find(peer); it != auths_.end()) auth = it->second;
+  }
+  if (!sender_worker.empty()) {
+    Value::Map pull;
+    pull.emplace_back("key", ik);
+    pull.emplace_back("len", uint64_t(size));
+    pull.emplace_back("token", token);
+    pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+    pull.emplace_back("auth", auth);  // issued to this receiver by the sender's side channel
+    const auto msg = value_to_msgpack(Value(std::move(pull)));
+    Status sent = engine_->request(sender_worker, msg, deadline_after(o_.timeout_s));
+    if (sent.ok()) {
+      Status st = engine_->wait_landed(token, deadline_after(tmo), sender_worker);
+      if (st.ok()) {
+        gets_ucx_.fetch_add(1);
+        return finish_get(dst, size, region, go, own);
+      }
+      if (st.error().code != Errc::peer_dead) return make_error(st.error().code, "'" + ik + "': " + st.error().message);
+    }
+    std::lock_guard<std::mutex> l(peers_mu_);  // that engine is gone: back to the side channel
+    workers_.erase(peer);
+    engine_->expect(token, dst, size, region);
+  }
+  Value::Map pull;
+  pull.emplace_back("op", "pull");
+  pull.emplace_back("key", ik);
+  pull.emplace_back("len", uint64_t(size));
+  pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+  pull.emplace_back("inline_max", uint64_t(kInlineMax));
+  pull.emplace_back("token", token);
+  SL_ASSIGN(Value rep, call(peer, std::move(pull), tmo));
+  SL_TRY(reply_status(rep, ik));
+  gets_side_.fetch_add(1);
+  if (const Value* w = rep.find("worker"); w && w->is<Value::Bytes>() && !w->as<Value::Bytes>().empty()) {
+    const auto& wb = w->as<Value::Bytes>();
+    std::lock_guard<std::mutex> l(peers_mu_);
+    workers_[peer].assign(wb.begin(), wb.end());
+    remember_auth_locked(peer, rep);
+  }
+  if (const Value* d = rep.find("data")) {  // a small payload came back in the reply itself
+    if (!d->is<Value::Bytes>() || d->as<Value::Bytes>().size() != size)
+      return make_error(Errc::corrupt, "inline reply of " + std::to_string(d->is<Value::Bytes>() ? d->as<Value::Bytes>().size() : 0) +
+                                           " bytes for a payload of " + std::to_string(size));
+    std::memcpy(dst, d->as<Value::Bytes>().data(), size);
+  } else if (rep.find("am")) {  // sent as an active message: wait until it has landed here
+    SL_TRY(engine_->wait_landed(token, deadline_after(tmo)));
+  }
+  return finish_get(dst, size, region, go, own);
+}
+
+Value TeConnector::sender_info() {
+  if (!router_) return Value();
+  Value::Map m;
+  m.emplace_back("source_host", advertised_);
+  m.emplace_back("source_port", uint64_t(port_));
+  return Value(std::move(m));
+}
+
+Status TeConnector::connect(const Value& info, Deadline deadline) {
+  SL_TRY(same_process());
+  if (closed_) return make_error(Errc::closed, name_ + " is closed");
+  if (!info.is_nil() && !info.is<Value::Map>())
+    return make_error(Errc::corrupt, "connect takes a sender's sender_info() or one of its puts' metadata (a map)");
+  SL_ASSIGN(const std::string peer, sender_endpoint(info.is_nil() ? nullptr : &info, "", "connect", nullptr, nullptr));
+  Value::Map hello;
+  hello.emplace_back("op", "hello");
+  hello.emplace_back("key", "");
+  hello.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
+  const double left_s = std::chrono::duration<double>(deadline - Clock::now()).count();
+  if (!(left_s > 0)) return make_error(Errc::timeout, "connect to " + peer + ": the deadline has passed");
+  SL_ASSIGN(Value rep, call(peer, std::move(hello), std::min(left_s, 1e9)));
+  SL_TRY(reply_status(rep, "connect"));
+  const Value* w = rep.find("worker");
+  if (!w || !w->is<Value::Bytes>() || w->as<Value::Bytes>().empty())
+    return make_error(Errc::corrupt, "the sender at " + peer + " replied to connect without its worker address");
+  SL_TRY(engine_->connect(w->as<Value::Bytes>(), 1, deadline));  // pull requests take lane 0
+  if (o_.pull_channel == "ucx") {
+    std::lock_guard<std::mutex> l(peers_mu_);
+    workers_[peer].assign(w->as<Value::Bytes>().begin(), w->as<Value::Bytes>().end());
+    remember_auth_locked(peer, rep);
+  }
+  connects_.fetch_add(1);
+  return {};
+}
+
+Result<GetResult> TeConnector::finish_get(const std::byte* at, size_t size, const std::shared_ptr<void>& region, const GetOptions& go, bool own) {
+  const std::span<const std::byte> bytes(at, size);
+  GetResult g;
+  g.size = size;
+  g.owned = own;
+  if (go.zero_copy) {
+    SL_TRY(decode_frame_into(bytes, region, g.payload, !(go.hooks && go.hooks->raw_tree)));  // views hold the region
+  } else {
+    SL_TRY(decode_frame_copy_into(bytes, g.payload));
+  }
+  gets_.fetch_add(1);
+  get_bytes_.fetch_add(size);
+  return g;
+}
+
+Result<bool> TeConnector::put_released(const Value& md) {
+  const Value *k = md.find("key"), *sq = md.find("put_seq");
+  uint64_t seq = 0;
+  if (!k || !k->is<std::string>() || !sq || !sq->get_u64(seq))
+    return make_error(Errc::corrupt, "put_released: not this connector's put metadata");
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = entries_.find(k->as<std::string>());
+  return it == entries_.end() || it->second.seq != seq;
+}
+
+size_t TeConnector::cleanup(const std::string& rid) {
+  std::lock_guard<std::mutex> l(mu_);
+  size_t n = 0;
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->second.in_flight == 0 && (it->second.put_key == rid || it->second.rid == rid)) {
+      engine_->free(it->second.offset, it->second.size);
+      it = entries_.erase(it);
+      released_locked();
+      ++n;
+    } else {
+      ++it;
+    }
+  }
+  return n;
+}
+
+Value TeConnector::health() {
+  Value::Map m;
+  m.emplace_back("status", closed_ ? "closed" : "healthy");
+  m.emplace_back("connector", name_);
+  m.emplace_back("role", o_.role.empty() ? std::string("sender+receiver") : o_.role);
+  options::add_ignored(m, o_.ignored);
+  m.emplace_back("host", advertised_);
+  m.emplace_back("zmq_port", uint64_t(port_));
+  m.emplace_back("puts", uint64_t(puts_.load()));
+  m.emplace_back("gets", uint64_t(gets_.load()));
+  m.emplace_back("bytes_transferred", uint64_t(put_bytes_.load() + get_bytes_.load()));
+  m.emplace_back("pulls_served", uint64_t(pulls_.load()));
+  m.emplace_back("gets_over_ucx", uint64_t(gets_ucx_.load()));  // pull request sent as a UCX message
+  m.emplace_back("gets_over_side_channel", uint64_t(gets_side_.load()));
+  m.emplace_back("connects", uint64_t(connects_.load()));  // connect() calls that set up a sender
+  m.emplace_back("errors", uint64_t(errors_.load()));
+  m.emplace_back("curve", bool(o_.curve));  // the side channel authenticated and encrypted
+  m.emplace_back("refused_peers", uint64_t(admission_ ? admission_->refused() : 0));
+  m.emplace_back("refused_pulls", uint64_t(refused_pulls_.load()));  // UCX pulls without a token
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    m.emplace_back("outstanding", uint64_t(entries_.size()));
+  }
+  if (engine_) m.emplace_back("ucx", engine_->info());
+  return Value(std::move(m));
+}
+
+Status TeConnector::same_process() const {
+  if (!fork_.inherited()) [[likely]]
+    return {};
+  return make_error(Errc::unsupported, name_ + " was made in the parent of this forked process; UCX does not "
+                                               "survive fork(): make a new connector in this process");
+}
+
+void TeConnector::close() {
+  if (closed_.exchange(true)) return;
+  if (fork_.inherited()) {
+    // Inherited through fork(): the side-channel thread, the UCX engine (and its progress
+    // thread), the sockets and the pool are the parent's. Nothing is joined, closed or freed.
+    (void)new std::thread(std::move(server_));
+    (void)new std::shared_ptr<ucx::Engine>(std::move(engine_));
+    (void)new std::map<std::string, std::shared_ptr<Peer>>(std::move(peers_));
+    abandon_after_fork(ctx_, router_);
+    (void)new std::shared_ptr<zap::Admission>(std::move(admission_));
+    (void)new std::vector<Hello>(std::move(hellos_));  // the parent's threads
+    return;
+  }
+  stop_.store(true);
+  if (server_.joinable()) server_.join();
+  join_hellos();
+  router_.reset();
+  admission_.reset();  // after the socket, before the context: stops its ZAP handler
+  {
+    std::lock_guard<std::mutex> l(peers_mu_);
+    peers_.clear();
+  }
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    entries_.clear();  // their memory goes with the pool
+    released_locked();
+  }
+  if (engine_) engine_->close();
+  ctx_.close();
+}
+
+Status TeConnector::reply_status(const Value& rep, const std::string& ik) {
+  const Value* ok = rep.find("ok");
+  if (!ok || !ok->is<bool>()) return make_error(Errc::corrupt, "side-channel reply without 'ok'");
+  if (ok->as<bool>()) return {};
+  const Value* code = rep.find("code");
+  const Value* err = rep.find("err");
+  return make_error(code && code->is<std::string>() ? errc_from(code->as<std::string>()) : Errc::io,
+                    "sender, for '" + ik + "': " + (err && err->is<std::string>() ? err->as<std::string>() : "failed"));
+}
+
+Result<std::string> TeConnector::sender_endpoint(const Value* md, const std::string& key, const std::string& what, uint64_t* size, bool* have_size) {
+  std::string host;
+  uint64_t port = 0;
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    host = o_.sender_host;
+    port = uint64_t(o_.sender_port);
+  }
+  if (md && md->is<Value::Map>()) {
+    const Value* m = md;
+    if (!key.empty() && m->as<Value::Map>().size() == 1 && m->find(key)) m = m->find(key);  // {key: metadata}
+    const Value *h = m->find("source_host"), *pt = m->find("source_port"), *ds = m->find("data_size");
+    if (h && pt) {
+      uint64_t sz = 0;
+      if (!h->is<std::string>() || !pt->get_u64(port) || port > 65535 || (ds && !ds->get_u64(sz)))
+        return make_error(Errc::corrupt, "transfer-engine metadata: source_host must be a string, source_port a "
+                                         "port, data_size a size");
+      host = h->as<std::string>();
+      if (size) *size = sz;
+      if (have_size) *have_size = ds != nullptr;
+    }
+  }
+  if (host.empty() || port == 0)
+    return make_error(Errc::not_found, what + " needs the put's metadata (source_host, source_port) "
+                                              "or the sender's address (update_sender_info / extra sender_host, "
+                                              "sender_zmq_port)");
+  return "tcp://" + (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+Result<Value> TeConnector::call(const std::string& peer, Value::Map req, double timeout_s) {
+  std::shared_ptr<Peer> p;
+  {
+    std::lock_guard<std::mutex> l(peers_mu_);
+    if (closed_) return make_error(Errc::closed, name_ + " is closed");
+    auto& slot = peers_[peer];
+    if (!slot) {
+      slot = std::make_shared<Peer>(ctx_);
+      slot->sock.set(zmq::sockopt::linger, 0);
+      slot->sock.set(zmq::sockopt::maxmsgsize, int64_t(kSideChannelMaxReply));  // an inline payload at most
+      if (o_.curve) SL_TRY(zap::connect_as(slot->sock, o_.curve->client));
+      slot->sock.connect(peer);
+    }
+    p = slot;
+  }
+  std::lock_guard<std::mutex> l(p->mu);
+  const uint64_t id = p->next_id++;
+  req.emplace_back("rq", id);
+  const auto bytes = value_to_msgpack(Value(std::move(req)));
+  try {
+    if (!p->sock.send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait))
+      return make_error(Errc::timeout, "side channel to " + peer + " is not accepting requests");
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0)
+        return make_error(Errc::timeout, "no reply from the sender at " + peer + " within " + std::to_string(timeout_s) + " s");
+      zmq::pollitem_t it{p->sock.handle(), 0, ZMQ_POLLIN, 0};
+      poll_through_signals(&it, 1, left);
+      if (!(it.revents & ZMQ_POLLIN)) continue;
+      zmq::message_t m;
+      if (!p->sock.recv(m, zmq::recv_flags::dontwait)) continue;
+      auto v = value_from_msgpack(std::span<const std::byte>(static_cast<const std::byte*>(m.data()), m.size()));
+      if (!v.ok() || !v->is<Value::Map>()) return make_error(Errc::corrupt, "malformed side-channel reply from " + peer);
+      uint64_t got = 0;
+      const Value* rq = v->find("rq");
+      if (!rq || !rq->get_u64(got) || got != id) continue;  // a late reply to an earlier request
+      return std::move(v).value();
+    }
+  } catch (const zmq::error_t& e) {
+    return make_error(Errc::io, "side channel to " + peer + ": " + e.what());
+  }
+}
+
+void TeConnector::send_hello_replies() {
+  uint64_t n;
+  if (::read(hello_efd_, &n, sizeof n) < 0) {
+  }
+  std::vector<std::pair<std::string, std::vector<std::byte>>> out;
+  {
+    std::lock_guard<std::mutex> l(hello_mu_);
+    out.swap(hello_replies_);
+    reap_hellos_locked();
+  }
+  for (auto& [id, bytes] : out) {
+    router_->send(zmq::const_buffer(id.data(), id.size()), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+    router_->send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::dontwait);
+  }
+}
+
+void TeConnector::sweep_locked() {
+  const uint64_t ttl = uint64_t(o_.ttl_s * 1e9), now = mono_ns();
+  if (!ttl) return;
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->second.in_flight == 0 && now - it->second.created_ns > ttl) {
+      SL_LOG_WARN("%s: put '%s' unclaimed after %.0f s (ttl_s): freed", name_.c_str(), it->first.c_str(), o_.ttl_s);
+      engine_->free(it->second.offset, it->second.size);
+      it = entries_.erase(it);
+      released_locked();
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace te
+
 Result<std::unique_ptr<Connector>> make_te_connector(const std::string& name, const Value& extra) {
-  SL_ASSIGN(TeOptions o, te_options(extra));
-  auto c = std::make_unique<TeConnector>(std::move(o));
+  SL_ASSIGN(te::TeOptions o, te::te_options(extra));
+  auto c = std::make_unique<te::TeConnector>(std::move(o));
   SL_TRY(c->init(name));
   return std::unique_ptr<Connector>(std::move(c));
 }
