@@ -174,6 +174,39 @@ std::vector<std::string> differing_keys(const Value& a, const Value& b) {
   return out;
 }
 
+// The connector of an edge declared more than once (both of its stages, an edge list).
+Result<ConnectorSpec> merged_declarations(const std::vector<Side>& sides, const std::vector<std::string>& stages,
+                                          const std::string& source, const std::string& from, const std::string& to) {
+  // Declared more than once (both of its stages, an edge list): equal specs merge, any
+  // difference is an error naming both (no silent winner). Role is not compared: the first
+  // declaration (edge lists, then stages in stage order) is kept as it stands, as vLLM-Omni
+  // 0.30.0 keeps it, so a role it lacks stays missing and each side then gets its direction's
+  // (a later declaration's role is not taken over: a receiving stage listed first would have
+    // been told the sender's role, which decides which side listens on a transfer-engine edge).
+  std::vector<Side> decl = sides;
+  auto rank = [&](const Side& x) {
+    return x.stage.empty() ? -1 : int(std::find(stages.begin(), stages.end(), x.stage) - stages.begin());
+  };
+  std::stable_sort(decl.begin(), decl.end(), [&](const Side& a, const Side& b) { return rank(a) < rank(b); });
+  const Side& first = decl.front();
+  for (size_t i = 1; i < decl.size(); ++i) {
+    const Side& other = decl[i];
+    std::vector<std::string> diff;
+    if (other.spec.name != first.spec.name) diff.push_back("name (" + first.spec.name + " vs " + other.spec.name + ")");
+    for (auto& k : differing_keys(first.spec.extra, other.spec.extra)) diff.push_back("extra." + k);
+    if (!diff.empty()) {
+      std::string keys;
+      for (auto& d : diff) keys += (keys.empty() ? "" : ", ") + d;
+      return make_error(Errc::invalid_argument,
+                        source + ": edge " + from + " -> " + to + " is declared by " + first.who() + " ('" +
+                            first.where + "') and by " + other.who() + " ('" + other.where +
+                            "') with different connectors: " + keys +
+                            "; declare it once, or make both declarations equal");
+    }
+  }
+  return first.spec;
+}
+
 Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& source, uint64_t default_shm_threshold) {
   const YAML::Node root = root_in;  // const access: operator[] must not insert keys
   Ctx cx{source};
@@ -304,34 +337,7 @@ Result<TransferConfig> parse(const YAML::Node& root_in, const std::string& sourc
       cfg.edges.push_back(std::move(e));
       continue;
     }
-    // Declared more than once (both of its stages, an edge list): equal specs merge, any
-    // difference is an error naming both (no silent winner). Role is not compared: the first
-    // declaration (edge lists, then stages in stage order) is kept as it stands, as vLLM-Omni
-    // 0.30.0 keeps it, so a role it lacks stays missing and each side then gets its direction's
-    // (a later declaration's role is not taken over: a receiving stage listed first would have
-    // been told the sender's role, which decides which side listens on a transfer-engine edge).
-    std::vector<Side> decl = sd->second;
-    auto rank = [&](const Side& x) {
-      return x.stage.empty() ? -1 : int(std::find(cfg.stages.begin(), cfg.stages.end(), x.stage) - cfg.stages.begin());
-    };
-    std::stable_sort(decl.begin(), decl.end(), [&](const Side& a, const Side& b) { return rank(a) < rank(b); });
-    const Side& first = decl.front();
-    e.connector = first.spec;
-    for (size_t i = 1; i < decl.size(); ++i) {
-      const Side& other = decl[i];
-      std::vector<std::string> diff;
-      if (other.spec.name != first.spec.name) diff.push_back("name (" + first.spec.name + " vs " + other.spec.name + ")");
-      for (auto& k : differing_keys(first.spec.extra, other.spec.extra)) diff.push_back("extra." + k);
-      if (!diff.empty()) {
-        std::string keys;
-        for (auto& d : diff) keys += (keys.empty() ? "" : ", ") + d;
-        return make_error(Errc::invalid_argument,
-                          source + ": edge " + from + " -> " + to + " is declared by " + first.who() + " ('" +
-                              first.where + "') and by " + other.who() + " ('" + other.where +
-                              "') with different connectors: " + keys +
-                              "; declare it once, or make both declarations equal");
-      }
-    }
+    SL_ASSIGN(e.connector, merged_declarations(sd->second, cfg.stages, source, from, to));
     cfg.edges.push_back(std::move(e));
   }
   return cfg;

@@ -340,6 +340,71 @@ nb::object get_into_parts(PyConnector& self, nb::handle from, nb::handle to, con
 
 }  // namespace
 
+// What some connectors offer beyond the contract (their capabilities, stagelink/connector.hpp):
+// the methods stagelink.Connector builds its parity probes and transfer-engine wiring on.
+void bind_connector_capabilities(nb::class_<PyConnector>& cls) {
+  cls.def("_abandon_get", [](PyConnector& self, const std::string& key) -> size_t {
+             auto* w = self.get()->capability<WaitingGets>();
+             return w ? w->abandon_get(key) : 0;
+           })
+      .def("_reap_consumed", [](PyConnector& self) -> size_t {
+             auto* r = self.get()->capability<ReleaseTracking>();
+             return r ? r->reap_consumed() : 0;
+           })
+      .def("_arrival_epoch", [](PyConnector& self) -> nb::object {
+             auto* a = self.c ? self.c->capability<ArrivalSignals>() : nullptr;
+             if (!a) return nb::none();
+             auto e = a->arrival_epoch();
+             if (!e.ok()) return nb::none();
+             return nb::int_(e.value());
+           })
+      .def("_wait_arrival", [](PyConnector& self, uint64_t seen, double timeout_s) {
+             auto* a = self.c ? self.c->capability<ArrivalSignals>() : nullptr;
+             if (!a) return false;
+             const std::shared_ptr<Connector> c = self.c;  // keeps `a` alive
+             // In slices (a Status: timeout while nothing arrived), so Ctrl-C ends the wait.
+             Status st = sliced_nogil(std::max(timeout_s, 0.0), [&](double slice) -> Status {
+               if (a->wait_arrival(seen, deadline_after(slice))) return {};
+               return make_error(Errc::timeout, "no arrival");
+             });
+             return st.ok();
+           })
+      .def("_pending_key_list", [](PyConnector& self) -> nb::object {
+             if (!self.c) return nb::list();
+             auto* a = self.c->capability<ArrivalSignals>();
+             if (!a) return nb::none();
+             auto k = a->pending_keys();
+             if (!k.ok()) return nb::none();
+             nb::list out;
+             for (auto& s : k.value()) out.append(nb::str(s.data(), s.size()));
+             return out;
+           })
+      .def("_sender_info", [](PyConnector& self) {
+             auto* l = self.c ? self.c->capability<SenderLink>() : nullptr;
+             return l ? to_py(l->sender_info()) : nb::none();
+           })
+      .def("_connect", [](PyConnector& self, nb::handle info, nb::handle timeout) {
+             const Value v = info.is_none() ? Value() : from_py(info);
+             const Deadline dl = deadline_after(timeout_or(timeout, 1e9));  // None: for ever
+             const std::shared_ptr<Connector> c = self.get();
+             auto* l = c->capability<SenderLink>();
+             if (!l) return;  // nothing to connect (shared memory, the store)
+             Status st;
+             {
+               nb::gil_scoped_release nogil;
+               st = l->connect(v, dl);
+             }
+             if (!st.ok()) raise(st.error());
+           }, nb::arg("sender_info").none(), nb::arg("timeout").none())
+      .def("_update_sender_info", [](PyConnector& self, const std::string& host, int port) {
+             auto c = self.get();
+             auto* l = c->capability<SenderLink>();
+             if (!l) raise(make_error(Errc::unsupported, c->name() + " has no sender to update"));
+             auto st = l->update_sender_info(host, port);
+             if (!st.ok()) raise(st.error());
+           });
+}
+
 void bind_connector(nb::module_& m) {
   nb::class_<PyLoan>(m, "_Loan")
       .def("region", &PyLoan::region, nb::rv_policy::reference_internal)
@@ -350,7 +415,7 @@ void bind_connector(nb::module_& m) {
   // The base of Python's `stagelink.Connector`: `put` and `get` run here without a Python frame
   // (the subclass supplies `_put_slow`, `_decode`, `_fail` and `default_get_timeout`); the
   // underscored methods are the subclass's building blocks.
-  nb::class_<PyConnector>(m, "_Connector", nb::type_slots(g_connector_slots))
+  auto cls = nb::class_<PyConnector>(m, "_Connector", nb::type_slots(g_connector_slots))
       .def("__init__", [](PyConnector* self, const std::string& name, nb::handle extra, bool allow_pickle) {
              Value e = extra.is_none() ? Value(Value::Map{}) : from_py(extra);
              Result<std::unique_ptr<Connector>> made = make_error(Errc::io, "");
@@ -423,66 +488,6 @@ void bind_connector(nb::module_& m) {
              nb::gil_scoped_release nogil;  // a store's cleanup is a few round trips
              return c->cleanup(rid);
            })
-      .def("_abandon_get", [](PyConnector& self, const std::string& key) -> size_t {
-             auto* w = self.get()->capability<WaitingGets>();
-             return w ? w->abandon_get(key) : 0;
-           })
-      .def("_reap_consumed", [](PyConnector& self) -> size_t {
-             auto* r = self.get()->capability<ReleaseTracking>();
-             return r ? r->reap_consumed() : 0;
-           })
-      .def("_arrival_epoch", [](PyConnector& self) -> nb::object {
-             auto* a = self.c ? self.c->capability<ArrivalSignals>() : nullptr;
-             if (!a) return nb::none();
-             auto e = a->arrival_epoch();
-             if (!e.ok()) return nb::none();
-             return nb::int_(e.value());
-           })
-      .def("_wait_arrival", [](PyConnector& self, uint64_t seen, double timeout_s) {
-             auto* a = self.c ? self.c->capability<ArrivalSignals>() : nullptr;
-             if (!a) return false;
-             const std::shared_ptr<Connector> c = self.c;  // keeps `a` alive
-             // In slices (a Status: timeout while nothing arrived), so Ctrl-C ends the wait.
-             Status st = sliced_nogil(std::max(timeout_s, 0.0), [&](double slice) -> Status {
-               if (a->wait_arrival(seen, deadline_after(slice))) return {};
-               return make_error(Errc::timeout, "no arrival");
-             });
-             return st.ok();
-           })
-      .def("_pending_key_list", [](PyConnector& self) -> nb::object {
-             if (!self.c) return nb::list();
-             auto* a = self.c->capability<ArrivalSignals>();
-             if (!a) return nb::none();
-             auto k = a->pending_keys();
-             if (!k.ok()) return nb::none();
-             nb::list out;
-             for (auto& s : k.value()) out.append(nb::str(s.data(), s.size()));
-             return out;
-           })
-      .def("_sender_info", [](PyConnector& self) {
-             auto* l = self.c ? self.c->capability<SenderLink>() : nullptr;
-             return l ? to_py(l->sender_info()) : nb::none();
-           })
-      .def("_connect", [](PyConnector& self, nb::handle info, nb::handle timeout) {
-             const Value v = info.is_none() ? Value() : from_py(info);
-             const Deadline dl = deadline_after(timeout_or(timeout, 1e9));  // None: for ever
-             const std::shared_ptr<Connector> c = self.get();
-             auto* l = c->capability<SenderLink>();
-             if (!l) return;  // nothing to connect (shared memory, the store)
-             Status st;
-             {
-               nb::gil_scoped_release nogil;
-               st = l->connect(v, dl);
-             }
-             if (!st.ok()) raise(st.error());
-           }, nb::arg("sender_info").none(), nb::arg("timeout").none())
-      .def("_update_sender_info", [](PyConnector& self, const std::string& host, int port) {
-             auto c = self.get();
-             auto* l = c->capability<SenderLink>();
-             if (!l) raise(make_error(Errc::unsupported, c->name() + " has no sender to update"));
-             auto st = l->update_sender_info(host, port);
-             if (!st.ok()) raise(st.error());
-           })
       .def_prop_ro("allow_pickle", [](PyConnector& self) { return self.allow_pickle; })
       .def_prop_rw("last_error", [](PyConnector& self) { return self.last_error; },
                    [](PyConnector& self, nb::handle e) { self.last_error = nb::borrow(e); }, nb::arg("error").none(),
@@ -509,6 +514,7 @@ void bind_connector(nb::module_& m) {
              }
            }, "Release everything this connector owns. Safe to call twice.")
       .def_prop_ro("closed", [](PyConnector& self) { return !self.c; });
+  bind_connector_capabilities(cls);
 }
 
 }  // namespace stagelink::py
