@@ -169,7 +169,8 @@ def test_edge_connectors_are_read_as_load_transfer_config_reads_them(ns, monkeyp
     d["edges"] = [{"from": "a", "to": "b"}]  # no connector: the relay
     assert load_pipeline(d).relay_for("a", "b")["backend"] == "shm"
     for edges, want in (([{"from": "b", "to": "a", "connector": "big"}], "b -> a is not an edge of the pipeline"),
-                        ([{"from": "a", "to": "b", "connector": "nope"}], "names connector 'nope' which is not defined"),
+                        ([{"from": "a", "to": "b", "connector": "nope"}],
+                         "^<dict>: 'edges\\[0\\].connector': names connector 'nope' which is not defined"),
                         ([{"from": "a", "to": "b", "connector": {"name": "NoSuchConnector"}}], "is not available"),
                         ({"from": "a"}, "edges is a list")):
         d["edges"] = edges

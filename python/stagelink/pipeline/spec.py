@@ -528,7 +528,8 @@ def _edges(raw, stages, relay, source) -> Dict[str, dict]:
     try:
         cfg = _core.load_config_string(json.dumps(sub, default=str), source)
     except _core.StagelinkError as e:
-        raise PipelineConfigError(str(e)) from None
+        # The loader names a line of the text it was given (one line of JSON), not of the file.
+        raise PipelineConfigError(re.sub(rf"^{re.escape(source)}:\d+: ", f"{source}: ", str(e))) from None
     out = {}
     for i, e in enumerate(cfg["edges"]):
         src, dst = str(e["from"]), str(e["to"])
