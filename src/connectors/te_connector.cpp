@@ -24,7 +24,7 @@ constexpr Key kTeKeys[] = {
     {"device_name", Type::string, "", "the RDMA device (empty: RDMA_DEVICE_NAME, else UCX's choice)"},
     {"memory_pool_size", Type::size, "256 MiB", "the registered pool puts copy into and gets land in", 4096, 1ull << 44},
     {"memory_pool_device", Type::string, "cpu", "where the pool lives (cpu; cuda is not built yet)"},
-    {"role", Type::choice, "", "sender, receiver or dual (set by the config loader)", 0, 0, "sender|receiver|dual|"},
+    {"role", Type::choice, "", "sender, receiver or dual (set by the config loader)", 0, 0, "sender|receiver|dual"},
     {"sender_host", Type::string, "", "where a get without metadata finds its sender (update_sender_info)"},
     {"sender_zmq_port", Type::integer, "", "that sender's side-channel port", 0, 65535},
     {"timeout_s", Type::number, "10", "how long a get waits for its transfer", 0, 1e9},
