@@ -74,6 +74,107 @@ def _ipc_handoff(torch, size, dev, n):
             p.kill()
 
 
+def _reader(conn, ns):
+    """The other process of the two-process rows: gets what the producer announces, times each."""
+    import torch
+    torch.cuda.init()
+    c = create_connector("SharedMemoryConnector", {"namespace": ns})
+    arena = ev = None
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                return
+            what = msg[0]
+            if what == "torch_arena":  # the peer: an arena and an interprocess event, shared once
+                arena, ev = msg[1], msg[2]
+                conn.send(0.0)
+                continue
+            t0 = time.perf_counter()
+            if what == "torch":
+                _, n, view = msg
+                ev.wait(torch.cuda.current_stream())
+                if view:
+                    t = arena[:n]
+                else:
+                    t = torch.empty(n, dtype=torch.uint8, device=arena.device)
+                    t.copy_(arena[:n])
+                    torch.cuda.current_stream().synchronize()
+            else:  # stagelink: (what, key, meta, view)
+                _, key, meta, view = msg
+                got = c.get(0, 1, key, meta, zero_copy=view)
+                t = got[0]
+                if not view:
+                    torch.cuda.current_stream().synchronize()
+            dt = (time.perf_counter() - t0) * 1e3
+            ok = t.is_cuda and t.numel() == (msg[1] if what == "torch" else t.numel())
+            del t
+            conn.send(dt if ok else -1.0)
+    finally:
+        c.close()
+
+
+def _two_process(torch, size, dev, n, ns):
+    """Same GPU, two processes: stagelink's device arena (put; get as a copy and as a view) and the
+    same done with torch's own primitives (an arena and an interprocess event shared once over
+    CUDA IPC; the producer copies in and records, the reader waits and copies out or slices).
+    ms, medians; a get that copies includes the reader's synchronize."""
+    import multiprocessing as mp
+    import torch.multiprocessing  # noqa: F401  (CUDA tensors and events through the pipe)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=_reader, args=(there, ns), daemon=True)
+    p.start()
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=dev)
+    c = create_connector("SharedMemoryConnector", {"namespace": ns, "cuda_arena_bytes": max(256 << 20, 2 * size)})
+    row = {}
+    seq = iter(range(1 << 62))
+    try:
+        arena = torch.empty(max(256 << 20, size), dtype=torch.uint8, device=dev)
+        ev = torch.cuda.Event(interprocess=True)
+        here.send(("torch_arena", arena, ev))
+        here.recv()
+
+        def one(kind, view):
+            if kind == "torch":
+                t0 = time.perf_counter()
+                arena[:size].copy_(src)
+                ev.record()
+                put = (time.perf_counter() - t0) * 1e3
+                here.send(("torch", size, view))
+            else:
+                k = f"c{next(seq)}"
+                t0 = time.perf_counter()
+                ok, _, meta = c.put(0, 1, k, src)
+                put = (time.perf_counter() - t0) * 1e3
+                assert ok, c.last_error
+                here.send(("sl", k, meta, view))
+            get = here.recv()
+            assert get >= 0, "the reader got a wrong tensor"
+            torch.cuda.synchronize(dev)  # the next put starts from an idle GPU, as a fresh request would
+            return put, get
+
+        for kind, view, name in (("torch", False, "torch_arena"), ("torch", True, "torch_arena_view"),
+                                 ("sl", False, "stagelink_ipc"), ("sl", True, "stagelink_ipc_view")):
+            puts, gets = [], []
+            for i in range(n + 3):
+                a, b = one(kind, view)
+                if i >= 3:
+                    puts.append(a)
+                    gets.append(b)
+            row[name + "_put"] = statistics.median(puts)
+            row[name + "_get"] = statistics.median(gets)
+            row[name] = row[name + "_put"] + row[name + "_get"]
+        row["stagelink_ipc_health"] = c.health().get("cuda_arenas")
+    finally:
+        here.send(None)
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+        c.close()
+    return row
+
+
 def measure(size, dev, torch=None, n=None):
     """One row: ms per transfer of `size` bytes for every path."""
     import torch as _torch
@@ -101,7 +202,9 @@ def measure(size, dev, torch=None, n=None):
     row["seed_design"] = _timed(seed, min(n, 10), sync)
     row["ipc_handoff"] = _ipc_handoff(torch, size, dev, min(n, 10))
     ns = f"bcuda{os.getpid()}"
-    c = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 2 * size + (64 << 20)})
+    # The staged path (through host memory), as before the device arena: cuda_ipc off.
+    c = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 2 * size + (64 << 20),
+                                                   "cuda_ipc": False})
     r = create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 1 << 20})
     try:
         def via_stagelink():
@@ -114,6 +217,8 @@ def measure(size, dev, torch=None, n=None):
         ok, _, meta = c.put(0, 1, k, src)
         got, _ = r.get(0, 1, k, meta)
         row["verified"] = bool(ok and torch.equal(got, src))
+        if cuda:
+            row.update(_two_process(torch, size, dev, min(n, 30), ns + "x"))
     finally:
         c.close()
         r.close()
@@ -140,8 +245,9 @@ def run_cuda(sizes=None, json_path=None, out=sys.stdout, device=None):
         print(f"stagelink bench cuda on {dev}"
               f"{' (' + torch.cuda.get_device_name(dev) + ')' if str(dev).startswith('cuda') else ''}: "
               "ms per transfer, medians, same run", file=out, flush=True)
-        cols = ["seed_design", "stagelink_staged", "pinned_d2h", "pinned_h2d", "pageable_d2h", "pageable_h2d",
-                "ipc_handoff", "d2d_copy"]
+        cols = ["seed_design", "stagelink_staged", "stagelink_ipc", "stagelink_ipc_view_get", "torch_arena",
+                "torch_arena_view_get", "pinned_d2h", "pinned_h2d", "pageable_d2h", "pageable_h2d", "ipc_handoff",
+                "d2d_copy"]
         print(f"{'size':>9} | " + " ".join(f"{c:>16}" for c in cols) + " | verified", file=out)
         for size in sizes:
             row = measure(size, dev)
@@ -149,6 +255,9 @@ def run_cuda(sizes=None, json_path=None, out=sys.stdout, device=None):
             cells = " ".join(f"{row[c]:>16.3f}" if c in row else f"{'-':>16}" for c in cols)
             print(f"{_fmt_size(size):>9} | {cells} | {row['verified']}", file=out, flush=True)
         for row in result["rows"]:
-            print(f"{_fmt_size(row['size'])}: stagelink {row['seed_design'] / row['stagelink_staged']:.1f}x the seed's "
-                  f"design; {row['stagelink_staged'] / row['d2d_copy']:.0f}x one device copy", file=out)
+            print(f"{_fmt_size(row['size'])}: staged {row['seed_design'] / row['stagelink_staged']:.1f}x the seed's "
+                  f"design; device arena (put+get, two processes) {row['seed_design'] / row['stagelink_ipc']:.0f}x "
+                  f"the seed's design, {row['stagelink_ipc'] / row['d2d_copy']:.1f}x one device copy, "
+                  f"{row['stagelink_ipc'] / row['torch_arena']:.2f}x torch's primitives; view get "
+                  f"{row['stagelink_ipc_view_get'] * 1e3:.0f} us", file=out)
     return write_json(result, json_path, out)

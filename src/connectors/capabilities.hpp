@@ -19,6 +19,11 @@ struct PutHooks {
   // first). Called under the connector's lock: it must not call back into the connector. Other
   // connectors never call it.
   std::function<void(std::span<const std::byte>)> inline_sink;
+  // Kept with the put's directory entry until every reader released it (or it was cancelled or
+  // expired), then dropped: the device slots of CUDA tensors the frame refers to. Only connectors
+  // whose BindingFields::device_slots() says so keep it; the frame then never travels inline
+  // (a reader's claim on the entry is what keeps the slot until its GPU work on it finished).
+  std::shared_ptr<const void> hold;
 };
 
 // A get's binding hooks (GetOptions::hooks).
@@ -68,6 +73,9 @@ class BindingFields {
   static constexpr CapabilityId kId = CapabilityId::binding;
   virtual std::string_view inline_frame_field() const = 0;
   virtual std::string_view direct_lookup_field() const = 0;
+  // Whether put keeps PutHooks::hold with the entry (and CUDA tensors may be left in a device
+  // arena): the arena's size per device, 0 when not.
+  virtual size_t device_slots() const { return 0; }
 
  protected:
   ~BindingFields() = default;

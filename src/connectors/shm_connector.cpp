@@ -2,6 +2,7 @@
 #include "connectors/shm_connector.hpp"
 
 #include "connectors/shm_impl.hpp"
+#include "cuda/arena.hpp"
 
 namespace stagelink {
 
@@ -134,6 +135,12 @@ Value ShmConnector::health() {
   m.emplace_back("arena_name", arena_ ? arena_->name() : std::string());
   m.emplace_back("namespace", opts_.ns);
   m.emplace_back("shm_threshold_bytes", uint64_t(opts_.shm_threshold_bytes));
+  // CUDA tensors left on their GPU (this process's arenas, all connectors) and mapped from others.
+  m.emplace_back("cuda_ipc", opts_.cuda_ipc);
+  if (opts_.cuda_ipc) {
+    m.emplace_back("cuda_arenas", cuda::DeviceArenas::instance().health());
+    m.emplace_back("cuda_imports", cuda::DeviceImports::instance().health());
+  }
   if (dir_) {
     m.emplace_back("directory_entries", uint64_t(dir_->n_entries()));
     m.emplace_back("directory_live_entries", uint64_t(dir_->live_entries()));
@@ -162,6 +169,14 @@ void ShmConnector::close() {
   // Everything we own goes: entries (readers holding views keep their own mapping), dedicated
   // segments and the arena.
   for (auto& o : out_) {
+    // A reader may still work on a device slot of an entry it claimed: its slot is never reused
+    // (kept until the process exits) rather than overwritten under that reader.
+    if (o.hold && !dir_->is_done(o.idx, o.gen)) {
+      static auto* orphans = new std::vector<std::shared_ptr<const void>>();  // under mu_ of some connector
+      static std::mutex orphans_mu;
+      std::lock_guard<std::mutex> g(orphans_mu);
+      orphans->push_back(std::move(o.hold));
+    }
     dir_->free_entry(o.idx, o.gen);
     if (o.dedicated) {
       dir_->unregister_arena(o.arena_idx, o.arena_gen);
@@ -344,7 +359,7 @@ Result<ShmConnector::Region> ShmConnector::allocate_locked(std::unique_lock<std:
   }
 }
 
-Result<PutResult> ShmConnector::publish_locked(Claim& cl, const Region& reg, size_t total, uint32_t readers, std::span<const std::byte> inline_bytes, uint64_t now, const std::function<void(std::span<const std::byte>)>* sink) {
+Result<PutResult> ShmConnector::publish_locked(Claim& cl, const Region& reg, size_t total, uint32_t readers, std::span<const std::byte> inline_bytes, uint64_t now, const std::function<void(std::span<const std::byte>)>* sink, const std::shared_ptr<const void>* hold) {
   cl.arena = reg.arena_idx;
   cl.arena_gen = reg.arena_gen;
   cl.offset = reg.offset;
@@ -357,7 +372,7 @@ Result<PutResult> ShmConnector::publish_locked(Claim& cl, const Region& reg, siz
                                     "dead); nothing was published");
   }
   out_.push_back(Outstanding{cl.idx, cl.gen, reg.offset, reg.length, reg.dedicated, reg.arena_idx,
-                             reg.arena_gen, now});
+                             reg.arena_gen, now, hold ? *hold : nullptr});
   PutResult pr;
   pr.size = total;
   // Every put names its entry (reader accounting). Inline payloads carry their frame; the
@@ -411,8 +426,10 @@ Result<PutResult> ShmConnector::put_impl(const std::string& from, const std::str
   }
   write_frame(plan, payload.tensors, reg->base);
   std::span<const std::byte> inl;
-  if (plan.total <= opts_.shm_threshold_bytes) inl = std::span<const std::byte>(reg->base, plan.total);
-  return publish_locked(cl, reg.value(), plan.total, readers, inl, now, po.hooks ? &po.hooks->inline_sink : nullptr);
+  const bool held = po.hooks && po.hooks->hold;  // device slots: readers must claim the entry
+  if (plan.total <= opts_.shm_threshold_bytes && !held) inl = std::span<const std::byte>(reg->base, plan.total);
+  return publish_locked(cl, reg.value(), plan.total, readers, inl, now, po.hooks ? &po.hooks->inline_sink : nullptr,
+                        held ? &po.hooks->hold : nullptr);
 }
 
 Result<GetResult> ShmConnector::get_impl(const std::string& from, const std::string& to, const std::string& key, const Value* metadata, Deadline deadline, const GetOptions& go) {

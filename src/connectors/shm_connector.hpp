@@ -19,6 +19,10 @@ struct ShmConnectorOptions {
   double ttl_s = 300.0;                // unread puts older than this are cancelled
   bool replace_existing = true;        // on_existing_key: replace (vLLM-Omni) | error
   bool preallocate_arena = false;      // create and reserve the whole arena when the connector is made
+  // CUDA tensors (Python): left in a device arena of the producer, read over CUDA IPC (true), or
+  // staged through the frame in host memory (false); cuda_arena_bytes: each device arena's size.
+  bool cuda_ipc = true;
+  size_t cuda_arena_bytes = 256u << 20;
   std::vector<std::string> ignored;    // extra keys it does not read (kept, and named in health())
   static Result<ShmConnectorOptions> from_extra(const Value& extra);
 };

@@ -63,6 +63,7 @@ struct Outstanding {
   std::shared_ptr<Segment> dedicated;  // null: lives in the arena
   uint32_t arena_idx, arena_gen;
   uint64_t created_ns;
+  std::shared_ptr<const void> hold;  // PutHooks::hold: device slots, dropped when the entry is reclaimed
 };
 
 // The internal key on the stack: validate_edge bounds it by an entry's key field, and a key past
@@ -103,6 +104,7 @@ class ShmConnector final : public Connector,
   // the directory entry, so a get by it is one lookup.
   std::string_view inline_frame_field() const override { return "inline"; }
   std::string_view direct_lookup_field() const override { return "entry"; }
+  size_t device_slots() const override { return opts_.cuda_ipc ? opts_.cuda_arena_bytes : 0; }
 
   Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key,
                         const Payload& payload, const PutOptions& po) override {
@@ -229,7 +231,7 @@ class ShmConnector final : public Connector,
 
   Result<Region> allocate_locked(std::unique_lock<std::mutex>& lock, size_t size, uint64_t now);
 
-  Result<PutResult> publish_locked(Claim& cl, const Region& reg, size_t total, uint32_t readers, std::span<const std::byte> inline_bytes, uint64_t now, const std::function<void(std::span<const std::byte>)>* sink = nullptr);
+  Result<PutResult> publish_locked(Claim& cl, const Region& reg, size_t total, uint32_t readers, std::span<const std::byte> inline_bytes, uint64_t now, const std::function<void(std::span<const std::byte>)>* sink = nullptr, const std::shared_ptr<const void>* hold = nullptr);
 
   Result<PutResult> put_impl(const std::string& from, const std::string& to, const std::string& key, const Payload& payload, const FramePlan* given_plan, const PutOptions& po);
 

@@ -31,6 +31,11 @@ constexpr Key kShmKeys[] = {
     {"get_timeout_s", Type::number, "none", "default timeout of a keyless get (Python; none: one attempt)", 0, 1e9},
     {"strict", Type::boolean, "false", "raise instead of returning False/None (Python)"},
     {"allow_pickle", Type::boolean, "true", "objects without a native frame may be pickled; off: refused at put and get"},
+    {"cuda_ipc", Type::boolean, "true",
+     "CUDA tensors stay on their GPU: put copies them into a device arena of the producer, get maps it over CUDA "
+     "IPC (false: staged through host memory)"},
+    {"cuda_arena_bytes", Type::size, "256 MiB", "each device arena's size (a larger tensor gets one of its own)",
+     1u << 20, 1ull << 40},
     {"role", Type::string, "", "sender, receiver or dual (set by the config loader)"},
     {"stage_id", Type::any, "", "the stage this connector serves (vLLM-Omni's orchestrator sets it)"},
 };
@@ -54,6 +59,8 @@ Result<ShmConnectorOptions> ShmConnectorOptions::from_extra(const Value& extra) 
   SL_TRY(r.read("shm_dir", o.shm_dir));
   SL_TRY(r.read_int("max_entries", o.max_entries));
   SL_TRY(r.read("on_existing_key", on_existing));
+  SL_TRY(r.read("cuda_ipc", o.cuda_ipc));
+  SL_TRY(r.read_int("cuda_arena_bytes", o.cuda_arena_bytes));
   o.replace_existing = on_existing == "replace";
   if (o.shm_dir.empty() || o.shm_dir[0] != '/')
     return make_error(Errc::invalid_argument, "SharedMemoryConnector: extra.shm_dir must be an absolute path, got '" +

@@ -54,7 +54,8 @@ Loaded load() {
   SL_NEED(cuStreamSynchronize); SL_NEED(cuStreamWaitEvent); SL_NEED(cuEventCreate); SL_NEED(cuEventRecord);
   SL_NEED(cuEventSynchronize); SL_NEED(cuEventQuery); SL_NEED(cuIpcGetMemHandle); SL_NEED(cuIpcCloseMemHandle);
   SL_NEED(cuIpcGetEventHandle); SL_NEED(cuIpcOpenEventHandle); SL_NEED(cuPointerGetAttribute);
-  SL_NEED(cuGetErrorName); SL_NEED(cuGetErrorString);
+  SL_NEED(cuGetErrorName); SL_NEED(cuGetErrorString); SL_NEED(cuDeviceCanAccessPeer);
+  SL_NEED_V2(cuMemGetAddressRange);
   SL_NEED_V2(cuDeviceGetUuid); SL_NEED_V2(cuDeviceTotalMem); SL_NEED_V2(cuDevicePrimaryCtxRelease);
   SL_NEED_V2(cuMemAlloc); SL_NEED_V2(cuMemFree); SL_NEED_V2(cuMemHostRegister); SL_NEED_V2(cuMemcpyDtoDAsync);
   SL_NEED_V2(cuMemcpyHtoDAsync); SL_NEED_V2(cuMemcpyDtoHAsync); SL_NEED_V2(cuStreamDestroy);
@@ -125,7 +126,10 @@ std::vector<DeviceInfo> devices() {
     char name[256] = {};
     if (D.cuDeviceGetName(name, sizeof name - 1, dev) == kSuccess) info.name = name;
     CUuuid u{};
-    if (D.cuDeviceGetUuid(&u, dev) == kSuccess) info.uuid = uuid_string(u);
+    if (D.cuDeviceGetUuid(&u, dev) == kSuccess) {
+      info.uuid = uuid_string(u);
+      info.raw = u;
+    }
     D.cuDeviceTotalMem(&info.total_bytes, dev);
     out.push_back(std::move(info));
   }

@@ -68,6 +68,8 @@ struct Driver {
   CUresult (*cuIpcGetEventHandle)(CUipcEventHandle*, CUevent);
   CUresult (*cuIpcOpenEventHandle)(CUevent*, CUipcEventHandle);
   CUresult (*cuPointerGetAttribute)(void*, int, CUdeviceptr);
+  CUresult (*cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
+  CUresult (*cuDeviceCanAccessPeer)(int*, CUdevice, CUdevice);
   CUresult (*cuGetErrorName)(CUresult, const char**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
   int version = 0;       // cuDriverGetVersion: 12040 is CUDA 12.4
@@ -75,7 +77,7 @@ struct Driver {
 };
 
 // Flags and attributes the transports use (values of the driver ABI).
-inline constexpr unsigned kEventDisableTiming = 0x2, kEventInterprocess = 0x4;
+inline constexpr unsigned kEventBlockingSync = 0x1, kEventDisableTiming = 0x2, kEventInterprocess = 0x4;
 inline constexpr unsigned kIpcLazyEnablePeerAccess = 0x1;
 inline constexpr unsigned kHostRegisterPortable = 0x1;
 inline constexpr unsigned kStreamNonBlocking = 0x1;
@@ -92,6 +94,7 @@ struct DeviceInfo {
   int ordinal = 0;
   std::string name;
   std::string uuid;  // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi prints it
+  CUuuid raw{};      // the same, as the driver gives it
   size_t total_bytes = 0;
 };
 std::vector<DeviceInfo> devices();

@@ -35,6 +35,9 @@ struct PyConnector {
   // memory connector's inline frame and direct-lookup fields), as interned strs; null: none.
   PyObject* inline_field = nullptr;
   PyObject* lookup_field = nullptr;
+  // BindingFields::device_slots(): each device arena's size when CUDA tensors may stay on their
+  // GPU (the put keeps their slots with its entry); 0: they are staged through host memory.
+  size_t device_slots = 0;
   // `last_error`: why the last put or get failed or found nothing (None after one that worked).
   // Held here, not in the instance dict, so a successful call clears it with a pointer test.
   nb::object last_error = nb::none();
@@ -106,7 +109,7 @@ struct PyPut {
 };
 
 PyPut put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::string& key, const Payload& p,
-                  size_t total, uint32_t readers, nb::handle request_id) {
+                  size_t total, uint32_t readers, nb::handle request_id, DeviceStaging* ds) {
   std::string f = stage_str(from), t = stage_str(to);
   const std::string rid = rid_str(request_id);
   const std::shared_ptr<Connector> keep = self.get();  // raises ClosedError: must run while holding the GIL
@@ -120,11 +123,15 @@ PyPut put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::
     bool failed = false;  // out of memory: raised below (the put is published)
   } inline_out;
   nb::object& inl = inline_out.bytes;
+  PutHooks hooks;
+  if (ds && !ds->holds.empty())  // device slots: kept with the entry until its readers are done
+    hooks.hold = std::make_shared<std::vector<std::shared_ptr<const void>>>(std::move(ds->holds));
   if (total > kGilReleaseBytes || self.networked || !self.inline_field) {  // the caller pinned the memory for this
+    PutOptions po{readers, rid};
+    if (hooks.hold) po.hooks = &hooks;
     nb::gil_scoped_release nogil;
-    r = conn.put(f, t, key, p, PutOptions{readers, rid});
+    r = conn.put(f, t, key, p, po);
   } else {
-    PutHooks hooks;
     hooks.inline_sink = [out = &inline_out](std::span<const std::byte> frame) {
       out->bytes = nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(frame.data()), Py_ssize_t(frame.size())));
       out->failed = !out->bytes.is_valid();
@@ -172,14 +179,16 @@ nb::object connector_put(nb::handle self_h, nb::handle from, nb::handle to, nb::
     BufferViews bv;
     size_t total = 0;
     PyConnector& self = *nb::inst_ptr<PyConnector>(self_h);
+    DeviceStaging ds;
+    ds.arena_bytes = self.device_slots;
     if (array_payload(data, bv, p, !self.networked)) {  // pinned when the GIL will be let go
       total = p.tensors[0].nbytes();
     } else {
-      Encoding enc = encode_py(data, p, bv);
+      Encoding enc = encode_py(data, p, bv, -1, &ds);
       if (!enc.ok) return self_h.attr("_put_slow")(from, to, key, data, readers, request_id, enc.why);
       total = enc.total;
     }
-    PyPut pr = put_payload(self, from, to, utf8(key.ptr()), p, total, rd, request_id);
+    PyPut pr = put_payload(self, from, to, utf8(key.ptr()), p, total, rd, request_id, &ds);
     self.succeeded();
     return nb::make_tuple(true, pr.size, std::move(pr.metadata));
   } catch (nb::python_error& e) {
@@ -193,7 +202,7 @@ nb::tuple put_parts(PyConnector& self, nb::handle from, nb::handle to, const std
   Payload p;
   BufferViews bv;
   const size_t total = payload_from_parts(kind, regions, bv, p);
-  PyPut pr = put_payload(self, from, to, key, p, total, readers, request_id);
+  PyPut pr = put_payload(self, from, to, key, p, total, readers, request_id, nullptr);
   return nb::make_tuple(pr.size, std::move(pr.metadata));
 }
 
@@ -426,11 +435,13 @@ void bind_connector(nb::module_& m) {
              auto c = unwrap(std::move(made));
              const bool networked = c->name() != "SharedMemoryConnector";
              PyObject *inl = nullptr, *lookup = nullptr;
+             size_t slots = 0;
              if (auto* f = c->capability<BindingFields>()) {
                inl = field_str(f->inline_frame_field());
                lookup = field_str(f->direct_lookup_field());
+               slots = f->device_slots();
              }
-             new (self) PyConnector{std::move(c), allow_pickle, networked, inl, lookup};
+             new (self) PyConnector{std::move(c), allow_pickle, networked, inl, lookup, slots};
            }, nb::arg("name"), nb::arg("extra").none(), nb::arg("allow_pickle") = true)
       .def("put", [](nb::handle self, nb::handle from, nb::handle to, nb::handle key, nb::handle data,
                      nb::handle readers, nb::handle request_id) {

@@ -7,6 +7,7 @@
 #include "core/net.hpp"
 #include "core/options.hpp"
 #include "cuda/driver.hpp"
+#include "cuda/arena.hpp"
 #include "python/codec.hpp"
 #include "python/torch.hpp"
 
@@ -90,6 +91,13 @@ void bind_tools(nb::module_& m) {
     d["ext"] = to_py(p.ext);
     return d;
   });
+  m.def("cuda_drain", [](double timeout_s) {
+        nb::gil_scoped_release nogil;
+        return cuda::DeviceImports::instance().drain(timeout_s);
+      }, nb::arg("timeout_s") = 30.0,
+      "Wait until the device slots this process read were released (the work it queued on them finished).");
+  m.def("cuda_arenas", [] { return to_py(cuda::DeviceArenas::instance().health()); },
+        "This process's device arenas (CUDA tensors it put through a connector that keeps them on their GPU).");
   m.def("cuda_status", [] { return to_py(cuda::status()); },
         "Whether this process can use CUDA (the driver is loaded at run time): {'available': bool, "
         "'reason': why not, or 'driver_version' and 'devices' [{ordinal, name, uuid, total_bytes}]}.");

@@ -62,6 +62,7 @@ struct PyEncoder {
   // encode_object's byte limit (>= 0): a device tensor that would take the payload past it fails
   // the encoding before it is staged through the host (a copy off the GPU for nothing).
   int64_t limit = -1;
+  DeviceStaging* staging = nullptr;  // CUDA tensors into device arenas (encode_py's `ds`)
   std::string why;
   std::vector<std::byte>& buf = bv.tree_buffer();  // the packed tree (BufferViews says whose)
   detail::ByteSink sink{&buf, 0};
@@ -166,7 +167,15 @@ struct PyEncoder {
         }
       }
     }
-    if (!truthy(ok(attr(T.s_is_cpu)))) {  // a device tensor: staged through the host (CUDA IPC: later)
+    int cuda_ordinal = -1;  // >= 0: left on that GPU, in a device arena (below)
+    if (!truthy(ok(attr(T.s_is_cpu)))) {  // a device tensor: a device arena, else staged through the host
+      nb::object dev = ok(attr(T.s_device));
+      if (staging && nb::cast<std::string>(ok(nb::steal(PyObject_GetAttrString(dev.ptr(), "type")))) == "cuda") {
+        nb::object idx = ok(nb::steal(PyObject_GetAttrString(dev.ptr(), "index")));
+        cuda_ordinal = idx.is_none() ? 0 : nb::cast<int>(idx);
+      }
+    }
+    if (cuda_ordinal < 0 && !truthy(ok(attr(T.s_is_cpu)))) {
       if (limit >= 0) {
         const nb::object nbo = ok(nb::steal(PyObject_GetAttrString(t.ptr(), "nbytes")));
         const Py_ssize_t n = PyLong_AsSsize_t(nbo.ptr());
@@ -205,6 +214,12 @@ struct PyEncoder {
     }
     void* ptr = PyLong_AsVoidPtr(ok(call(T.s_data_ptr)).ptr());
     if (PyErr_Occurred()) throw nb::python_error();
+    if (cuda_ordinal >= 0) {  // into the producer's device arena; the frame holds its record
+      stage_cuda_tensor(T, cuda_ordinal, ptr, nbytes, *dt, x.shape, *staging, x);
+      bv.keep.push_back(std::move(t));  // the source lives until the put returns (the copy is queued before)
+      add(std::move(x), kind | kFlagDeviceRef);
+      return true;
+    }
     x.data = std::span<const std::byte>(static_cast<const std::byte*>(ptr), nbytes);
     bv.keep.push_back(std::move(t));
     add(std::move(x), kind);
@@ -433,6 +448,7 @@ struct PyDecoder {
   nb::object torch_tensor(const Tensor& t, int64_t k, size_t i) {
     const TorchApi* T = TorchApi::get(true);
     if (!T) raise(make_error(Errc::unsupported, "payload holds torch tensors but torch cannot be imported"));
+    if (k & kFlagDeviceRef) return finish_torch(*T, tensor_from_ref(*T, t, zero_copy), k, t);
     Dims dims;
     dims.n = (k & kFlagScalar) ? 0 : int(t.shape.size());
     if (dims.n > NPY_MAXDIMS) raise(make_error(Errc::unsupported, "tensor of more than 32 dimensions"));
@@ -475,6 +491,11 @@ struct PyDecoder {
       if (view_as) out = out.attr(nb::handle(T->s_view))(nb::handle(view_as));
     }
     if (!dev.empty()) out = out.attr(nb::handle(T->s_to))(dev);
+    return finish_torch(*T, std::move(out), k, t);
+  }
+  // A received torch tensor made a Parameter or set to require gradients as its frame says.
+  nb::object finish_torch(const TorchApi& Tr, nb::object out, int64_t k, const Tensor& t) {
+    const TorchApi* T = &Tr;
     const bool rg = k & kFlagRequiresGrad;
     try {
       if (k & kFlagParameter) return nb::handle(T->param_type)(out, nb::arg("requires_grad") = rg);
@@ -659,9 +680,10 @@ ExtInfo ExtInfo::of(const Payload& p) {
   return e;
 }
 
-Encoding encode_py(nb::handle obj, Payload& p, BufferViews& bv, int64_t limit) {
+Encoding encode_py(nb::handle obj, Payload& p, BufferViews& bv, int64_t limit, DeviceStaging* ds) {
   PyEncoder enc{p, bv};
   enc.limit = limit;
+  enc.staging = ds && ds->arena_bytes ? ds : nullptr;
   Encoding e;
   e.ok = enc.run(obj);
   e.total = enc.total;

@@ -5,6 +5,7 @@
 // apart (numpy or torch, tuples, where a tensor lived) rides in the frame's ext.
 #pragma once
 #include "python/common.hpp"
+#include "python/cuda_tensors.hpp"
 
 namespace stagelink::py {
 
@@ -18,6 +19,7 @@ namespace stagelink::py {
 enum : int64_t {
   kKindNumpy = 0, kKindTorch = 1, kKindBytes = 2, kKindByteArray = 3, kKindMemoryView = 4, kKindMask = 7,
   kFlagReadOnly = 8, kFlagRequiresGrad = 16, kFlagParameter = 32, kFlagScalar = 64, kFlagNumpyScalar = 128,
+  kFlagDeviceRef = 256,  // the tensor's bytes are a device record (cuda/device_ref.hpp): it stayed on its GPU
 };
 
 // What a frame's ext says (the keys above), read once from Payload::ext or, as gets leave it, its
@@ -42,7 +44,8 @@ struct Encoding {
 };
 // Python object -> Payload (views held by `bv` until the put returns). `limit` >= 0: fail before
 // staging a device tensor that would take the payload past `limit` bytes.
-Encoding encode_py(nb::handle obj, Payload& p, BufferViews& bv, int64_t limit = -1);
+// `ds`: CUDA tensors are left in device arenas (DeviceStaging) instead of staged through the host.
+Encoding encode_py(nb::handle obj, Payload& p, BufferViews& bv, int64_t limit = -1, DeviceStaging* ds = nullptr);
 // A frame without a pickle as its Python object; `owned`: the tensors' memory is the result's.
 nb::object native_object(const Payload& p, bool zero_copy, const ExtInfo& ext, bool owned = false);
 // A pickled Python object as a payload: tree [refs], ext {"pickle": kind}, one tensor per region

@@ -182,6 +182,12 @@ nb::object torch_via_dlpack(const TorchApi& T, const Tensor& t, const Dims& dims
     if (n) std::memcpy(data, t.data.data(), n);
   }
   m->describe(data, dims.n, dims.v, dl_type(t.dtype));
+  return dl_to_torch(T, m, x);
+}
+
+// `m` handed to torch (which then owns it): through the exchange API (`x`), else a capsule. An
+// invalid object (no error set) when torch refuses it.
+nb::object dl_to_torch(const TorchApi& T, DlOut* m, bool x) {
   if (x) {  // straight in C: no capsule, no argument parsing
     void* out = nullptr;
     if (T.xapi->managed_tensor_to_py_object_no_sync(&m->versioned, &out) != 0 || !out)

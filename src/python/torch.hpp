@@ -32,7 +32,7 @@ struct DlExchangeApi {
   int (*dltensor_from_py_object_no_sync)(void*, nb::dlpack::dltensor*);
   int (*current_work_stream)(int32_t, int32_t, void**);
 };
-constexpr int32_t kDlCpu = 1;
+constexpr int32_t kDlCpu = 1, kDlCuda = 2;
 // A DLPack data type: code, bits, lanes.
 struct DlType {
   uint8_t code, bits;
@@ -148,5 +148,8 @@ std::string gpu_by_uuid(const std::string& uuid);
 // A received tensor as a torch tensor through DLPack: a view of `t`'s memory held by its keepalive
 // (`view`), else a copy. An invalid object (no error set) when this torch cannot import it so.
 nb::object torch_via_dlpack(const TorchApi& T, const Tensor& t, const Dims& dims, bool view);
+// `m` handed to torch, which then owns it: through the exchange API (`x`), else a DLPack capsule.
+// An invalid object (no error set) when torch refuses it.
+nb::object dl_to_torch(const TorchApi& T, DlOut* m, bool x);
 
 }  // namespace stagelink::py

@@ -27,6 +27,11 @@ inline Value extra(const std::string& ns, size_t arena = 64u << 20, double put_t
   m.emplace_back("shm_dir", dir);
   return Value(std::move(m));
 }
+// `e` with one more key.
+inline Value with(Value e, const char* k, Value v) {
+  e.as<Value::Map>().emplace_back(k, std::move(v));
+  return e;
+}
 inline std::unique_ptr<Connector> make(const Value& e) {
   auto c = create_connector("SharedMemoryConnector", e);
   EXPECT_TRUE(c.ok()) << (c.ok() ? "" : c.error().message);

@@ -194,11 +194,6 @@ TEST(Shm, ProbeWindowSimdAgreesWithThePortableLoop) {
   }
 }
 
-Value with(Value e, const char* k, Value v) {
-  e.as<Value::Map>().emplace_back(k, std::move(v));
-  return e;
-}
-
 TEST(Shm, KeyReuseBeforeReadIsAnErrorWhenAskedFor) {
   auto c = make(with(extra(unique_ns("reuse")), "on_existing_key", "error"));
   ASSERT_TRUE(c->put("0", "1", "k", Payload{}).ok());

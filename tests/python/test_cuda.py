@@ -70,14 +70,14 @@ def test_a_cuda_tensor_round_trips_through_the_connector(ns):
 
 
 def test_a_frame_names_the_gpu_by_uuid(ns):
-    """Ordinals differ between processes (CUDA_VISIBLE_DEVICES); the frame carries the GPU's UUID
-    ("tg") beside its name, and a reader that has that GPU puts the tensor back on it."""
+    """Ordinals differ between processes (CUDA_VISIBLE_DEVICES); a staged frame (cuda_ipc off) carries
+    the GPU's UUID ("tg") beside its name, and a reader that has that GPU puts the tensor back on it."""
     torch = pytest.importorskip("torch")
     st = stagelink.cuda_status()
     if not torch.cuda.is_available() or not st["available"]:
         pytest.skip("no CUDA device here (runs on the GPU machine)")
     from stagelink import _core
-    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "cuda_ipc": False}) as c:
         t = torch.arange(100, device="cuda:0")
         ok, _, meta = c.put(0, 1, "small", t)
         assert ok, c.last_error
