@@ -23,7 +23,9 @@ struct ResourceInfo {
 // Default prefix: "sl.<uid>." (per user). `shm_dir` defaults to /dev/shm.
 std::string user_prefix();
 std::vector<ResourceInfo> list_resources(const std::string& shm_dir = "/dev/shm");
-// Reclaim what dead processes owned. Returns the names removed or repaired.
+// Reclaim what dead processes owned (stagelink's segments and directory entries, and the CUDA
+// driver's cuda.shm.<uid>.<pid>.<n> file of a killed process that used CUDA IPC). Returns the
+// names removed or repaired.
 std::vector<std::string> reap(const std::string& shm_dir = "/dev/shm");
 
 }  // namespace stagelink::shm

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <set>
@@ -148,6 +149,57 @@ std::vector<ResourceInfo> list_resources(const std::string& shm_dir) {
   return out;
 }
 
+namespace {
+// Whether any process this user can see maps `path` (its /proc/PID/maps names it).
+bool mapped_by_anyone(const std::string& path) {
+  DIR* proc = ::opendir("/proc");
+  if (!proc) return true;  // cannot tell: keep it
+  bool found = false;
+  std::string line;
+  while (dirent* e = ::readdir(proc)) {
+    if (found) break;
+    if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
+    FILE* f = std::fopen(("/proc/" + std::string(e->d_name) + "/maps").c_str(), "r");
+    if (!f) continue;
+    char buf[4096];
+    while (std::fgets(buf, sizeof buf, f))
+      if (std::strstr(buf, path.c_str())) {
+        found = true;
+        break;
+      }
+    std::fclose(f);
+  }
+  ::closedir(proc);
+  return found;
+}
+}  // namespace
+
+// The CUDA driver's file of a process that used CUDA IPC (cuda.shm.<uid>.<pid in hex>.<n>): it is
+// removed when that process exits cleanly, and stays behind one that was killed (or left through
+// os._exit, as multiprocessing's children do). Removed here when it is ours, its process is gone,
+// and no process maps it.
+std::vector<std::string> reap_cuda_driver_files(const std::string& shm_dir) {
+  std::vector<std::string> out;
+  DIR* d = ::opendir(shm_dir.c_str());
+  if (!d) return out;
+  const std::string pre = "cuda.shm." + std::to_string(::getuid()) + ".";
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d))
+    if (std::strncmp(e->d_name, pre.c_str(), pre.size()) == 0) names.emplace_back(e->d_name);
+  ::closedir(d);
+  for (auto& n : names) {
+    char* end = nullptr;
+    const unsigned long pid = std::strtoul(n.c_str() + pre.size(), &end, 16);
+    if (!pid || pid > 0x3fffffff || !end || *end != '.') continue;
+    const std::string path = shm_dir + "/" + n;
+    struct stat st{};
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::getuid()) continue;
+    if (proc_alive(ProcId{uint32_t(pid), 0}) || mapped_by_anyone(path)) continue;
+    if (::unlink(path.c_str()) == 0) out.push_back("CUDA driver file " + n + " of dead process " + std::to_string(pid));
+  }
+  return out;
+}
+
 std::vector<std::string> reap(const std::string& shm_dir) {
   std::vector<std::string> out;
   std::set<std::string> referenced;
@@ -195,6 +247,7 @@ std::vector<std::string> reap(const std::string& shm_dir) {
       if (Segment::unlink(shm_dir, n)) out.push_back("orphan " + kind + " " + n + " of dead process " + std::to_string(pid));
     }
   }
+  for (auto& r : reap_cuda_driver_files(shm_dir)) out.push_back(std::move(r));
   return out;
 }
 

@@ -4,6 +4,9 @@
 // shared-memory connector keeping a put's device slots until every reader released its entry.
 // What needs a GPU is in tests/python/test_cuda_ipc.py (skipped without one).
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <random>
@@ -12,6 +15,8 @@
 #include "connectors/capabilities.hpp"
 #include "cuda/device_ref.hpp"
 #include "shm_test_util.hpp"
+#include "stagelink/shm.hpp"
+#include "util.hpp"
 #include "stagelink/stagelink.hpp"
 
 using namespace stagelink;
@@ -225,4 +230,47 @@ TEST(CudaSlots, TheSharedMemoryConnectorKeepsAHoldUntilItsEntryIsReleased) {
   c->close();
   off->close();
   EXPECT_EQ(files_with(ns), 0u);
+}
+
+// The CUDA driver leaves /dev/shm/cuda.shm.<uid>.<pid in hex>.<n> behind a killed process that
+// used CUDA IPC (found on the GPU machine: one per killed test process). `stagelink shm reap`
+// removes it only when its process is gone and no live process maps it.
+TEST(CudaSlots, ReapRemovesTheDriverFileOfADeadProcessOnly) {
+  char tmpl[] = "/tmp/slcudareapXXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  ASSERT_EQ(testing_util::wait_child(dead), 0);
+  auto name = [](pid_t pid) {
+    char b[64];
+    std::snprintf(b, sizeof b, "cuda.shm.%u.%x.1", unsigned(getuid()), unsigned(pid));
+    return std::string(b);
+  };
+  auto make_file = [&](const std::string& n) {
+    FILE* f = std::fopen((dir + "/" + n).c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs("x", f);
+    std::fclose(f);
+  };
+  auto exists = [&](const std::string& n) { return access((dir + "/" + n).c_str(), F_OK) == 0; };
+  const std::string of_dead = name(dead), of_me = name(getpid()), odd = "cuda.shm.x.y";
+  make_file(of_dead);
+  make_file(of_me);
+  make_file(odd);
+  // A dead process's file that a live one still maps stays.
+  int fd = open((dir + "/" + of_dead).c_str(), O_RDONLY);
+  void* m = mmap(nullptr, 1, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  shm::reap(dir);
+  EXPECT_TRUE(exists(of_dead));
+  munmap(m, 1);
+  close(fd);
+  const auto removed = shm::reap(dir);
+  EXPECT_FALSE(exists(of_dead));
+  EXPECT_TRUE(exists(of_me));  // alive
+  EXPECT_TRUE(exists(odd));    // not the driver's pattern
+  EXPECT_EQ(removed.size(), 1u);
+  for (auto& n : {of_me, odd}) unlink((dir + "/" + n).c_str());
+  rmdir(dir.c_str());
 }

@@ -57,7 +57,7 @@ CHILD = textwrap.dedent("""
     out = {{}}
     with stagelink.create_connector("SharedMemoryConnector", {{"namespace": ns}}) as c:
         for k in keys:
-            got = c.get(0, 1, k, None, timeout=60, zero_copy=(mode == "view"))
+            got = c.get(0, 1, k, None, timeout=60, zero_copy=(mode in ("view", "hold")))
             if got is None:
                 out[k] = {{"error": repr(c.last_error)}}
                 continue
@@ -193,7 +193,10 @@ def test_a_slot_a_reader_still_reads_is_not_reused(ns):
         assert c.health()["cuda_arenas"][0]["arenas"] >= 1
 
 
-def test_a_consumer_killed_holding_a_view_is_reclaimed(ns):
+def test_a_consumer_killed_holding_a_view_gives_the_read_back_then_its_slot_is_reclaimed(ns):
+    """At least once, as for host memory: the read a killed reader never finished is given back by
+    the reaper, a retry reads the same tensor from the same slot, and the slot is then reclaimed.
+    The driver's file of the killed process (cuda.shm.<uid>.<pid in hex>.1) goes with the reap."""
     base = in_flight()
     with producer(ns) as c:
         t = sample(torch.float32, 1 << 20, 3)
@@ -205,7 +208,12 @@ def test_a_consumer_killed_holding_a_view_is_reclaimed(ns):
         assert settle(c, base, timeout=1) == base + 1  # the reader holds it
         p.send_signal(signal.SIGKILL)
         p.wait(30)
-        assert settle(c, base) == base  # the reaper released the dead reader's claim
+        driver_file = f"cuda.shm.{os.getuid()}.{p.pid:x}.1"
+        stagelink._core.shm_reap("/dev/shm")  # gives the dead reader's read back
+        assert settle(c, base, timeout=1) == base + 1  # not lost: still there for a retry
+        assert finish(consumer(ns, ["held"]))["held"]["sum"] == checksum(t)
+        assert settle(c, base) == base
+        assert not os.path.exists(f"/dev/shm/{driver_file}")
 
 
 def test_a_producer_killed_after_its_put_leaves_a_clear_miss_and_nothing_behind(ns):
@@ -225,6 +233,7 @@ def test_a_producer_killed_after_its_put_leaves_a_clear_miss_and_nothing_behind(
         got = r.get(0, 1, "orphan", None, timeout=2)
         assert got is None  # its entry names a dead producer: never read
     stagelink._core.shm_reap("/dev/shm")
+    assert not os.path.exists(f"/dev/shm/cuda.shm.{os.getuid()}.{p.pid:x}.1")  # the driver's file, reaped
 
 
 def test_cuda_ipc_off_stages_through_host_memory(ns):
