@@ -51,6 +51,13 @@ struct RelayPutOptions {
   // Asked at least every 200 ms while the put waits for a credit; false ends it (cancelled). The
   // Python binding runs Python's signal handlers here (Ctrl-C).
   std::function<bool()> keep_waiting;
+  // The `local` backend only: an object of the caller's passed by reference instead of the
+  // payload (the Python binding puts its objects so), handed to the gets (RelayOp::object) and
+  // dropped when the last reader took it, the put is withdrawn or the relay closes; never while
+  // the relay holds a lock, so its deleter may take one of the caller's (Python's GIL).
+  // `object_bytes`: the size its metadata reports (transfer_info.size).
+  std::shared_ptr<const void> object;
+  size_t object_bytes = 0;
 };
 
 struct RelayGetOptions {
@@ -93,6 +100,8 @@ class RelayOp {
   size_t size() const;
   // Get: the payload's memory is this get's alone (GetResult::owned).
   bool owned() const;
+  // Get: the object a `local` put passed by reference (RelayPutOptions::object); null otherwise.
+  const std::shared_ptr<const void>& object() const;
 
  private:
   std::shared_ptr<State> s_;

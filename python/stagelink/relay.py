@@ -18,8 +18,6 @@ class name).
 """
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any, Optional
 
 from . import _core, _serde
@@ -151,14 +149,8 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         self.allow_pickle = allow_pickle
         self.device = config.get("device", "cpu")
         self.engine_id = config.get("engine_id", "")
-        if self.backend == "local":
-            self._native = None
-            self._local = _LocalRelay(int(config.get("credits", 8)), self.timeout_s, self.engine_id)
-            # Validated like the others (unknown keys, bad values) though nothing native runs.
-            _core._Relay(dict(config, backend="local"), allow_pickle).close()
-        else:
-            self._native = _core._Relay(config, allow_pickle)
-            track(self)  # closed at exit if still open then
+        self._native = _core._Relay(config, allow_pickle)
+        track(self)  # closed at exit if still open then
 
     def put_async(self, data, request_id: Optional[str] = None, dst_rank: Optional[int] = None,
                   receiver_id: Optional[str] = None, *, edge: Optional[str] = None, readers: int = 1) -> RelayOperation:
@@ -169,12 +161,10 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         goes into the control message."""
         if edge is None and receiver_id is not None:
             edge = f"receiver:{receiver_id}"
-        if self._native is None:
-            if edge is None:
-                edge = f"rank{dst_rank}" if dst_rank is not None else "any"  # as the native backends
-            return self._local.put(data, request_id, edge, readers)
         n = self._live()
         e = edge or ""
+        if self.backend == "local":  # the object itself, by reference (the seed's LOCAL_OBJECT)
+            return RelayOperation(n._put_ref(data, request_id, dst_rank, e, readers, _nbytes(data)))
         op = n._put_obj(data, request_id, dst_rank, e, readers)
         if op is None:
             if not self.allow_pickle:
@@ -201,17 +191,6 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         if total_size < 0 or any(off < 0 for off, _ in parts):
             raise _core.InvalidArgumentError(f"relay put_many_async: total_size ({total_size}) and offsets must not "
                                              "be negative")
-        if self._native is None:
-            import numpy as np
-            buf = np.zeros(int(total_size), np.uint8)
-            end = 0
-            for off, view in sorted(parts, key=lambda p: p[0]):
-                if off < end or off + view.nbytes > buf.nbytes:
-                    raise _core.InvalidArgumentError(f"relay put_many_async: the segment at offset {off} overlaps "
-                                                     f"another or ends past total_size {total_size}")
-                buf[off:off + view.nbytes] = view
-                end = off + view.nbytes
-            return self.put_async(buf, request_id, dst_rank, edge=edge, readers=readers)
         return RelayOperation(self._live()._put_segments(parts, total_size, request_id, dst_rank, edge or "", readers))
 
     def get_async(self, metadata, dest=None, request_id: Optional[str] = None, *, dest_tensor=None,
@@ -227,12 +206,13 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
             dest = dest_tensor
         if dest is not None and not _is_buffer(dest) and hasattr(dest, "numpy"):
             dest = _tensor_memory(dest)
-        if self._native is None:
-            obj = self._local.get(metadata)
-            if dest is not None:
-                _copy_into(obj, dest)
-            return RelayOperation(None, obj, 0)
         n = self._live()
+        if dest is not None and self.backend == "local":  # the object by reference, copied here
+            kind, obj, size = n._get_found(metadata, request_id, timeout, False)
+            if kind != _serde.KIND_OBJECT:
+                obj = _serde.decode(kind, obj, False)
+            _copy_into(obj, dest)
+            return RelayOperation(None, dest, size)
         if dest is not None:
             size = n._get_into(metadata, dest, request_id, timeout)
             return RelayOperation(None, dest, size)
@@ -245,8 +225,6 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         """Where another process's relay of this backend reaches this one's puts (``ucx``: the
         ``source_host`` and ``source_port`` of its side channel); ``None`` where nothing needs
         connecting (``shm``, ``local``)."""
-        if self._native is None:
-            return None
         return self._native.sender_info()
 
     def connect(self, sender_info, timeout: Optional[float] = None) -> None:
@@ -254,27 +232,16 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         puts' metadata) before the first ``get_async`` from it, which then costs what the next ones
         do (a UCX relay's first get from a sender otherwise connects: milliseconds over TCP).
         Within ``timeout`` (default ``timeout_s``). Nothing to do for ``shm`` and ``local``."""
-        if self._native is None:
-            return
         self._live()._connect(sender_info, timeout)
 
     def cleanup(self, request_id: str) -> int:
         """Withdraw this relay's own unread puts of ``request_id``: their slots and credits come
         back and their waits raise CancelledError. Other relays' puts of the request (another
         stage's, another receiver's) are left alone. Returns how many were withdrawn."""
-        if self._native is None:
-            return self._local.cleanup(str(request_id))
         return self._live().cleanup(str(request_id))
 
     def health(self) -> dict:
-        if self._native is None:
-            return self._local.health()
         return self._native.health()
-
-    def close(self) -> None:
-        if self.__dict__.get("_local") is not None:
-            self._local.close()
-        super().close()
 
     def _live(self):
         if self._native.closed:
@@ -412,123 +379,3 @@ def _copy_into(obj, dest):
     if src.nbytes > dst.nbytes:
         raise _core.InvalidArgumentError(f"relay get: {src.nbytes} bytes do not fit the destination's {dst.nbytes}")
     dst[:src.nbytes] = src
-
-
-# The same-process backend: Python objects by reference (the seed's LOCAL_OBJECT), one table per
-# process shared by every local relay, with the same credit rules as the native backends.
-_TABLE: dict = {}
-_TABLE_LOCK = threading.Condition()
-_NEXT = [1]
-
-
-class _LocalRelay:
-    def __init__(self, credits: int, timeout_s: float, engine_id: str):
-        self.credits, self.timeout_s, self.engine_id = credits, timeout_s, engine_id
-        self.inflight: dict = {}   # edge -> set of item ids
-        self.closed = False
-        self.puts = self.gets = 0
-
-    def put(self, data, request_id, edge, readers):
-        deadline = time.monotonic() + self.timeout_s
-        with _TABLE_LOCK:
-            while True:
-                if self.closed:
-                    raise _core.ClosedError("relay is closed")
-                live = self.inflight[edge] = {k for k in self.inflight.get(edge, ()) if k in _TABLE}
-                if len(live) < self.credits:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise _core.ExhaustedError(f"relay: no credit for edge '{edge}' after {self.timeout_s} s: all "
-                                               f"{self.credits} are held by unread puts; is the receiver reading?")
-                _TABLE_LOCK.wait(_slice(left))
-            key = _NEXT[0]
-            _NEXT[0] += 1
-            flag = [False]  # set by cleanup: the op's wait says cancelled
-            _TABLE[key] = [data, readers, str(request_id) if request_id is not None else None, self, flag]
-            live.add(key)
-            self.puts += 1
-        rid = str(request_id) if request_id is not None else ""
-        md = {"local": key, "pid": _pid(), "engine_id": self.engine_id,
-              "transfer_info": {"size": _nbytes(data), "req_id": rid}}
-        return RelayOperation(_LocalOp(key, md, flag))
-
-    def get(self, metadata):
-        if not isinstance(metadata, dict) or "local" not in metadata:
-            raise _core.CorruptError("relay metadata lacks 'local' (not from a local relay put?)")
-        if metadata.get("pid") != _pid():
-            raise _core.InvalidArgumentError("local relay metadata from another process; the local backend is same-process only")
-        with _TABLE_LOCK:
-            item = _TABLE.get(metadata["local"])
-            if item is None:
-                raise _core.NotFoundError(f"local relay item {metadata['local']} is gone (read or cleaned up)")
-            item[1] -= 1
-            if item[1] == 0:
-                del _TABLE[metadata["local"]]
-                _TABLE_LOCK.notify_all()
-            self.gets += 1
-            return item[0]
-
-    def cleanup(self, rid):
-        """This relay's own unread puts of the request only (as the native backends)."""
-        with _TABLE_LOCK:
-            gone = [k for k, v in _TABLE.items() if v[2] == rid and v[3] is self]
-            for k in gone:
-                _TABLE.pop(k)[4][0] = True
-            _TABLE_LOCK.notify_all()
-        return len(gone)
-
-    def health(self):
-        with _TABLE_LOCK:
-            return {"backend": "local", "status": "closed" if self.closed else "healthy", "puts": self.puts,
-                    "gets": self.gets, "credits": self.credits,
-                    "credits_in_use": {e: sum(k in _TABLE for k in s) for e, s in self.inflight.items()}}
-
-    def close(self):
-        with _TABLE_LOCK:
-            self.closed = True
-            for k in [k for k, v in _TABLE.items() if v[3] is self]:
-                del _TABLE[k]
-            _TABLE_LOCK.notify_all()
-
-
-class _LocalOp:
-    def __init__(self, key, metadata, flag):
-        self.key, self.metadata, self.flag = key, metadata, flag
-
-    def withdraw(self):
-        """Its reader failed: gone if still unread (the credit is back; the wait says cancelled)."""
-        with _TABLE_LOCK:
-            if _TABLE.pop(self.key, None) is None:
-                return False
-            self.flag[0] = True
-            _TABLE_LOCK.notify_all()
-            return True
-
-    def done(self):
-        with _TABLE_LOCK:
-            return self.key not in _TABLE
-
-    def wait(self, timeout):
-        if timeout is not None and timeout != timeout:
-            raise _core.InvalidArgumentError("timeout must be a number of seconds or None, not NaN")
-        deadline = None if timeout is None or timeout >= 1e9 else time.monotonic() + timeout
-        with _TABLE_LOCK:
-            while self.key in _TABLE:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise _core.TimeoutError(f"relay put not read after {timeout} s")
-                _TABLE_LOCK.wait(_slice(left))
-            if self.flag[0]:
-                raise _core.CancelledError("relay put cancelled (cleanup) before it was read")
-
-
-def _slice(left):
-    """A Condition.wait timeout: None for none or an infinite one (Condition.wait refuses those
-    past its limit with OverflowError)."""
-    return None if left is None or left > 1e6 else left
-
-
-def _pid():
-    import os
-    return os.getpid()

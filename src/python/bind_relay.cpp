@@ -95,6 +95,24 @@ nb::object relay_put_obj(PyRelay& self, nb::handle data, nb::handle rid, nb::han
   return nb::cast(relay_put_payload(self, p, relay_put_options(rid, dst_rank, edge, readers, rh)));
 }
 
+// The local backend: `data` itself, by reference (no frame), as the seed's LOCAL_OBJECT. The
+// relay drops its reference outside its locks, on whatever thread lets go last: the deleter takes
+// the GIL (and leaks the object once the interpreter is finalizing).
+nb::object relay_put_ref(PyRelay& self, nb::handle data, nb::handle rid, nb::handle dst_rank, const std::string& edge,
+                         uint32_t readers, size_t nbytes) {
+  std::string rh;
+  RelayPutOptions o = relay_put_options(rid, dst_rank, edge, readers, rh);
+  Py_INCREF(data.ptr());
+  o.object = std::shared_ptr<const void>(data.ptr(), [](const void* p) {
+    if (!Py_IsInitialized()) return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_DECREF(static_cast<PyObject*>(const_cast<void*>(p)));
+    PyGILState_Release(g);
+  });
+  o.object_bytes = nbytes;
+  return nb::cast(relay_put_with(self, o, [&](Relay& r, const RelayPutOptions& opts) { return r.put_async(Payload{}, opts); }));
+}
+
 RelayGetOptions relay_get_options(nb::handle rid, nb::handle timeout, bool zero_copy, std::string& rid_holder) {
   rid_holder = rid_str(rid);
   RelayGetOptions o;
@@ -138,6 +156,8 @@ void bind_relay(nb::module_& m) {
            }, nb::arg("config").none(), nb::arg("allow_pickle") = true)
       .def("_put_obj", &relay_put_obj, nb::arg("data").none(), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
            nb::arg("edge"), nb::arg("readers"))
+      .def("_put_ref", &relay_put_ref, nb::arg("data").none(), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
+           nb::arg("edge"), nb::arg("readers"), nb::arg("nbytes"))
       .def("_put_parts", [](PyRelay& self, int kind, nb::list regions, nb::handle rid, nb::handle dst_rank,
                             const std::string& edge, uint32_t readers) {
              Payload p;
@@ -162,6 +182,8 @@ void bind_relay(nb::module_& m) {
              RelayGetOptions o = relay_get_options(rid, timeout, true, rh);
              o.private_ok = !zero_copy;
              RelayOp op = relay_get(self, metadata, o);
+             if (const auto& obj = op.object())  // a local put's object, by reference
+               return nb::make_tuple(KIND_OBJECT, nb::borrow(static_cast<PyObject*>(const_cast<void*>(obj.get()))), op.size());
              GetResult g{std::move(op.payload()), op.size(), op.owned()};
              Found f = found_of(g, zero_copy, self.allow_pickle, "relay payload");
              return nb::make_tuple(f.kind, f.obj, f.size);

@@ -35,6 +35,7 @@ struct PutRec {
 // each have their own relay and read each other's puts).
 struct LocalItem {
   Payload payload;
+  std::shared_ptr<const void> object;  // RelayPutOptions::object: dropped outside the table's lock
   size_t size = 0;
   uint32_t readers_left = 1;
   uint64_t relay = 0;
@@ -108,6 +109,7 @@ struct RelayOp::State {
   std::shared_ptr<PutRec> rec;
   Value metadata;
   Payload payload;
+  std::shared_ptr<const void> object;  // a local get's RelayPutOptions::object
   size_t size = 0;
   bool owned = false;
 };
@@ -261,7 +263,9 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     // A local item outlives the call: a packed tree and ext (views of the caller's memory) are
     // kept as Values, read before a credit is taken.
     Value local_tree, local_ext;
-    if (is_local()) {
+    if (o.object && !is_local())
+      return make_error(Errc::invalid_argument, "relay put: an object by reference needs the local backend");
+    if (is_local() && !o.object) {
       if (!p.packed_tree.empty()) {
         SL_ASSIGN(local_tree, value_from_msgpack(p.packed_tree));
       } else {
@@ -283,7 +287,9 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       it.payload.tree = std::move(local_tree);
       it.payload.ext = std::move(local_ext);
       it.payload.tensors = p.tensors;
-      it.size = p.tensor_bytes();
+      it.object = o.object;
+      const size_t bytes = o.object ? o.object_bytes : p.tensor_bytes();
+      it.size = bytes;
       it.readers_left = o.readers;
       it.relay = id;
       it.rec = rec;
@@ -291,8 +297,8 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       Value::Map md;
       md.emplace_back("local", key);
       md.emplace_back("pid", uint64_t(getpid()));
-      md.emplace_back("size", uint64_t(p.tensor_bytes()));
-      add_sglang_fields(md, p.tensor_bytes(), o.request_id);
+      md.emplace_back("size", uint64_t(bytes));
+      add_sglang_fields(md, bytes, o.request_id);
       rec->md = Value(std::move(md));
     } else {
       const std::string key = prefix + std::to_string(seq.fetch_add(1, std::memory_order_relaxed));
@@ -377,14 +383,17 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
         return make_error(Errc::invalid_argument, "relay metadata of the local backend comes from process " +
                                                       std::to_string(pid) + "; it is same-process only");
       auto& t = local_table();
+      LocalItem last;  // the last reader's: dropped after the lock (its object's deleter)
       std::lock_guard<std::mutex> l(t.mu);
       auto it = t.items.find(key);
       if (it == t.items.end()) return make_error(Errc::not_found, "local relay item " + std::to_string(key) +
                                                                        " is gone (read by every reader, or cleaned up)");
       st->payload = it->second.payload;
+      st->object = it->second.object;
       st->size = it->second.size;
       if (--it->second.readers_left == 0) {
         it->second.rec->released.store(true, std::memory_order_release);
+        last = std::move(it->second);
         t.items.erase(it);
         ++t.epoch;
         t.cv.notify_all();
@@ -452,11 +461,13 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     if (released(*r)) return false;
     if (is_local()) {
       auto& t = local_table();
+      LocalItem gone;  // dropped after the lock (its object's deleter)
       std::lock_guard<std::mutex> l(t.mu);
       for (auto it = t.items.begin(); it != t.items.end(); ++it)
         if (it->second.rec == r) {
           r->cancelled.store(true);
           r->released.store(true, std::memory_order_release);
+          gone = std::move(it->second);
           t.items.erase(it);
           ++t.epoch;
           t.cv.notify_all();
@@ -511,10 +522,15 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     }
     if (conn) conn->close();
     auto& t = local_table();
+    std::vector<LocalItem> gone;  // dropped after the lock (their objects' deleters)
     std::lock_guard<std::mutex> l(t.mu);
     for (auto it = t.items.begin(); it != t.items.end();) {
-      if (it->second.relay == id) it = t.items.erase(it);
-      else ++it;
+      if (it->second.relay == id) {
+        gone.push_back(std::move(it->second));
+        it = t.items.erase(it);
+      } else {
+        ++it;
+      }
     }
     ++t.epoch;
     t.cv.notify_all();
@@ -573,6 +589,10 @@ Payload& RelayOp::payload() {
 
 size_t RelayOp::size() const { return s_ ? s_->size : 0; }
 bool RelayOp::owned() const { return s_ && s_->owned; }
+const std::shared_ptr<const void>& RelayOp::object() const {
+  static const std::shared_ptr<const void> kNone;
+  return s_ ? s_->object : kNone;
+}
 
 Result<std::unique_ptr<Relay>> Relay::create(const RelayConfig& cfg) {
   if (cfg.credits == 0) return make_error(Errc::invalid_argument, "relay config: credits must be at least 1");

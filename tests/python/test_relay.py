@@ -1,6 +1,9 @@
 """stagelink.Relay from Python: payload kinds, credits per edge with deadlines, completion,
 cleanup, close, the local backend, and across processes."""
 import multiprocessing as mp
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -124,6 +127,47 @@ def test_local_backend_passes_python_objects_by_reference():
         assert r.cleanup("r2") == 1
         with pytest.raises(stagelink.CancelledError):
             op2.wait(0.1)
+
+
+def test_the_local_backend_is_the_native_one_and_lets_go_of_its_objects():
+    """One same-process backend (C++, as every other): it holds a Python object by reference until
+    its last reader took it, its put is withdrawn or the relay closes, and lets go of it outside its
+    locks: an object whose __del__ uses a relay again (here: a put) does not deadlock it. Run in a
+    child process: a deadlock there is a timeout here, not a hung suite."""
+    code = textwrap.dedent("""
+        import gc, threading, weakref, stagelink
+        other = stagelink.Relay(backend="local", credits=64, timeout_s=5)
+        class Obj:
+            def __del__(self):
+                other.put_async(b"from __del__", edge="d")  # takes the same-process table's lock
+        with stagelink.Relay(backend="local", credits=4, timeout_s=5, engine_id="eng") as r:
+            assert type(r._native).__name__ == "_Relay"
+            o = Obj(); w = weakref.ref(o)
+            op = r.put_async(o, request_id="a", edge="e", readers=2)
+            md = op.metadata
+            assert md["engine_id"] == "eng" and md["transfer_info"]["req_id"] == "a"
+            del o
+            assert r.get_async(md).result() is w()
+            assert w() is not None                   # a second reader may still come
+            assert r.get_async(md).result() is w()   # the last reader: the relay lets go
+            gc.collect(); assert w() is None
+            op.wait(1)
+            o = Obj(); w = weakref.ref(o)
+            op = r.put_async(o, request_id="b", edge="e"); del o
+            assert r.cleanup("b") == 1               # withdrawn
+            gc.collect(); assert w() is None
+            o = Obj(); w = weakref.ref(o)
+            r.put_async(o, edge="e"); del o
+            t = threading.Thread(target=r.close)     # closed from another thread, the GIL let go
+            t.start(); t.join(10)
+            assert not t.is_alive()
+            gc.collect(); assert w() is None
+        print(other.health()["credits_in_use"])
+        other.close()
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "'d': 3" in p.stdout  # every __del__ ran, each putting once
 
 
 def test_bad_config_and_metadata_are_clear_errors(ns):
