@@ -58,6 +58,13 @@ struct RelayPutOptions {
   // `object_bytes`: the size its metadata reports (transfer_info.size).
   std::shared_ptr<const void> object;
   size_t object_bytes = 0;
+  // Backends over a connector that keeps device slots (device_slots() > 0): what the put's entry
+  // keeps until every reader released it (PutHooks::hold: the slots of CUDA tensors left on their
+  // GPU, whose records the payload carries). `data_bytes` (> 0): the bytes the data holds, for
+  // transfer_info.size, where the payload's tensors are such records. The metadata then says
+  // "cuda_ipc": true.
+  std::shared_ptr<const void> hold;
+  std::optional<size_t> data_bytes;
 };
 
 struct RelayGetOptions {
@@ -131,6 +138,9 @@ class Relay {
   // Where another process's relay of the same backend reaches this one's puts (a transfer
   // engine's source_host and source_port); nil where nothing needs connecting (shared memory).
   Value sender_info();
+  // Each device arena's size where the backend's connector keeps device slots for CUDA tensors
+  // (the shared-memory connector with cuda_ipc on); 0 otherwise.
+  size_t device_slots() const;
   // Connect ahead of the first get to the relay `sender_info` describes (its sender_info(), or a
   // put's metadata), so that first get costs what the next ones do; within `timeout_s` (negative:
   // the relay's timeout_s). Nothing to do for shared memory. Errors: the connector's connect.

@@ -196,23 +196,26 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
     def get_async(self, metadata, dest=None, request_id: Optional[str] = None, *, dest_tensor=None,
                   timeout: Optional[float] = None, zero_copy: bool = False) -> RelayOperation:
         """Read what ``put_async`` published, given its ``metadata``. ``dest`` (SGLang-Omni's
-        ``dest_tensor``): a writable buffer (numpy array, bytearray, contiguous CPU torch tensor of
-        any dtype) the payload's one array is copied into, as bytes (one memcpy); otherwise
+        ``dest_tensor``): a writable buffer (numpy array, bytearray, contiguous torch tensor of any
+        dtype, CPU or CUDA) the payload's one array is copied into, as bytes (one copy); otherwise
         ``result()`` is the object. ``zero_copy``: arrays are read-only views that hold the slot
         until dropped. Raises CorruptError for metadata that is not a relay's, NotFoundError when
         it was already read by every reader or cleaned up, InvalidArgumentError for a ``dest``
         that is too small."""
         if dest is None:
             dest = dest_tensor
-        if dest is not None and not _is_buffer(dest) and hasattr(dest, "numpy"):
+        if dest is not None and not _is_buffer(dest) and hasattr(dest, "numpy") and not _is_cuda(dest):
             dest = _tensor_memory(dest)
         n = self._live()
-        if dest is not None and self.backend == "local":  # the object by reference, copied here
+        if dest is not None and (self.backend == "local" or _is_cuda(dest) or
+                                 (isinstance(metadata, dict) and metadata.get("cuda_ipc"))):
+            # The object (by reference on the local backend; a tensor on its GPU for a payload left
+            # there), then one copy into dest: device to device, to the host or back for CUDA.
             kind, obj, size = n._get_found(metadata, request_id, timeout, False)
             if kind != _serde.KIND_OBJECT:
                 obj = _serde.decode(kind, obj, False)
             _copy_into(obj, dest)
-            return RelayOperation(None, dest, size)
+            return RelayOperation(None, dest, _nbytes(obj))
         if dest is not None:
             size = n._get_into(metadata, dest, request_id, timeout)
             return RelayOperation(None, dest, size)
@@ -370,7 +373,23 @@ def _nbytes(obj) -> int:
         return 0
 
 
+def _is_cuda(obj) -> bool:
+    return bool(getattr(obj, "is_cuda", False))
+
+
 def _copy_into(obj, dest):
+    if _is_cuda(obj) or _is_cuda(dest):  # torch's copy: device to device, device to host or back
+        import torch
+        src = obj if isinstance(obj, torch.Tensor) else torch.as_tensor(memoryview(obj)).view(torch.uint8)
+        dst = dest if isinstance(dest, torch.Tensor) else torch.from_numpy(_byte_view(dest))
+        src = src.detach().contiguous().reshape(-1).view(torch.uint8)
+        if not dst.is_contiguous():
+            raise _core.InvalidArgumentError("relay get: a destination tensor must be contiguous")
+        dst = dst.detach().reshape(-1).view(torch.uint8)
+        if src.numel() > dst.numel():
+            raise _core.InvalidArgumentError(f"relay get: {src.numel()} bytes do not fit the destination's {dst.numel()}")
+        dst[:src.numel()].copy_(src)
+        return
     import numpy as np
     if not _is_buffer(obj) and hasattr(obj, "numpy"):  # a torch tensor (any dtype)
         obj = _tensor_memory(obj.contiguous())

@@ -124,8 +124,7 @@ PyPut put_payload(PyConnector& self, nb::handle from, nb::handle to, const std::
   } inline_out;
   nb::object& inl = inline_out.bytes;
   PutHooks hooks;
-  if (ds && !ds->holds.empty())  // device slots: kept with the entry until its readers are done
-    hooks.hold = std::make_shared<std::vector<std::shared_ptr<const void>>>(std::move(ds->holds));
+  if (ds) hooks.hold = ds->hold();  // device slots: kept with the entry until its readers are done
   if (total > kGilReleaseBytes || self.networked || !self.inline_field) {  // the caller pinned the memory for this
     PutOptions po{readers, rid};
     if (hooks.hold) po.hooks = &hooks;

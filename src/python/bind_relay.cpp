@@ -88,11 +88,15 @@ nb::object relay_put_obj(PyRelay& self, nb::handle data, nb::handle rid, nb::han
                          uint32_t readers) {
   Payload p;
   BufferViews bv;
+  DeviceStaging ds;  // CUDA tensors left on their GPU where the relay's connector keeps device slots
+  ds.arena_bytes = self.get()->device_slots();
   if (!array_payload(data, bv, p, true)) {
-    if (!encode_py(data, p, bv).ok) return nb::none();
+    if (!encode_py(data, p, bv, -1, &ds).ok) return nb::none();
   }
   std::string rh;
-  return nb::cast(relay_put_payload(self, p, relay_put_options(rid, dst_rank, edge, readers, rh)));
+  RelayPutOptions o = relay_put_options(rid, dst_rank, edge, readers, rh);
+  if ((o.hold = ds.hold())) o.data_bytes = p.tensor_bytes() - ds.record_bytes + ds.device_bytes;
+  return nb::cast(relay_put_payload(self, p, o));
 }
 
 // The local backend: `data` itself, by reference (no frame), as the seed's LOCAL_OBJECT. The

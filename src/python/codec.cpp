@@ -188,7 +188,7 @@ struct PyEncoder {
         gpus.resize(kinds.size());
         gpus.push_back(std::move(u));
       }
-      t = ok(call(T.s_cpu));
+      t = staged_on_host(t);
     }
     nb::object dto = ok(attr(T.s_dtype));
     std::optional<DType> dt;

@@ -53,7 +53,25 @@ void stage_cuda_tensor(const TorchApi& T, int ordinal, const void* ptr, size_t n
   if (!hold.ok()) raise(hold.error());
   ds.holds.push_back(std::move(hold).value());
   const std::vector<std::byte> rec = cuda::encode_ref(ref);
+  ds.device_bytes += nbytes;
+  ds.record_bytes += rec.size();
   x = Tensor::copy_of(rec, DType::u8, {int64_t(rec.size())});
+}
+
+nb::object staged_on_host(const nb::object& t) {
+  if (nb::cast<bool>(t.attr("is_cuda"))) {
+    try {
+      nb::object torch = nb::module_::import_("torch");
+      nb::object host = torch.attr("empty")(t.attr("shape"), nb::arg("dtype") = t.attr("dtype"), nb::arg("pin_memory") = true);
+      host.attr("copy_")(t);  // waits for the copy (not non_blocking): the frame is written next
+      return host;
+    } catch (nb::python_error& e) {
+      if (e.matches(PyExc_KeyboardInterrupt)) throw;  // else (no pinned memory left, ...): the pageable route
+    }
+  }
+  nb::object h = nb::steal(PyObject_CallMethod(t.ptr(), "cpu", nullptr));
+  if (!h.is_valid()) throw nb::python_error();
+  return h;
 }
 
 nb::object tensor_from_ref(const TorchApi& T, const Tensor& t, bool view) {

@@ -151,6 +151,10 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
   }
 
   bool is_local() const { return cfg.backend == "local"; }
+  size_t device_slots() const {
+    auto* f = conn ? conn->capability<BindingFields>() : nullptr;
+    return f ? f->device_slots() : 0;
+  }
   bool lookup_only = false;  // a shared-memory connector: a get by metadata is one lookup
   // The connector's capabilities the relay uses (null where it has none: a connector that cannot
   // report releases counts a put released once sent, one that lends nothing gets a copy).
@@ -302,7 +306,16 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       rec->md = Value(std::move(md));
     } else {
       const std::string key = prefix + std::to_string(seq.fetch_add(1, std::memory_order_relaxed));
-      const PutOptions po{o.readers, o.request_id};
+      PutOptions po{o.readers, o.request_id};
+      PutHooks hooks;
+      if (o.hold) {
+        if (!device_slots()) {
+          drop_credit(rec);
+          return make_error(Errc::invalid_argument, "relay put: device slots need a connector that keeps them");
+        }
+        hooks.hold = o.hold;
+        po.hooks = &hooks;
+      }
       auto r = publish ? publish(key, po) : conn->put("relay", "r", key, p, po);
       if (!r.ok()) {
         drop_credit(rec);
@@ -310,7 +323,8 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       }
       Value::Map md = r->metadata.is<Value::Map>() ? std::move(r->metadata.as<Value::Map>()) : Value::Map{};
       md.emplace_back("relay_key", key);
-      add_sglang_fields(md, publish ? publish_bytes : p.tensor_bytes(), o.request_id);
+      add_sglang_fields(md, publish ? publish_bytes : o.data_bytes ? *o.data_bytes : p.tensor_bytes(), o.request_id);
+      if (o.hold) md.emplace_back("cuda_ipc", true);
       rec->md = Value(std::move(md));
       bytes_out.fetch_add(r->size, std::memory_order_relaxed);
     }
@@ -608,6 +622,7 @@ Result<RelayOp> Relay::get_async(const Value& md, const RelayGetOptions& o) { re
 Result<RelayOp> Relay::put_segments(std::span<const RelaySegment> segments, size_t total, const RelayPutOptions& o) {
   return core_->put_segments(segments, total, o);
 }
+size_t Relay::device_slots() const { return core_->closed ? 0 : core_->device_slots(); }
 Value Relay::sender_info() {
   if (core_->closed || !core_->link) return Value();
   return core_->link->sender_info();

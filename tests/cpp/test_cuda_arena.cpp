@@ -274,3 +274,59 @@ TEST(CudaSlots, ReapRemovesTheDriverFileOfADeadProcessOnly) {
   for (auto& n : {of_me, odd}) unlink((dir + "/" + n).c_str());
   rmdir(dir.c_str());
 }
+
+// The relay over the shared-memory connector keeps a put's device slots the same way, returns its
+// credit only once they were released, and says in the metadata that the payload stayed on a GPU
+// (with the data's size, not its records', in transfer_info.size, as SGLang-Omni's receivers size
+// their buffers by it).
+TEST(CudaSlots, TheRelayKeepsAPutsDeviceSlotsUntilItWasRead) {
+  Value::Map extra;
+  extra.emplace_back("namespace", unique_ns("relayhold"));
+  Value::Map cfg;
+  cfg.emplace_back("credits", uint64_t(1));
+  cfg.emplace_back("timeout_s", 0.2);
+  cfg.emplace_back("extra", Value(extra));
+  auto relay = Relay::create(RelayConfig::from_value(Value(cfg)).value());
+  ASSERT_TRUE(relay.ok()) << relay.error().message;
+  EXPECT_EQ((*relay)->device_slots(), size_t(256) << 20);
+  std::vector<std::byte> rec(240);
+  auto held = std::make_shared<int>(1);
+  std::weak_ptr<int> watch = held;
+  RelayPutOptions o;
+  o.hold = std::move(held);
+  o.data_bytes = 64u << 20;
+  auto put = (*relay)->put_async(payload_of(rec, 0), o);
+  ASSERT_TRUE(put.ok()) << put.error().message;
+  const Value& md = put->metadata();
+  ASSERT_NE(md.find("cuda_ipc"), nullptr);
+  uint64_t size = 0;
+  ASSERT_TRUE(md.find("transfer_info")->find("size")->get_u64(size));
+  EXPECT_EQ(size, uint64_t(64) << 20);
+  EXPECT_EQ(md.find("inline"), nullptr);
+  o.hold.reset();
+  EXPECT_FALSE(watch.expired());
+  EXPECT_EQ((*relay)->put_async(payload_of(rec, 1), RelayPutOptions{}).error().code, Errc::exhausted);  // one credit
+  {
+    RelayGetOptions g;
+    g.zero_copy = true;
+    auto got = (*relay)->get_async(md, g);
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_FALSE(put->done()) << "released while the reader still held it";
+  }
+  ASSERT_TRUE(put->wait(5).ok());
+  auto again = (*relay)->put_async(payload_of(rec, 2), RelayPutOptions{});  // reclaims the first
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(watch.expired()) << "the slot outlived its put";
+  (*relay)->close();
+  // Device slots need a connector that keeps them.
+  Value::Map off = extra;
+  off.emplace_back("cuda_ipc", false);
+  cfg.back() = {"extra", Value(off)};
+  auto r2 = Relay::create(RelayConfig::from_value(Value(cfg)).value());
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ((*r2)->device_slots(), 0u);
+  RelayPutOptions o2;
+  o2.hold = std::make_shared<int>(2);
+  EXPECT_EQ((*r2)->put_async(payload_of(rec, 3), o2).error().code, Errc::invalid_argument);
+  (*r2)->close();
+}

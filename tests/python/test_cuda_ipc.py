@@ -244,3 +244,39 @@ def test_cuda_ipc_off_stages_through_host_memory(ns):
         got, _ = c.get(0, 1, "k", meta)
         assert got.device == t.device and torch.equal(got, t)
         assert c.health()["cuda_ipc"] is False
+
+
+RELAY_CHILD = textwrap.dedent("""
+    import json, sys, torch, stagelink
+    sys.path.insert(0, {here!r})
+    from test_cuda_ipc import checksum
+    ns, md = sys.argv[1], json.loads(sys.argv[2])
+    with stagelink.Relay(backend="shm", extra={{"namespace": ns}}) as r:
+        t = r.get_async(md).result()
+        print(json.dumps({{"device": str(t.device), "sum": checksum(t)}}), flush=True)
+""").format(here=HERE)
+
+
+def test_the_relay_moves_cuda_tensors_on_their_gpu(ns):
+    """The relay over shared memory (SGLang-Omni's shapes): a CUDA tensor stays on its GPU, the
+    metadata says so and sizes the data, not its record; a get into a CUDA or a CPU destination
+    copies straight into it; the credit comes back once the reader's work on the slot finished."""
+    with stagelink.Relay(backend="shm", credits=2, timeout_s=10, extra={"namespace": ns}) as r:
+        t = sample(torch.bfloat16, 3 << 20, 11)
+        op = r.put_async({"hidden": t, "ids": [1, 2, 3]}, request_id="q", edge="talker")
+        md = op.metadata
+        assert md["cuda_ipc"] is True and md["transfer_info"]["size"] >= t.numel() * 2
+        p = subprocess.Popen([sys.executable, "-c", RELAY_CHILD, ns, json.dumps(md)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["device"] == "cuda:0" and got["sum"] == checksum(t)
+        op.wait(30)  # the reader released it: the credit is back
+        raw = sample(torch.int64, 1 << 18, 12)
+        for dest in (torch.empty(1 << 21, dtype=torch.uint8, device="cuda"), torch.empty(1 << 21, dtype=torch.uint8)):
+            op = r.put_async(raw, request_id="d", edge="talker")
+            assert op.metadata["transfer_info"]["size"] == raw.numel() * 8
+            r.get_async(op.metadata, dest_tensor=dest)
+            assert torch.equal(dest.view(torch.int64).to("cuda"), raw)
+            op.wait(30)
