@@ -23,7 +23,9 @@ constexpr Key kTeKeys[] = {
     {"protocol", Type::choice, "tcp", "UCX transport family", 0, 0, "tcp|rdma"},
     {"device_name", Type::string, "", "the RDMA device (empty: RDMA_DEVICE_NAME, else UCX's choice)"},
     {"memory_pool_size", Type::size, "256 MiB", "the registered pool puts copy into and gets land in", 4096, 1ull << 44},
-    {"memory_pool_device", Type::string, "cpu", "where the pool lives (cpu; cuda is not built yet)"},
+    {"memory_pool_device", Type::string, "cpu",
+     "cpu, or cuda (the seed's key: CUDA tensors are staged through the registered host pool, GPU to GPU for the "
+     "caller; a pool in GPU memory registered with UCX is not built yet)"},
     {"role", Type::choice, "", "sender, receiver or dual (set by the config loader)", 0, 0, "sender|receiver|dual"},
     {"sender_host", Type::string, "", "where a get without metadata finds its sender (update_sender_info)"},
     {"sender_zmq_port", Type::integer, "", "that sender's side-channel port", 0, 65535},
@@ -47,13 +49,13 @@ Result<TeOptions> te_options(const Value& e) {
   TeOptions o;
   SL_ASSIGN(const options::Reader r, options::Reader::open(kTeSchema, e));
   o.ignored = r.unused();
-  std::string pool_device = "cpu";
   SL_TRY(r.read("host", o.host));
   SL_TRY(r.read_int("zmq_port", o.zmq_port));
   SL_TRY(r.read("protocol", o.protocol));
   SL_TRY(r.read("device_name", o.device));
   SL_TRY(r.read_int("memory_pool_size", o.pool_bytes));
-  SL_TRY(r.read("memory_pool_device", pool_device));
+  SL_TRY(r.read("memory_pool_device", o.pool_device));
+  const std::string pool_device = o.pool_device;
   SL_TRY(r.read("role", o.role));
   SL_TRY(r.read("sender_host", o.sender_host));
   SL_TRY(r.read_int("sender_zmq_port", o.sender_port));
@@ -69,10 +71,10 @@ Result<TeOptions> te_options(const Value& e) {
     if (pool_device.rfind("cuda", 0) != 0)
       return make_error(Errc::invalid_argument, "TransferEngineConnector: extra.memory_pool_device must be cpu or "
                                                 "cuda, got '" + pool_device + "'");
-    auto drv = cuda::driver();  // say first what this host lacks, if anything
-    return make_error(Errc::unsupported, "memory_pool_device '" + pool_device + "': " +
-                                             (drv.ok() ? std::string("GPU pools are not built yet (docs/cuda.md)")
-                                                       : drv.error().message) + "; use cpu");
+    // GPU to GPU for the caller, through the registered host pool (a CUDA tensor is copied to
+    // pinned memory at put, and back to its GPU at get). A host without a GPU is told so now.
+    if (auto drv = cuda::driver(); !drv.ok())
+      return make_error(Errc::unsupported, "memory_pool_device '" + pool_device + "': " + drv.error().message + "; use cpu");
   }
   SL_ASSIGN(o.curve, curve_from_extra(e, "TransferEngineConnector"));
   return o;
@@ -407,6 +409,10 @@ Value TeConnector::health() {
     m.emplace_back("outstanding", uint64_t(entries_.size()));
   }
   if (engine_) m.emplace_back("ucx", engine_->info());
+  // CUDA tensors: staged through the registered host pool (pinned at put, back on their GPU at get);
+  // `ucx_cuda` says whether this UCX could move GPU memory itself (a GPU pool would need it).
+  m.emplace_back("memory_pool_device", o_.pool_device);
+  if (engine_) m.emplace_back("ucx_cuda", engine_->cuda_memory());
   return Value(std::move(m));
 }
 

@@ -43,6 +43,7 @@ struct TeOptions {
   std::string protocol = "tcp";
   std::string device;
   size_t pool_bytes = 256u << 20;
+  std::string pool_device = "cpu";  // memory_pool_device: cpu, or cuda (staged through this host pool)
   std::string role;
   std::string sender_host;  // receiver side, for gets without metadata (update_sender_info)
   int sender_port = 0;

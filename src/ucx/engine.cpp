@@ -25,6 +25,11 @@ Result<std::shared_ptr<Engine>> Engine::create(const EngineOptions& o) {
 
 std::byte* Engine::pool_base() const { return impl_->base; }
 size_t Engine::pool_size() const { return impl_->size; }
+bool Engine::cuda_memory() const {
+  ucp_context_attr_t a{};
+  a.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  return impl_->ctx && ucp_context_query(impl_->ctx, &a) == UCS_OK && (a.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA));
+}
 const std::vector<std::byte>& Engine::worker_address() const { return impl_->addr; }
 
 size_t Engine::pool_used() const {

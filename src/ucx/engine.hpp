@@ -39,6 +39,9 @@ class Engine {
   Result<size_t> allocate(size_t n, Deadline deadline);
   void free(size_t offset, size_t n);
   size_t pool_used() const;
+  // Whether this UCX moves CUDA memory (a CUDA transport is loaded: ucp_context_query's memory
+  // types include CUDA), which GPU pools registered with it would need.
+  bool cuda_memory() const;
 
   // This engine's UCX worker address, wrapped (magic, UCX version, length, checksum) so that a peer
   // checks it before UCX reads it: what peers pass back as `peer` below. An address that does not

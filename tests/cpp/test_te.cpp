@@ -182,18 +182,33 @@ TEST(TransferEngine, BadInputAndFailuresAreClearErrors) {
   auto dup = create_connector("TransferEngineConnector", te_extra("sender", int(port)));
   ASSERT_FALSE(dup.ok());
   EXPECT_NE(dup.error().message.find(std::to_string(port)), std::string::npos) << dup.error().message;
-  // A GPU pool: unsupported, saying why (no CUDA here, or not built yet); an unknown device: invalid.
+  // memory_pool_device: cuda (the seed's key) runs where there is a GPU (CUDA tensors staged
+  // through the registered host pool; health says so and whether UCX moves GPU memory), and is
+  // refused as unsupported, saying why, where there is none; an unknown device: invalid.
   for (const char* dev : {"cuda", "tpu"}) {
     Value e = te_extra("sender");
     e.as<Value::Map>().emplace_back("memory_pool_device", dev);
     auto g = create_connector("TransferEngineConnector", e);
-    ASSERT_FALSE(g.ok()) << dev;
-    EXPECT_EQ(g.error().code, std::string(dev) == "cuda" ? Errc::unsupported : Errc::invalid_argument) << g.error().message;
-    if (std::string(dev) == "cuda") {
-      auto drv = cuda::driver();
-      EXPECT_NE(g.error().message.find(drv.ok() ? "not built" : drv.error().message), std::string::npos) << g.error().message;
+    if (std::string(dev) == "tpu") {
+      ASSERT_FALSE(g.ok());
+      EXPECT_EQ(g.error().code, Errc::invalid_argument) << g.error().message;
+      continue;
     }
+    auto drv = cuda::driver();
+    if (!drv.ok()) {
+      ASSERT_FALSE(g.ok());
+      EXPECT_EQ(g.error().code, Errc::unsupported);
+      EXPECT_NE(g.error().message.find(drv.error().message), std::string::npos) << g.error().message;
+      continue;
+    }
+    ASSERT_TRUE(g.ok()) << g.error().message;
+    const Value h = (*g)->health();
+    EXPECT_EQ(h.find("memory_pool_device")->as<std::string>(), "cuda");
+    EXPECT_NE(h.find("ucx_cuda"), nullptr);
+    (*g)->close();
   }
+  EXPECT_EQ(snd->health().find("memory_pool_device")->as<std::string>(), "cpu");
+  EXPECT_FALSE(snd->health().find("ucx_cuda")->as<bool>());  // Debian's UCX has no CUDA transport
   // Pool exhaustion: a payload over the pool.
   const auto big = pattern(2 << 20, 5);
   auto pb = snd->put("0", "1", "big", payload_of(big));
