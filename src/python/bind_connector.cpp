@@ -290,8 +290,10 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
 // Python's `Connector.get`: (data, size), or None when absent, timed out or failed (logged by
 // `_fail`; raised in strict mode). A pickled payload is finished by the subclass's `_decode`.
 nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::handle key, nb::handle metadata,
-                         nb::handle timeout, bool zero_copy) {
+                         nb::handle timeout, bool zero_copy, nb::handle device) {
   std::optional<Found> f;
+  // device=: where torch tensors land ("cpu", "cuda:N"; None: where they came from).
+  DeviceWish wish(device.is_none() ? std::string() : nb::cast<std::string>(nb::str(device)));
   try {
     if (!PyUnicode_Check(key.ptr())) {
       PyErr_SetString(PyExc_TypeError, "get_key must be a str");
@@ -457,16 +459,19 @@ void bind_connector(nb::module_& m) {
            "objects are published in place; anything else is pickled (protocol 5, buffers out of\n"
            "band) where ``allow_pickle`` permits.")
       .def("get", [](nb::handle self, nb::handle from, nb::handle to, nb::handle key, nb::handle metadata,
-                     nb::handle timeout, bool zero_copy) {
-             return connector_get(self, from, to, key, metadata, timeout, zero_copy);
+                     nb::handle timeout, bool zero_copy, nb::handle device) {
+             return connector_get(self, from, to, key, metadata, timeout, zero_copy, device);
            },
            nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("get_key"), nb::arg("metadata").none() = nb::none(),
            nb::arg("timeout").none() = nb::none(), nb::kw_only(), nb::arg("zero_copy") = false,
+           nb::arg("device").none() = nb::none(),
            "Fetch what ``put`` published: ``(data, size)``, or ``None`` when absent, timed out or failed.\n\n"
            "``metadata``: what put returned (direct lookup); without it the key is looked up, waiting\n"
            "up to ``timeout`` seconds (None: ``extra.get_timeout_s``, else a single attempt).\n"
            "``zero_copy``: arrays and buffers are read-only views into shared memory that keep the\n"
-           "slot alive until dropped; otherwise the data is copied out and the slot freed at once.")
+           "slot alive until dropped; otherwise the data is copied out and the slot freed at once.\n"
+           "``device``: where torch tensors land (``\"cpu\"``, ``\"cuda:N\"``); None: where they came\n"
+           "from (a CUDA tensor back on its GPU, found by UUID).")
       .def("_put_parts", &put_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"), nb::arg("kind"),
            nb::arg("regions"), nb::arg("readers") = 0, nb::arg("request_id").none() = nb::none())
       .def("_get_into_parts", &get_into_parts, nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("key"),

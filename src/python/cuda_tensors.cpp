@@ -88,6 +88,15 @@ nb::object tensor_from_ref(const TorchApi& T, const Tensor& t, bool view) {
                          "put it with extra.cuda_ipc false to stage it through host memory"));
   const int ordinal = reach.ordinal;
   if (ref.shape.size() > size_t(kMaxDlDims)) raise(make_error(Errc::corrupt, "device tensor of too many dimensions"));
+  const std::string& wish = DeviceWish::current();
+  const bool to_host = wish == "cpu";
+  const std::string here = "cuda:" + std::to_string(ordinal);
+  if (!wish.empty() && !to_host && wish != here) {  // another device: read here, then torch's copy there
+    DeviceWish stay(here);
+    nb::object got = tensor_from_ref(T, t, false);
+    return got.attr("to")(wish);
+  }
+  if (to_host) view = false;
   const cuda::CUstream stream = current_stream(T, ordinal);
   auto m = cuda::DeviceImports::instance().open(ref, ordinal);
   if (!m.ok()) raise(m.error());
@@ -117,13 +126,23 @@ nb::object tensor_from_ref(const TorchApi& T, const Tensor& t, bool view) {
   for (int64_t d : ref.shape) shape.append(d);
   nb::object torch = nb::module_::import_("torch");
   nb::object out = torch.attr("empty")(nb::tuple(shape), nb::arg("dtype") = nb::handle(dtype_obj),
-                                       nb::arg("device") = "cuda:" + std::to_string(ordinal));
+                                       nb::arg("device") = to_host ? std::string("cpu") : here);
   if (ref.nbytes) {
     const uintptr_t dst = nb::cast<uintptr_t>(out.attr("data_ptr")());
     auto d = cuda::driver();
     if (!d.ok()) raise(d.error());
     check(cuda::use_device(ordinal));
-    check(cuda::check((*d)->cuMemcpyDtoDAsync(dst, m->ptr, ref.nbytes, stream), "cuMemcpyDtoDAsync"));
+    if (to_host) {  // the caller reads it on the host at once: copied and waited for here
+      check(cuda::check((*d)->cuMemcpyDtoHAsync(reinterpret_cast<void*>(dst), m->ptr, ref.nbytes, stream), "cuMemcpyDtoHAsync"));
+      Status synced;
+      {
+        nb::gil_scoped_release nogil;
+        synced = cuda::check((*d)->cuStreamSynchronize(stream), "cuStreamSynchronize");
+      }
+      check(synced);
+    } else {
+      check(cuda::check((*d)->cuMemcpyDtoDAsync(dst, m->ptr, ref.nbytes, stream), "cuMemcpyDtoDAsync"));
+    }
   }
   if (t.keepalive) imports.release_after(ordinal, stream, t.keepalive);
   return out;

@@ -30,8 +30,25 @@ void stage_cuda_tensor(const TorchApi& T, int ordinal, const void* ptr, size_t n
 // .cpu() at 16 MiB and more), anything else, or where that fails, through .cpu().
 nb::object staged_on_host(const nb::object& t);
 
-// The tensor a record `t` names, on the reader's device: a view of the slot held by `t`'s
-// keepalive (`view`), else a copy. Raises unsupported when this process cannot reach that GPU.
+// Where a get's caller wants its torch tensors (Connector.get's `device=`): set for the call on
+// its thread by DeviceWish; empty: where they came from (a frame's tensors back on their GPU).
+struct DeviceWish {
+  explicit DeviceWish(std::string d) : prev_(current()) { current() = std::move(d); }
+  ~DeviceWish() { current() = std::move(prev_); }
+  DeviceWish(const DeviceWish&) = delete;
+  DeviceWish& operator=(const DeviceWish&) = delete;
+  static std::string& current() {
+    thread_local std::string d;
+    return d;
+  }
+
+ private:
+  std::string prev_;
+};
+
+// The tensor a record `t` names: where it lies (a view of the slot held by `t`'s keepalive with
+// `view`, else a copy), or where DeviceWish says ("cpu": one copy device to host; another GPU: a
+// copy there). Raises unsupported when this process cannot reach that GPU.
 nb::object tensor_from_ref(const TorchApi& T, const Tensor& t, bool view);
 
 }  // namespace stagelink::py

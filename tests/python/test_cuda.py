@@ -85,3 +85,19 @@ def test_a_frame_names_the_gpu_by_uuid(ns):
         assert ext["td"] == ["cuda:0"] and ext["tg"] == [st["devices"][0]["uuid"]]
         got, _ = c.get(0, 1, "small", meta)
         assert got.device == t.device and torch.equal(got, t)
+
+
+def test_get_puts_torch_tensors_where_the_caller_asks(ns):
+    """get(..., device=): "cpu" leaves torch tensors on the host (a CUDA tensor's frame would be
+    copied to the host, not back to its GPU); None: where they came from. Here on CPU tensors; the
+    GPU cases are in test_cuda_ipc.py."""
+    torch = pytest.importorskip("torch")
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        t = torch.arange(10)
+        ok, _, meta = c.put(0, 1, "k", {"t": t, "ids": [1, 2]})
+        got, _ = c.get(0, 1, "k", meta, device="cpu")
+        assert got["ids"] == [1, 2] and got["t"].device.type == "cpu" and torch.equal(got["t"], t)
+        if not torch.cuda.is_available():
+            ok, _, meta = c.put(0, 1, "k2", t)
+            with pytest.raises((AssertionError, RuntimeError)):  # torch: "not compiled with CUDA"
+                c.get(0, 1, "k2", meta, device="cuda:0")

@@ -57,7 +57,8 @@ CHILD = textwrap.dedent("""
     out = {{}}
     with stagelink.create_connector("SharedMemoryConnector", {{"namespace": ns}}) as c:
         for k in keys:
-            got = c.get(0, 1, k, None, timeout=60, zero_copy=(mode in ("view", "hold")))
+            got = c.get(0, 1, k, None, timeout=60, zero_copy=(mode in ("view", "hold")),
+                        device="cpu" if mode == "host" else None)
             if got is None:
                 out[k] = {{"error": repr(c.last_error)}}
                 continue
@@ -126,6 +127,8 @@ def test_a_put_does_not_copy_through_the_host_and_its_frame_is_a_record(ns):
         assert ok and size < 4096  # the record, not 4 MiB
         got, _ = c.get(0, 1, "k", meta)  # same process: the slot itself, no IPC
         assert got.device == t.device and torch.equal(got, t)
+        host, _ = c.get(0, 1, "k3", c.put(0, 1, "k3", t)[2], device="cpu")
+        assert host.device.type == "cpu" and torch.equal(host, t.cpu())
         view, _ = c.get(0, 1, "k2", c.put(0, 1, "k2", t)[2], zero_copy=True)
         assert view.is_cuda and torch.equal(view, t)
         del view
@@ -137,9 +140,10 @@ def test_fan_out_to_three_consumers(ns):
         t = sample(torch.float16, 3 << 20, 7)
         ok, _, _ = c.put(0, 1, "fan", t, readers=3)
         assert ok, c.last_error
-        ps = [consumer(ns, ["fan"], m) for m in ("copy", "view", "copy")]
-        for p in ps:
-            assert finish(p)["fan"]["sum"] == checksum(t)
+        ps = [consumer(ns, ["fan"], m) for m in ("copy", "view", "host")]  # host: get(..., device="cpu")
+        got = [finish(p)["fan"] for p in ps]
+        assert [g["sum"] for g in got] == [checksum(t)] * 3
+        assert [g["device"] for g in got] == ["cuda:0", "cuda:0", "cpu"]
 
 
 def test_a_reader_never_sees_bytes_before_the_producers_copy_finished(ns):
