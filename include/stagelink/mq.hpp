@@ -91,6 +91,14 @@ class MessageQueue {
   // Errors: timeout (naming the readers behind), peer_dead (a reader died), cancelled, invalid_argument.
   virtual Status enqueue(const Payload& p, double timeout_s) = 0;
   Status enqueue_bytes(std::span<const std::byte> bytes, double timeout_s);
+  // Writer with local readers only (device_slots() > 0): enqueue, keeping `hold` until every
+  // reader has read the message (the device slots of CUDA tensors left on their GPU, whose records
+  // the payload carries; a reader finishes its copy out of a slot before it marks the message
+  // read). Errors: as enqueue, and invalid_argument where device_slots() is 0.
+  virtual Status enqueue_held(const Payload& p, double timeout_s, std::shared_ptr<const void> hold);
+  // Each device arena's size where enqueue_held is available (a writer without remote readers);
+  // 0 otherwise (CUDA tensors are then staged through host memory).
+  virtual size_t device_slots() const { return 0; }
   // Readers. Errors: timeout, cancelled (shutdown), peer_dead (writer died), closed (dropped), corrupt.
   virtual Result<Message> dequeue(double timeout_s) = 0;
   // Zero-copy read: `fn` sees the frame in place (shared memory) before the chunk is released.

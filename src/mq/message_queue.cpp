@@ -106,6 +106,10 @@ Status MessageQueue::enqueue_bytes(std::span<const std::byte> bytes, double time
   return enqueue(p, timeout_s);
 }
 
+Status MessageQueue::enqueue_held(const Payload&, double, std::shared_ptr<const void>) {
+  return make_error(Errc::invalid_argument, "this side of the message queue keeps no device slots");
+}
+
 // ---- writer ----
 class MqWriter final : public MessageQueue {
  public:
@@ -249,8 +253,24 @@ class MqWriter final : public MessageQueue {
     return {};
   }
 
+  // Local readers only: a remote reader could not map the device slots a record names.
+  size_t device_slots() const override { return ring_ && !pub_ && o_.n_reader == o_.n_local_reader ? kDeviceArenaBytes : 0; }
+
+  Status enqueue_held(const Payload& p, double timeout_s, std::shared_ptr<const void> hold) override {
+    if (!device_slots()) return MessageQueue::enqueue_held(p, timeout_s, std::move(hold));
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t seq = ring_->next_seq();  // the message enqueue_locked writes
+    SL_TRY(enqueue_locked(p, timeout_s));
+    if (hold) held_.emplace_back(seq, std::move(hold));
+    return {};
+  }
+
   Status enqueue(const Payload& p, double timeout_s) override {
     std::lock_guard<std::mutex> lock(mu_);
+    return enqueue_locked(p, timeout_s);
+  }
+
+  Status enqueue_locked(const Payload& p, double timeout_s) {
     if (closed_) return make_error(Errc::closed, "enqueue on a closed message queue");
     if (shutdown_flag_.load()) return make_error(Errc::cancelled, kShutDown);
     // The plan is kept from one message to the next: a message laid out as the one before (byte
@@ -364,8 +384,10 @@ class MqWriter final : public MessageQueue {
     });
   }
 
-  // Free overflow space and dedicated segments of messages every live reader has read.
+  // Free overflow space and dedicated segments of messages every live reader has read, and the
+  // device slots they named.
   void reclaim() {
+    while (!held_.empty() && ring_->chunk_done(held_.front().first)) held_.pop_front();
     while (!ool_.empty() && ring_->chunk_done(ool_.front().seq)) {
       auto& r = ool_.front();
       if (!r.dedicated.empty()) Segment::unlink(o_.shm_dir, r.dedicated);
@@ -492,6 +514,15 @@ class MqWriter final : public MessageQueue {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return;
     closed_ = true;
+    // Device slots of messages a reader may still read: never reused (kept until the process exits).
+    if (ring_) reclaim();
+    if (!held_.empty()) {
+      static auto* orphans = new std::vector<std::shared_ptr<const void>>();
+      static std::mutex orphans_mu;
+      std::lock_guard<std::mutex> g(orphans_mu);
+      for (auto& h : held_) orphans->push_back(std::move(h.second));
+      held_.clear();
+    }
     if (ring_) unlink_names();
     for (auto& r : ool_)
       if (!r.dedicated.empty()) Segment::unlink(o_.shm_dir, r.dedicated);
@@ -510,6 +541,8 @@ class MqWriter final : public MessageQueue {
   std::shared_ptr<Segment> ovf_;
   std::unique_ptr<BufferAllocator> ovf_alloc_;
   std::deque<OutOfLine> ool_;
+  std::deque<std::pair<uint64_t, std::shared_ptr<const void>>> held_;  // enqueue_held: (message, its slots)
+  static constexpr size_t kDeviceArenaBytes = 256u << 20;
   uint32_t n_remote_ = 0;
   std::map<std::string, int64_t> remote_seen_;  // subscription topic -> the reader's rank
   std::atomic<bool> shutdown_flag_{false};

@@ -21,8 +21,13 @@ struct PyMq {
     remote_writer = q->is_writer() && !q->export_handle().remote_addr.empty();
   }
   // A writer's enqueue: in slices (signal handlers run between them) unless remote_writer.
-  void enqueue(const Payload& p, double t) {
+  // `hold`: the device slots the payload's records name (MessageQueue::enqueue_held).
+  void enqueue(const Payload& p, double t, const std::shared_ptr<const void>& hold = nullptr) {
     auto w = get();
+    if (hold) {
+      check_sliced(t, [&](double slice) { return w->enqueue_held(p, slice, hold); });
+      return;
+    }
     if (remote_writer) {
       Status st;
       {
@@ -53,10 +58,12 @@ void mq_enqueue_parts(PyMq& self, int kind, nb::list regions, nb::handle timeout
 bool mq_enqueue_obj(PyMq& self, nb::handle obj, nb::handle timeout) {
   Payload p;
   BufferViews bv;
+  DeviceStaging ds;  // CUDA tensors left on their GPU where every reader is local (vLLM's tensor arena)
+  ds.arena_bytes = self.get()->device_slots();
   if (!array_payload(obj, bv, p, false)) {
-    if (!encode_py(obj, p, bv).ok) return false;
+    if (!encode_py(obj, p, bv, -1, &ds).ok) return false;
   }
-  self.enqueue(p, timeout_arg(timeout));
+  self.enqueue(p, timeout_arg(timeout), ds.hold());
   return true;
 }
 

@@ -96,7 +96,7 @@ nb::object tensor_from_ref(const TorchApi& T, const Tensor& t, bool view) {
     nb::object got = tensor_from_ref(T, t, false);
     return got.attr("to")(wish);
   }
-  if (to_host) view = false;
+  if (to_host || !t.keepalive) view = false;  // a view needs something holding the slot
   const cuda::CUstream stream = current_stream(T, ordinal);
   auto m = cuda::DeviceImports::instance().open(ref, ordinal);
   if (!m.ok()) raise(m.error());
@@ -144,7 +144,19 @@ nb::object tensor_from_ref(const TorchApi& T, const Tensor& t, bool view) {
       check(cuda::check((*d)->cuMemcpyDtoDAsync(dst, m->ptr, ref.nbytes, stream), "cuMemcpyDtoDAsync"));
     }
   }
-  if (t.keepalive) imports.release_after(ordinal, stream, t.keepalive);
+  if (t.keepalive) {
+    imports.release_after(ordinal, stream, t.keepalive);
+  } else if (ref.nbytes && !to_host) {
+    // Read in place with nothing to hold (a queue's chunk is released when this returns): the
+    // copy out of the slot is finished before the message counts as read.
+    auto d = cuda::driver();
+    Status synced;
+    {
+      nb::gil_scoped_release nogil;
+      synced = cuda::check((*d)->cuStreamSynchronize(stream), "cuStreamSynchronize");
+    }
+    check(synced);
+  }
   return out;
 }
 

@@ -286,6 +286,29 @@ TEST(Mq, MessagesOfOneSizeButAnotherLayoutKeepTheirOwn) {
   }
 }
 
+// enqueue_held (CUDA tensors left on their GPU, vLLM's tensor arena): the writer keeps a message's
+// device slots until every reader has read it, and offers it only where every reader is local.
+TEST(Mq, AHeldMessageKeepsItsDeviceSlotsUntilEveryReaderReadIt) {
+  Trio t(small(4096, 4));
+  ASSERT_TRUE(t.w && t.r0 && t.r1);
+  EXPECT_EQ(t.w->device_slots(), size_t(256) << 20);
+  EXPECT_EQ(t.r0->device_slots(), 0u);
+  std::byte b[8]{};
+  Payload p;
+  p.tensors.push_back(Tensor::view_of(std::span<const std::byte>(b, 8)));
+  p.tree = Value(TensorRef{0});
+  auto hold = std::make_shared<int>(1);
+  std::weak_ptr<int> watch = hold;
+  ASSERT_TRUE(t.w->enqueue_held(p, 1, std::move(hold)).ok());
+  ASSERT_TRUE(t.r0->dequeue(1).ok());
+  ASSERT_TRUE(t.w->enqueue_bytes(b, 1).ok());  // the writer reclaims at each enqueue
+  EXPECT_FALSE(watch.expired()) << "dropped before every reader read it";
+  ASSERT_TRUE(t.r1->dequeue(1).ok());
+  ASSERT_TRUE(t.w->enqueue_bytes(b, 1).ok());
+  EXPECT_TRUE(watch.expired()) << "kept after every reader read it";
+  EXPECT_EQ(t.r0->enqueue_held(p, 1, std::make_shared<int>(2)).error().code, Errc::invalid_argument);
+}
+
 TEST(Mq, MessageLargerThanOverflowGetsOwnSegmentFreedWhenRead) {
   const size_t before = mq_files();
   auto o = small(1024, 2);

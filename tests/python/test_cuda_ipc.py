@@ -284,3 +284,35 @@ def test_the_relay_moves_cuda_tensors_on_their_gpu(ns):
             r.get_async(op.metadata, dest_tensor=dest)
             assert torch.equal(dest.view(torch.int64).to("cuda"), raw)
             op.wait(30)
+
+
+MQ_CHILD = textwrap.dedent("""
+    import json, pickle, sys, torch, stagelink
+    sys.path.insert(0, {here!r})
+    from test_cuda_ipc import checksum
+    handle = pickle.loads(bytes.fromhex(sys.argv[1]))
+    r = stagelink.MessageQueue.create_from_handle(handle, 0)
+    r.wait_until_ready(30)
+    out = [checksum(r.dequeue(timeout=60)["t"]) for _ in range(int(sys.argv[2]))]
+    print(json.dumps(out), flush=True)
+    r.close()
+""").format(here=HERE)
+
+
+def test_the_queue_moves_cuda_tensors_on_their_gpu_to_local_readers(mq_clean):
+    """vLLM's tensor arena: a queue whose readers are all local leaves CUDA tensors in the writer's
+    device arena, readers copy them out on their GPU before they mark the message read, and the
+    slots come back once every reader read them (more messages than the ring holds)."""
+    import pickle
+    base = in_flight()
+    with stagelink.MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2) as w:
+        p = subprocess.Popen([sys.executable, "-c", MQ_CHILD, pickle.dumps(w.export_handle()).hex(), "6"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        w.wait_until_ready(60)
+        ts = [sample(torch.float16, 1 << 20, 20 + i) for i in range(6)]
+        for t in ts:
+            w.enqueue({"t": t}, timeout=60)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1]) == [checksum(t) for t in ts]
+    assert in_flight() == base  # every message was read: the writer's close returned their slots
