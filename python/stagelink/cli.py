@@ -68,7 +68,7 @@ def _check_pipeline(path) -> int:
         pickle = r["allow_pickle"] if "allow_pickle" in r else default_allow_pickle(r)
         how = ("pickle allowed (opted in: relay.allow_pickle)" if pickle and "allow_pickle" in r
                else "pickle allowed (same host, same user)" if pickle else "no pickle")
-        print(f"  {a} -> {b} ({kind}): {what}{cross}, {how}")
+        print(f"  {a} -> {b} ({kind}): {what}{cross}, {how}; CUDA tensors {spec.cuda_path(a, b)}")
     return 0
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import statistics
-import sys
 import threading
 import time
 from typing import List, Optional
@@ -53,6 +52,15 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
     layout = ", ".join(f"{name}: {'+'.join(st)}" + (f" on {spec.host_of(name)}" if spec.host_of(name) else "")
                        for name, st in procs.items())
     console.print(f"[bold]{spec.name}[/]: {len(spec.stages)} stages in {len(procs)} processes ({layout})")
+    paths: dict = {}  # how CUDA tensors cross each data and stream edge (docs/cuda.md)
+    for a, b, kind in spec.edges():
+        if kind in ("data", "stream"):
+            edges = paths.setdefault(spec.cuda_path(a, b), [])
+            if f"{a}->{b}" not in edges:  # a data and a stream edge of one pair: one path
+                edges.append(f"{a}->{b}")
+    if paths:
+        console.print("CUDA tensors: " + "; ".join(f"{', '.join(e)}: {p}" for p, e in paths.items()),
+                      highlight=False)
     t_start = time.monotonic()
     # SIGTERM (systemd, `docker stop`, kill) stops the run as Ctrl-C does: the stages are shut
     # down and their shared memory freed; the exit status is then 143 (128 + SIGTERM).

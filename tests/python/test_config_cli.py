@@ -271,8 +271,11 @@ def test_cli_config_check_of_a_pipeline_file(tmp_path):
     assert "the coordinator on 10.0.0.5:47100" in r.stdout
     assert ("thinker: thinker on host gpu2 (10.0.0.6, launched by ssh -o BatchMode=yes 10.0.0.6), control on "
             "10.0.0.6:47102, env CUDA_VISIBLE_DEVICES=0") in r.stdout
-    assert "encoder -> thinker (data): relay ucx (between hosts), no pickle\n" in r.stdout
-    assert "thinker -> talker (stream): relay shm, pickle allowed (same host, same user)\n" in r.stdout  # auto
+    # ... and how CUDA tensors cross each edge (docs/cuda.md)
+    assert ("encoder -> thinker (data): relay ucx (between hosts), no pickle; CUDA tensors staged through pinned "
+            "host memory (transfer engine)\n") in r.stdout
+    assert ("thinker -> talker (stream): relay shm, pickle allowed (same host, same user); CUDA tensors stay on "
+            "their GPU (device arena, CUDA IPC)\n") in r.stdout  # auto
     assert "vocoder -> coordinator (result): relay shm" in r.stdout
     f = tmp_path / "bad.yaml"
     f.write_text(open(os.path.join(root, "omni_two_hosts.yaml")).read().replace("host: gpu2", "host: gpu3", 1))

@@ -144,6 +144,19 @@ class PipelineSpec:
             cfg = dict(cfg, backend="shm" if self.stage_host(src) == self.stage_host(dst) else "ucx")
         return cfg
 
+    def cuda_path(self, src: str, dst: str) -> str:
+        """How CUDA tensors cross edge src -> dst (docs/cuda.md): left on their GPU and read over
+        CUDA IPC (a shared-memory relay: same host), by reference (`local`), or staged through
+        pinned host memory (the transfer engine, other connectors, `cuda_ipc: false`)."""
+        r = self.relay_for(src, dst)
+        backend = r.get("backend", "shm")
+        if backend == "local":
+            return "by reference"
+        shm = backend == "shm" or (backend == "connector" and r.get("connector") == "SharedMemoryConnector")
+        if shm and (r.get("extra") or {}).get("cuda_ipc", True):
+            return "stay on their GPU (device arena, CUDA IPC)"
+        return "staged through pinned host memory" + (" (transfer engine)" if backend == "ucx" else "")
+
     def relay_at(self, proc: str, src: str, dst: str) -> dict:
         """The relay config process `proc` uses for edge src -> dst. With stages on other hosts, a
         transfer-engine relay serves on the address of the host the process runs on."""
