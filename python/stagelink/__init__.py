@@ -24,7 +24,7 @@ from .relay import (LocalRelay, Relay, RelayOperation, ShmRelay, UcxRelay, creat
                     register_relay)
 from .pipeline import Pipeline  # noqa: F401
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401  (the one place it is written)
 
 
 def __getattr__(name):
@@ -45,6 +45,22 @@ def curve_keypair() -> tuple:
     message queue's remote path (SECURITY.md). Keep the secret key out of command lines and files
     others can read."""
     return _core.curve_keypair()
+
+
+def get_cmake_dir() -> str:
+    """The directory of the CMake package this installed stagelink carries (its headers and static
+    library beside it), for C++ stage libraries: ``cmake -Dstagelink_DIR=$(stagelink --cmake-dir)``,
+    then ``find_package(stagelink)`` gives ``stagelink::stagelink`` (examples/cpp_stage). The
+    libraries it links (libzmq, UCX, hiredis, xxhash, yaml-cpp, OpenSSL) are found on the system.
+    Raises FileNotFoundError where this install has none (a build that left it out)."""
+    import glob
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "lib*", "**", "cmake", "stagelink", "stagelinkConfig.cmake"),
+                             recursive=True))
+    if not found:
+        raise FileNotFoundError(f"no CMake package under {here} (a C++ build installs one with cmake --install)")
+    return os.path.dirname(found[0])
 
 
 def cuda_status() -> dict:

@@ -197,10 +197,25 @@ def _cmd_demo(args):
     return demo_main(args.sizes)
 
 
+class _CmakeDir(argparse.Action):
+    """`stagelink --cmake-dir`: where find_package(stagelink) looks (stagelink_DIR), as
+    `pybind11 --cmakedir` does."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from . import get_cmake_dir
+        try:
+            print(get_cmake_dir())
+        except FileNotFoundError as e:
+            parser.exit(1, f"stagelink: {e}\n")
+        parser.exit(0)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="stagelink", description="Move data between the stages of inference pipelines.")
     from . import __version__
     p.add_argument("--version", action="version", version=f"stagelink {__version__}")
+    p.add_argument("--cmake-dir", action=_CmakeDir, nargs=0,
+                   help="print the directory of the CMake package (C++ headers and library) and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser(
