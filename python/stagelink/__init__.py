@@ -5,7 +5,16 @@
         ok, size, meta = c.put(0, 1, "req-1", {"hidden": np.zeros((4, 4096), np.float16)})
         data, size = c.get(0, 1, "req-1", meta)
 """
-from . import _core
+import os as _os
+
+# A wheel carries its own UCX (stagelink.libs/, renamed by auditwheel) and the transport modules
+# UCX loads at run time (stagelink.libs/ucx/, made to link that copy): point UCX there, unless the
+# user chose, so that it never loads a system UCX's modules beside the carried one.
+_ucx_modules = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "stagelink.libs", "ucx")
+if _os.path.isdir(_ucx_modules):
+    _os.environ.setdefault("UCX_MODULE_DIR", _ucx_modules)
+
+from . import _core  # noqa: E402
 from ._core import (  # noqa: F401  exception classes
     CancelledError, ClosedError, CorruptError, ExhaustedError, InvalidArgumentError, IOError,
     KeyInUseError, NotFoundError, PeerDeadError, PermissionDeniedError, StagelinkError, TimeoutError, UnsupportedError,
