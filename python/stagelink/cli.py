@@ -72,6 +72,41 @@ def _check_pipeline(path) -> int:
     return 0
 
 
+def config_reference() -> str:
+    """The configuration reference as Markdown, from the option schemas (`_core.option_schemas()`)."""
+    from . import _core
+
+    def bound(v):
+        return "" if v is None else (str(int(v)) if float(v).is_integer() else str(v))
+
+    out = ["# Configuration reference", "",
+           "Every option a connector's `extra` and the relay's configuration take, generated from the schemas",
+           "they are read through (`stagelink config reference`; `stagelink._core.option_schemas()`). A key not",
+           "listed is refused where the schema is closed and otherwise named in `health()[\"ignored_extra_keys\"]`;",
+           "a near miss of a known key is refused with the key it resembles. Sizes take units (`256 MiB`, `1G`).",
+           "The pipeline file's own keys are in [the pipeline guide](../pipeline.md).", ""]
+    for s in _core.option_schemas():
+        owner = s["owner"]
+        where = f"Keys under `{s['prefix']}`" if s.get("prefix") else "Keys at the top level"
+        out += [f"## {owner}", "", where + (" (closed: an unknown key is an error)." if s.get("closed") else "."), "",
+                "| key | type | default | range | meaning |", "|---|---|---|---|---|"]
+        for k in s["keys"]:
+            t = k["type"] + (f" ({k['choices'].replace('|', ', ')})" if k.get("choices") else "")
+            rng = ""
+            if k.get("max") and k["type"] in ("size", "integer", "number"):
+                rng = f"{bound(k.get('min'))} .. {bound(k.get('max'))}"
+            doc = k["doc"].replace("|", "\\|").replace("[", "\\[")  # Markdown: not a table cell, not a link
+            default = f"`{k['default']}`" if k["default"] else ""
+            out.append(f"| `{k['name']}` | {t} | {default} | {rng} | {doc} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _cmd_config_reference(args):
+    print(config_reference(), end="")
+    return 0
+
+
 def _cmd_config_check(args):
     from . import transfer_engine_port
     if _is_pipeline_file(args.file):
@@ -262,6 +297,11 @@ def main(argv=None):
                                      "Example: stagelink config check stages.yaml")
     cc.add_argument("file", help="the YAML (or JSON) config")
     cc.set_defaults(fn=_cmd_config_check)
+    cr = csub.add_parser("reference", help="print every connector's and the relay's options as Markdown",
+                         description="Print the configuration reference (docs/reference/configuration.md) from "
+                                     "the schemas the options are read through: every key with its type, default, "
+                                     "range and meaning. It cannot drift from the code: it is the code's.")
+    cr.set_defaults(fn=_cmd_config_reference)
 
     s = sub.add_parser("shm", help="list and reclaim shared-memory resources")
     ssub = s.add_subparsers(dest="sub", required=True)
