@@ -9,13 +9,32 @@ import sys
 from . import _core
 
 
+# Exit statuses, the same for every command: 0 done; 1 done, and what it checked failed (a
+# connector that cannot be made, requests that failed or did not verify); 2 the command could
+# not start (a file that cannot be read or does not resolve, bad arguments); 130 / 143 Ctrl-C /
+# SIGTERM.
+EXIT_STATUSES = ("exit status: 0 done; 1 what it checked failed (requests that failed or did not verify, a "
+                 "connector that cannot be made); 2 it could not start (a file that cannot be read or does not "
+                 "resolve, bad arguments); 130 Ctrl-C, 143 SIGTERM")
+
+
+def _message(e: BaseException) -> str:
+    """An error's text (a KeyError subclass's str() quotes it)."""
+    return str(e.args[0]) if e.args else str(e)
+
+
 def _load_config(path):
     """The resolved config, or None after printing the error."""
     from .config import load_transfer_config
     try:
+        open(path).close()  # say why a file cannot be read (the loader only says that it cannot)
+    except OSError as e:
+        print(f"error: cannot read config file {path}: {e.strerror}", file=sys.stderr)
+        return None
+    try:
         return load_transfer_config(path)
     except _core.StagelinkError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_message(e)}", file=sys.stderr)
         return None
 
 
@@ -40,7 +59,7 @@ def _check_pipeline(path) -> int:
         spec = load_pipeline(path)
     except PipelineConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     procs = spec.processes()
     print(f"pipeline {spec.name} ({spec.source}): {len(spec.stages)} stages in {len(procs)} processes, "
           f"entry {spec.entry}, terminal {spec.terminal}")
@@ -113,7 +132,7 @@ def _cmd_config_check(args):
         return _check_pipeline(args.file)
     cfg = _load_config(args.file)
     if cfg is None:
-        return 1
+        return 2
     print(f"config {cfg.source}: {len(cfg.stages)} stages, {len(cfg.edges)} edges")
     for n in cfg.notes:
         print(f"note: {n}")
@@ -205,7 +224,7 @@ def _cmd_health(args):
     from .connector import create_connector
     cfg = _load_config(args.file)
     if cfg is None:
-        return 1
+        return 2
     seen, bad = set(), 0
     for e in cfg.edges:
         key = (e.connector.name, json.dumps(e.connector.extra, sort_keys=True))
@@ -291,10 +310,11 @@ def main(argv=None):
                          description="Load a vLLM-Omni transfer config (stage_args or stages, connectors, edges, "
                                      "base_config overlays, ${VAR} expansion) as the runtime would, and print "
                                      "every edge's connector, each stage's role and the transfer-engine ports. "
-                                     "Exit status 1 with the key and file named when it does not resolve. "
+                                     "Exit status 2 with the key and file named when it cannot be read or does not resolve. "
                                      "A `stagelink run` pipeline file is checked as `stagelink run` would: "
                                      "where each process runs and serves, and what carries each edge. "
                                      "Example: stagelink config check stages.yaml")
+    cc.epilog = EXIT_STATUSES
     cc.add_argument("file", help="the YAML (or JSON) config")
     cc.set_defaults(fn=_cmd_config_check)
     cr = csub.add_parser("reference", help="print every connector's and the relay's options as Markdown",
@@ -305,11 +325,17 @@ def main(argv=None):
 
     s = sub.add_parser("shm", help="list and reclaim shared-memory resources")
     ssub = s.add_subparsers(dest="sub", required=True)
-    for name, fn, hlp in (("ls", _cmd_shm_ls, "list segments with owner, size, bytes held in the shm directory and age"),
-                          ("reap", _cmd_shm_reap, "reclaim what dead processes left")):
-        sp = ssub.add_parser(name, help=hlp, description=hlp[0].upper() + hlp[1:] + ": stagelink's segments of "
-                             "this user (sl.<uid>.*: connector arenas and directories, queue rings, control "
-                             "rings), each with its owner process and whether it is alive.")
+    for name, fn, hlp, desc in (
+            ("ls", _cmd_shm_ls, "list segments with owner, size, bytes held in the shm directory and age",
+             "List stagelink's shared memory of this user (sl.<uid>.*: connector arenas and directories, "
+             "queue rings, control rings): each segment with its owner process, whether that process is alive, "
+             "its size, the bytes it holds and its age. Example: stagelink shm ls"),
+            ("reap", _cmd_shm_reap, "reclaim what dead processes left",
+             "Reclaim what processes that died left in shared memory: their segments and directory entries "
+             "(a dead reader's unfinished read is given back for a retry), directories nobody is attached to, "
+             "and the CUDA driver's file of a killed process that used CUDA IPC. Live processes' memory is "
+             "never touched. Prints what it removed. Example: stagelink shm reap")):
+        sp = ssub.add_parser(name, help=hlp, description=desc)
         sp.add_argument("--shm-dir", default="/dev/shm", help="where the segments live (default /dev/shm)")
         sp.set_defaults(fn=fn)
 
@@ -328,19 +354,30 @@ def main(argv=None):
                                    "and shared memory are gone when it returns, also after Ctrl-C. Stages "
                                    "with a `host` run on that host of the file's `hosts:`, started over ssh "
                                    "(examples/omni_two_hosts.yaml). "
-                                   "Example: stagelink run examples/omni_pipeline.yaml --requests 32")
+                                   "Example: stagelink run examples/omni_pipeline.yaml --requests 32",
+                       epilog=EXIT_STATUSES)
     r.add_argument("pipeline", help="the pipeline file (e.g. examples/omni_pipeline.yaml)")
     r.add_argument("--requests", type=int, default=16, metavar="N", help="requests to send (default 16)")
     r.add_argument("--concurrency", type=int, default=4, metavar="K", help="requests in flight (default 4)")
     r.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     r.set_defaults(fn=_cmd_run)
 
-    d = sub.add_parser("demo", help="producer and consumer processes over the shared-memory connector")
-    d.add_argument("--sizes", default="0,1,1KiB,64KiB,1MiB,16MiB,64MiB")
+    d = sub.add_parser("demo", help="producer and consumer processes over the shared-memory connector",
+                       description="Start a producer process ('thinker') and a consumer process ('talker') that "
+                                   "pass one payload of each size over the shared-memory connector, verify each "
+                                   "by checksum, and print per payload its frame bytes, whether it travelled "
+                                   "inline or through the arena, put and get times and get bandwidth, then "
+                                   "whether shared memory was left behind. Example: stagelink demo --sizes 1KiB,16MiB")
+    d.add_argument("--sizes", default="0,1,1KiB,64KiB,1MiB,16MiB,64MiB",
+                   help="payload sizes, comma-separated, with units (default 0,1,1KiB,64KiB,1MiB,16MiB,64MiB)")
     d.set_defaults(fn=_cmd_demo)
 
     args = p.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C while loading or starting: a line, not a traceback
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

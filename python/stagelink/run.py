@@ -4,7 +4,9 @@ latency and time to first chunk."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import sys
 import statistics
 import threading
 import time
@@ -36,12 +38,17 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
     from .pipeline.spec import resolve
 
     console = Console(stderr=False, quiet=quiet)
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # an error line stays one line (paths, grep)
     if requests < 1 or concurrency < 1:
         err.print("error: --requests and --concurrency must be at least 1")
         return 2
     try:
         spec = load_pipeline(path)
+        # The client's functions import as the stages' factories do: from a module beside the
+        # pipeline file (or the working directory) too.
+        for d in (os.getcwd(), os.path.dirname(os.path.abspath(path))):
+            if d not in sys.path:
+                sys.path.insert(0, d)
         make = resolve(spec.client["request"]) if "request" in spec.client else (lambda i, **_: {"request": i})
         verify = resolve(spec.client["verify"]) if "verify" in spec.client else None
     except PipelineConfigError as e:

@@ -11,7 +11,7 @@ namespace stagelink {
 namespace {
 using options::Key;
 using options::Type;
-// The extra keys of SharedMemoryConnector (README's table is this schema).
+// The extra keys of SharedMemoryConnector (docs/reference/configuration.md is generated from it).
 constexpr Key kShmKeys[] = {
     {"shm_threshold_bytes", Type::size, "65536", "frames up to this size also travel inline in the metadata", 0, 1u << 30},
     {"arena_bytes", Type::size, "256 MiB",

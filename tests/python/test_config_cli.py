@@ -257,8 +257,17 @@ stage_args:
         assert cmd in h
     v = subprocess.run([BIN, "--version"], capture_output=True, text=True, check=True).stdout
     assert v.strip() == f"stagelink {stagelink.__version__}"
-    bad = subprocess.run([BIN, "config", "check", str(tmp_path / "nope.yaml")], capture_output=True, text=True)
-    assert bad.returncode == 1 and "cannot read" in bad.stderr
+    # One exit status for one kind of error in every command (2: the file cannot be read or does not
+    # resolve), saying why; the statuses listed in --help.
+    for cmd in (["config", "check"], ["health"], ["run"]):
+        bad = subprocess.run([BIN, *cmd, str(tmp_path / "nope.yaml")], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "No such file or directory" in bad.stderr, (cmd, bad.stderr)
+    assert "'cannot read" not in bad.stderr  # not a KeyError's quoted str()
+    for cmd in (["run"], ["config", "check"]):
+        assert "exit status: 0 done; 1" in subprocess.run([BIN, *cmd, "--help"], capture_output=True, text=True).stdout
+    for cmd, words in ((["demo"], "verify each by checksum"), (["shm", "reap"], "Reclaim what processes that died"),
+                       (["shm", "ls"], "List stagelink's shared memory")):
+        assert words in " ".join(subprocess.run([BIN, *cmd, "--help"], capture_output=True, text=True).stdout.split())
 
 
 def test_cli_config_check_of_a_pipeline_file(tmp_path):
@@ -280,7 +289,7 @@ def test_cli_config_check_of_a_pipeline_file(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text(open(os.path.join(root, "omni_two_hosts.yaml")).read().replace("host: gpu2", "host: gpu3", 1))
     r = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True)
-    assert r.returncode == 1 and "host 'gpu3' is not under 'hosts:'" in r.stderr
+    assert r.returncode == 2 and "host 'gpu3' is not under 'hosts:'" in r.stderr
 
 
 def test_cli_shm_ls_and_reap(ns):

@@ -38,6 +38,23 @@ def blocks(page, lang):
         return re.findall(rf"```{lang}\n(.*?)```", f.read(), re.S)
 
 
+@pytest.mark.parametrize("page", ["python.md"])
+def test_every_python_block_of_the_guides_runs_as_written(page):
+    code = blocks(page, "python")
+    assert code
+    for c in code:
+        r = subprocess.run([sys.executable, "-c", c], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, c + r.stderr
+
+
+def test_the_readme_example_runs_as_written():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        code = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(code) == 1
+    r = subprocess.run([sys.executable, "-c", code[0]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def test_the_getting_started_code_runs_as_written(tmp_path):
     py = blocks("getting-started.md", "python")
     assert len(py) == 2

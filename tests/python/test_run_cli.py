@@ -40,6 +40,23 @@ def test_run_example_verifies_every_result(tmp_path, example, requests):
     assert shm_files() <= before
 
 
+def test_the_client_functions_import_from_beside_the_pipeline_file(tmp_path):
+    """Regression (issue 55): `client.request`/`client.verify` from a module beside the pipeline file
+    failed to import while the stages' factories from the same module imported fine."""
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "mine.py").write_text(
+        "def make_request(i, **_):\n    return {'x': i}\n\n"
+        "def double(payload, ctx):\n    return {'x': payload['x'] * 2}\n\n"
+        "def verify(request, result, chunks, **_):\n    assert result == {'x': 2 * request['x']}, result\n")
+    (tmp_path / "p" / "mine.yaml").write_text(
+        "name: mine\nclient: {request: 'mine:make_request', verify: 'mine:verify'}\n"
+        "stages:\n  - {name: d, factory: 'mine:double', terminal: true}\n")
+    p = subprocess.run([STAGELINK, "run", str(tmp_path / "p" / "mine.yaml"), "--requests", "4"], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "verified end to end" in p.stdout
+
+
 def test_run_reports_a_broken_pipeline_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("stages:\n  - {name: a, factory: 'x:y', next: nowhere}\n")
