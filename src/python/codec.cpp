@@ -464,8 +464,8 @@ struct PyDecoder {
         if (std::string here = gpu_by_uuid(ext.gpus[i]); !here.empty()) dev = std::move(here);
       if (!T->device_usable(dev)) dev.clear();
     }
-    if (const std::string& wish = DeviceWish::current(); !wish.empty())  // the caller's device= wins
-      dev = wish == "cpu" ? std::string() : wish;
+    if (const std::string* wish = DeviceWish::wished())  // the caller's device= wins
+      dev = *wish == "cpu" ? std::string() : *wish;
     // A zero-copy view is documented as not to be written (torch has no read-only tensors). A
     // tensor bound for a device is read from shared memory as a view too: the copy to the device
     // is then the only one (a pageable source: .to() returns once it is read).

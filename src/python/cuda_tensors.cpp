@@ -88,7 +88,8 @@ nb::object tensor_from_ref(const TorchApi& T, const Tensor& t, bool view) {
                          "put it with extra.cuda_ipc false to stage it through host memory"));
   const int ordinal = reach.ordinal;
   if (ref.shape.size() > size_t(kMaxDlDims)) raise(make_error(Errc::corrupt, "device tensor of too many dimensions"));
-  const std::string& wish = DeviceWish::current();
+  const std::string* w = DeviceWish::wished();
+  const std::string wish = w ? *w : std::string();
   const bool to_host = wish == "cpu";
   const std::string here = "cuda:" + std::to_string(ordinal);
   if (!wish.empty() && !to_host && wish != here) {  // another device: read here, then torch's copy there

@@ -3,6 +3,8 @@
 // record of it in the frame; a get maps the arena and returns a tensor on the reader's GPU, a view
 // of the slot (zero_copy) or a copy, ordered after the producer's copy on the reader's stream.
 #pragma once
+#include <atomic>
+
 #include "python/torch.hpp"
 
 namespace stagelink::py {
@@ -31,18 +33,40 @@ void stage_cuda_tensor(const TorchApi& T, int ordinal, const void* ptr, size_t n
 nb::object staged_on_host(const nb::object& t);
 
 // Where a get's caller wants its torch tensors (Connector.get's `device=`): set for the call on
-// its thread by DeviceWish; empty: where they came from (a frame's tensors back on their GPU).
+// its thread by DeviceWish; none: where they came from (a frame's tensors back on their GPU). A
+// get without device= touches no thread-local state: wished() reads one global counter first
+// (thread-local access from a shared library costs a __tls_get_addr call, ~5% of a 1 KiB torch get).
 struct DeviceWish {
-  explicit DeviceWish(std::string d) : prev_(current()) { current() = std::move(d); }
-  ~DeviceWish() { current() = std::move(prev_); }
+  explicit DeviceWish(std::string d) : active_(!d.empty()) {
+    if (!active_) return;
+    prev_ = std::move(current());
+    current() = std::move(d);
+    active().fetch_add(1, std::memory_order_relaxed);
+  }
+  ~DeviceWish() {
+    if (!active_) return;
+    current() = std::move(prev_);
+    active().fetch_sub(1, std::memory_order_relaxed);
+  }
   DeviceWish(const DeviceWish&) = delete;
   DeviceWish& operator=(const DeviceWish&) = delete;
+  // This thread's wish, or null (none, or an empty one).
+  static const std::string* wished() {
+    if (active().load(std::memory_order_relaxed) == 0) return nullptr;
+    const std::string& c = current();
+    return c.empty() ? nullptr : &c;
+  }
+
+ private:
   static std::string& current() {
     thread_local std::string d;
     return d;
   }
-
- private:
+  static std::atomic<int>& active() {
+    static std::atomic<int> n{0};
+    return n;
+  }
+  bool active_;
   std::string prev_;
 };
 
