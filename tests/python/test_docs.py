@@ -38,11 +38,17 @@ def blocks(page, lang):
         return re.findall(rf"```{lang}\n(.*?)```", f.read(), re.S)
 
 
-@pytest.mark.parametrize("page", ["python.md"])
-def test_every_python_block_of_the_guides_runs_as_written(page):
-    code = blocks(page, "python")
-    assert code
-    for c in code:
+OVERVIEW = "# API overview, not a complete program"
+PAGES = sorted(f for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p, "python")])
+def test_every_python_block_of_the_docs_runs_or_says_it_is_an_overview(page):
+    """A Python block in the docs runs as written, from the repository's root, unless its first line
+    declares it an overview of an API (calls across processes or hosts, placeholders)."""
+    for c in blocks(page, "python"):
+        if c.startswith(OVERVIEW):
+            continue
         r = subprocess.run([sys.executable, "-c", c], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, c + r.stderr
 
