@@ -171,12 +171,7 @@ void ShmConnector::close() {
   for (auto& o : out_) {
     // A reader may still work on a device slot of an entry it claimed: its slot is never reused
     // (kept until the process exits) rather than overwritten under that reader.
-    if (o.hold && !dir_->is_done(o.idx, o.gen)) {
-      static auto* orphans = new std::vector<std::shared_ptr<const void>>();  // under mu_ of some connector
-      static std::mutex orphans_mu;
-      std::lock_guard<std::mutex> g(orphans_mu);
-      orphans->push_back(std::move(o.hold));
-    }
+    if (o.hold && !dir_->is_done(o.idx, o.gen)) cuda::keep_until_exit(std::move(o.hold));
     dir_->free_entry(o.idx, o.gen);
     if (o.dedicated) {
       dir_->unregister_arena(o.arena_idx, o.arena_gen);

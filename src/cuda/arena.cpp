@@ -1,7 +1,6 @@
 // See arena.hpp.
 #include "cuda/arena.hpp"
 
-#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -35,12 +34,14 @@ Result<CUcontext> primary(int ordinal) {
   return c;
 }
 
-uint64_t self_start() {
-  static const uint64_t s = proc_start_time(uint32_t(getpid()));
-  return s;
-}
-
 }  // namespace
+
+void keep_until_exit(std::shared_ptr<const void> hold) {
+  static auto* kept = new std::vector<std::shared_ptr<const void>>();  // never destroyed: exit-time order
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(std::move(hold));
+}
 
 Status use_device(int ordinal) {
   SL_ASSIGN(const Driver* D, driver());
@@ -159,8 +160,9 @@ Result<std::shared_ptr<const void>> DeviceArenas::stage(int ordinal, CUdeviceptr
     if (auto c = check(D->cuMemcpyDtoDAsync(a.base + slot->offset, src, nbytes, stream), "cuMemcpyDtoDAsync"); !c.ok())
       return give_back(std::move(c).error());
   if (auto c = check(D->cuEventRecord(e.ev, stream), "cuEventRecord"); !c.ok()) return give_back(std::move(c).error());
-  ref.pid = uint32_t(getpid());
-  ref.start_time = self_start();
+  const ProcId me = self_proc();
+  ref.pid = me.pid;
+  ref.start_time = me.start;
   ref.arena_id = slot->arena_id;
   ref.arena_bytes = a.bytes;
   ref.offset = slot->offset;
@@ -241,25 +243,18 @@ struct DeviceImports::State {
   bool thread_started = false, busy = false;
   uint64_t released = 0, synced_inline = 0;
 
+  static bool dead(const Who& w) { return !proc_alive(ProcId{std::get<0>(w), std::get<1>(w)}); }
   void close_dead_locked(const Driver& D) {
-    for (auto it = arenas.begin(); it != arenas.end();) {
-      auto [pid, start, id] = it->first;
-      if (proc_start_time(pid) == start) {
-        ++it;
-        continue;
-      }
-      if (use_device(it->second.ordinal).ok()) D.cuIpcCloseMemHandle(it->second.base);
-      it = arenas.erase(it);
-    }
-    for (auto it = events.begin(); it != events.end();) {
-      auto [pid, start, id] = it->first;
-      if (proc_start_time(pid) == start) {
-        ++it;
-        continue;
-      }
-      if (use_device(it->second.second).ok()) D.cuEventDestroy(it->second.first);
-      it = events.erase(it);
-    }
+    std::erase_if(arenas, [&](const auto& a) {
+      if (!dead(a.first)) return false;
+      if (use_device(a.second.ordinal).ok()) D.cuIpcCloseMemHandle(a.second.base);
+      return true;
+    });
+    std::erase_if(events, [&](const auto& e) {
+      if (!dead(e.first)) return false;
+      if (use_device(e.second.second).ok()) D.cuEventDestroy(e.second.first);
+      return true;
+    });
   }
 
   void run() {
@@ -298,7 +293,7 @@ DeviceImports::State& DeviceImports::st() {
 
 Result<DeviceImports::Mapped> DeviceImports::open(const DeviceRef& r, int ordinal) {
   SL_ASSIGN(const Driver* D, driver());
-  if (r.pid == uint32_t(getpid()) && r.start_time == self_start()) {  // our own put: no IPC
+  if (const ProcId me = self_proc(); r.pid == me.pid && r.start_time == me.start) {  // our own put: no IPC
     SL_ASSIGN(auto pe, DeviceArenas::instance().local(r));
     return Mapped{pe.first, pe.second};
   }
@@ -308,7 +303,7 @@ Result<DeviceImports::Mapped> DeviceImports::open(const DeviceRef& r, int ordina
   const State::Who arena{r.pid, r.start_time, r.arena_id}, event{r.pid, r.start_time, r.event_id};
   auto it = s.arenas.find(arena);
   if (it == s.arenas.end()) {
-    if (proc_start_time(r.pid) != r.start_time)
+    if (State::dead(arena))
       return make_error(Errc::peer_dead, "the process " + std::to_string(r.pid) + " that put this CUDA tensor has exited");
     s.close_dead_locked(*D);
     State::Opened o;

@@ -63,6 +63,10 @@ class DeviceImports {
   State& st();
 };
 
+// A hold (device slots) whose readers may still be reading when its owner closes: kept, its slots
+// never reused, until the process exits, rather than overwritten under a reader.
+void keep_until_exit(std::shared_ptr<const void> hold);
+
 // The primary context of device `ordinal` made current on this thread (what torch uses).
 Status use_device(int ordinal);
 

@@ -4,6 +4,7 @@
 #include "stagelink/mq.hpp"
 
 #include "mq/mq_internal.hpp"
+#include "cuda/arena.hpp"
 
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -516,13 +517,8 @@ class MqWriter final : public MessageQueue {
     closed_ = true;
     // Device slots of messages a reader may still read: never reused (kept until the process exits).
     if (ring_) reclaim();
-    if (!held_.empty()) {
-      static auto* orphans = new std::vector<std::shared_ptr<const void>>();
-      static std::mutex orphans_mu;
-      std::lock_guard<std::mutex> g(orphans_mu);
-      for (auto& h : held_) orphans->push_back(std::move(h.second));
-      held_.clear();
-    }
+    for (auto& h : held_) cuda::keep_until_exit(std::move(h.second));
+    held_.clear();
     if (ring_) unlink_names();
     for (auto& r : ool_)
       if (!r.dedicated.empty()) Segment::unlink(o_.shm_dir, r.dedicated);

@@ -146,15 +146,13 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     releases = conn->capability<ReleaseTracking>();
     lending = conn->capability<Lending>();
     link = conn->capability<SenderLink>();
+    if (auto* f = conn->capability<BindingFields>()) device_slots = f->device_slots();
     lookup_only = name == "SharedMemoryConnector";
     return {};
   }
 
   bool is_local() const { return cfg.backend == "local"; }
-  size_t device_slots() const {
-    auto* f = conn ? conn->capability<BindingFields>() : nullptr;
-    return f ? f->device_slots() : 0;
-  }
+  size_t device_slots = 0;  // the connector's BindingFields::device_slots(), read once at init
   bool lookup_only = false;  // a shared-memory connector: a get by metadata is one lookup
   // The connector's capabilities the relay uses (null where it has none: a connector that cannot
   // report releases counts a put released once sent, one that lends nothing gets a copy).
@@ -309,7 +307,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       PutOptions po{o.readers, o.request_id};
       PutHooks hooks;
       if (o.hold) {
-        if (!device_slots()) {
+        if (!device_slots) {
           drop_credit(rec);
           return make_error(Errc::invalid_argument, "relay put: device slots need a connector that keeps them");
         }
@@ -622,7 +620,7 @@ Result<RelayOp> Relay::get_async(const Value& md, const RelayGetOptions& o) { re
 Result<RelayOp> Relay::put_segments(std::span<const RelaySegment> segments, size_t total, const RelayPutOptions& o) {
   return core_->put_segments(segments, total, o);
 }
-size_t Relay::device_slots() const { return core_->closed ? 0 : core_->device_slots(); }
+size_t Relay::device_slots() const { return core_->closed ? 0 : core_->device_slots; }
 Value Relay::sender_info() {
   if (core_->closed || !core_->link) return Value();
   return core_->link->sender_info();
