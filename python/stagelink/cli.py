@@ -185,7 +185,34 @@ def _cmd_shm_reap(args):
     return 0
 
 
+def _cmd_bench_plot(args):
+    from .bench_plot import plot_files
+    if not args.files:
+        print("stagelink bench plot: name the result files to draw (written by `stagelink bench KIND --json FILE`)",
+              file=sys.stderr)
+        return 2
+    try:
+        written = plot_files(args.files, args.out)
+    except OSError as e:
+        print(f"stagelink bench plot: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyError as e:
+        print(f"stagelink bench plot: not a stagelink benchmark result (no {e} field)", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
+        print(f"stagelink bench plot: not a stagelink benchmark result: {e}", file=sys.stderr)
+        return 2
+    for w in written:
+        print(w)
+    return 0
+
+
 def _cmd_bench(args):
+    if args.kind == "plot":
+        return _cmd_bench_plot(args)
+    if args.files:
+        print(f"stagelink bench {args.kind}: takes no files (only `bench plot` does)", file=sys.stderr)
+        return 2
     from .bench import parse_size, run_shm
     from .bench_mq import run_mq
     from .bench_relay import run_relay
@@ -293,9 +320,13 @@ def main(argv=None):
                "         alternating, --rounds rounds; peers: SGLang-Omni\n"
                "  cuda   CUDA tensors between processes (says why and stops without a GPU); peers:\n"
                "         pinned/pageable/device copies, CUDA IPC, the seed's design\n"
-               "  all    each of the above in turn")
-    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "pipeline", "cuda", "all"],
-                   help="what to measure (below)")
+               "  all    each of the above in turn\n"
+               "  plot   draw result files as SVG charts: stagelink bench plot FILE.json... [--out DIR]")
+    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "pipeline", "cuda", "all", "plot"],
+                   help="what to measure (below), or plot to draw results")
+    b.add_argument("files", nargs="*", metavar="FILE", help="plot: result files written with --json")
+    b.add_argument("--out", default="bench-charts", metavar="DIR",
+                   help="plot: the folder the SVG charts go to (default bench-charts)")
     b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
     b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-pipeline.json, FILE-cuda.json)")

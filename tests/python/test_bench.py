@@ -119,3 +119,56 @@ def test_bench_te_times_the_default_copying_get_beside_the_zero_copy_one():
             assert 0 < f["median_us"] <= f["p99_us"] and f["gbps"] > 0
             assert len(f["pairs_gbps"]) == 2 and f["pairs_min_gbps"] <= f["pairs_max_gbps"]
         assert r["copy_vs_view"] == r["copy"]["median_us"] / r["view"]["median_us"]
+
+
+def _bars(svg_path):
+    """The bars of an SVG chart: [(title text, height)] in drawing order."""
+    import xml.etree.ElementTree as ET
+    ns = "{http://www.w3.org/2000/svg}"
+    bars = []
+    for r in ET.parse(svg_path).getroot().iter(ns + "rect"):
+        t = r.find(ns + "title")
+        if t is not None:
+            bars.append((t.text, float(r.get("height"))))
+    return bars
+
+
+def test_bench_plot_draws_every_result_file_with_its_peers(tmp_path):
+    import glob
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    files = sorted(glob.glob(os.path.join(root, "bench", "results", "*.json")))
+    assert len(files) >= 8
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagelink"), "bench", "plot", *files, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    written = out.stdout.split()
+    assert {os.path.basename(w).rsplit("-", 1)[0] for w in written} == {os.path.basename(f)[:-5] for f in files}
+    shm = _bars(tmp_path / "shm-1.svg")
+    # One bar per measured (series, size): stagelink, its Python front end, the seed and memcpy.
+    assert {t.split(",")[0] for t, _ in shm} == {"stagelink C++", "stagelink Python", "the seed's Python design", "memcpy"}
+    # A larger value draws a taller bar: memcpy of 1 KiB is below stagelink's put+get of 1 KiB.
+    h = {t.split(":")[0]: height for t, height in shm}
+    assert h["memcpy, 1 KiB"] < h["stagelink C++, 1 KiB"] < h["the seed's Python design, 1 KiB"]
+    te = [t for t, _ in _bars(tmp_path / "te-1.svg")]
+    assert any(t.startswith("ucx_perftest") for t in te) and any(t.startswith("stagelink copy") for t in te)
+
+
+def test_bench_plot_refuses_what_is_not_a_result(tmp_path):
+    import os
+    import subprocess
+    import sys
+    bad = tmp_path / "bad.json"
+    for content, says in (("{nope", "not a stagelink benchmark result"),
+                          ('{"kind": "shm"}', "no 'rows' field"),
+                          ('{"kind": "weather"}', "unknown benchmark kind"),
+                          ('{"kind": "shm", "rows": []}', "nothing to plot")):
+        bad.write_text(content)
+        out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagelink"), "bench", "plot", str(bad), "--out", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and says in out.stderr, (content, out.stderr)
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagelink"), "bench", "plot", str(tmp_path / "absent.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "No such file" in out.stderr
