@@ -82,8 +82,11 @@ def start_slow_run(tmp_path, name):
     f.write_text(open(os.path.join(ROOT, "examples", "omni_pipeline.yaml")).read()
                  .replace("args: {seconds: 2.0, chunks: 4, tokens_per_chunk: 256}",
                           "args: {seconds: 1.0, chunks: 50, tokens_per_chunk: 64, compute_ms: 20}"))
+    # SIGINT as a terminal leaves it: a suite started in the background (`cmd &` in a script) runs
+    # with SIGINT ignored, which children inherit and Python then keeps (nohup's meaning).
     p = subprocess.Popen([STAGELINK, "run", str(f), "--requests", "100"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(2.5)
     return p
 
