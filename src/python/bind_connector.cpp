@@ -83,7 +83,7 @@ nb::object exception_of(const Error& e) {
   PyObject* t = g_exc[static_cast<size_t>(e.code)];
   nb::object msg = nb::steal(PyUnicode_DecodeUTF8(e.message.data(), Py_ssize_t(e.message.size()), "replace"));
   if (!msg.is_valid()) throw nb::python_error();
-  nb::object exc = nb::steal(PyObject_CallOneArg(t ? t : PyExc_RuntimeError, msg.ptr()));
+  nb::object exc = nb::steal(capi::call1(t ? t : PyExc_RuntimeError, msg.ptr()));
   if (!exc.is_valid()) throw nb::python_error();
   return exc;
 }
@@ -229,7 +229,7 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   if (has_md && self.inline_field && PyDict_CheckExact(metadata.ptr())) {  // the shared-memory connector's
     PyObject* b = PyDict_GetItemWithError(metadata.ptr(), self.inline_field);
     if (!b && PyErr_Occurred()) throw nb::python_error();
-    if (b && PyBytes_CheckExact(b) && PyBytes_GET_SIZE(b) > 0) inline_ref = nb::borrow(b);
+    if (b && PyBytes_CheckExact(b) && capi::bytes_size(b) > 0) inline_ref = nb::borrow(b);
   }
   if (has_md) md.value = from_py(metadata, 0, inline_ref.ptr());
   // Our metadata is a direct lookup (microseconds: the GIL is kept); anything else (none, another
@@ -254,8 +254,8 @@ std::optional<GetResult> borrow(PyConnector& self, nb::handle from, nb::handle t
   go.zero_copy = true;
   go.hooks = &hooks;
   if (inline_ref.is_valid())
-    hooks.metadata_inline = std::span<const std::byte>(reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(inline_ref.ptr())),
-                                                    size_t(PyBytes_GET_SIZE(inline_ref.ptr())));
+    hooks.metadata_inline = std::span<const std::byte>(reinterpret_cast<const std::byte*>(capi::bytes_data(inline_ref.ptr())),
+                                                    size_t(capi::bytes_size(inline_ref.ptr())));
   SignalCheck sig;  // a get that may wait for its key: Ctrl-C ends the wait
   if (secs > 0) go.keep_waiting = std::ref(sig);
   const Deadline dl = secs < 0 ? kNoWait : deadline_after(secs);

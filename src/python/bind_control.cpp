@@ -76,8 +76,8 @@ std::optional<CurveServer> curve_server(nb::handle d) {
   CurveServer s{curve_pair(d), {}};
   PyObject* a = PyDict_GetItemString(d.ptr(), "allowed_clients");
   if (!a || !PyList_Check(a)) raise(make_error(Errc::invalid_argument, "CURVE keys: 'allowed_clients' must be a list of public keys"));
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a); ++i) {
-    PyObject* k = PyList_GET_ITEM(a, i);
+  for (Py_ssize_t i = 0; i < capi::list_size(a); ++i) {
+    PyObject* k = capi::list_item(a, i);
     if (!PyUnicode_Check(k)) raise(make_error(Errc::invalid_argument, "CURVE keys: allowed_clients holds public keys (str)"));
     s.allowed_clients.push_back(utf8(k));
   }

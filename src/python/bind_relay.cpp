@@ -65,17 +65,18 @@ PyRelayOp relay_put_segments(PyRelay& self, nb::handle segments, size_t total, c
   std::vector<RelaySegment> segs;
   nb::object seq = nb::steal(PySequence_Fast(segments.ptr(), "put_segments: segments must be a sequence"));
   if (!seq.is_valid()) throw nb::python_error();
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  const Py_ssize_t n = capi::seq_size(seq.ptr());
   bv.views.reserve(size_t(n));
+  const capi::SeqItems items(seq.ptr());
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2)
+    PyObject* item = items[i];
+    if (!PyTuple_Check(item) || capi::tuple_size(item) != 2)
       throw nb::type_error("put_segments: each segment is an (offset, buffer) pair");
-    const long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 0));
+    const long long off = PyLong_AsLongLong(capi::tuple_item(item, 0));
     if (off == -1 && PyErr_Occurred()) throw nb::python_error();
     if (off < 0) raise(make_error(Errc::invalid_argument, "put_segments: a negative offset"));
     Py_buffer v;
-    if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &v, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+    if (PyObject_GetBuffer(capi::tuple_item(item, 1), &v, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
     bv.views.push_back(v);
     segs.push_back({size_t(off), std::span<const std::byte>(static_cast<const std::byte*>(v.buf), size_t(v.len))});
   }

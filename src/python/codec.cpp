@@ -69,7 +69,7 @@ struct PyEncoder {
   detail::Packer pk{sink};
 
   bool fail(nb::handle h, const char* what = "") {
-    if (why.empty()) why = std::string(Py_TYPE(h.ptr())->tp_name) + what;
+    if (why.empty()) why = capi::type_name(h.ptr()) + what;
     return false;
   }
   void add(Tensor t, int64_t kind) {
@@ -131,7 +131,7 @@ struct PyEncoder {
     if (Py_TYPE(h.ptr()) == reinterpret_cast<PyTypeObject*>(T.param_type)) kind |= kFlagParameter;
     nb::object t = nb::borrow(h);
     auto attr = [&](PyObject* name) { return nb::steal(PyObject_GetAttr(t.ptr(), name)); };
-    auto call = [&](PyObject* name) { return nb::steal(PyObject_CallMethodNoArgs(t.ptr(), name)); };
+    auto call = [&](PyObject* name) { return nb::steal(capi::call_method0(t.ptr(), name)); };
     auto ok = [](const nb::object& o) {
       if (!o.is_valid()) throw nb::python_error();
       return o;
@@ -209,7 +209,7 @@ struct PyEncoder {
     x.shape.resize(size_t(nd));
     size_t nbytes = dtype_size(*dt);
     for (Py_ssize_t i = 0; i < nd; ++i) {
-      x.shape[size_t(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+      x.shape[size_t(i)] = PyLong_AsLongLong(capi::tuple_item(shape.ptr(), i));
       nbytes *= size_t(x.shape[size_t(i)]);
     }
     void* ptr = PyLong_AsVoidPtr(ok(call(T.s_data_ptr)).ptr());
@@ -240,7 +240,7 @@ struct PyEncoder {
   // no more than load, check and store each item: it runs once per id and is what a list's put
   // costs. False, with nothing written, at the first item that is anything else: the caller
   // packs the list item by item.
-  bool id_list(PyObject** items, Py_ssize_t n) {
+  bool id_list(const capi::SeqItems& items, Py_ssize_t n) {
     // A list of anything else (strs, dicts) is turned away before room is reserved for it.
     if (!Py_IS_TYPE(items[0], &PyLong_Type) || size_t(n) > (UINT32_MAX - 1) / 4) return false;
     sink.reserve(7 + 4 * size_t(n));
@@ -267,14 +267,14 @@ struct PyEncoder {
   // A list of floats as a float list (ext type 3, msgpack_io.hpp): each value's 8 bytes,
   // little-endian, in one pass. False, with nothing written, at the first item that is not an
   // exact float (an int among them keeps its type: the caller packs the list item by item).
-  bool float_list(PyObject** items, Py_ssize_t n) {
+  bool float_list(const capi::SeqItems& items, Py_ssize_t n) {
     if (size_t(n) > (UINT32_MAX - 8) / 8) return false;
     sink.reserve(6 + 8 * size_t(n));
     uint8_t* const h = sink.at();
     uint8_t* const d = h + 6;
     for (Py_ssize_t i = 0; i < n; ++i) {
       if (!PyFloat_CheckExact(items[i])) return false;
-      detail::put_float(d, size_t(i), PyFloat_AS_DOUBLE(items[i]));
+      detail::put_float(d, size_t(i), capi::float_value(items[i]));
     }
     const uint32_t body = 8 * uint32_t(n);
     ext32_header(h, body, detail::kExtFloatList);
@@ -298,10 +298,10 @@ struct PyEncoder {
       }
       return fail(h, " beyond 64 bits");
     }
-    if (PyFloat_CheckExact(o)) { pk.pack_double(PyFloat_AS_DOUBLE(o)); return true; }
+    if (PyFloat_CheckExact(o)) { pk.pack_double(capi::float_value(o)); return true; }
     if (PyUnicode_CheckExact(o)) return str(o);
     if (PyDict_CheckExact(o)) {
-      const Py_ssize_t n = PyDict_GET_SIZE(o);
+      const Py_ssize_t n = capi::dict_size(o);
       pk.pack_map(uint32_t(n));
       PyObject *k, *v;
       Py_ssize_t pos = 0, done = 0;
@@ -311,14 +311,14 @@ struct PyEncoder {
         ++done;
       }
       // A torch leaf runs Python code: a dict changed meanwhile would not match its packed count.
-      if (done != n || PyDict_GET_SIZE(o) != n) return fail(h, " that changed while it was being put");
+      if (done != n || capi::dict_size(o) != n) return fail(h, " that changed while it was being put");
       return true;
     }
     if (PyList_CheckExact(o) || PyTuple_CheckExact(o)) {
       if (PyTuple_CheckExact(o)) tuples.push_back(lists);
       ++lists;
-      const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
-      PyObject** items = PySequence_Fast_ITEMS(o);
+      const Py_ssize_t n = capi::seq_size(o);
+      const capi::SeqItems items(o);
       if (n >= kPackedListMin && (PyFloat_CheckExact(items[0]) ? float_list(items, n) : id_list(items, n))) return true;
       pk.pack_array(uint32_t(n));
       // Runs of small ints are written through a cursor of our own, in room reserved 4096 ints
@@ -339,7 +339,7 @@ struct PyEncoder {
         }
         if (!encode(items[i], depth + 1)) return false;
         // A torch leaf runs Python code: a list it changed (resized: items moved) is not read on.
-        if (PyList_CheckExact(o) && (PyList_GET_SIZE(o) != n || PySequence_Fast_ITEMS(o) != items))
+        if (items.changed(o, n))
           return fail(h, " that changed while it was being put");
         ++i;
       }
@@ -357,8 +357,8 @@ struct PyEncoder {
     }
     if (PyBytes_CheckExact(o)) {
       bv.keep.push_back(nb::borrow(h));  // immutable: no pin needed
-      auto* b = reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(o));
-      add(Tensor::view_of(std::span<const std::byte>(b, size_t(PyBytes_GET_SIZE(o)))), kKindBytes);
+      auto* b = reinterpret_cast<const std::byte*>(capi::bytes_data(o));
+      add(Tensor::view_of(std::span<const std::byte>(b, size_t(capi::bytes_size(o)))), kKindBytes);
       return true;
     }
     if (PyByteArray_CheckExact(o) || PyMemoryView_Check(o)) {
@@ -488,7 +488,7 @@ struct PyDecoder {
       nb::object arr = view ? array_over(t.data.data(), type, dims, t.keepalive, false) : copied_array(t.data, type, dims);
       // torch warns for each read-only array.
       PyArray_ENABLEFLAGS(reinterpret_cast<PyArrayObject*>(arr.ptr()), NPY_ARRAY_WRITEABLE);
-      out = nb::steal(PyObject_CallOneArg(T->from_numpy, arr.ptr()));
+      out = nb::steal(capi::call1(T->from_numpy, arr.ptr()));
       if (!out.is_valid()) throw nb::python_error();
       if (view_as) out = out.attr(nb::handle(T->s_view))(nb::handle(view_as));
     }
@@ -556,10 +556,10 @@ struct PyDecoder {
   bool tensor(Out& o, uint32_t i) { o = tensor(size_t(i)); return true; }
   // A new list, or a tuple where the put had one (the tree's next sequence): its item slots,
   // every one empty until set.
-  PyObject** new_sequence(Out& o, uint32_t n) {
+  capi::NewItems new_sequence(Out& o, uint32_t n) {
     const bool tup = next_is_tuple();
     set(o, tup ? PyTuple_New(Py_ssize_t(n)) : PyList_New(Py_ssize_t(n)));
-    return tup ? reinterpret_cast<PyTupleObject*>(o.ptr())->ob_item : reinterpret_cast<PyListObject*>(o.ptr())->ob_item;
+    return capi::NewItems(o.ptr(), tup);
   }
   // The int v: the shared one where `ids` has it (an incref), else id_int's.
   [[gnu::always_inline]] static PyObject* shared_int(PyObject** ids, uint64_t v) {
@@ -572,19 +572,21 @@ struct PyDecoder {
     return x;
   }
   bool id_list(Out& o, uint32_t w, bool sign, const uint8_t* d, uint32_t n) {
-    PyObject** items = new_sequence(o, n);
+    const capi::NewItems items = new_sequence(o, n);
     PyObject** ids = id_table();
     auto fill = [&](auto width) {  // the width a constant: one loop per width, no branch per value
       if (!sign) {
-        for (uint32_t i = 0; i < n; ++i) items[i] = shared_int(ids, detail::id_at(d, width, i));
+        for (uint32_t i = 0; i < n; ++i) items.set(i, shared_int(ids, detail::id_at(d, width, i)));
         return;
       }
       for (uint32_t i = 0; i < n; ++i) {
         const int32_t v = detail::signed_id_at(d, width, i);
         if (v >= 0) {
-          items[i] = shared_int(ids, uint64_t(v));
-        } else if (!(items[i] = PyLong_FromLong(v))) {  // -5..-1 are Python's own cached ints
-          throw nb::python_error();
+          items.set(i, shared_int(ids, uint64_t(v)));
+        } else {
+          PyObject* x = PyLong_FromLong(v);  // -5..-1 are Python's own cached ints
+          if (!x) throw nb::python_error();
+          items.set(i, x);
         }
       }
     };
@@ -594,23 +596,26 @@ struct PyDecoder {
     return true;
   }
   bool float_list(Out& o, const uint8_t* d, uint32_t n) {
-    PyObject** items = new_sequence(o, n);
-    for (uint32_t i = 0; i < n; ++i)
-      if (!(items[i] = PyFloat_FromDouble(detail::float_at(d, i)))) throw nb::python_error();
+    const capi::NewItems items = new_sequence(o, n);
+    for (uint32_t i = 0; i < n; ++i) {
+      PyObject* x = PyFloat_FromDouble(detail::float_at(d, i));
+      if (!x) throw nb::python_error();
+      items.set(i, x);
+    }
     return true;
   }
   template <class F>
   bool array(Out& o, uint32_t n, F elem) {
-    PyObject** items = new_sequence(o, n);
+    const capi::NewItems items = new_sequence(o, n);
     PyObject** ids = id_table();
     for (uint32_t i = 0; i < n; ++i) {
       uint64_t v;
       if (rd->try_small_uint(v)) {  // ids: no call through the reader per item
-        items[i] = shared_int(ids, v);
+        items.set(i, shared_int(ids, v));
       } else {
         Out e;
         if (!elem(e)) return false;
-        items[i] = e.release().ptr();
+        items.set(i, e.release().ptr());
       }
     }
     return true;

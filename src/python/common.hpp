@@ -30,6 +30,7 @@
 #include <numpy/arrayobject.h>
 
 #include "core/host_pool.hpp"
+#include "python/pyapi.hpp"
 #include "stagelink/stagelink.hpp"
 
 namespace nb = nanobind;

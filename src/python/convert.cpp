@@ -125,8 +125,8 @@ Value from_py(nb::handle h, int depth, PyObject* skip) {
   if (PyFloat_Check(h.ptr())) return Value(PyFloat_AsDouble(h.ptr()));
   if (PyUnicode_Check(h.ptr())) return Value(utf8(h.ptr()));
   if (PyBytes_Check(h.ptr())) {
-    auto* p = reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(h.ptr()));
-    return Value::copy_bytes(std::span<const std::byte>(p, size_t(PyBytes_GET_SIZE(h.ptr()))));
+    auto* p = reinterpret_cast<const std::byte*>(capi::bytes_data(h.ptr()));
+    return Value::copy_bytes(std::span<const std::byte>(p, size_t(capi::bytes_size(h.ptr()))));
   }
   if (PyDict_Check(h.ptr())) {
     Value::Map m;
@@ -171,7 +171,7 @@ nb::object region_copy_as(const Tensor& t, int as) {
   const Py_ssize_t n = Py_ssize_t(t.nbytes());
   PyObject* o = as == 0 ? PyBytes_FromStringAndSize(nullptr, n) : PyByteArray_FromStringAndSize(nullptr, n);
   if (!o) throw nb::python_error();
-  char* dst = as == 0 ? PyBytes_AS_STRING(o) : PyByteArray_AS_STRING(o);
+  char* dst = as == 0 ? capi::bytes_data(o) : capi::bytearray_data(o);
   if (t.nbytes() > kGilReleaseBytes) {
     nb::gil_scoped_release nogil;
     host_pool::copy_into_fresh(reinterpret_cast<std::byte*>(dst), t.data.data(), t.nbytes());  // malloc's: fresh

@@ -199,7 +199,7 @@ nb::object dl_to_torch(const TorchApi& T, DlOut* m, bool x) {
     DlOut::destroy(m);
     throw nb::python_error();
   }
-  PyObject* out = PyObject_CallOneArg(T.from_dlpack, cap);
+  PyObject* out = capi::call1(T.from_dlpack, cap);
   Py_DECREF(cap);  // consumed: torch owns `m` now; else the capsule frees it
   if (!out) {  // e.g. a dtype this torch's DLPack import lacks
     PyErr_Clear();
