@@ -61,7 +61,9 @@ def bar_chart(title, groups, series, unit, better="lower"):
         ymin, ymax = 10 ** math.floor(math.log10(lo)), 10 ** math.ceil(math.log10(hi))
         ticks = [10 ** e for e in range(round(math.log10(ymin)), round(math.log10(ymax)) + 1)]
     else:
-        step = 10 ** math.floor(math.log10(hi)) / 2
+        raw = hi / 6  # about six gridlines, at 1, 2 or 5 times a power of ten
+        mag = 10 ** math.floor(math.log10(raw))
+        step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
         ymin, ymax = 0.0, math.ceil(hi / step) * step
         ticks = [ymin + i * step for i in range(int(round(ymax / step)) + 1)]
     W, H, left, right, top, bottom = 720, 350, 60, 10, 40, 90
