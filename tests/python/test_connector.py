@@ -480,8 +480,11 @@ r.close(); ob.close(); ib.close()
 
 def _syscalls(script, n, tmp_path, *args):
     out = tmp_path / f"strace{n}.txt"
+    # numpy's BLAS thread pool off: numpy 1.x's OpenBLAS threads spin in sched_yield after import
+    # (thousands of calls, varying from run to run), which are not stagelink's.
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     subprocess.run(["strace", "-f", "-c", "-o", str(out), sys.executable, "-c", script, str(n), *args],
-                   check=True, timeout=300)
+                   check=True, timeout=300, env=env)
     return int(out.read_text().strip().splitlines()[-1].split()[3])  # the "total" row's call count
 
 
