@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/arena.hpp"
 #include "stagelink/connector.hpp"
 
 namespace stagelink {
@@ -22,7 +23,7 @@ struct ShmConnectorOptions {
   // CUDA tensors (Python): left in a device arena of the producer, read over CUDA IPC (true), or
   // staged through the frame in host memory (false); cuda_arena_bytes: each device arena's size.
   bool cuda_ipc = true;
-  size_t cuda_arena_bytes = 256u << 20;
+  size_t cuda_arena_bytes = cuda::kDefaultArenaBytes;
   std::vector<std::string> ignored;    // extra keys it does not read (kept, and named in health())
   static Result<ShmConnectorOptions> from_extra(const Value& extra);
 };

@@ -55,7 +55,6 @@ Result<TeOptions> te_options(const Value& e) {
   SL_TRY(r.read("device_name", o.device));
   SL_TRY(r.read_int("memory_pool_size", o.pool_bytes));
   SL_TRY(r.read("memory_pool_device", o.pool_device));
-  const std::string pool_device = o.pool_device;
   SL_TRY(r.read("role", o.role));
   SL_TRY(r.read("sender_host", o.sender_host));
   SL_TRY(r.read_int("sender_zmq_port", o.sender_port));
@@ -67,14 +66,14 @@ Result<TeOptions> te_options(const Value& e) {
   SL_TRY(r.read("pull_channel", o.pull_channel));
   if (o.device.empty())
     if (const char* d = std::getenv("RDMA_DEVICE_NAME")) o.device = d;
-  if (pool_device != "cpu") {
-    if (pool_device.rfind("cuda", 0) != 0)
+  if (o.pool_device != "cpu") {
+    if (o.pool_device.rfind("cuda", 0) != 0)
       return make_error(Errc::invalid_argument, "TransferEngineConnector: extra.memory_pool_device must be cpu or "
-                                                "cuda, got '" + pool_device + "'");
+                                                "cuda, got '" + o.pool_device + "'");
     // GPU to GPU for the caller, through the registered host pool (a CUDA tensor is copied to
     // pinned memory at put, and back to its GPU at get). A host without a GPU is told so now.
     if (auto drv = cuda::driver(); !drv.ok())
-      return make_error(Errc::unsupported, "memory_pool_device '" + pool_device + "': " + drv.error().message + "; use cpu");
+      return make_error(Errc::unsupported, "memory_pool_device '" + o.pool_device + "': " + drv.error().message + "; use cpu");
   }
   SL_ASSIGN(o.curve, curve_from_extra(e, "TransferEngineConnector"));
   return o;

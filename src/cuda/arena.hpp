@@ -19,6 +19,9 @@
 
 namespace stagelink::cuda {
 
+// Each device arena's size unless a connector's cuda_arena_bytes says otherwise (the queue's).
+inline constexpr size_t kDefaultArenaBytes = 256u << 20;
+
 class DeviceArenas {
  public:
   static DeviceArenas& instance();

@@ -255,7 +255,7 @@ class MqWriter final : public MessageQueue {
   }
 
   // Local readers only: a remote reader could not map the device slots a record names.
-  size_t device_slots() const override { return ring_ && !pub_ && o_.n_reader == o_.n_local_reader ? kDeviceArenaBytes : 0; }
+  size_t device_slots() const override { return ring_ && !pub_ && o_.n_reader == o_.n_local_reader ? cuda::kDefaultArenaBytes : 0; }
 
   Status enqueue_held(const Payload& p, double timeout_s, std::shared_ptr<const void> hold) override {
     if (!device_slots()) return MessageQueue::enqueue_held(p, timeout_s, std::move(hold));
@@ -538,7 +538,6 @@ class MqWriter final : public MessageQueue {
   std::unique_ptr<BufferAllocator> ovf_alloc_;
   std::deque<OutOfLine> ool_;
   std::deque<std::pair<uint64_t, std::shared_ptr<const void>>> held_;  // enqueue_held: (message, its slots)
-  static constexpr size_t kDeviceArenaBytes = 256u << 20;
   uint32_t n_remote_ = 0;
   std::map<std::string, int64_t> remote_seen_;  // subscription topic -> the reader's rank
   std::atomic<bool> shutdown_flag_{false};

@@ -174,21 +174,21 @@ struct PyEncoder {
         nb::object idx = ok(nb::steal(PyObject_GetAttrString(dev.ptr(), "index")));
         cuda_ordinal = idx.is_none() ? 0 : nb::cast<int>(idx);
       }
-    }
-    if (cuda_ordinal < 0 && !truthy(ok(attr(T.s_is_cpu)))) {
-      if (limit >= 0) {
-        const nb::object nbo = ok(nb::steal(PyObject_GetAttrString(t.ptr(), "nbytes")));
-        const Py_ssize_t n = PyLong_AsSsize_t(nbo.ptr());
-        if (n < 0 && PyErr_Occurred()) throw nb::python_error();
-        if (total + size_t(n) > uint64_t(limit)) return fail(h, " (a device tensor) over the inline limit");
+      if (cuda_ordinal < 0) {
+        if (limit >= 0) {
+          const nb::object nbo = ok(nb::steal(PyObject_GetAttrString(t.ptr(), "nbytes")));
+          const Py_ssize_t n = PyLong_AsSsize_t(nbo.ptr());
+          if (n < 0 && PyErr_Occurred()) throw nb::python_error();
+          if (total + size_t(n) > uint64_t(limit)) return fail(h, " (a device tensor) over the inline limit");
+        }
+        devices.resize(kinds.size());
+        devices.emplace_back(nb::cast<std::string>(nb::str(dev)));
+        if (std::string u = gpu_uuid_of(devices.back()); !u.empty()) {
+          gpus.resize(kinds.size());
+          gpus.push_back(std::move(u));
+        }
+        t = staged_on_host(t);
       }
-      devices.resize(kinds.size());
-      devices.emplace_back(nb::cast<std::string>(nb::str(ok(attr(T.s_device)))));
-      if (std::string u = gpu_uuid_of(devices.back()); !u.empty()) {
-        gpus.resize(kinds.size());
-        gpus.push_back(std::move(u));
-      }
-      t = staged_on_host(t);
     }
     nb::object dto = ok(attr(T.s_dtype));
     std::optional<DType> dt;

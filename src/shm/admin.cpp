@@ -172,7 +172,6 @@ bool mapped_by_anyone(const std::string& path) {
   ::closedir(proc);
   return found;
 }
-}  // namespace
 
 // The CUDA driver's file of a process that used CUDA IPC (cuda.shm.<uid>.<pid in hex>.<n>): it is
 // removed when that process exits cleanly, and stays behind one that was killed (or left through
@@ -199,6 +198,7 @@ std::vector<std::string> reap_cuda_driver_files(const std::string& shm_dir) {
   }
   return out;
 }
+}  // namespace
 
 std::vector<std::string> reap(const std::string& shm_dir) {
   std::vector<std::string> out;
