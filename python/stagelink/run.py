@@ -4,10 +4,9 @@ latency and time to first chunk."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import sys
 import statistics
+import sys
 import threading
 import time
 from typing import List, Optional
@@ -44,11 +43,8 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
         return 2
     try:
         spec = load_pipeline(path)
-        # The client's functions import as the stages' factories do: from a module beside the
-        # pipeline file (or the working directory) too.
-        for d in (os.getcwd(), os.path.dirname(os.path.abspath(path))):
-            if d not in sys.path:
-                sys.path.insert(0, d)
+        # The client's functions import as the stages' factories do (the same directories first).
+        sys.path[:0] = [d for d in spec.module_dirs() if d not in sys.path]
         make = resolve(spec.client["request"]) if "request" in spec.client else (lambda i, **_: {"request": i})
         verify = resolve(spec.client["verify"]) if "verify" in spec.client else None
     except PipelineConfigError as e:

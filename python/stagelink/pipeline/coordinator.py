@@ -155,9 +155,7 @@ class Pipeline:
         e = dict(os.environ if env is None else env)
         # The coordinator's import path: stage factories import in the stages as they do here.
         paths = [p for p in sys.path if p and os.path.isdir(p)]
-        front = [os.getcwd()]  # where the stages' own modules live
-        if self.spec.source != "<dict>":
-            front.append(os.path.dirname(os.path.abspath(self.spec.source)))
+        front = self.spec.module_dirs()  # where the stages' own modules live
         e["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(front + paths))
         for proc in self.spec.processes():
             host = self.spec.host_of(proc)

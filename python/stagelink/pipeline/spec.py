@@ -144,6 +144,14 @@ class PipelineSpec:
             cfg = dict(cfg, backend="shm" if self.stage_host(src) == self.stage_host(dst) else "ucx")
         return cfg
 
+    def module_dirs(self) -> List[str]:
+        """Where the pipeline's own modules (stage factories, client functions) import from, first
+        on the import path: the working directory, then the pipeline file's directory."""
+        dirs = [os.getcwd()]
+        if self.source != "<dict>":
+            dirs.append(os.path.dirname(os.path.abspath(self.source)))
+        return list(dict.fromkeys(dirs))
+
     def cuda_path(self, src: str, dst: str) -> str:
         """How CUDA tensors cross edge src -> dst (docs/cuda.md): left on their GPU and read over
         CUDA IPC (a shared-memory relay: same host), by reference (`local`), or staged through
