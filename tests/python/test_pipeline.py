@@ -547,7 +547,9 @@ def test_cpp_stages_read_streams_like_python_ones(ns):
         assert [c["i"] for c in got] == list(range(5))
         assert all(c["sum"] == float(x.sum(dtype=np.float64)) for c in got)
     d["stages"][0]["factory"] = f"{S}:float_streamer"  # Python to C++
-    d["settings"] = {"request_timeout_s": 1.5}
+    # A stalled stream fails at the stage that waits for it (chunk_timeout_s), named, before the
+    # request's own timeout (at an equal limit the two race, and the coordinator's usually wins).
+    d["settings"] = {"request_timeout_s": 4.0, "chunk_timeout_s": 1.0}
     with Pipeline.from_config(d) as p:
         assert p.submit("a", {"chunks": 6, "chunk_len": 1000}).result(20) == {"n": 6, "sum": 1000.0 * 15}
         with pytest.raises(StageError, match="gives up at chunk 2"):

@@ -54,7 +54,7 @@ _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runt
 # modules): three processes importing torch at once on a loaded 2-core machine took over 20 s.
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 120.0, "abort_timeout_s": 5.0,
              "shutdown_timeout_s": 10.0, "inline_bytes": 16384, "completed_window": 10000,
-             "early_chunk_bytes": 256 << 20}
+             "early_chunk_bytes": 256 << 20, "chunk_timeout_s": None}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 COORDINATOR = "coordinator"
 

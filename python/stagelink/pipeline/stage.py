@@ -223,7 +223,9 @@ class StageRuntime:
         return next(iter(ins.values())) if ins else None
 
     def iter_chunks(self, rid: str, r: _Request, timeout: Optional[float]):
-        timeout = self.w.spec.settings["request_timeout_s"] if timeout is None else timeout
+        if timeout is None:  # how long a stream may stall at this stage: its own limit, else the request's
+            s = self.w.spec.settings
+            timeout = s.get("chunk_timeout_s") or s["request_timeout_s"]
         srcs = self.stream_srcs
         while True:
             with self.lock:
