@@ -153,29 +153,28 @@ def _relay(r):
     ], "microseconds (median)", "lower")]
 
 
+def _per_path(r, title, series):
+    """One chart per network path (loopback, namespaces) of a te or store result, in GB/s;
+    series(rows) gives [(name, values)]."""
+    return [(f"{title} ({path})", [_size(x["size"]) for x in p["rows"]], series(p["rows"]), "GB/s", "higher")
+            for path, p in r["paths"].items()]
+
+
 def _te(r):
-    charts = []
-    for path, p in r["paths"].items():
-        rows = p["rows"]
-        charts.append((f"Transfer engine ({path}): get of a remote buffer", [_size(x["size"]) for x in rows], [
-            ("stagelink copy", [x.get("copy", {}).get("gbps") for x in rows]),
-            ("stagelink view", [x.get("view", {}).get("gbps") for x in rows]),
-            ("ucx_perftest", [x.get("ucx_perftest_gbps") for x in rows]),
-            ("Mooncake TE", [x.get("mooncake_gbps") for x in rows]),
-        ], "GB/s", "higher"))
-    return charts
+    return _per_path(r, "Transfer engine: get of a remote buffer", lambda rows: [
+        ("stagelink copy", [x.get("copy", {}).get("gbps") for x in rows]),
+        ("stagelink view", [x.get("view", {}).get("gbps") for x in rows]),
+        ("ucx_perftest", [x.get("ucx_perftest_gbps") for x in rows]),
+        ("Mooncake TE", [x.get("mooncake_gbps") for x in rows]),
+    ])
 
 
 def _store(r):
-    charts = []
-    for path, p in r["paths"].items():
-        rows = p["rows"]
-        charts.append((f"Store connector over Redis ({path})", [_size(x["size"]) for x in rows], [
-            ("stagelink", [x.get("gbps") for x in rows]),
-            ("redis-benchmark", [x.get("redis_benchmark_gbps") for x in rows]),
-            ("Mooncake Store", [x.get("mooncake_gbps") for x in rows]),
-        ], "GB/s", "higher"))
-    return charts
+    return _per_path(r, "Store connector over Redis", lambda rows: [
+        ("stagelink", [x.get("gbps") for x in rows]),
+        ("redis-benchmark", [x.get("redis_benchmark_gbps") for x in rows]),
+        ("Mooncake Store", [x.get("mooncake_gbps") for x in rows]),
+    ])
 
 
 def _pipeline(r):

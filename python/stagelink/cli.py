@@ -9,10 +9,7 @@ import sys
 from . import _core
 
 
-# Exit statuses, the same for every command: 0 done; 1 done, and what it checked failed (a
-# connector that cannot be made, requests that failed or did not verify); 2 the command could
-# not start (a file that cannot be read or does not resolve, bad arguments); 130 / 143 Ctrl-C /
-# SIGTERM.
+# Exit statuses, the same for every command (the epilog of run's and config check's --help).
 EXIT_STATUSES = ("exit status: 0 done; 1 what it checked failed (requests that failed or did not verify, a "
                  "connector that cannot be made); 2 it could not start (a file that cannot be read or does not "
                  "resolve, bad arguments); 130 Ctrl-C, 143 SIGTERM")
