@@ -68,10 +68,18 @@ def _iters(size, iters):
 
 
 # ---- the seed's design: one SharedMemory segment per payload + pickle + a lock file ----
+def _seed_lock(path: str):
+    """The seed's lock file, opened as it is (one open and flock per put and get) but safely: the
+    seed's open(path, "w") follows a link planted at that name in world-writable /dev/shm and
+    truncates its target (where fs.protected_symlinks is 0). No link is followed (O_NOFOLLOW) and
+    nothing is truncated, so a planted link fails the bench instead of harming its target."""
+    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), "r+b")
+
+
 def _seed_put(key, obj):
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     lock = f"/dev/shm/shm_{key}_lockfile.lock"
-    with open(lock, "w") as lf:
+    with _seed_lock(lock) as lf:
         fcntl.flock(lf, fcntl.LOCK_EX)
         shm = shared_memory.SharedMemory(name=key, create=True, size=max(1, len(data)))
         shm.buf[: len(data)] = data
@@ -84,7 +92,7 @@ def _seed_put(key, obj):
 def _seed_get(meta):
     name, size = meta["shm"]["name"], meta["shm"]["size"]
     lock = f"/dev/shm/shm_{name}_lockfile.lock"
-    with open(lock, "w") as lf:
+    with _seed_lock(lock) as lf:
         fcntl.flock(lf, fcntl.LOCK_EX)
         shm = shared_memory.SharedMemory(name=name)
         obj = pickle.loads(bytes(shm.buf[:size]))

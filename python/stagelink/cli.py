@@ -266,7 +266,9 @@ def _cmd_health(args):
 
 
 def _cmd_run(args):
+    from .pipeline.worker import raise_nofile
     from .run import run
+    raise_nofile()  # the coordinator's process is ours here, as the stages' are
     return run(args.pipeline, args.requests, args.concurrency, args.json)
 
 

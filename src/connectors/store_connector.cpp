@@ -10,8 +10,8 @@
 //   sl:req:{REQUEST}           the puts of a request (for cleanup)
 // Everything carries the TTL (ttl_seconds). A get claims a reader atomically (a Lua script on the
 // meta and the counter), reads the chunks (pipelined, over several connections when large), checks
-// them against the meta (a chunk missing: the key was replaced meanwhile, read again; a length or
-// checksum wrong: corrupt), and the last reader deletes the put. A get that finds nothing blocks in
+// them against the meta (a chunk missing: the key was replaced meanwhile, read again, or deleted
+// under the put, corrupt; a length or checksum wrong: corrupt), and the last reader deletes the put. A get that finds nothing blocks in
 // BLPOP on the signal list until the put's push or its deadline: no polling.
 #include "connectors/store_connector.hpp"
 
@@ -463,7 +463,12 @@ class StoreConnector final : public Connector, public WaitingGets {
           srem.arg("SREM").arg(req).arg(ik);
           (void)redis_->run(req, std::span<const Cmd>(&srem, 1), cmd_dl);
         }
-        if (!got.ok() && got.error().code == Errc::not_found) continue;  // replaced while read: read the new one
+        if (!got.ok() && got.error().code == Errc::not_found) {  // a chunk gone: replaced (read the new
+          if (const uint64_t now = current_gen(base); now && now != m.gen) continue;  // one), or deleted:
+          drop_put(base, ik, m);  // say so, not wait out the deadline for a put that is there
+          return fail(make_error(Errc::corrupt, "'" + ik + "': a chunk of its put is gone from the store (deleted "
+                                                    "by another client, or evicted): the put cannot be read"));
+        }
         if (!got.ok()) return fail(std::move(got).error());
         if (left > 0 && popped) wake_next(base, m);  // more readers: the next waiter may go
         gets_.fetch_add(1);
@@ -737,15 +742,17 @@ class StoreConnector final : public Connector, public WaitingGets {
     }
     (void)redis_->run(base, std::span<const Cmd>(&c, 1), deadline_after(o_.redis.timeout_s));
   }
+  uint64_t current_gen(const std::string& base) {  // what the meta names now; 0: none, unreadable
+    Cmd c;
+    c.arg("GET").arg(base + ":m");
+    auto r = redis_->run(base, std::span<const Cmd>(&c, 1), deadline_after(o_.redis.timeout_s));
+    if (!r.ok() || store::is_error((*r)[0]) || store::is_nil((*r)[0])) return 0;
+    auto now = decode_meta(store::str((*r)[0]));
+    return now.ok() ? now->gen : 0;
+  }
   // Delete a put (only if the meta still names this generation: a newer put stays).
   void drop_put(const std::string& base, const std::string& ik, const Meta& m) {
-    std::vector<Cmd> c(1);
-    c[0].arg("GET").arg(base + ":m");
-    auto r = redis_->run(base, c, deadline_after(o_.redis.timeout_s));
-    bool current = false;
-    if (r.ok() && !store::is_nil((*r)[0]))
-      if (auto now = decode_meta(store::str((*r)[0])); now.ok()) current = now->gen == m.gen;
-    if (current) {
+    if (current_gen(base) == m.gen) {
       std::vector<Cmd> d(1);
       d[0].arg("UNLINK").arg(base + ":m").arg(base + ":r").arg(base + ":s").arg(base + ":l");
       (void)redis_->run(base, d, deadline_after(o_.redis.timeout_s));

@@ -14,30 +14,41 @@
 
 namespace stagelink {
 
-static uint64_t proc_stat(uint32_t pid, char* state) {
+// What reading /proc/PID/stat said: the process's start time (and state), that it is gone
+// (ENOENT/ESRCH: the only answers that may mean dead), or nothing known (EMFILE, ENFILE, EACCES,
+// ENOMEM, a short or odd read: a process out of descriptors must never take its peers for dead).
+enum class StatRead { kOk, kGone, kUnknown };
+
+static StatRead proc_stat(uint32_t pid, uint64_t* start, char* state) {
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%u/stat", pid);
   int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
+  if (fd < 0) return (errno == ENOENT || errno == ESRCH) ? StatRead::kGone : StatRead::kUnknown;
   char buf[1024];
   ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  const int read_errno = errno;
   ::close(fd);
-  if (n <= 0) return 0;
+  if (n < 0) return read_errno == ESRCH ? StatRead::kGone : StatRead::kUnknown;
+  if (n == 0) return StatRead::kUnknown;
   buf[n] = 0;
   // The command name (field 2) may contain spaces and parentheses: skip to the last ')'.
   char* p = std::strrchr(buf, ')');
-  if (!p) return 0;
+  if (!p || p[1] != ' ' || !p[2]) return StatRead::kUnknown;
   p += 2;  // now at field 3 (state)
   if (state) *state = *p;
   for (int field = 3; field < 22 && *p; ++field) {
     p = std::strchr(p, ' ');
-    if (!p) return 0;
+    if (!p) return StatRead::kUnknown;
     ++p;
   }
-  return std::strtoull(p, nullptr, 10);
+  *start = std::strtoull(p, nullptr, 10);
+  return *start ? StatRead::kOk : StatRead::kUnknown;
 }
 
-uint64_t proc_start_time(uint32_t pid) { return proc_stat(pid, nullptr); }
+uint64_t proc_start_time(uint32_t pid) {
+  uint64_t s = 0;
+  return proc_stat(pid, &s, nullptr) == StatRead::kOk ? s : 0;
+}
 
 // getpid() is a system call in this glibc and self_proc() sits on every put and get: cache the
 // identity, and forget it in a forked child (pthread_atfork) so the child never claims as its parent.
@@ -61,17 +72,24 @@ ProcId self_proc() {
   uint64_t pid = g_self_pid.load(std::memory_order_acquire);
   if (pid != 0) return ProcId{uint32_t(pid), g_self_start.load(std::memory_order_relaxed)};
   const uint32_t now = static_cast<uint32_t>(::getpid());
-  g_self_start.store(proc_start_time(now), std::memory_order_relaxed);
+  const uint64_t start = proc_start_time(now);
+  if (start == 0) return ProcId{now, 0};  // unreadable now (out of descriptors): ask again next time
+  g_self_start.store(start, std::memory_order_relaxed);
   g_self_pid.store(now, std::memory_order_release);
-  return ProcId{now, g_self_start.load(std::memory_order_relaxed)};
+  return ProcId{now, start};
 }
 
 bool proc_alive(const ProcId& p) {
   if (p.pid == 0) return false;
+  // ESRCH is the kernel saying no such process; EPERM (another user's) means it exists.
   if (::kill(static_cast<pid_t>(p.pid), 0) != 0 && errno == ESRCH) return false;
   char state = 0;
-  uint64_t s = proc_stat(p.pid, &state);
-  if (s == 0) return p.start == 0 && ::kill(static_cast<pid_t>(p.pid), 0) == 0;
+  uint64_t s = 0;
+  switch (proc_stat(p.pid, &s, &state)) {
+    case StatRead::kGone: return false;
+    case StatRead::kUnknown: return true;  // cannot tell: alive (a reap is never a guess)
+    case StatRead::kOk: break;
+  }
   // A killed process that its parent has not waited for yet is a zombie: dead for our purposes.
   if (state == 'Z' || state == 'X') return false;
   return p.start == 0 || s == p.start;

@@ -20,8 +20,11 @@ struct ForkStamp {
   bool inherited() const { return gen != fork_generation(); }
   void adopt() { gen = fork_generation(); }
 };
-uint64_t proc_start_time(uint32_t pid);  // 0 when the process does not exist
-// Alive: the pid exists and, when start is known, started at the same time.
+uint64_t proc_start_time(uint32_t pid);  // 0 when the process does not exist or cannot be read
+// Alive: the pid exists and, when start is known, started at the same time. Dead only on the
+// kernel's word (ESRCH, ENOENT, a zombie, another start time): a /proc read that fails for any
+// other reason (EMFILE, ENFILE, EACCES, ENOMEM) is "alive", so no reaper frees a live process's
+// data because the reaper's own process ran out of descriptors.
 bool proc_alive(const ProcId& p);
 uint64_t now_ns();       // CLOCK_REALTIME in ns (ages shown to users)
 uint64_t mono_ns();      // CLOCK_MONOTONIC in ns

@@ -4,7 +4,9 @@
 // One handler thread per ZeroMQ context, started by the first server socket that needs it and
 // stopped (socket closed, thread joined) when the last one goes, so a context can always be
 // terminated. Each server socket has a ZAP domain of its own with its allow list and a count of
-// the clients it refused; ZMQ_ZAP_ENFORCE_DOMAIN makes a missing handler refuse, never admit.
+// the clients it refused. ZMQ_ZAP_ENFORCE_DOMAIN (a draft option: set where libzmq has it) makes
+// a missing handler refuse, never admit; where libzmq lacks it the handler is up before a socket
+// is configured and outlives it, so no connection meets a socket without one.
 #pragma once
 #include <atomic>
 #include <cstdint>

@@ -118,8 +118,15 @@ Value from_py(nb::handle h, int depth, PyObject* skip) {
   if (PyLong_Check(h.ptr())) {
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
-    if (overflow > 0) return Value(uint64_t(PyLong_AsUnsignedLongLong(h.ptr())));
-    if (overflow < 0) throw nb::value_error("integer too small for metadata");
+    if (overflow > 0) {
+      const unsigned long long u = PyLong_AsUnsignedLongLong(h.ptr());
+      if (u == (unsigned long long)-1 && PyErr_Occurred()) {  // 2^64 or more: no msgpack integer holds it
+        PyErr_Clear();
+        raise(make_error(Errc::invalid_argument, "an integer of 2^64 or more cannot travel in metadata"));
+      }
+      return Value(uint64_t(u));
+    }
+    if (overflow < 0) raise(make_error(Errc::invalid_argument, "an integer below -2^63 cannot travel in metadata"));
     return Value(int64_t(v));
   }
   if (PyFloat_Check(h.ptr())) return Value(PyFloat_AsDouble(h.ptr()));

@@ -1,5 +1,6 @@
 // stagelink shm ls / reap.
 #include <dirent.h>
+#include <errno.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -160,7 +161,13 @@ bool mapped_by_anyone(const std::string& path) {
     if (found) break;
     if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
     FILE* f = std::fopen(("/proc/" + std::string(e->d_name) + "/maps").c_str(), "r");
-    if (!f) continue;
+    if (!f) {
+      // Gone, or another user's (which cannot map this user's 0600 file): look on. Anything
+      // else (out of descriptors or memory) means this cannot tell: keep the file.
+      if (errno == ENOENT || errno == ESRCH || errno == EACCES || errno == EPERM) continue;
+      found = true;
+      break;
+    }
     char buf[4096];
     while (std::fgets(buf, sizeof buf, f))
       if (std::strstr(buf, path.c_str())) {

@@ -107,8 +107,17 @@ Result<std::shared_ptr<Segment>> Segment::open(const std::string& dir, const std
   std::string path = path_of(dir, name);
   int fd = ::open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
-    if (errno == ENOENT) return make_error(Errc::not_found, "shared-memory segment " + path + " does not exist");
-    return make_error(Errc::io, "open " + path + ": " + std::strerror(errno));
+    const int e = errno;
+    if (e == ENOENT) return make_error(Errc::not_found, "shared-memory segment " + path + " does not exist");
+    // Another user's file that we may not open (EACCES, EPERM), or a link planted there (ELOOP
+    // under O_NOFOLLOW): a squatted name, refused as check_owner refuses one we could open (the
+    // directory then moves on to an alternate name instead of failing for good).
+    if (e == EACCES || e == EPERM || e == ELOOP)
+      return make_error(Errc::permission_denied,
+                        "refused " + path + ": " + std::strerror(e) +
+                            (e == ELOOP ? " (a symbolic link; stagelink follows none)" : " (not this user's file)") +
+                            "; another user may have squatted the name");
+    return make_error(Errc::io, "open " + path + ": " + std::strerror(e));
   }
   struct stat st;
   if (::fstat(fd, &st) != 0) {

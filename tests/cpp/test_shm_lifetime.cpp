@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 
 #include <random>
 
+#include "core/proc.hpp"
 #include "shm/directory.hpp"
 #include "shm_test_util.hpp"
 #include "util.hpp"
@@ -237,6 +239,79 @@ TEST(Shm, AReaperLeavesAPutWhoseOwnerIsStillSayingWhoItIs) {
   ASSERT_EQ(reaped.size(), 1u);
   EXPECT_NE(reaped[0].find("dead producer"), std::string::npos);
   EXPECT_TRUE(d->is_released(cl->idx, cl->gen));
+}
+
+// Regression (trust, second round): proc_alive() read any failure to open /proc/PID/stat as
+// "dead", so a process that had run out of descriptors (EMFILE: a soft NOFILE of 1024 and a
+// thousand half-open connections) reaped every live producer's entries and arenas.
+namespace {
+// Holds every descriptor this process may open (under a lowered soft limit) until destroyed.
+struct OutOfDescriptors {
+  rlimit old{};
+  std::vector<int> fds;
+  OutOfDescriptors() {
+    getrlimit(RLIMIT_NOFILE, &old);
+    rlimit low = old;
+    low.rlim_cur = std::min<rlim_t>(old.rlim_cur, 512);
+    setrlimit(RLIMIT_NOFILE, &low);
+    for (;;) {
+      int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+      if (fd < 0) break;
+      fds.push_back(fd);
+    }
+  }
+  ~OutOfDescriptors() {
+    for (int fd : fds) ::close(fd);
+    setrlimit(RLIMIT_NOFILE, &old);
+  }
+};
+}  // namespace
+
+TEST(Shm, AReaperOutOfDescriptorsTakesNoLiveProcessForDead) {
+  const std::string ns = unique_ns("emfile");
+  auto d = shm::Directory::attach("/dev/shm", ns, 64).value();
+  const std::string key = "k@0_1";
+  auto cl = d->reserve(key, 1, "", shm::key_hash(key), mono_ns());
+  ASSERT_TRUE(cl.ok());
+  shm::Entry& e = d->entry(cl->idx);
+  const ProcId me = self_proc();
+  ASSERT_NE(me.start, 0u);
+  e.owner_pid = me.pid;  // a live producer, this process, with its start time known
+  e.owner_start = me.start;
+  e.owner_gen = cl->gen;
+  ASSERT_TRUE(d->publish(*cl, 1));
+  pid_t child = fork();
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  const pid_t gone = dead_pid();
+  std::vector<std::string> reaped;
+  bool child_alive = false, self_alive = false, gone_alive = true;
+  {
+    OutOfDescriptors full;
+    ASSERT_GT(full.fds.size(), 0u);
+    ASSERT_LT(::open("/dev/null", O_RDONLY), 0);
+    ASSERT_EQ(errno, EMFILE);
+    child_alive = proc_alive(ProcId{uint32_t(child), 0});
+    self_alive = proc_alive(me);
+    gone_alive = proc_alive(ProcId{uint32_t(gone), 0});  // the kernel's ESRCH needs no descriptor
+    reaped = d->reap();
+  }
+  kill(child, SIGKILL);
+  wait_child(child);
+  EXPECT_TRUE(child_alive);
+  EXPECT_TRUE(self_alive);  // before the fix: false, and the reap below freed this live put
+  EXPECT_FALSE(gone_alive);
+  EXPECT_TRUE(reaped.empty()) << reaped.front();
+  EXPECT_FALSE(d->is_released(cl->idx, cl->gen));
+  // With descriptors again, the same reap still keeps it, and a dead owner is still reaped.
+  EXPECT_TRUE(d->reap().empty());
+  e.owner_pid = uint32_t(gone);
+  e.owner_start = 0;
+  auto r = d->reap();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_NE(r[0].find("dead producer"), std::string::npos);
 }
 
 TEST(Shm, AReaperLeavesAnAttachSlotBeingClaimed) {

@@ -14,7 +14,7 @@ import pytest
 
 import stagelink
 from stagelink.pipeline import PipelineConfigError, load_pipeline
-from stagelink.pipeline.worker import endpoint, remote_args
+from stagelink.pipeline.worker import endpoint, remote_args, remote_spec_line
 
 S = "pipeline_stages"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,18 +40,20 @@ def test_a_remote_stage_serves_on_its_hosts_address_and_its_relay_too():
     assert spec.relay_at("b", "a", "b")["extra"]["host"] == "10.9.0.2"
     assert spec.relay_at("a", "a", "b")["extra"]["host"] == "10.9.0.1"
     assert spec.relay_at("coordinator", "coordinator", "a")["extra"]["host"] == "10.9.0.1"
-    # ssh's default, and what the stage process is given: one shell-safe word for the spec
+    # ssh's default, and what the stage process is given: its name only; the spec (secrets in its
+    # env, args and connector extra) is the first line of its stdin
     d = remote_spec()
     d["hosts"]["far"].pop("launch")
+    d["hosts"]["far"]["env"] = {"REDIS_PASSWORD": "hunter2-on-stdin"}
     spec = load_pipeline(d)
     assert spec.hosts["far"]["launch"] == ["ssh", "-o", "BatchMode=yes", "10.9.0.2"]
-    args = remote_args(spec, "b", ["/x"], ["/y"])
-    assert args[0] == "--remote" and args[2] == "b"
-    assert all(c.isalnum() or c in "+/=" for c in args[1])
-    # a spec no command line can carry is a clear error, not the kernel's E2BIG
+    assert remote_args("b") == ["--remote", "-", "b"]
+    line = remote_spec_line(spec, ["/x"], ["/y"])
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line)["spec"]["hosts"]["far"]["env"]["REDIS_PASSWORD"] == "hunter2-on-stdin"
+    # no command-line limit on its size any more
     d["stages"][0]["args"] = {"table": [os.urandom(8).hex() for _ in range(20000)]}
-    with pytest.raises(stagelink.InvalidArgumentError, match="command-line word for process 'b'"):
-        remote_args(load_pipeline(d), "b", [], [])
+    assert len(remote_spec_line(load_pipeline(d), [], [])) > 200_000
 
 
 def test_relay_auto_is_shared_memory_within_a_host_and_the_transfer_engine_between_hosts():
@@ -130,6 +132,7 @@ DRIVER = textwrap.dedent("""
     import numpy as np
     from stagelink.pipeline import Pipeline
     d = json.loads(sys.argv[1])
+    d["hosts"]["far"]["env"]["SL_SECRET"] = os.environ["SL_SECRET"]  # never on a command line
     with Pipeline.from_config(d) as p:
         futs = [p.submit(f"r{i}", {"x": np.arange(300_000) + i})
                 for i in range(4)]
@@ -184,6 +187,24 @@ def _alive(pid):
         return f.read().split(") ")[-1][0] != "Z"
 
 
+SECRET = "sl-secret-" + os.urandom(8).hex()  # in the far host's env: must be on no command line
+
+
+def _cmdlines_with(word: str) -> list:
+    """Every process's command line (as any local user reads it) that holds `word`."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if word.encode() in cmd and str(os.getpid()) != pid:
+                found.append(cmd.replace(b"\0", b" ")[:200])
+    return found
+
+
 def _driver(h, hold):
     # free ports (base_port 0) and this host's address found (no control.host) when holding;
     # both given otherwise
@@ -192,8 +213,9 @@ def _driver(h, hold):
     relay = {"backend": "ucx" if hold else "auto", "credits": 4, "timeout_s": 20, "extra": {"memory_pool_size": 64 << 20}}
     d = remote_spec(control=ctl, relay=relay,
                     hosts={"far": {"address": h.addr_b, "launch": _like_ssh(h),
-                                   "python": sys.executable, "env": {"SL_HOST_ENV": "far"}}})
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
+                                   "python": sys.executable,
+                                   "env": {"SL_HOST_ENV": "far"}}})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]), SL_SECRET=SECRET)
     return subprocess.Popen(h.a + [sys.executable, "-c", DRIVER, json.dumps(d), "hold" if hold else "run"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
@@ -223,6 +245,11 @@ def test_a_stage_on_another_host_exits_when_the_coordinator_is_killed(two_hosts)
         res = json.loads(line)
         pid, sock_dir = res["results"][0]["pid"], res["dir"]
         assert _alive(pid)
+        # the far host's env (a password, say) is on no command line: not ssh's, not the stage's
+        # (before: the whole spec rode in `--remote <base64>`, readable by any user of either host)
+        assert _cmdlines_with("--remote"), "no remote stage process found"
+        assert not any(b"--remote -" not in c and b"--remote" in c for c in _cmdlines_with("--remote"))
+        assert not _cmdlines_with(SECRET)
         p.kill()  # SIGKILL: no close, no shutdown message; the launcher in between lives on
         p.wait(10)
         deadline = time.monotonic() + 5  # the stdin watch, then a recv timeout of 1 s, then shutdown

@@ -28,7 +28,7 @@ class _Boom:
         return (open, (self.marker, "w"))
 
 
-def _as_other_user(fn):
+def _as_other_user(fn, uid=ATTACKER_UID):
     """Run fn() in a child process as another user (the test runs as root to do that)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to act as a second user")
@@ -36,8 +36,8 @@ def _as_other_user(fn):
     if pid == 0:
         code = 1
         try:
-            os.setgid(ATTACKER_UID)
-            os.setuid(ATTACKER_UID)
+            os.setgid(uid)
+            os.setuid(uid)
             fn()
             code = 0
         finally:
@@ -79,6 +79,40 @@ def test_squatted_directory_and_forged_arena_of_another_user_are_refused(ns, tmp
         for n in squats:
             try:
                 os.unlink("/dev/shm/" + n)
+            except FileNotFoundError:
+                pass
+
+
+VICTIM_UID = 54322
+
+
+@pytest.mark.parametrize("plant", ["file 0600", "symlink"])
+def test_a_squatters_unreadable_file_or_link_moves_a_user_to_an_alternate_name(ns, tmp_path, plant):
+    """Another user plants, at a non-root user's directory name, a 0600 file (open: EACCES) or a
+    symbolic link (O_NOFOLLOW: ELOOP). Before the fix either stopped that user's namespace for
+    good (IOError at every connector); now the connector moves to an alternate name and works."""
+    name = f"/dev/shm/sl.{VICTIM_UID}.{ns}.dir"
+    victim_file = tmp_path / "victims_own_file"
+
+    def squat():
+        if plant == "symlink":
+            os.symlink(str(victim_file), name)
+        else:
+            os.close(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+    _as_other_user(squat)
+    try:
+        def victim():
+            assert stagelink._core.shm_user_prefix() == f"sl.{VICTIM_UID}."
+            with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "strict": True}) as c:
+                ok, _, md = c.put(0, 1, "k", b"payload")
+                assert ok and c.get(0, 1, "k", md)[0] == b"payload"
+                assert os.path.exists(f"/dev/shm/sl.{VICTIM_UID}.{ns}~1.dir")
+        _as_other_user(victim, VICTIM_UID)
+        assert not victim_file.exists()  # nothing was created through the link
+    finally:
+        for n in (name, f"/dev/shm/sl.{VICTIM_UID}.{ns}~1.dir"):
+            try:
+                os.unlink(n)
             except FileNotFoundError:
                 pass
 
@@ -380,3 +414,50 @@ def test_an_in_place_op_on_a_zero_copy_torch_input_fails_the_request_not_the_sta
             r = p.submit(f"ok-{mode}", {"x": x, "mode": mode}).result(20)
             assert type(r["x"]) is torch.Tensor and torch.equal(r["x"], x * 2), mode
         assert all(proc.poll() is None for proc in p._procs.values())  # the stage process lives
+
+
+def _pickle_frame(obj) -> bytes:
+    """What an attacker sends: a stagelink frame holding a pickle stream."""
+    from stagelink import _core, _serde
+    kind, regions = _serde.encode(obj)
+    return _core.encode_parts(kind, regions)
+
+
+def test_a_pickle_in_a_control_body_runs_nothing_anywhere(ns, tmp_path):
+    """control: {transport: tcp, curve: false}: a stranger with no key sends the coordinator a
+    `ready` (the figures message) and a `complete`, and a stage a `submit`, each with a pickle
+    frame as its body. Before the fix each unpickled it (ran the stranger's code); now each is
+    refused unread, and the pipeline goes on."""
+    from stagelink.control import ControlMessage, Outbox
+    from stagelink.pipeline._wire import from_frame
+    marker = tmp_path / "ran"
+    body = _pickle_frame(_Boom(str(marker)))
+    with pytest.raises(stagelink.CorruptError, match="pickle"):
+        from_frame(body)
+    assert from_frame(stagelink._core.encode_object({"a": [1, 2]})) == {"a": [1, 2]}
+    d = {"stages": [{"name": "a", "factory": f"{S}:double", "next": "b"},
+                    {"name": "b", "factory": f"{S}:double", "terminal": True}],
+         "relay": {"extra": {"namespace": ns}, "timeout_s": 10},
+         "control": {"transport": "tcp", "curve": False}}
+    with Pipeline.from_config(d) as p:
+        fut = p.submit("r0", {"x": np.arange(4)})
+        coord = p.spec.control["coordinator"]
+        with Outbox(coord, None) as ob:
+            ob.send(ControlMessage("ready", from_stage="a", body=body), timeout=2)
+            ob.send(ControlMessage("complete", "r0", from_stage="b", body=body), timeout=2)
+        with Outbox(p._ready["a"], None) as ob:
+            ob.send(ControlMessage("submit", "evil", from_stage="coordinator", to_stage="a", body=body), timeout=2)
+        assert fut.result(30)["x"].tolist() == [0, 4, 8, 12]
+        assert p.submit("r1", {"x": np.arange(4)}).result(30)["x"].tolist() == [0, 4, 8, 12]
+        time.sleep(0.3)
+        assert not marker.exists(), "the stranger's pickle ran"
+    assert not marker.exists()
+
+
+def test_a_metadata_integer_out_of_range_is_the_projects_error(ns):
+    """Before: 2**64 in metadata raised SystemError out of the binding (an OverflowError left set)."""
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "strict": True}) as c:
+        for v in (2 ** 64, 2 ** 200, -2 ** 63 - 1):
+            with pytest.raises(stagelink.InvalidArgumentError, match="cannot travel in metadata"):
+                c.get(0, 1, "k", {"x": v})
+        assert c.put(0, 1, "k", b"ok")[0]  # and the connector goes on

@@ -89,6 +89,26 @@ def test_missing_key_is_none_after_the_timeout_and_cleanup_leaves_no_key(redis):
     c.close()
 
 
+def test_a_put_whose_chunk_another_client_deleted_says_why_at_once(redis):
+    """Another Redis client deletes one chunk of a put. Before: the get waited out its deadline
+    and said there was no such key; now it fails at once naming the missing chunk, and leaves
+    nothing of that put behind."""
+    c = stagelink.create_connector("StoreConnector", {"port": redis, "chunk_bytes": 1 << 20})
+    assert c.put(0, 1, "k", np.arange(3 << 20, dtype=np.uint8))[0]
+    keys = subprocess.run(["redis-cli", "-p", str(redis), "KEYS", "sl:{k@0_1}:c:*"], capture_output=True,
+                          text=True).stdout.split()
+    assert len(keys) >= 3
+    subprocess.run(["redis-cli", "-p", str(redis), "DEL", sorted(keys)[1]], check=True, capture_output=True)
+    t0 = time.monotonic()
+    assert c.get(0, 1, "k", timeout=5) is None
+    assert time.monotonic() - t0 < 2
+    assert isinstance(c.last_error, stagelink.CorruptError)
+    assert "a chunk of its put is gone from the store" in str(c.last_error)
+    assert _dbsize(redis) == 0
+    assert c.put(0, 1, "k", b"again")[0] and c.get(0, 1, "k")[0] == b"again"
+    c.close()
+
+
 def test_pickle_is_off_by_default_for_the_store(redis):
     c = stagelink.create_connector("StoreConnector", {"port": redis})
     ok, _, _ = c.put(0, 1, "obj", {"x": {1, 2, 3}})          # a set needs pickle: refused

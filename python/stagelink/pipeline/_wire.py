@@ -21,6 +21,21 @@ def small_frame(obj, limit: int) -> Optional[bytes]:
     return _core.encode_object(obj, limit)
 
 
+def to_frame(obj) -> bytes:
+    """A control body that must travel inline whatever its size (a process's figures): native
+    kinds only, never pickle. Raises InvalidArgumentError for anything else."""
+    data = _core.encode_object(obj)
+    if data is None:
+        raise _core.InvalidArgumentError(f"a {type(obj).__name__} has no native frame: not a control body")
+    return data
+
+
 def from_frame(data: bytes):
+    """A control message's body back as an object. Native frames only: an honest sender never
+    pickles one (`small_frame` and `to_frame` refuse), so a pickle frame is a forgery and is refused
+    unread (CorruptError) whoever sent it, CURVE or not: unpickling it would run its code here."""
     kind, obj = _core.decode_frame_parts(data)
-    return _serde.decode(kind, obj, False)
+    if kind != _serde.KIND_OBJECT:
+        raise _core.CorruptError("a control message's body is a pickle frame: refused unread "
+                                 "(control bodies are native frames only)")
+    return obj

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,13 +24,12 @@ from concurrent.futures import Future
 from typing import Any, Deque, Dict, Optional
 
 from .. import _core
-from ..connector import Connector
 from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_socket_dir
 from ..relay import Relay
 from ._wire import from_frame, small_frame
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
 from .worker import (_LAT_WINDOW, EXIT_NO_STDIN, NO_STDIN, _relay_bytes, keyed_relay, open_inbox, open_outbox,
-                     remote_args)
+                     remote_args, remote_spec_line)
 
 
 class StageError(RuntimeError):
@@ -123,6 +123,8 @@ class Pipeline:
                 spec.control["curve_public"] = pubs
             if ctl or data:
                 spec.control["keys_on_stdin"] = True
+            if spec.control.get("transport", "shm") == "shm":  # unguessable control-ring names
+                spec.control["shm_names"] = {p: secrets.token_hex(8) for p in [COORDINATOR] + list(spec.processes())}
             self._inbox = open_inbox(spec, self._dir, COORDINATOR, self._keys[COORDINATOR].get("control"))
             if spec.free_ports:
                 spec.control["coordinator"] = self._inbox.endpoint  # the port it got, for the stages
@@ -170,9 +172,10 @@ class Pipeline:
             # process reads end of file and exits (worker._watch_stdin).
             h = self.spec.hosts[host]
             argv = list(h["launch"]) + [h.get("python") or python, "-m", "stagelink.pipeline._entry"]
-            argv += remote_args(self.spec, proc, front, paths)
+            argv += remote_args(proc)
             try:
                 self._procs[proc] = subprocess.Popen(argv, env=e, stdin=subprocess.PIPE)
+                self._send_line(proc, remote_spec_line(self.spec, front, paths), close=False)
                 self._send_keys(proc, close=False)  # the pipe stays open (worker._watch_stdin)
             except OSError as err:
                 raise PipelineStartError(f"cannot launch stage process '{proc}' on host '{host}' with "
@@ -228,9 +231,14 @@ class Pipeline:
         """Process `proc`'s CURVE secret keys, one JSON line on its stdin (never argv, env or a file)."""
         if not self.spec.control.get("keys_on_stdin"):
             return
+        self._send_line(proc, json.dumps(self._keys[proc]).encode() + b"\n", close)
+
+    def _send_line(self, proc, line: bytes, close: bool):
+        """One line on process `proc`'s stdin: what must not be on a command line (the spec of a
+        process on another host, its CURVE secret keys)."""
         pipe = self._procs[proc].stdin
         try:
-            pipe.write(json.dumps(self._keys[proc]).encode() + b"\n")
+            pipe.write(line)
             if close:
                 pipe.close()
             else:
@@ -559,7 +567,7 @@ class Pipeline:
         if m.type == "ready":
             if m.body:
                 with self._lock:
-                    self._stats[m.from_stage] = Connector.deserialize_obj(m.body)
+                    self._stats[m.from_stage] = from_frame(m.body)
                     self._lock.notify_all()
             return
         if m.type == "abort_ack":

@@ -8,7 +8,6 @@ process they pass by reference (read-only, as the seed's LOCAL_OBJECT).
 """
 from __future__ import annotations
 
-import base64
 import collections
 import ctypes
 import json
@@ -18,15 +17,13 @@ import sys
 import threading
 import time
 import traceback
-import zlib
 from typing import Dict, Optional
 
 from .. import _core
-from ..connector import Connector
 from ..control import ControlMessage, Inbox, Outbox
 from ..relay import Relay
 from ._readonly import protect, unprotect
-from ._wire import from_frame, small_frame
+from ._wire import from_frame, small_frame, to_frame
 from .spec import COORDINATOR, PipelineSpec
 from .stage import _SEEN_WINDOW, StageRuntime
 
@@ -57,7 +54,11 @@ def endpoint(spec: PipelineSpec, sock_dir: str, proc: str, bind: bool = False) -
             return known
         order = [COORDINATOR] + list(spec.processes())
         return f"tcp://{spec.address_of(proc)}:{int(spec.control['base_port']) + order.index(proc)}"
-    return f"shm://{os.path.basename(sock_dir)}-{proc}"
+    # A random word per process (spec.control["shm_names"], made by the coordinator, in the 0700
+    # socket directory's spec file): another user who reads the coordinator's inbox name in
+    # /dev/shm cannot guess and squat a stage's before that stage creates it.
+    word = spec.control.get("shm_names", {}).get(proc, "")
+    return f"shm://{os.path.basename(sock_dir)[:40]}-{proc}" + (f"-{word}" if word else "")
 
 
 def open_inbox(spec: PipelineSpec, sock_dir: str, proc: str, secret: Optional[str]) -> Inbox:
@@ -465,21 +466,18 @@ def _die_with_parent():
         pass
 
 
-def remote_args(spec: PipelineSpec, proc: str, front: list, path: list) -> list:
-    """The arguments of `python -m stagelink.pipeline._entry` for a process on another host: the
-    spec and the coordinator's import path (`front`: the directories of the stages' own modules;
-    `path`: its sys.path) travel in one shell-safe word (base64 of zlib'd JSON), since the host
-    shares no file with the coordinator and `ssh` passes its command through a shell."""
-    d = {"spec": spec.to_dict(), "front": front, "path": path}
-    blob = base64.b64encode(zlib.compress(json.dumps(d).encode(), 6))
-    if len(blob) > _MAX_REMOTE_ARG:  # Linux caps one argument at 128 KiB
-        raise _core.InvalidArgumentError(
-            f"the pipeline's spec is {len(blob)} bytes as a command-line word for process '{proc}', over the "
-            f"{_MAX_REMOTE_ARG} one argument may carry: give stages large arguments through a file they read")
-    return ["--remote", blob.decode("ascii"), proc]
+def remote_args(proc: str) -> list:
+    """The arguments of `python -m stagelink.pipeline._entry` for a process on another host. The
+    spec travels on its stdin (:func:`remote_spec_line`), never on the command line: it holds the
+    stages' and hosts' `env`, stage `args` and connector `extra` with `${VAR}` expanded (a Redis
+    password), which any user of either host reads in /proc/*/cmdline of `ssh` and the stage."""
+    return ["--remote", "-", proc]
 
 
-_MAX_REMOTE_ARG = 120_000
+def remote_spec_line(spec: PipelineSpec, front: list, path: list) -> bytes:
+    """The first line of a remote stage process's stdin: the spec and the coordinator's import
+    path (`front`: the directories of the stages' own modules; `path`: its sys.path), as JSON."""
+    return json.dumps({"spec": spec.to_dict(), "front": front, "path": path}).encode() + b"\n"
 
 
 #: The exit status of a stage process whose stdin brought no key: the coordinator says why.
@@ -517,12 +515,43 @@ def _watch_stdin(gone: threading.Event):
     threading.Thread(target=run, name="stagelink-stdin-watch", daemon=True).start()
 
 
+def raise_nofile() -> int:
+    """Raise this process's soft limit on open descriptors to its hard limit (the soft one is 1024
+    under many service managers) and return it. A stage process holds sockets to every peer,
+    shared-memory mappings and whatever its stages open; a stranger's half-open connections must
+    not run it out. Out of descriptors all the same, an open fails with EMFILE naming itself,
+    and no reaper takes that for a dead process (proc_alive: unknown is alive)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard
+    if want == resource.RLIM_INFINITY:  # the kernel's own ceiling (fs.nr_open) bounds it
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                want = int(f.read())
+        except (OSError, ValueError):
+            want = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return want
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    raise_nofile()
     gone = threading.Event()  # the coordinator is gone
     if argv and argv[0] == "--remote":
-        _, blob, proc = argv
-        d = json.loads(zlib.decompress(base64.b64decode(blob)))
+        _, _stdin, proc = argv
+        try:  # the spec is the first line of stdin (remote_spec_line), the keys the second
+            d = json.loads(sys.stdin.buffer.readline())
+            if not isinstance(d, dict) or not isinstance(d.get("spec"), dict):
+                raise ValueError
+        except ValueError:
+            print(f"stagelink worker: {NO_STDIN}", file=sys.stderr)
+            sys.exit(EXIT_NO_STDIN)
         spec, sock_dir = PipelineSpec.from_dict(d["spec"]), ""
         # The coordinator's import path, where its directories exist here: the stages' own
         # directories in front, the rest behind this interpreter's own (another host's Python
@@ -594,7 +623,7 @@ def main(argv=None) -> int:
         w.shutdown()
         try:
             if not orphaned and not terminated:  # nobody would read the figures: do not wait to send them
-                coord.send(ControlMessage("ready", from_stage=proc, body=Connector.serialize_obj(w.stats())),
+                coord.send(ControlMessage("ready", from_stage=proc, body=to_frame(w.stats())),
                            timeout=5)
         except _core.StagelinkError:
             pass
