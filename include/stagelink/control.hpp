@@ -49,9 +49,15 @@ struct ControlMessage {
 inline constexpr size_t kControlMaxId = 256;          // request and stage ids
 inline constexpr size_t kControlMaxError = 64u << 10; // error text (a traceback)
 inline constexpr size_t kControlMaxBody = 64u << 20;  // inline body
-// The largest encoded message a control inbox accepts (ZMQ_MAXMSGSIZE): the body and error at
-// their limits plus 1 MiB for ids and metadata.
+// The largest encoded message a control inbox accepts: the body and error at their limits plus
+// 1 MiB for ids and metadata.
 inline constexpr size_t kControlMaxWire = kControlMaxBody + kControlMaxError + (1u << 20);
+// Over ZeroMQ a message travels in parts of at most this many bytes: the frame cap
+// (ZMQ_MAXMSGSIZE) of a control inbox, which bounds what one connection that has not (yet)
+// authenticated can make it buffer; at most kControlMaxConnections connections are let in.
+inline constexpr size_t kControlPartBytes = 128u << 10;
+inline constexpr size_t kCurveFrameOverhead = 256;  // a CURVE MESSAGE command around a part
+inline constexpr size_t kControlMaxConnections = 256;
 
 // Errors: invalid_argument (a field out of its limits, a missing request id).
 Result<std::vector<std::byte>> encode_control(const ControlMessage& m);

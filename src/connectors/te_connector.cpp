@@ -100,6 +100,7 @@ Status TeConnector::init(const std::string& name) {
       // Requests are small maps (a key, a worker address): a peer declaring a larger frame is
       // disconnected by libzmq before anything of it is buffered.
       router_->set(zmq::sockopt::maxmsgsize, int64_t(kSideChannelMaxRequest));
+      SL_ASSIGN(guard_, ConnectionGuard::attach(ctx_, *router_, kSideChannelMaxConnections));
       if (o_.curve) {
         SL_ASSIGN(admission_, zap::serve(ctx_, *router_, o_.curve->server));
       } else if (bind_host.rfind("127.", 0) != 0 && bind_host != "localhost" && bind_host != "::1") {
@@ -430,6 +431,7 @@ void TeConnector::close() {
     (void)new std::thread(std::move(server_));
     (void)new std::shared_ptr<ucx::Engine>(std::move(engine_));
     (void)new std::map<std::string, std::shared_ptr<Peer>>(std::move(peers_));
+    ConnectionGuard::abandon(guard_);
     abandon_after_fork(ctx_, router_);
     (void)new std::shared_ptr<zap::Admission>(std::move(admission_));
     (void)new std::vector<Hello>(std::move(hellos_));  // the parent's threads
@@ -438,6 +440,7 @@ void TeConnector::close() {
   stop_.store(true);
   if (server_.joinable()) server_.join();
   join_hellos();
+  guard_.reset();  // before the socket (its monitor)
   router_.reset();
   admission_.reset();  // after the socket, before the context: stops its ZAP handler
   {

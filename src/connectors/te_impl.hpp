@@ -28,6 +28,7 @@
 #include "core/curve_config.hpp"
 #include "core/host_pool.hpp"
 #include "core/zap.hpp"
+#include "core/zmq_guard.hpp"
 #include "core/zmq_fork.hpp"
 #include "core/zmq_util.hpp"
 #include "cuda/driver.hpp"
@@ -69,6 +70,9 @@ constexpr size_t kInlineMax = 64u << 10;
 // The side channel's message bounds (ZMQ_MAXMSGSIZE): requests carry keys and a UCX worker
 // address (a few hundred bytes to a few KiB); replies at most an inline payload and its frame.
 constexpr size_t kSideChannelMaxRequest = 64u << 10;
+// Connections a side channel lets in at once (receivers, one each): strangers beyond it are shut
+// down, so what they hold is at most this many requests' worth.
+constexpr size_t kSideChannelMaxConnections = 1024;
 constexpr size_t kSideChannelMaxReply = kInlineMax + (64u << 10);
 
 // Timeouts grow with size: the base, plus the size at 50 MB/s.
@@ -219,6 +223,7 @@ class TeConnector final : public Connector, public SenderLink, public ReleaseTra
   std::shared_ptr<ucx::Engine> engine_;
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> router_;
+  std::unique_ptr<ConnectionGuard> guard_;  // how many may connect (core/zmq_guard.hpp)
   std::shared_ptr<zap::Admission> admission_;
   std::thread server_;
   struct Hello {

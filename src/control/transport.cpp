@@ -16,6 +16,7 @@
 #include "core/proc.hpp"
 #include "core/zap.hpp"
 #include "core/zmq_fork.hpp"
+#include "core/zmq_guard.hpp"
 #include "core/zmq_util.hpp"
 #include "stagelink/control.hpp"
 
@@ -68,9 +69,12 @@ class ZmqInbox final : public ControlInbox {
     try {
       sock_ = std::make_unique<zmq::socket_t>(context(), zmq::socket_type::pull);
       sock_->set(zmq::sockopt::linger, 0);
-      // The largest legal control message (body and error at their limits) plus room for the
-      // rest: a peer declaring more is disconnected before its frame is buffered.
-      sock_->set(zmq::sockopt::maxmsgsize, int64_t(kControlMaxWire));
+      // A message travels in parts of at most kControlPartBytes (ZmqOutbox): what a connection
+      // can make this process buffer before the CURVE handshake says who it is, where a cap of
+      // the whole message (65 MiB) let strangers' greetings hold gigabytes. A peer declaring a
+      // larger frame is disconnected before it is buffered; the guard bounds how many connect.
+      sock_->set(zmq::sockopt::maxmsgsize, int64_t(kControlPartBytes + kCurveFrameOverhead));
+      SL_ASSIGN(guard_, ConnectionGuard::attach(context(), *sock_, kControlMaxConnections));
       if (curve) {
         SL_ASSIGN(admission_, zap::serve(context(), *sock_, *curve));
       }
@@ -102,12 +106,21 @@ class ZmqInbox final : public ControlInbox {
     for (;;) {
       zmq::message_t msg;
       if (sock_->recv(msg, zmq::recv_flags::dontwait)) {
-        while (msg.more()) {  // a multipart message is not ours: drain and refuse it
-          zmq::message_t rest;
-          if (!sock_->recv(rest, zmq::recv_flags::none)) break;
-          if (!rest.more()) return make_error(Errc::corrupt, "control message of several parts (dropped)");
+        if (!msg.more())  // one part: decoded in place
+          return decode_control(std::span<const std::byte>(static_cast<const std::byte*>(msg.data()), msg.size()));
+        // Several parts (all here: ZeroMQ delivers a message whole): one buffer, bounded by the
+        // largest legal message; past that, the rest is drained and the message refused.
+        std::vector<std::byte> whole;
+        bool over = false;
+        for (;;) {
+          const auto* p = static_cast<const std::byte*>(msg.data());
+          if (!over && whole.size() + msg.size() <= kControlMaxWire) whole.insert(whole.end(), p, p + msg.size());
+          else over = true;
+          if (!msg.more() || !sock_->recv(msg, zmq::recv_flags::dontwait)) break;
         }
-        return decode_control(std::span<const std::byte>(static_cast<const std::byte*>(msg.data()), msg.size()));
+        if (over) return make_error(Errc::corrupt, "control message over " + std::to_string(kControlMaxWire) +
+                                                       " bytes (dropped)");
+        return decode_control(whole);
       }
       if (closed_.load()) return make_error(Errc::closed, "control inbox was closed");
       int wait = -1;
@@ -132,6 +145,8 @@ class ZmqInbox final : public ControlInbox {
       }
     }
     std::lock_guard<std::mutex> lock(mu_);  // after a blocked recv saw the wake-up
+    if (fork_.inherited()) ConnectionGuard::abandon(guard_);  // the parent's watcher
+    guard_.reset();  // before the socket (its monitor)
     if (fork_.inherited()) (void)sock_.release();  // the parent's (core/zmq_fork.hpp)
     sock_.reset();
     if (fork_.inherited()) {
@@ -146,6 +161,7 @@ class ZmqInbox final : public ControlInbox {
   std::mutex mu_;
   std::atomic<bool> closed_{false};
   std::unique_ptr<zmq::socket_t> sock_;
+  std::unique_ptr<ConnectionGuard> guard_;
   std::shared_ptr<zap::Admission> admission_;
   std::string endpoint_;
   int efd_ = -1;
@@ -179,9 +195,20 @@ class ZmqOutbox final : public ControlOutbox {
     if (!sock_) return make_error(Errc::closed, "control outbox is closed");
     try {
       sock_->set(zmq::sockopt::sndtimeo, timeout_ms(timeout_s));
-      if (!sock_->send(zmq::const_buffer(bytes.data(), bytes.size()), zmq::send_flags::none))
-        return make_error(Errc::timeout, "control message to " + endpoint_ + " not taken within " +
-                                             std::to_string(timeout_s) + " s (is the stage alive?)");
+      // In parts of at most kControlPartBytes (the inbox's frame cap). Only the first part can
+      // wait: ZeroMQ takes the rest of a message it has begun at once.
+      for (size_t at = 0;;) {
+        const size_t n = std::min(bytes.size() - at, kControlPartBytes);
+        const bool last = at + n == bytes.size();
+        if (!sock_->send(zmq::const_buffer(bytes.data() + at, n), last ? zmq::send_flags::none : zmq::send_flags::sndmore)) {
+          if (at == 0)
+            return make_error(Errc::timeout, "control message to " + endpoint_ + " not taken within " +
+                                                 std::to_string(timeout_s) + " s (is the stage alive?)");
+          return make_error(Errc::io, "control message to " + endpoint_ + " cut short");
+        }
+        at += n;
+        if (last) break;
+      }
     } catch (const zmq::error_t& e) {
       return make_error(Errc::io, "sending a control message to " + endpoint_ + ": " + e.what());
     }

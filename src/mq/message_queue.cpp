@@ -24,6 +24,7 @@
 #include "core/net.hpp"
 #include "core/proc.hpp"
 #include "core/zmq_fork.hpp"
+#include "core/zmq_guard.hpp"
 #include "core/zap.hpp"
 #include "core/zmq_util.hpp"
 #include "shm/ring.hpp"
@@ -167,6 +168,12 @@ class MqWriter final : public MessageQueue {
         pub_->set(zmq::sockopt::sndhwm, o_.remote_hwm);
         // What it receives: (un)subscriptions, and the handshake's commands (CURVE's INITIATE is ~300 B).
         pub_->set(zmq::sockopt::maxmsgsize, int64_t(4096));
+        auto guard = ConnectionGuard::attach(ctx_, *pub_, kRemoteMaxConnections);
+        if (!guard.ok()) {
+          close();
+          return std::move(guard).error();
+        }
+        guard_ = std::move(guard).value();
         if (o_.curve) {
           auto adm = zap::serve(ctx_, *pub_, *o_.curve);
           if (!adm.ok()) {
@@ -507,6 +514,7 @@ class MqWriter final : public MessageQueue {
       if (closed_) return;
       closed_ = true;
       ool_.clear();
+      ConnectionGuard::abandon(guard_);
       abandon_after_fork(ctx_, pub_);
       (void)new std::shared_ptr<zap::Admission>(std::move(admission_));
       return;
@@ -523,6 +531,7 @@ class MqWriter final : public MessageQueue {
     for (auto& r : ool_)
       if (!r.dedicated.empty()) Segment::unlink(o_.shm_dir, r.dedicated);
     ool_.clear();
+    guard_.reset();  // before the socket (its monitor)
     pub_.reset();
     admission_.reset();  // after the socket, before the context
     ctx_.close();
@@ -548,6 +557,7 @@ class MqWriter final : public MessageQueue {
   }
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> pub_;
+  std::unique_ptr<ConnectionGuard> guard_;  // how many may connect (core/zmq_guard.hpp)
   std::shared_ptr<zap::Admission> admission_;
   uint64_t last_leave_log_ns_ = 0;
   std::vector<std::byte> scratch_;

@@ -31,6 +31,8 @@ using shm::Ring;
 using shm::RingChunk;
 using shm::Segment;
 
+// Connections a writer's remote-reader socket lets in at once; strangers beyond it are shut down.
+inline constexpr size_t kRemoteMaxConnections = 1024;
 inline constexpr char kMsgTag = 'M';
 inline constexpr char kShutdownTag = 'S';
 inline constexpr size_t kMaxSegName = 200;

@@ -461,3 +461,84 @@ def test_a_metadata_integer_out_of_range_is_the_projects_error(ns):
             with pytest.raises(stagelink.InvalidArgumentError, match="cannot travel in metadata"):
                 c.get(0, 1, "k", {"x": v})
         assert c.put(0, 1, "k", b"ok")[0]  # and the connector goes on
+
+
+def _curve_greeting(port, frame_bytes):
+    """A raw peer of a CURVE socket with no key: the ZMTP greeting, then (unless `frame_bytes` is
+    None) one command frame of `frame_bytes`, all sent (what libzmq buffers for a connection
+    before its handshake says who it is). Returns the socket, left open."""
+    import socket
+    import struct
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"\xff" + b"\0" * 7 + b"\x01\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\0" + b"\0" * 31)
+    if frame_bytes is None:  # the greeting only: a handshake left hanging
+        return s
+    s.sendall(bytes([0x06]) + struct.pack(">Q", frame_bytes))
+    try:
+        left = frame_bytes
+        while left > 0:
+            n = min(left, 1 << 20)
+            s.sendall(b"\0" * n)
+            left -= n
+    except OSError:  # disconnected for declaring too much: what we want
+        pass
+    return s
+
+
+def _closed_by_peer(s) -> bool:
+    """Whether the other end closed `s` (what it sent before, its greeting, is read past)."""
+    import socket
+    s.settimeout(0.05)
+    try:
+        while True:
+            if s.recv(1 << 16) == b"":
+                return True
+    except socket.timeout:
+        return False
+    except OSError:  # reset
+        return True
+
+
+def test_strangers_without_a_key_hold_little_memory_and_honest_messages_still_pass():
+    """A CURVE control inbox. Before: each keyless connection sending a greeting and a 60 MiB
+    command frame held ~59 MiB for the 30 s handshake (32 of them: +1.9 GB). Now a frame over the
+    128 KiB part cap is refused before it is buffered, at most 256 connections are let in (the
+    rest are shut down), and a handshake that does not finish in 5 s is dropped; an honest peer's
+    4 MiB body still arrives whole (in parts)."""
+    import socket
+    import threading
+    from stagelink.control import ControlMessage, Inbox, Outbox
+    pub, sec = stagelink.curve_keypair()
+    cpub, csec = stagelink.curve_keypair()
+    with Inbox("tcp://127.0.0.1:0", {"secret_key": sec, "public_key": pub, "allowed_clients": [cpub]}) as ib:
+        port = int(ib.endpoint.rsplit(":", 1)[1])
+        before = _rss_kib()
+        held = []
+        threads = [threading.Thread(target=lambda: held.append(_curve_greeting(port, 60 << 20))) for _ in range(32)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        time.sleep(0.5)
+        assert _rss_kib() - before < 16 << 10, "32 strangers' greetings grew the inbox's process"
+        # many connections, each sending a frame just under the cap: the guard lets 256 in at most
+        threads = [threading.Thread(target=lambda: held.append(_curve_greeting(port, 120 << 10))) for _ in range(600)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        time.sleep(0.5)
+        assert _rss_kib() - before < 64 << 10, "600 strangers' frames grew the inbox's process"
+        refused = sum(_closed_by_peer(s) for s in held[-600:])
+        assert refused >= 600 - 256, f"only {refused} of 600 connections were shut down"
+        # an honest client gets through, with a body over the part size
+        body = os.urandom(4 << 20)
+        with Outbox(ib.endpoint, {"public_key": cpub, "secret_key": csec, "server_key": pub}) as ob:
+            for s in held:
+                s.close()
+            ob.send(ControlMessage("complete", "r1", from_stage="b", body=body), timeout=10)
+            m = ib.recv(timeout=20)
+        assert m.type == "complete" and m.body == body
+        # a peer that greets and then says nothing is dropped once the 5 s handshake runs out
+        s = _curve_greeting(port, None)
+        t0 = time.monotonic()
+        while not _closed_by_peer(s) and time.monotonic() - t0 < 10:
+            pass
+        assert 3 < time.monotonic() - t0 < 9
+        s.close()
