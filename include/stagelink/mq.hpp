@@ -52,6 +52,9 @@ struct MessageQueueHandle {
   uint32_t n_reader = 0;
   std::string remote_addr;  // empty: no remote readers
   std::string server_key;   // the writer's CURVE public key; empty: remote readers not authenticated
+  // A key pair the writer made for its readers when it was given none (the default): whoever
+  // holds the handle may subscribe, nobody else. Empty where the deployment gave keys.
+  std::optional<CurveKeyPair> reader_keys;
   uint64_t spin_us = 50;
   uint64_t chunk_bytes = 0;   // ring chunk size (0: unknown, an older handle)
   uint32_t max_chunks = 0;

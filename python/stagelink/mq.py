@@ -101,6 +101,8 @@ class MessageQueue(NativeOwner):
     (spin before sleeping in the kernel), ``curve`` (remote readers authenticated and encrypted:
     ``{"secret_key_file": PATH}`` or ``{"secret_key": ...}``, plus ``allowed_clients``; default
     from ``STAGELINK_CURVE_SECRET_FILE``, a key file every process of the deployment shares).
+    Without keys, remote readers are authenticated and encrypted all the same, with a key pair
+    this writer makes and puts in :meth:`export_handle`: only the handle's holders can subscribe.
 
     The remote-reader socket binds ``connect_ip`` (else this host's address) only, never every
     interface. A remote reader unpickles only what comes over an authenticated queue, unless it
@@ -137,14 +139,16 @@ class MessageQueue(NativeOwner):
                            allow_pickle: Optional[bool] = None) -> "MessageQueue":
         """Attach reader ``rank``: through shared memory when ``rank`` is one of the handle's
         ``local_reader_ranks``, otherwise over TCP (``-1``: a remote-only reader). A remote reader
-        of a CURVE queue needs ``curve`` (its keys, and ``server_key`` where the writer's key is not
-        the shared one; default from ``STAGELINK_CURVE_SECRET_FILE``). The writer's key is never
-        taken from the handle: one naming another key is refused (PermissionDeniedError)."""
+        of a queue given CURVE keys needs ``curve`` (its keys, and ``server_key`` where the writer's
+        key is not the shared one; default from ``STAGELINK_CURVE_SECRET_FILE``). The writer's key is
+        then never taken from the handle: one naming another key, or none, is refused
+        (PermissionDeniedError). A writer given no keys (the default) makes a key pair for its
+        readers and puts it in its handle: whoever holds the handle may subscribe, nobody else."""
         data = handle.data if isinstance(handle, Handle) else bytes(handle)
         info = _core.mq_handle_info(data)
         local = list(info["local_reader_ranks"])
         remote = int(rank) not in local
-        keys = _default_curve(curve) if remote and info["server_key"] else None
+        keys = _default_curve(curve) if remote else None  # given keys refuse a handle naming none
         q = MessageQueue(info["n_reader"], len(local), max_chunk_bytes=info["chunk_bytes"] or (10 << 20),
                          _core_mq=_core._MessageQueue.create_from_handle(data, int(rank), keys))
         q.local_reader_rank = local.index(int(rank)) if int(rank) in local else -1

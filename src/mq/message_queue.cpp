@@ -53,6 +53,10 @@ std::vector<std::byte> MessageQueueHandle::to_msgpack() const {
   m.emplace_back("cb", chunk_bytes);
   m.emplace_back("mc", uint64_t(max_chunks));
   if (!server_key.empty()) m.emplace_back("sk", server_key);
+  if (reader_keys) {
+    m.emplace_back("rp", reader_keys->public_key);
+    m.emplace_back("rs", reader_keys->secret_key);
+  }
   return value_to_msgpack(Value(std::move(m)));
 }
 
@@ -84,6 +88,13 @@ Result<MessageQueueHandle> MessageQueueHandle::from_msgpack(std::span<const std:
   if ((f = v.find("sk"))) {
     if (!f->is<std::string>() || f->as<std::string>().size() != 40) return bad("server_key");
     h.server_key = f->as<std::string>();
+  }
+  const Value *rp = v.find("rp"), *rs = v.find("rs");
+  if (rp || rs) {
+    if (!rp || !rs || !rp->is<std::string>() || !rs->is<std::string>() || rp->as<std::string>().size() != 40 ||
+        rs->as<std::string>().size() != 40 || h.server_key.empty())
+      return bad("reader keys");
+    h.reader_keys = CurveKeyPair{rp->as<std::string>(), rs->as<std::string>()};
   }
   f = v.find("ranks");
   if (!f || !f->is<Value::List>()) return bad("ranks");
@@ -174,6 +185,18 @@ class MqWriter final : public MessageQueue {
           return std::move(guard).error();
         }
         guard_ = std::move(guard).value();
+        if (!o_.curve) {
+          // Safe by default (vLLM's callers never pass keys): a server key pair and one reader
+          // key pair made here; the handle carries the reader's, so only holders of the handle
+          // (which the caller's own channel carries) can subscribe.
+          auto server = curve_keypair(), reader = curve_keypair();
+          if (!server.ok() || !reader.ok()) {
+            close();
+            return std::move(server.ok() ? reader : server).error();
+          }
+          o_.curve = CurveServer{server.value(), {reader->public_key}};
+          handle_reader_keys_ = reader.value();
+        }
         if (o_.curve) {
           auto adm = zap::serve(ctx_, *pub_, *o_.curve);
           if (!adm.ok()) {
@@ -193,13 +216,6 @@ class MqWriter final : public MessageQueue {
         } else {
           pub_->bind("tcp://" + o_.connect_ip + ":" + port);
           remote_addr_ = pub_->get(zmq::sockopt::last_endpoint);
-        }
-        if (!o_.curve) {
-          static std::atomic<bool> said{false};
-          if (!said.exchange(true))
-            SL_LOG_WARN("message queue: remote readers are served on %s without CURVE: anyone who reaches it can "
-                        "subscribe, read every message and hold up the writer. Give it keys (curve=, or "
-                        "STAGELINK_CURVE_SECRET_FILE; SECURITY.md)", remote_addr_.c_str());
         }
       } catch (const zmq::error_t& e) {
         close();
@@ -222,6 +238,7 @@ class MqWriter final : public MessageQueue {
     h.chunk_bytes = o_.max_chunk_bytes;
     h.max_chunks = o_.max_chunks;
     if (o_.curve && pub_) h.server_key = o_.curve->keys.public_key;
+    if (handle_reader_keys_ && pub_) h.reader_keys = *handle_reader_keys_;
     return h;
   }
   bool is_writer() const override { return true; }
@@ -557,6 +574,7 @@ class MqWriter final : public MessageQueue {
   }
   zmq::context_t ctx_{1};
   std::unique_ptr<zmq::socket_t> pub_;
+  std::optional<CurveKeyPair> handle_reader_keys_;  // keys made here for the handle's holders
   std::unique_ptr<ConnectionGuard> guard_;  // how many may connect (core/zmq_guard.hpp)
   std::shared_ptr<zap::Admission> admission_;
   uint64_t last_leave_log_ns_ = 0;

@@ -259,10 +259,16 @@ Result<std::unique_ptr<MessageQueue>> MessageQueue::create_from_handle(const Mes
   }
   if (h.remote_addr.empty())
     return make_error(Errc::invalid_argument, "rank " + std::to_string(rank) + " is not a local reader and the queue has no remote address");
+  // Keys the writer made for the handle's holders (its default), where the reader has none.
+  std::optional<CurveClient> from_handle;
+  if (!curve && h.reader_keys) curve = &from_handle.emplace(CurveClient{*h.reader_keys, h.server_key});
   if (!h.server_key.empty() && !curve)
     return make_error(Errc::invalid_argument, "the message queue at " + h.remote_addr +
                                                   " serves remote readers with CURVE: this reader needs keys (curve=, "
                                                   "or STAGELINK_CURVE_SECRET_FILE)");
+  if (curve && h.server_key.empty())  // a plain writer's handle, or a forged one: not what keys expect
+    return make_error(Errc::permission_denied, "the message queue handle names no writer key, and this reader "
+                                                   "was given keys: refused (a writer with keys puts its key in its handle)");
   auto r = std::make_unique<MqRemoteReader>(h, rank);
   if (curve) {
     // The writer's key is the reader's to know (its `server_key`; by default the deployment's

@@ -777,3 +777,45 @@ TEST(Mq, WaitMessageWaitsWithoutTakingTheMessage) {
   }
   stop.join();
 }
+
+// Trust, second round: a writer given no keys (vLLM's callers give none) serves its remote readers
+// with CURVE all the same, its readers' key pair in its handle; a reader given keys refuses a
+// handle that names no writer key (it used to take a plain writer's, and dequeue forged data).
+TEST(Mq, AKeylessWriterPutsItsReadersKeysInItsHandleAndAReaderGivenKeysRefusesAKeylessHandle) {
+  MessageQueueOptions o;
+  o.n_reader = 1;
+  o.n_local_reader = 0;
+  o.connect_ip = "127.0.0.1";
+  o.max_chunk_bytes = 4096;
+  o.max_chunks = 4;
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  MessageQueueHandle h = (*w)->export_handle();
+  ASSERT_EQ(h.server_key.size(), 40u);
+  ASSERT_TRUE(h.reader_keys.has_value());
+  auto back = MessageQueueHandle::from_msgpack(h.to_msgpack());
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->reader_keys, h.reader_keys);
+  auto r = MessageQueue::create_from_handle(*back, -1);  // the handle's own keys
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  const std::byte msg[3] = {std::byte{1}, std::byte{2}, std::byte{3}};
+  ASSERT_TRUE((*w)->enqueue_bytes(msg, 5).ok());
+  auto got = (*r)->dequeue(5);
+  ASSERT_TRUE(got.ok()) << got.error().message;
+  // The handle stripped of its keys, as a forger (or an older writer) would send it.
+  MessageQueueHandle plain = h;
+  plain.server_key.clear();
+  plain.reader_keys.reset();
+  auto ck = curve_keypair();
+  ASSERT_TRUE(ck.ok());
+  CurveClient given{*ck, ck->public_key};
+  auto refused = MessageQueue::create_from_handle(plain, -1, &given);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, Errc::permission_denied);
+  EXPECT_NE(refused.error().message.find("names no writer key"), std::string::npos);
+  // Reader keys without a server key are no handle at all.
+  MessageQueueHandle odd = h;
+  odd.server_key.clear();
+  EXPECT_FALSE(MessageQueueHandle::from_msgpack(odd.to_msgpack()).ok());
+}

@@ -358,6 +358,48 @@ def test_message_queue_remote_readers_with_curve_and_a_rogue_subscriber(tmp_path
         reader.close()
 
 
+def test_a_queue_given_no_keys_lets_only_its_handles_holders_subscribe(mq_clean):
+    """vLLM's callers pass no keys. Before, a stranger's plain SUB (200,000 of them grew a writer
+    by 120 MiB) got every message and counted toward wait_until_ready. Now the writer makes a key
+    pair for its readers and puts it in its handle: a subscriber without the handle (plain, or
+    with a key of its own) is refused at the handshake, the handle's holder reads everything.
+    (A reader given keys refusing a handle that names no writer key: Mq.AReaderGivenKeysRefusesAKeylessHandle.)"""
+    with stagelink.MessageQueue(1, 0, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1") as w:
+        h = w.export_handle()
+        port = int(h.remote_subscribe_addr.rsplit(":", 1)[1])
+        plain = _raw_null_subscriber(port)  # a libzmq-less SUB: greeting (NULL), READY, subscribe
+        other_pub, other_sec = stagelink.curve_keypair()
+        server = stagelink._core.mq_handle_info(h.data)["server_key"]
+        rogue = stagelink.MessageQueue.create_from_handle(h, -1, curve={"secret_key": other_sec, "server_key": server})
+        with pytest.raises(stagelink.TimeoutError):
+            w.wait_until_ready(timeout=1)  # neither stranger counts as the reader it waits for
+        reader = stagelink.MessageQueue.create_from_handle(h, -1)  # the handle's keys
+        w.wait_until_ready(timeout=10)
+        for i in range(5):
+            w.enqueue({"i": i}, timeout=5)
+        assert [reader.dequeue(timeout=5)["i"] for _ in range(5)] == list(range(5))
+        with pytest.raises(stagelink.TimeoutError):
+            rogue.dequeue(timeout=0.3)
+        assert _closed_by_peer(plain)  # the plain subscriber was dropped, having read nothing
+        st = w.stats()
+        assert st["curve"] is True and st["refused_peers"] >= 1 and st["remote_readers_subscribed"] == 1
+        rogue.close()
+        reader.close()
+        plain.close()
+
+
+def _raw_null_subscriber(port):
+    """A SUB peer with no key, without libzmq: ZMTP 3.0 greeting (NULL), READY, a subscription."""
+    import socket
+    import struct
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(b"\xff" + b"\0" * 7 + b"\x01\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31)
+    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 3) + b"SUB"
+    s.sendall(bytes([0x04, len(body)]) + body)
+    s.sendall(bytes([0x00, 2]) + b"\x01M")  # subscribe to the message topic
+    return s
+
+
 def test_an_unauthenticated_remote_reader_refuses_pickles(mq_clean):
     with stagelink.MessageQueue(2, 0, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1") as w:
         h = w.export_handle()
