@@ -37,6 +37,9 @@ constexpr Key kTeKeys[] = {
     {"pull_channel", Type::choice, "ucx", "later pulls as UCX messages, or all through the side channel", 0, 0,
      "ucx|zmq"},
     {"curve", Type::map, "", "CurveZMQ keys for the side channel (docs/te.md, SECURITY.md)"},
+    {"serve_by_key", Type::boolean, "false",
+     "serve gets that name only the key (no put metadata) to whoever reaches the side channel; with curve, key "
+     "holders get them anyway (SECURITY.md)"},
     {"get_timeout_s", Type::number, "none", "default timeout of a keyless get (Python)", 0, 1e9},
     {"strict", Type::boolean, "false", "raise instead of returning False/None (Python)"},
     {"allow_pickle", Type::boolean, "false", "objects without a native frame may be pickled (off between hosts)"},
@@ -64,6 +67,7 @@ Result<TeOptions> te_options(const Value& e) {
   SL_TRY(r.read_int("readers", o.readers));
   SL_TRY(r.read_int("lanes", o.lanes));
   SL_TRY(r.read("pull_channel", o.pull_channel));
+  SL_TRY(r.read("serve_by_key", o.serve_by_key));
   if (o.device.empty())
     if (const char* d = std::getenv("RDMA_DEVICE_NAME")) o.device = d;
   if (o.pool_device != "cpu") {
@@ -143,6 +147,7 @@ Result<PutResult> TeConnector::put(const std::string& from, const std::string& t
   e.put_key = key;
   e.created_ns = mono_ns();
   e.seq = next_seq_.fetch_add(1) + 1;
+  e.cap = new_capability();
   const std::string ik = make_internal_key(key, from, to);
   {
     std::unique_lock<std::mutex> l(mu_);
@@ -175,6 +180,7 @@ Result<PutResult> TeConnector::put(const std::string& from, const std::string& t
   md.emplace_back("is_fast_path", e.fast);
   md.emplace_back("put_seq", e.seq);  // beyond the seed: lets this connector say when it was read
   md.emplace_back("key", ik);
+  md.emplace_back("cap", e.cap);  // the capability to read it: only in the metadata (SECURITY.md)
   r.metadata = Value(std::move(md));
   return r;
 }
@@ -195,14 +201,15 @@ Result<GetResult> TeConnector::get(const std::string& from, const std::string& t
   SL_TRY(validate_name("to_stage", to, 64));
   SL_TRY(validate_name("key", key, 160));
   const std::string ik = make_internal_key(key, from, to);
-  uint64_t size = 0;
+  uint64_t size = 0, cap = 0;
   bool have_size = false;
-  SL_ASSIGN(const std::string peer, sender_endpoint(md, key, "get of '" + ik + "'", &size, &have_size));
+  SL_ASSIGN(const std::string peer, sender_endpoint(md, key, "get of '" + ik + "'", &size, &have_size, &cap));
   if (!have_size) {  // ask the sender (query) first; until `deadline` while it has no such put
     for (uint64_t backoff_us = 1000;; backoff_us = std::min<uint64_t>(backoff_us * 2, 50'000)) {
       Value::Map q;
       q.emplace_back("op", "query");
       q.emplace_back("key", ik);
+      if (cap) q.emplace_back("cap", cap);
       SL_ASSIGN(Value rep, call(peer, std::move(q), o_.timeout_s));
       Status st = reply_status(rep, ik);
       if (st.ok()) {
@@ -268,6 +275,7 @@ Result<GetResult> TeConnector::get(const std::string& from, const std::string& t
     pull.emplace_back("token", token);
     pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
     pull.emplace_back("auth", auth);  // issued to this receiver by the sender's side channel
+    if (cap) pull.emplace_back("cap", cap);
     const auto msg = value_to_msgpack(Value(std::move(pull)));
     Status sent = engine_->request(sender_worker, msg, deadline_after(o_.timeout_s));
     if (sent.ok()) {
@@ -289,6 +297,7 @@ Result<GetResult> TeConnector::get(const std::string& from, const std::string& t
   pull.emplace_back("worker", Value::copy_bytes(engine_->worker_address()));
   pull.emplace_back("inline_max", uint64_t(kInlineMax));
   pull.emplace_back("token", token);
+  if (cap) pull.emplace_back("cap", cap);
   SL_ASSIGN(Value rep, call(peer, std::move(pull), tmo));
   SL_TRY(reply_status(rep, ik));
   gets_side_.fetch_add(1);
@@ -322,7 +331,7 @@ Status TeConnector::connect(const Value& info, Deadline deadline) {
   if (closed_) return make_error(Errc::closed, name_ + " is closed");
   if (!info.is_nil() && !info.is<Value::Map>())
     return make_error(Errc::corrupt, "connect takes a sender's sender_info() or one of its puts' metadata (a map)");
-  SL_ASSIGN(const std::string peer, sender_endpoint(info.is_nil() ? nullptr : &info, "", "connect", nullptr, nullptr));
+  SL_ASSIGN(const std::string peer, sender_endpoint(info.is_nil() ? nullptr : &info, "", "connect", nullptr, nullptr, nullptr));
   Value::Map hello;
   hello.emplace_back("op", "hello");
   hello.emplace_back("key", "");
@@ -403,7 +412,7 @@ Value TeConnector::health() {
   m.emplace_back("errors", uint64_t(errors_.load()));
   m.emplace_back("curve", bool(o_.curve));  // the side channel authenticated and encrypted
   m.emplace_back("refused_peers", uint64_t(admission_ ? admission_->refused() : 0));
-  m.emplace_back("refused_pulls", uint64_t(refused_pulls_.load()));  // UCX pulls without a token
+  m.emplace_back("refused_pulls", uint64_t(refused_pulls_.load()));  // without a token or the put's capability
   {
     std::lock_guard<std::mutex> l(mu_);
     m.emplace_back("outstanding", uint64_t(entries_.size()));
@@ -466,7 +475,8 @@ Status TeConnector::reply_status(const Value& rep, const std::string& ik) {
                     "sender, for '" + ik + "': " + (err && err->is<std::string>() ? err->as<std::string>() : "failed"));
 }
 
-Result<std::string> TeConnector::sender_endpoint(const Value* md, const std::string& key, const std::string& what, uint64_t* size, bool* have_size) {
+Result<std::string> TeConnector::sender_endpoint(const Value* md, const std::string& key, const std::string& what,
+                                                 uint64_t* size, bool* have_size, uint64_t* cap) {
   std::string host;
   uint64_t port = 0;
   {
@@ -484,6 +494,8 @@ Result<std::string> TeConnector::sender_endpoint(const Value* md, const std::str
         return make_error(Errc::corrupt, "transfer-engine metadata: source_host must be a string, source_port a "
                                          "port, data_size a size");
       host = h->as<std::string>();
+      if (const Value* c = m->find("cap"); c && cap && !c->get_u64(*cap))
+        return make_error(Errc::corrupt, "transfer-engine metadata: cap must be an integer");
       if (size) *size = sz;
       if (have_size) *have_size = ds != nullptr;
     }

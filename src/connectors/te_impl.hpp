@@ -55,6 +55,7 @@ struct TeOptions {
   unsigned lanes = 1;  // endpoints one payload is split over (measured here: 1 fills a veth link best)
   std::string pull_channel = "ucx";  // ucx: pulls after the first go as UCX messages; zmq: all by the side channel
   std::optional<CurveConfig> curve;  // extra.curve: the side channel authenticated and encrypted
+  bool serve_by_key = false;  // extra.serve_by_key: gets without the put's capability served to anyone
   std::vector<std::string> ignored;  // extra keys this connector does not read (options::Reader::unused)
 };
 
@@ -143,6 +144,7 @@ class TeConnector final : public Connector, public SenderLink, public ReleaseTra
     std::string rid, put_key;
     uint64_t created_ns = 0;
     uint64_t seq = 0;  // this put among the connector's (a replaced key's new put differs)
+    uint64_t cap = 0;  // the capability a get must name (the put's metadata carries it)
   };
   struct Peer {
     std::mutex mu;
@@ -158,7 +160,12 @@ class TeConnector final : public Connector, public SenderLink, public ReleaseTra
   // of update_sender_info or the config. `size`/`have_size`: the metadata's data_size. Errors:
   // corrupt (those keys malformed; a non-map is ignored, as other connectors' metadata is),
   // not_found (no sender known).
-  Result<std::string> sender_endpoint(const Value* md, const std::string& key, const std::string& what, uint64_t* size, bool* have_size);
+  Result<std::string> sender_endpoint(const Value* md, const std::string& key, const std::string& what, uint64_t* size,
+                                      bool* have_size, uint64_t* cap);
+  // Whether request `req` may read put `e` of `ik`: it names the put's capability, or names none
+  // where the side channel's peers are the deployment's (extra.curve) or serve_by_key is on.
+  Status admit(const Entry& e, const Value& req, const std::string& ik);
+  static uint64_t new_capability();
 
   // One request/reply with the sender at `peer` (a DEALER per sender, requests numbered).
   Result<Value> call(const std::string& peer, Value::Map req, double timeout_s);

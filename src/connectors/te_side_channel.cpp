@@ -2,6 +2,8 @@
 // pulls, connect-backs for receivers' engines, and the tokens that let a receiver's UCX pulls in.
 #include "connectors/te_impl.hpp"
 
+#include <sys/random.h>
+
 namespace stagelink::te {
 
 void TeConnector::serve() {
@@ -130,6 +132,7 @@ Value TeConnector::handle(std::span<const std::byte> bytes) {
     auto it = entries_.find(ik);
     if (it == entries_.end() || it->second.readers_left == 0)
       return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
+    if (Status st = admit(it->second, *v, ik); !st.ok()) return fail(st.error().code, st.error().message, rq);
     Value::Map m;
     m.emplace_back("ok", true);
     m.emplace_back("size", uint64_t(it->second.size));
@@ -158,6 +161,7 @@ Value TeConnector::handle(std::span<const std::byte> bytes) {
     // for N readers is never read by N + 1.
     if (it == entries_.end() || it->second.readers_left == 0)
       return fail(Errc::not_found, "no put of '" + ik + "' here", rq);
+    if (Status st = admit(it->second, *v, ik); !st.ok()) return fail(st.error().code, st.error().message, rq);
     if (it->second.size <= std::min<uint64_t>(inline_max, kInlineMax)) {
       // Small: the bytes go back in the reply (one round trip, no UCX write to wait for).
       Value::Map m;
@@ -247,6 +251,7 @@ void TeConnector::serve_am_pull(std::span<const std::byte> bytes) {
     auto it = entries_.find(ik);
     if (it == entries_.end() || it->second.readers_left == 0)
       return engine_->send_error(worker, token, make_error(Errc::not_found, "no put of '" + ik + "' here"));
+    if (Status st = admit(it->second, *v, ik); !st.ok()) return engine_->send_error(worker, token, std::move(st).error());
     if (len != it->second.size)
       return engine_->send_error(worker, token, make_error(Errc::invalid_argument,
                                                            "destination of " + std::to_string(len) +
@@ -257,6 +262,28 @@ void TeConnector::serve_am_pull(std::span<const std::byte> bytes) {
   }
   engine_->send_async(worker, token, src, deadline_after(timeout_for(o_.timeout_s, src.size())),
                       [this, ik](Status st) { end_pull(ik, st); });
+}
+
+Status TeConnector::admit(const Entry& e, const Value& req, const std::string& ik) {
+  const Value* c = req.find("cap");
+  uint64_t cap = 0;
+  if (c && c->get_u64(cap) && cap == e.cap) return {};
+  if (c) return make_error(Errc::not_found, "no put of '" + ik + "' here");  // another (replaced) put's, or forged
+  if (o_.curve || o_.serve_by_key) return {};
+  refused_pulls_.fetch_add(1);
+  return make_error(Errc::permission_denied,
+                    "a get of '" + ik + "' without the put's metadata: this sender gives a put only to a get naming "
+                    "its metadata (which the caller carries), unless its side channel has extra.curve or "
+                    "extra.serve_by_key (SECURITY.md)");
+}
+
+uint64_t TeConnector::new_capability() {  // the kernel's random bits: unpredictable from others seen
+  uint64_t v = 0;
+  if (::getrandom(&v, sizeof v, 0) != ssize_t(sizeof v)) {
+    std::random_device rd;
+    v = uint64_t(rd()) << 32 | rd();
+  }
+  return v | 1;  // never 0 (none)
 }
 
 uint64_t TeConnector::issue_auth_locked(const Value::Bytes& worker) {

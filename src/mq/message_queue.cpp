@@ -85,15 +85,20 @@ Result<MessageQueueHandle> MessageQueueHandle::from_msgpack(std::span<const std:
   if ((f = v.find("cb"))) f->get_u64(cb);
   if ((f = v.find("mc")) && f->get_u64(mc) && mc <= shm::kRingMaxChunks) h.max_chunks = uint32_t(mc);
   h.chunk_bytes = cb;
+  // A CURVE key: 40 Z85 characters (printable ASCII, no space, quote or backslash).
+  auto key = [](const Value* k) {
+    if (!k || !k->is<std::string>() || k->as<std::string>().size() != 40) return false;
+    for (char c : k->as<std::string>())
+      if (c < '!' || c > '}' || std::strchr("\"',;\\_`|", c)) return false;
+    return true;
+  };
   if ((f = v.find("sk"))) {
-    if (!f->is<std::string>() || f->as<std::string>().size() != 40) return bad("server_key");
+    if (!key(f)) return bad("server_key");
     h.server_key = f->as<std::string>();
   }
   const Value *rp = v.find("rp"), *rs = v.find("rs");
   if (rp || rs) {
-    if (!rp || !rs || !rp->is<std::string>() || !rs->is<std::string>() || rp->as<std::string>().size() != 40 ||
-        rs->as<std::string>().size() != 40 || h.server_key.empty())
-      return bad("reader keys");
+    if (!key(rp) || !key(rs) || h.server_key.empty()) return bad("reader keys");
     h.reader_keys = CurveKeyPair{rp->as<std::string>(), rs->as<std::string>()};
   }
   f = v.find("ranks");

@@ -57,6 +57,8 @@ std::string make_te(Pair& p) {
     m.emplace_back("memory_pool_size", uint64_t(64u << 20));
     m.emplace_back("role", role);
     m.emplace_back("timeout_s", 5.0);
+    // Gets by key need it (or curve): by default only a get naming the put's metadata reads it.
+    if (std::string(role) == "sender") m.emplace_back("serve_by_key", true);
     auto made = create_connector("TransferEngineConnector", Value(std::move(m)));
     if (!made.ok()) return made.error().to_string();
     (std::string(role) == "sender" ? p.snd : p.rcv) = std::move(made).value();

@@ -27,8 +27,10 @@ using testing_util::payload_of;
 using testing_util::wait_child;
 
 namespace {
-Value te_extra(const std::string& role, int port = 0, size_t pool = 256u << 20, unsigned lanes = 1) {
+Value te_extra(const std::string& role, int port = 0, size_t pool = 256u << 20, unsigned lanes = 1,
+               bool serve_by_key = false) {
   Value::Map m;
+  if (serve_by_key) m.emplace_back("serve_by_key", true);
   m.emplace_back("lanes", uint64_t(lanes));
   m.emplace_back("host", "127.0.0.1");
   m.emplace_back("zmq_port", uint64_t(port));
@@ -126,7 +128,10 @@ TEST(TransferEngine, FourHundredBackToBackAcrossProcessesNoneTorn) {
 }
 
 TEST(TransferEngine, GetWithoutMetadataAsksTheSenderGivenByUpdateSenderInfo) {
-  auto snd = te("sender");
+  // A sender serves gets naming only the key when asked to (extra.serve_by_key; or with curve).
+  auto made = create_connector("TransferEngineConnector", te_extra("sender", 0, 256u << 20, 1, true));
+  ASSERT_TRUE(made.ok()) << made.error().message;
+  auto snd = std::move(made).value();
   auto rcv = te("receiver");
   const uint64_t port = snd->health().find("zmq_port")->as<uint64_t>();
   auto none = rcv->get("0", "1", "later", nullptr, kNoWait, {});
@@ -256,7 +261,21 @@ TEST(TransferEngine, BadInputAndFailuresAreClearErrors) {
     EXPECT_TRUE(v.ok());
     return v.ok() ? std::move(v).value() : Value();
   };
-  const Value q = ask({{"op", Value("query")}, {"key", Value(make_internal_key("k", "0", "1"))}});
+  // Safe by default (issue 61): a stranger who knows (or guesses) a key but not the put's
+  // metadata gets nothing. Before, the side channel answered any query and pull by key, and the
+  // real receiver then found its put gone.
+  const std::string ik = make_internal_key("k", "0", "1");
+  const Value no_cap = ask({{"op", Value("query")}, {"key", Value(ik)}});
+  EXPECT_EQ(no_cap.find("code")->as<std::string>(), "permission_denied");
+  const Value pull_no_cap = ask({{"op", Value("pull")}, {"key", Value(ik)}, {"len", Value(uint64_t(1000))},
+                                 {"worker", Value::copy_bytes(std::vector<std::byte>(8, std::byte(1)))},
+                                 {"token", Value(uint64_t(7))}, {"inline_max", Value(uint64_t(1 << 16))}});
+  EXPECT_EQ(pull_no_cap.find("code")->as<std::string>(), "permission_denied");
+  EXPECT_EQ(pull_no_cap.find("data"), nullptr);
+  const Value wrong_cap = ask({{"op", Value("query")}, {"key", Value(ik)}, {"cap", Value(uint64_t(12345))}});
+  EXPECT_EQ(wrong_cap.find("code")->as<std::string>(), "not_found");
+  EXPECT_GE(snd->health().find("refused_pulls")->as<uint64_t>(), 2u);
+  const Value q = ask({{"op", Value("query")}, {"key", Value(ik)}, {"cap", *pr->metadata.find("cap")}});
   ASSERT_TRUE(q.find("worker") && q.find("worker")->is<Value::Bytes>()) << "a query names the sender's engine";
   const auto real = q.find("worker")->as<Value::Bytes>();
   std::vector<std::vector<std::byte>> bad_workers;

@@ -584,3 +584,34 @@ def test_strangers_without_a_key_hold_little_memory_and_honest_messages_still_pa
             pass
         assert 3 < time.monotonic() - t0 < 9
         s.close()
+
+
+def test_a_stranger_who_knows_a_transfer_engine_key_gets_nothing_and_the_receiver_its_put():
+    """A transfer engine without extra.curve (vLLM-Omni's callers give none). Before, its side
+    channel served a put to anyone who named the key (and issued the pull on request): a stranger
+    took the payload and the real receiver got None. Now a put is read only by a get naming its
+    metadata (the capability in it, carried by the caller's own channel)."""
+    snd = stagelink.create_connector("TransferEngineConnector", {
+        "host": "127.0.0.1", "zmq_port": 0, "role": "sender", "memory_pool_size": 8 << 20})
+    port = snd.health()["zmq_port"]
+    stranger = stagelink.create_connector("TransferEngineConnector", {
+        "host": "127.0.0.1", "role": "receiver", "memory_pool_size": 8 << 20, "strict": True,
+        "sender_host": "127.0.0.1", "sender_zmq_port": port})
+    rcv = stagelink.create_connector("TransferEngineConnector", {
+        "host": "127.0.0.1", "role": "receiver", "memory_pool_size": 8 << 20})
+    try:
+        for n in (1000, 1 << 20):  # inline in the side channel's reply, and over UCX
+            data = np.arange(n, dtype=np.uint8)
+            ok, _, md = snd.put("prefill", "decode", f"req-{n}", data)
+            assert ok and isinstance(md.get("cap"), int)
+            with pytest.raises(stagelink.PermissionDeniedError, match="without the put's metadata"):
+                stranger.get("prefill", "decode", f"req-{n}", timeout=2)
+            forged = {k: v for k, v in md.items() if k != "cap"} | {"cap": md["cap"] ^ 2}
+            with pytest.raises(stagelink.NotFoundError):
+                stranger.get("prefill", "decode", f"req-{n}", forged, timeout=0.5)
+            got, _ = rcv.get("prefill", "decode", f"req-{n}", md, timeout=5)
+            assert np.array_equal(got, data)
+        assert snd.health()["refused_pulls"] >= 2
+    finally:
+        for c in (stranger, rcv, snd):
+            c.close()

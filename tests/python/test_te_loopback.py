@@ -132,8 +132,11 @@ def test_tp_rank_aware_get_with_partial_metadata_reaches_that_ranks_sender():
 
     base = free_port_run(KV_TRANSFER_PORT_OFFSET + KV_RANK_PORT_STRIDE + 1)
     assert base is not None
+    # Gets that name no put's metadata (its capability) are served only where the sender says so
+    # (serve_by_key; or extra.curve, which the KV manager's senders should rather have).
     senders = [stagelink.create_connector("TransferEngineConnector", {
-        "host": "127.0.0.1", "zmq_port": p, "role": "sender", "memory_pool_size": 8 << 20}) for p in ports(base)]
+        "host": "127.0.0.1", "zmq_port": p, "role": "sender", "memory_pool_size": 8 << 20,
+        "serve_by_key": True}) for p in ports(base)]
     r = stagelink.create_connector("TransferEngineConnector", {
         "host": "127.0.0.1", "role": "receiver", "memory_pool_size": 8 << 20,
         "sender_host": "127.0.0.1", "sender_zmq_port": ports(base)[0]})  # rank 0's, as configured
