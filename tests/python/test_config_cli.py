@@ -346,11 +346,13 @@ def test_stage_view_derives_transfer_engine_endpoints_as_vllm_omni(monkeypatch):
         assert extra == {"zmq_port": 50051, "host": "auto"}
 
     # The derived endpoints, used: stage 0 puts, stage 1 (dual) gets without metadata and puts on,
-    # stage 2 gets without metadata. Each sender binds its own port.
+    # stage 2 gets without metadata. Each sender binds its own port. Gets without metadata are
+    # served where the config says so (serve_by_key; or curve): a put's capability is otherwise in
+    # its metadata only.
     base = free_port_run(3)
     assert base is not None, "no free run of 3 ports on loopback"
     cfg = linear("TransferEngineConnector", {"zmq_port": base, "host": "127.0.0.1", "protocol": "tcp",
-                                             "memory_pool_size": 16 << 20})
+                                             "memory_pool_size": 16 << 20, "serve_by_key": True})
     made = []
     try:
         s0 = stagelink.create_connector("TransferEngineConnector", view(cfg, 0)["to_stage_1"]["spec"]["extra"])
