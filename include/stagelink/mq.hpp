@@ -82,6 +82,8 @@ class MessageQueue {
 
   virtual MessageQueueHandle export_handle() const = 0;
   virtual bool is_writer() const = 0;
+  // A reader over TCP (what it reads crossed a network): never a CUDA device record.
+  virtual bool is_remote_reader() const { return false; }
   virtual int64_t rank() const = 0;  // readers: their rank (the writer: 0)
   // Whether shutdown() was called here or (readers) the writer ended the queue.
   virtual bool shutting_down() const = 0;

@@ -135,6 +135,7 @@ class MqLocalReader final : public MqReader {
 class MqRemoteReader final : public MqReader {
  public:
   using MqReader::MqReader;
+  bool is_remote_reader() const override { return true; }
   ~MqRemoteReader() override {
     if (fork_.inherited()) {  // inherited through fork(): the parent's socket and context
       abandon_after_fork(ctx_, sub_);

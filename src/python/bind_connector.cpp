@@ -284,7 +284,7 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
   MetadataHold md;  // outlives `got`: inline tensors view it
   std::optional<GetResult> got = borrow(self, from, to, key, metadata, timeout, md, !zero_copy);
   if (!got) return std::nullopt;
-  return found_of(*got, zero_copy, self.allow_pickle, key);
+  return found_of(*got, zero_copy, self.allow_pickle, key, !self.networked);
 }
 
 // Python's `Connector.get`: (data, size), or None when absent, timed out or failed (logged by

@@ -78,7 +78,7 @@ nb::tuple mq_dequeue_parts(PyMq& self, nb::handle timeout) {
     return q->dequeue_with(slice, [&](std::span<const std::byte> frame) {
       nb::gil_scoped_acquire gil;
       try {  // nothing may be thrown through the queue's code
-        out = frame_parts(frame);
+        out = frame_parts(frame, !q->is_remote_reader());  // a remote reader's crossed a network
       } catch (nb::python_error& e) {
         decode_err = Error{Errc::corrupt, std::string("message could not be read: ") + e.what()};
       }

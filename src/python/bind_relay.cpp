@@ -19,6 +19,13 @@ struct PyRelay {
     return r;
   }
 };
+// Whether a relay's payloads come within this host (shared memory, or in-process): only such a
+// path may bring CUDA device records.
+bool host_local(const RelayConfig& c) {
+  return c.backend == "shm" || c.backend == "local" ||
+         (c.backend == "connector" && c.connector == "SharedMemoryConnector");
+}
+
 struct PyRelayOp {
   RelayOp op;
   nb::object metadata;  // converted once
@@ -190,7 +197,7 @@ void bind_relay(nb::module_& m) {
              if (const auto& obj = op.object())  // a local put's object, by reference
                return nb::make_tuple(KIND_OBJECT, nb::borrow(static_cast<PyObject*>(const_cast<void*>(obj.get()))), op.size());
              GetResult g{std::move(op.payload()), op.size(), op.owned()};
-             Found f = found_of(g, zero_copy, self.allow_pickle, "relay payload");
+             Found f = found_of(g, zero_copy, self.allow_pickle, "relay payload", host_local(self.get()->config()));
              return nb::make_tuple(f.kind, f.obj, f.size);
            }, nb::arg("metadata").none(), nb::arg("request_id").none(), nb::arg("timeout").none(), nb::arg("zero_copy"))
       .def("_get_into", [](PyRelay& self, nb::handle metadata, nb::handle out, nb::handle rid, nb::handle timeout) {

@@ -91,6 +91,21 @@ void bind_tools(nb::module_& m) {
     d["ext"] = to_py(p.ext);
     return d;
   });
+  m.def("_frame_from_parts", [](nb::handle ext, nb::list regions) {
+        // What any producer (a C++ stage, a forger) may send: uint8 regions, the tree naming them
+        // in order, and `ext` as given.
+        Payload p;
+        Value::List refs;
+        for (size_t i = 0; i < regions.size(); ++i) {
+          nb::bytes b = nb::cast<nb::bytes>(regions[i]);
+          p.tensors.push_back(Tensor::copy_of(std::span<const std::byte>(reinterpret_cast<const std::byte*>(b.c_str()), b.size()),
+                                              DType::u8, {int64_t(b.size())}));
+          refs.emplace_back(TensorRef{uint32_t(i)});
+        }
+        p.tree = refs.size() == 1 ? refs[0] : Value(std::move(refs));
+        p.ext = from_py(ext);
+        return frame_bytes(p);
+      }, "For tests: a frame built from its parts, as a C++ producer (or a forger) could send it.");
   m.def("cuda_drain", [](double timeout_s) {
         nb::gil_scoped_release nogil;
         return cuda::DeviceImports::instance().drain(timeout_s);

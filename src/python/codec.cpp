@@ -431,6 +431,7 @@ struct PyDecoder {
   bool zero_copy;
   const ExtInfo& ext;  // kinds, tuples, and where torch tensors lived at put ("" or absent: the host)
   bool owned = false;  // the tensors' memory is this get's alone (GetResult::owned): views, writable, no copy
+  bool host_local = false;  // came within this host: CUDA device records allowed (native_object)
   detail::MpReader* rd = nullptr;  // set while building from the packed tree
   size_t next_tuple = 0;
   uint32_t lists = 0;
@@ -446,6 +447,9 @@ struct PyDecoder {
     return copy;
   }
   nb::object torch_tensor(const Tensor& t, int64_t k, size_t i) {
+    if ((k & kFlagDeviceRef) && !host_local)  // before torch or any driver call: only this host's make valid ones
+      raise(make_error(Errc::corrupt, "a CUDA device record arrived by a path that crosses hosts (or a control "
+                                      "message): refused unread; it can only be valid on the host that made it"));
     const TorchApi* T = TorchApi::get(true);
     if (!T) raise(make_error(Errc::unsupported, "payload holds torch tensors but torch cannot be imported"));
     if (k & kFlagDeviceRef) return finish_torch(*T, tensor_from_ref(*T, t, zero_copy), k, t);
@@ -700,14 +704,14 @@ Encoding encode_py(nb::handle obj, Payload& p, BufferViews& bv, int64_t limit, D
 
 // A frame without a pickle (anything put from Python without pickling, or by a C++ producer): the
 // Python object it holds. The tree is built from Payload::packed_tree when the get left it packed.
-nb::object native_object(const Payload& p, bool zero_copy, const ExtInfo& ext, bool owned) {
+nb::object native_object(const Payload& p, bool zero_copy, const ExtInfo& ext, bool owned, bool host_local) {
   const bool single = p.packed_tree.empty() ? p.tree.is<TensorRef>()
                                             : p.packed_tree.size() == 6 && uint8_t(p.packed_tree[0]) == 0xd6;
   if (single && p.tensors.size() == 1) {  // one tensor: no tree to walk
     if (ext.plain()) return tensor_array(p.tensors[0], zero_copy, owned);
-    if (ext.tuples.empty()) return PyDecoder{p, zero_copy, ext, owned}.tensor(0);
+    if (ext.tuples.empty()) return PyDecoder{p, zero_copy, ext, owned, host_local}.tensor(0);
   }
-  PyDecoder d{p, zero_copy, ext, owned};
+  PyDecoder d{p, zero_copy, ext, owned, host_local};
   // Gets and dequeues leave the tree packed; a tree decoded as a Value (a frame from elsewhere) is
   // packed once and read the same way.
   std::vector<std::byte> packed;
@@ -749,9 +753,10 @@ size_t payload_from_parts(int kind, nb::list regions, BufferViews& bv, Payload& 
 
 
 // The Python object of a received payload (KIND_OBJECT), or a pickle's kind and regions to unpickle.
-Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key) {
+Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key, bool host_local) {
   const ExtInfo ext = ExtInfo::of(g.payload);
-  if (!ext.pickle) return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, g.owned && !zero_copy), g.size};
+  if (!ext.pickle)
+    return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, g.owned && !zero_copy, host_local), g.size};
   if (!allow_pickle)
     raise(make_error(Errc::corrupt, "'" + key + "' holds a pickled object and allow_pickle is off: refused unread"));
   const int64_t kind = *ext.pickle;
@@ -772,11 +777,11 @@ Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::strin
 // object, while the chunk is held.
 // A frame as (KIND_OBJECT, object) or, for a pickle, (its kind, [regions copied out: the stream
 // as bytes, the buffers]). Errors: corrupt.
-nb::tuple frame_parts(std::span<const std::byte> frame) {
+nb::tuple frame_parts(std::span<const std::byte> frame, bool host_local) {
   Payload p;
   if (Status st = decode_frame_into(frame, nullptr, p, false); !st.ok()) raise(st.error());
   const ExtInfo ext = ExtInfo::of(p);
-  if (!ext.pickle) return nb::make_tuple(KIND_OBJECT, native_object(p, false, ext));
+  if (!ext.pickle) return nb::make_tuple(KIND_OBJECT, native_object(p, false, ext, false, host_local));
   const int64_t kind = *ext.pickle;
   nb::list l;
   for (size_t i = 0; i < p.tensors.size(); ++i) l.append(region_copy(p.tensors[i], i == 0));

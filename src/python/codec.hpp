@@ -47,7 +47,11 @@ struct Encoding {
 // `ds`: CUDA tensors are left in device arenas (DeviceStaging) instead of staged through the host.
 Encoding encode_py(nb::handle obj, Payload& p, BufferViews& bv, int64_t limit = -1, DeviceStaging* ds = nullptr);
 // A frame without a pickle as its Python object; `owned`: the tensors' memory is the result's.
-nb::object native_object(const Payload& p, bool zero_copy, const ExtInfo& ext, bool owned = false);
+// `host_local`: the payload came by a path within this host (shared memory); only then may it
+// hold CUDA device records (refused before any driver call otherwise: a record can only be
+// valid on the host that made it).
+nb::object native_object(const Payload& p, bool zero_copy, const ExtInfo& ext, bool owned = false,
+                         bool host_local = false);
 // A pickled Python object as a payload: tree [refs], ext {"pickle": kind}, one tensor per region
 // (the pickle-5 stream, then its out-of-band buffers; views of the Python buffers, held by `bv`).
 // Returns the regions' total bytes.
@@ -61,9 +65,9 @@ struct Found {
   size_t size = 0;
 };
 
-Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key);
+Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key, bool host_local);
 // A frame as (KIND_OBJECT, object) or, for a pickle, (its kind, [regions copied out]).
-nb::tuple frame_parts(std::span<const std::byte> frame);
+nb::tuple frame_parts(std::span<const std::byte> frame, bool host_local = false);
 // A payload as one frame in a bytes object.
 nb::bytes frame_bytes(const Payload& p);
 

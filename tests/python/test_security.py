@@ -615,3 +615,19 @@ def test_a_stranger_who_knows_a_transfer_engine_key_gets_nothing_and_the_receive
     finally:
         for c in (stranger, rcv, snd):
             c.close()
+
+
+def test_a_cuda_device_record_from_off_host_is_refused_before_any_driver_call():
+    """A frame whose tensor says it is a CUDA device record (a GPU slot on the producer's host)
+    can only be valid on the host that made it. One arriving by a path that crosses hosts (the
+    transfer engine, the store, a queue's remote reader, a ucx relay) or in a control message is
+    refused unread, before torch or the CUDA driver is asked anything (it used to go on to open
+    the record: reachability, cuIpcOpenMemHandle)."""
+    from stagelink.pipeline._wire import from_frame
+    record = stagelink._core._frame_from_parts({"tk": [1 | 256]}, [b"\x53\x4c\x44\x52" + b"\0" * 200])
+    plain = stagelink._core._frame_from_parts({"tk": [0]}, [b"\1\2\3\4"])
+    assert from_frame(plain).tolist() == [1, 2, 3, 4]  # a numpy region from the same builder decodes
+    with pytest.raises(stagelink.CorruptError, match="CUDA device record arrived by a path that crosses hosts"):
+        from_frame(record)
+    with pytest.raises(stagelink.CorruptError, match="crosses hosts"):
+        stagelink._core.decode_frame_parts(record)
