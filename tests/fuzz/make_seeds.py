@@ -26,6 +26,11 @@ payloads = [b"", b"abc", np.arange(10, dtype=np.float32), {"hidden": np.zeros((2
             [1, "two", 3.0, None, True, {"x": b"\x00\x01"}], {"nested": {"deeper": [np.arange(3), "s"]}}, 42]
 for p in payloads:
     write("frame", stagelink.Connector.serialize_obj(p))
+    write("control_body", stagelink.Connector.serialize_obj(p))
+# what honest senders never send as a control body: a pickle frame, a CUDA device record
+write("control_body", stagelink.Connector.serialize_obj({1, 2}))
+write("control_body", _core._frame_from_parts({"tk": [1 | 256]}, [b"SLDR" + b"\0" * 200]))
+write("control_body", _core.encode_object({"edges": {"a->b": {"messages": 3, "lat_ns": [1, 2, 3]}}}, 1 << 20))
 
 msgs = [("submit", "r1", "", "a", None, None, False, "", b"frame"),
         ("data_ready", "r1", "a", "b", {"relay_key": "k", "entry": 3, "gen": 1, "size": 100}, None, False, "", None),
