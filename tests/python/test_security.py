@@ -3,8 +3,10 @@
 Each test reproduces an attack and checks that it now fails safely: no code of the attacker's runs,
 no payload of theirs is read as ours, and the victim goes on working.
 """
+import json
 import os
 import pickle
+import sys
 import time
 
 import numpy as np
@@ -512,11 +514,11 @@ def _curve_greeting(port, frame_bytes):
     import socket
     import struct
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(b"\xff" + b"\0" * 7 + b"\x01\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\0" + b"\0" * 31)
-    if frame_bytes is None:  # the greeting only: a handshake left hanging
-        return s
-    s.sendall(bytes([0x06]) + struct.pack(">Q", frame_bytes))
     try:
+        s.sendall(b"\xff" + b"\0" * 7 + b"\x01\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\0" + b"\0" * 31)
+        if frame_bytes is None:  # the greeting only: a handshake left hanging
+            return s
+        s.sendall(bytes([0x06]) + struct.pack(">Q", frame_bytes))
         left = frame_bytes
         while left > 0:
             n = min(left, 1 << 20)
@@ -631,3 +633,97 @@ def test_a_cuda_device_record_from_off_host_is_refused_before_any_driver_call():
         from_frame(record)
     with pytest.raises(stagelink.CorruptError, match="crosses hosts"):
         stagelink._core.decode_frame_parts(record)
+
+
+def _rss_of(pid) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def _stage_pids(parent) -> list:
+    """The stage processes a `stagelink run` (pid `parent`) started."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == parent and b"stagelink.pipeline._entry" in cmd:
+                out.append(int(pid))
+    return out
+
+
+def test_soak_with_an_attacker_beside_it(tmp_path):
+    """Issue 61's soak: examples/omni_pipeline.yaml with control: tcp under a soft NOFILE of 1024,
+    while a local process opens 2000 half-open connections to its control ports and 32 keyless
+    CURVE greetings with 60 MiB command frames. No request fails (during or after the attack), no
+    live process's entry is reaped, and no stage process grows by more than 64 MiB."""
+    import resource
+    import socket
+    import subprocess
+    import threading
+    import yaml
+    from net_util import free_port_run
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "examples", "omni_pipeline.yaml")) as f:
+        d = yaml.safe_load(f)
+    base = free_port_run(5)
+    assert base is not None
+    d["control"] = {"transport": "tcp", "host": "127.0.0.1", "base_port": base}
+    path = tmp_path / "omni_tcp.yaml"
+    path.write_text(yaml.safe_dump(d))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 8192), max(hard, 8192)))  # the attacker's own
+
+    def nofile_1024():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, max(hard, 8192)))
+    run = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "stagelink"), "run", str(path),
+                            "--requests", "5000", "--concurrency", "4", "--json", str(tmp_path / "r.json")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=nofile_1024,
+                           env=dict(os.environ, STAGELINK_LOG="info"), cwd=tmp_path)
+    held = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(_stage_pids(run.pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stages = _stage_pids(run.pid)
+        assert len(stages) == 4, run.stderr.read() if run.poll() is not None else "stages did not start"
+        time.sleep(2)  # steady state
+        before = {p: _rss_of(p) for p in stages}
+        ports = [base + i for i in range(5)]
+        for i in range(2000):  # half-open: connected, never a byte
+            try:
+                held.append(socket.create_connection(("127.0.0.1", ports[i % 5]), timeout=5))
+            except OSError:
+                pass
+        greeters = [threading.Thread(target=lambda p=p: held.append(_curve_greeting(p, 60 << 20)))
+                    for p in ports * 7][:32]
+        [t.start() for t in greeters]
+        [t.join() for t in greeters]
+        time.sleep(6)  # past the 5 s handshake limit
+        peak = {p: _rss_of(p) for p in stages}
+        for s in held:
+            s.close()
+        out, err = run.communicate(timeout=240)
+    finally:
+        for s in held:
+            s.close()
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert run.returncode == 0, (out + err)[-4000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["completed"] == 5000 and r["failed"] == 0
+    assert "verified end to end" in out
+    assert "reaped" not in err, [line for line in err.splitlines() if "reaped" in line][:5]
+    grown = {p: (peak[p] - before[p]) >> 10 for p in stages}
+    print(f"stage RSS growth under attack (MiB): {sorted(grown.values())}")
+    assert all(g < 64 for g in grown.values()), f"stage RSS growth MiB: {grown}"
