@@ -686,6 +686,9 @@ class StoreConnector final : public Connector, public WaitingGets {
     if (hashed == m.size) sum = XXH3_64bits_digest(st);
     auto got = finish({buf.get(), size_t(m.size)}, std::shared_ptr<const void>(buf, buf.get()), m, go, sum);
     if (!got.ok()) return got;  // a lease of ours lapses: another reader may try
+    // The buffer is this process's and this get's alone (back to the cache when dropped): a
+    // caller that would copy it out (private_ok) may take it as it is, one copy of the payload less.
+    got->owned = go.zero_copy && go.hooks && go.hooks->private_ok;
     if (!lease) {
       count_done(base, m, dl);
       return got;
