@@ -727,3 +727,34 @@ def test_soak_with_an_attacker_beside_it(tmp_path):
     grown = {p: (peak[p] - before[p]) >> 10 for p in stages}
     print(f"stage RSS growth under attack (MiB): {sorted(grown.values())}")
     assert all(g < 64 for g in grown.values()), f"stage RSS growth MiB: {grown}"
+
+
+def test_control_ring_names_are_unguessable_and_the_seed_bench_follows_no_link(ns, tmp_path):
+    """`stagelink run`'s control rings were named `<socket dir>-<process>`: another user who read the
+    coordinator's in /dev/shm could create a stage's first and stop the pipeline. Each process's
+    name now carries 64 random bits of its own. And `stagelink bench shm`'s seed-design lock files
+    (open(path, "w") in /dev/shm) followed a planted link and truncated its target."""
+    from stagelink.bench import _seed_get, _seed_put
+    from stagelink.pipeline.worker import endpoint
+    d = {"stages": [{"name": "a", "factory": f"{S}:double", "next": "b"},
+                    {"name": "b", "factory": f"{S}:double", "terminal": True}],
+         "relay": {"extra": {"namespace": ns}, "timeout_s": 10}}
+    with Pipeline.from_config(d) as p:
+        words = p.spec.control["shm_names"]
+        assert set(words) == {"coordinator", *p.spec.processes()}
+        assert len(set(words.values())) == len(words) and all(len(w) == 16 for w in words.values())
+        eps = {proc: endpoint(p.spec, p._dir, proc) for proc in words}
+        assert all(eps[proc].endswith("-" + proc + "-" + words[proc]) for proc in words)
+        assert p.submit("r", {"x": np.arange(4)}).result(30)["x"].tolist() == [0, 4, 8, 12]
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    key = f"slseedtest_{os.getpid()}"
+    lock = f"/dev/shm/shm_{key}_lockfile.lock"
+    os.symlink(str(victim), lock)
+    try:
+        with pytest.raises(OSError):
+            _seed_put(key, np.arange(3))
+        assert victim.read_bytes() == b"precious"
+    finally:
+        os.unlink(lock)
+    assert _seed_get(_seed_put(key, np.arange(3))).tolist() == [0, 1, 2]  # no link: the bench works
