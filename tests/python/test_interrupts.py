@@ -94,7 +94,8 @@ def test_network_connector_gets_end_on_a_signal(redis):
         _ends_on_a_signal(lambda: c.get(0, 1, "never", timeout=float("inf")))
         assert c.put(0, 1, "k", b"x" * 5000)[0] and c.get(0, 1, "k", timeout=30)[0] == b"x" * 5000
     s = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "zmq_port": 0, "role": "sender",
-                                                               "memory_pool_size": 16 << 20})
+                                                               "memory_pool_size": 16 << 20,
+                                                               "serve_by_key": True})  # gets by key
     r = stagelink.create_connector("TransferEngineConnector", {"host": "127.0.0.1", "role": "receiver",
                                                                "memory_pool_size": 16 << 20})
     try:
