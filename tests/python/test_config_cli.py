@@ -292,6 +292,30 @@ def test_cli_config_check_of_a_pipeline_file(tmp_path):
     assert r.returncode == 2 and "host 'gpu3' is not under 'hosts:'" in r.stderr
 
 
+@pytest.mark.parametrize("relay, words", [
+    ({"backend": "connector", "connector": "SharedMemoryConector"},
+     ["relay: no connector named 'SharedMemoryConector'", "did you mean 'SharedMemoryConnector'"]),
+    ({"extra": {"arena_byte": 1 << 20}}, ["relay: SharedMemoryConnector: unknown key 'extra.arena_byte'",
+                                          "did you mean 'arena_bytes'"]),
+    ({"extra": {"shm_threshold_bytes": "lots"}}, ["relay: SharedMemoryConnector: extra.shm_threshold_bytes must be "
+                                                  "a size in bytes", "got 'lots'"]),
+    ({"backend": "ucx", "extra": {"protocol": "carrier-pigeon"}}, ["relay: TransferEngineConnector: extra.protocol"]),
+])
+def test_config_check_refuses_a_connector_and_extra_its_connector_would(tmp_path, relay, words):
+    """Issue 62 (configuration checked when it is read): `config check` passed a misspelt connector
+    name, a misspelt key and a value of the wrong kind, exited 0, and the run then failed inside a
+    stage process with a traceback (exit 1). Now each is refused when the file is read: exit 2,
+    naming the file, where in it, the key, and the key or name meant."""
+    import yaml
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump({"relay": relay, "stages": [{"name": "a", "factory": "m:f", "terminal": True}]}))
+    r = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert str(f) in r.stderr and all(w in r.stderr for w in words), r.stderr
+    with pytest.raises(stagelink.pipeline.PipelineConfigError):
+        stagelink.pipeline.load_pipeline(str(f))
+
+
 def test_cli_shm_ls_and_reap(ns):
     c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 64 << 20})
     assert c.put(0, 1, "k", b"x" * 100000)[0]

@@ -526,7 +526,36 @@ def _relay_cfg(v, where) -> dict:
         _core._Relay({k: v for k, v in cfg.items() if k != "allow_pickle"} | {"backend": "local"}, True).close()
     except _core.StagelinkError as e:
         raise PipelineConfigError(f"{where}: {e}") from None
+    if cfg["backend"] == "connector" and not isinstance(cfg.get("connector"), str):
+        raise PipelineConfigError(f"{where}: backend connector names its class in `connector`")
+    names = {"shm": ["SharedMemoryConnector"], "ucx": ["TransferEngineConnector"],
+             "auto": ["SharedMemoryConnector", "TransferEngineConnector"], "local": [],
+             "connector": [cfg.get("connector")]}[cfg["backend"]]
+    for name in names:  # the connectors' own checks, now, not in a stage process at run time
+        check_connector(name, cfg.get("extra"), where)
     return cfg
+
+
+_SCHEMA_OF = {"MooncakeTransferEngineConnector": "TransferEngineConnector"}  # the seed's name, its options
+
+
+def check_connector(name: str, extra, where: str) -> None:
+    """A connector class name and its `extra` as the connector reads them when made (each value's
+    type, range and choice; a misspelt key names the key meant), without making it. Raises
+    PipelineConfigError saying `where`."""
+    known = sorted(_core.registered_connectors())
+    if name not in known:
+        import difflib
+        near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.8)
+        raise PipelineConfigError(f"{where}: no connector named {name!r}" +
+                                  (f" (did you mean {near[0]!r}?)" if near else f" (known: {', '.join(known)})"))
+    owner = _SCHEMA_OF.get(name, name)
+    if owner not in {sch["owner"] for sch in _core.option_schemas()}:
+        return  # a connector of the Python layer (MooncakeStoreConnector): it reads its own keys
+    try:
+        _core.check_options(owner, extra if extra is not None else {})
+    except _core.StagelinkError as e:
+        raise PipelineConfigError(f"{where}: {e}") from None
 
 
 def _edges(raw, stages, relay, source) -> Dict[str, dict]:
