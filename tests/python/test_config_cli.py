@@ -294,7 +294,7 @@ def test_cli_config_check_of_a_pipeline_file(tmp_path):
 
 @pytest.mark.parametrize("relay, words", [
     ({"backend": "connector", "connector": "SharedMemoryConector"},
-     ["relay: no connector named 'SharedMemoryConector'", "did you mean 'SharedMemoryConnector'"]),
+     ["relay: connector class 'SharedMemoryConector' is not available", "did you mean 'SharedMemoryConnector'"]),
     ({"extra": {"arena_byte": 1 << 20}}, ["relay: SharedMemoryConnector: unknown key 'extra.arena_byte'",
                                           "did you mean 'arena_bytes'"]),
     ({"extra": {"shm_threshold_bytes": "lots"}}, ["relay: SharedMemoryConnector: extra.shm_threshold_bytes must be "
@@ -314,6 +314,16 @@ def test_config_check_refuses_a_connector_and_extra_its_connector_would(tmp_path
     assert str(f) in r.stderr and all(w in r.stderr for w in words), r.stderr
     with pytest.raises(stagelink.pipeline.PipelineConfigError):
         stagelink.pipeline.load_pipeline(str(f))
+    # the same connector named by a per-edge entry (edges:, vLLM-Omni's syntax)
+    if relay.get("backend", "shm") in ("shm", "connector"):
+        name = relay.get("connector", "SharedMemoryConnector")
+        f.write_text(yaml.safe_dump({"connectors": {"c1": {"name": name, "extra": relay.get("extra", {})}},
+                                     "edges": [{"from": "a", "to": "b", "connector": "c1"}],
+                                     "stages": [{"name": "a", "factory": "m:f", "next": "b"},
+                                                {"name": "b", "factory": "m:g", "terminal": True}]}))
+        r = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "edges[0]" in r.stderr and all(w.replace("relay: ", "") in r.stderr for w in words), r.stderr
 
 
 def test_cli_shm_ls_and_reap(ns):

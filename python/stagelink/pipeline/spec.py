@@ -547,8 +547,8 @@ def check_connector(name: str, extra, where: str) -> None:
     if name not in known:
         import difflib
         near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.8)
-        raise PipelineConfigError(f"{where}: no connector named {name!r}" +
-                                  (f" (did you mean {near[0]!r}?)" if near else f" (known: {', '.join(known)})"))
+        raise PipelineConfigError(f"{where}: connector class {name!r} is not available" +
+                                  (f" (did you mean {near[0]!r}?)" if near else f" (registered: {', '.join(known)})"))
     owner = _SCHEMA_OF.get(name, name)
     if owner not in {sch["owner"] for sch in _core.option_schemas()}:
         return  # a connector of the Python layer (MooncakeStoreConnector): it reads its own keys
@@ -589,9 +589,7 @@ def _edges(raw, stages, relay, source) -> Dict[str, dict]:
         if e.get("defaulted"):
             continue
         c = e["connector"]
-        if c["name"] not in _core.registered_connectors():
-            raise PipelineConfigError(f"{source}: edges[{i}]: connector class {c['name']!r} is not available "
-                                      f"(registered: {', '.join(_core.registered_connectors())})")
+        check_connector(c["name"], c.get("extra"), f"{source}: edges[{i}]")  # as the connector would, now
         out[f"{src}->{dst}"] = dict(relay, backend="connector", connector=c["name"], extra=dict(c.get("extra") or {}))
     return out
 
