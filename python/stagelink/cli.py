@@ -47,6 +47,39 @@ def _is_pipeline_file(path) -> bool:
     return isinstance(stages, list) and any(isinstance(s, dict) and "factory" in s for s in stages)
 
 
+def _check_stage_modules(spec) -> None:
+    """That each stage of this host can be found as its process would find it (the module of a
+    Python factory on the import path with the pipeline's directories in front, a C++ stage's
+    library on disk), without running any stage code. Stages of other hosts are theirs to find."""
+    import importlib.util
+    from .pipeline import PipelineConfigError
+    base = os.path.dirname(os.path.abspath(spec.source)) if spec.source != "<dict>" else os.getcwd()
+    saved = list(sys.path)
+    sys.path[:0] = spec.module_dirs()
+    try:
+        for name, st in spec.stages.items():
+            if spec.stage_host(name):
+                continue
+            if st.factory.startswith("cpp:"):
+                lib = st.factory[4:].rpartition(":")[0]
+                lib = lib if os.path.isabs(lib) else os.path.join(base, lib)
+                if not os.path.exists(lib):
+                    raise PipelineConfigError(f"{spec.source}: stage '{name}': the library of factory "
+                                              f"'{st.factory}' does not exist ({lib})")
+                continue
+            module = st.factory.partition(":")[0]
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise PipelineConfigError(f"{spec.source}: stage '{name}': module '{module}' of factory "
+                                          f"'{st.factory}' cannot be found on this host's import path (the "
+                                          f"pipeline's directories first: {', '.join(spec.module_dirs())})")
+    finally:
+        sys.path[:] = saved
+
+
 def _check_pipeline(path) -> int:
     """`stagelink config check` of a pipeline file: where each process runs and serves, and what
     carries each edge's data."""
@@ -54,6 +87,7 @@ def _check_pipeline(path) -> int:
     from .relay import default_allow_pickle
     try:
         spec = load_pipeline(path)
+        _check_stage_modules(spec)
     except PipelineConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

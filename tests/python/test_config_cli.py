@@ -326,6 +326,25 @@ def test_config_check_refuses_a_connector_and_extra_its_connector_would(tmp_path
         assert "edges[0]" in r.stderr and all(w.replace("relay: ", "") in r.stderr for w in words), r.stderr
 
 
+def test_config_check_finds_a_stage_module_that_cannot_be_imported(tmp_path):
+    """Issue 62: a stage whose module cannot be found was met only at run time, inside its stage
+    process. `config check` now looks for each of this host's stage modules (the pipeline's own
+    directory first, as the stage process looks) without running any stage code, and for a C++
+    stage's library."""
+    import yaml
+    (tmp_path / "my_stages.py").write_text("def f(x, ctx):\n    return x\n")
+    f = tmp_path / "p.yaml"
+    good = {"stages": [{"name": "a", "factory": "my_stages:f", "terminal": True}]}
+    f.write_text(yaml.safe_dump(good))
+    r = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True, cwd="/")
+    assert r.returncode == 0, r.stderr  # found beside the pipeline file, from any working directory
+    for factory, words in (("my_stagez:f", "module 'my_stagez' of factory 'my_stagez:f' cannot be found"),
+                           ("cpp:libnothere.so:stage", "the library of factory 'cpp:libnothere.so:stage' does not exist")):
+        f.write_text(yaml.safe_dump({"stages": [{"name": "a", "factory": factory, "terminal": True}]}))
+        r = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True, cwd="/")
+        assert r.returncode == 2 and f"stage 'a': {words}" in r.stderr, r.stderr
+
+
 def test_cli_shm_ls_and_reap(ns):
     c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns, "arena_bytes": 64 << 20})
     assert c.put(0, 1, "k", b"x" * 100000)[0]
