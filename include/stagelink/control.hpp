@@ -92,7 +92,8 @@ class ControlInbox {
   virtual Result<ControlMessage> recv(double timeout_s) = 0;
   // Wake a blocked recv (it returns `closed`) and release the socket. Idempotent.
   virtual void close() = 0;
-  // Peers refused at the CURVE handshake (a key not allowed, or no CURVE at all).
+  // Peers refused: at the CURVE handshake (a key not allowed, or no CURVE at all), or connections
+  // shut down over the inbox's limit (core/zmq_guard.hpp).
   virtual uint64_t refused() const { return 0; }
   // Whether the inbox authenticates its peers (CURVE), or needs none (shm://, ipc:// in a 0700
   // directory).

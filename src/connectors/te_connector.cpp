@@ -411,7 +411,7 @@ Value TeConnector::health() {
   m.emplace_back("connects", uint64_t(connects_.load()));  // connect() calls that set up a sender
   m.emplace_back("errors", uint64_t(errors_.load()));
   m.emplace_back("curve", bool(o_.curve));  // the side channel authenticated and encrypted
-  m.emplace_back("refused_peers", uint64_t(admission_ ? admission_->refused() : 0));
+  m.emplace_back("refused_peers", uint64_t((admission_ ? admission_->refused() : 0) + (guard_ ? guard_->refused() : 0)));
   m.emplace_back("refused_pulls", uint64_t(refused_pulls_.load()));  // without a token or the put's capability
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -583,6 +583,12 @@ void TeConnector::sweep_locked() {
 }
 
 }  // namespace te
+
+Status check_te_options(const Value& extra) {
+  auto o = te::te_options(extra);
+  if (!o.ok()) return std::move(o).error();
+  return {};
+}
 
 Result<std::unique_ptr<Connector>> make_te_connector(const std::string& name, const Value& extra) {
   SL_ASSIGN(te::TeOptions o, te::te_options(extra));

@@ -93,7 +93,9 @@ class ZmqInbox final : public ControlInbox {
     return {};
   }
 
-  uint64_t refused() const override { return admission_ ? admission_->refused() : 0; }
+  uint64_t refused() const override {  // keys refused at the handshake, and connections over the guard's limit
+    return (admission_ ? admission_->refused() : 0) + (guard_ ? guard_->refused() : 0);
+  }
   bool authenticated() const override { return admission_ || !off_host(endpoint_); }
 
   const std::string& endpoint() const override { return endpoint_; }

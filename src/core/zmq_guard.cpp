@@ -11,7 +11,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
-#include <unordered_map>
+#include <unordered_set>
 
 #include "core/log.hpp"
 #include "core/zmq_util.hpp"
@@ -20,8 +20,7 @@ namespace stagelink {
 
 struct ConnectionGuard::State {
   std::thread thread;
-  std::unordered_map<int, uint32_t> live;  // accepted descriptors (a number reused: counted again)
-  size_t n = 0;
+  std::unordered_set<int> live;  // the descriptors of the connections accepted and not yet lost
 };
 
 namespace {
@@ -107,13 +106,8 @@ void ConnectionGuard::run() {
       if (event == ZMQ_EVENT_ACCEPTED) {
         on_accepted(fd, where.to_string());
       } else if (event == ZMQ_EVENT_DISCONNECTED) {
-        auto it = st_->live.find(fd);
-        if (it != st_->live.end()) {
-          if (--it->second == 0) st_->live.erase(it);
-          --st_->n;
-        }
+        st_->live.erase(fd);  // a newcomer shut down was never counted
       }
-      live_.store(st_->n, std::memory_order_relaxed);
     } catch (const zmq::error_t& e) {
       if (e.num() == ETERM) return;
       // Keep draining: a monitor nobody reads would block the socket's I/O thread.
@@ -123,9 +117,8 @@ void ConnectionGuard::run() {
 }
 
 void ConnectionGuard::on_accepted(int fd, const std::string& endpoint) {
-  if (st_->n < max_live_) {
-    ++st_->live[fd];
-    ++st_->n;
+  if (st_->live.size() < max_live_) {
+    st_->live.insert(fd);
     return;
   }
   // Full: this newcomer goes. libzmq reads end of file, drops the connection, closes the

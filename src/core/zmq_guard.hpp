@@ -35,7 +35,6 @@ class ConnectionGuard {
   ConnectionGuard& operator=(const ConnectionGuard&) = delete;
 
   uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }  // newcomers shut down
-  size_t live() const { return live_.load(std::memory_order_relaxed); }
 
  private:
   ConnectionGuard() = default;
@@ -47,7 +46,6 @@ class ConnectionGuard {
   int stop_fd_ = -1;
   size_t max_live_ = 0;
   std::atomic<uint64_t> refused_{0};
-  std::atomic<size_t> live_{0};
   struct State;
   std::unique_ptr<State> st_;
 };

@@ -391,7 +391,7 @@ class MqWriter final : public MessageQueue {
     m.emplace_back("remote_readers_subscribed", uint64_t(remote_seen_.size()));
     if (pub_) {  // remote readers: authenticated (CURVE), and the keys refused
       m.emplace_back("curve", bool(admission_));
-      m.emplace_back("refused_peers", uint64_t(admission_ ? admission_->refused() : 0));
+      m.emplace_back("refused_peers", uint64_t((admission_ ? admission_->refused() : 0) + (guard_ ? guard_->refused() : 0)));
     }
     m.emplace_back("overflow_used", uint64_t(ovf_alloc_ ? ovf_alloc_->used() : 0));
     if (ring_) m.emplace_back("live_mask", uint64_t(ring_->header().live_mask.load()));
