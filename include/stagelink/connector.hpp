@@ -226,5 +226,10 @@ Result<std::unique_ptr<Connector>> create_connector(const std::string& name, con
 // Register a user connector under `name` (replaces an existing registration).
 void register_connector(const std::string& name, ConnectorCreator creator);
 std::vector<std::string> registered_connectors();
+// A connector's `extra` read now by that connector's own option reader, as create_connector
+// would read it (each value's type, range and choice; a misspelt key names the key meant),
+// without making the connector. Errors: not_found (unknown name), those of the reader. A
+// connector whose options another layer reads (Mooncake's store: Python) or a user's: ok.
+Status check_connector_options(const std::string& name, const Value& extra);
 
 }  // namespace stagelink

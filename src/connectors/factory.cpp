@@ -6,6 +6,7 @@
 #include "connectors/names.hpp"
 #include "connectors/shm_connector.hpp"
 #include "connectors/store_connector.hpp"
+#include "connectors/store_options.hpp"
 #include "connectors/te_connector.hpp"
 #include "stagelink/connector.hpp"
 
@@ -101,6 +102,20 @@ void register_connector(const std::string& name, ConnectorCreator creator) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.creators[name] = std::move(creator);
+}
+
+Status check_connector_options(const std::string& name, const Value& extra) {
+  auto status = [](auto&& r) -> Status {
+    if (!r.ok()) return std::move(r).error();
+    return {};
+  };
+  if (name == "SharedMemoryConnector") return status(ShmConnectorOptions::from_extra(extra));
+  if (name == "StoreConnector") return status(store_options(extra));
+  if (name == "TransferEngineConnector" || name == "MooncakeTransferEngineConnector") return check_te_options(extra);
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (!r.creators.count(name)) return make_error(Errc::not_found, "unknown connector '" + name + "'");
+  return {};
 }
 
 std::vector<std::string> registered_connectors() {

@@ -192,34 +192,12 @@ void bind_tools(nb::module_& m) {
     return out;
   }, "Every connector's and the relay's option schema (key, type, default, range, meaning): the source of the "
      "configuration reference.");
-  m.def("check_options", [](const std::string& owner, nb::handle extra) {
-        // Every value of `extra` read as `owner`'s schema reads it (type, range, choice), as the
-        // connector would when made, without making it. Returns the keys the schema does not know.
-        const options::Schema* schema = nullptr;
-        for (const options::Schema* s : options::schemas())
-          if (s->owner == owner) schema = s;
-        if (!schema) raise(make_error(Errc::invalid_argument, "no option schema for '" + owner + "'"));
-        const options::Reader r = unwrap(options::Reader::open(*schema, extra.is_none() ? Value(Value::Map{}) : from_py(extra)));
-        for (const options::Key& k : schema->keys) {
-          Status st;
-          if (k.type == options::Type::string || k.type == options::Type::choice) {
-            std::string v;
-            st = r.read(k.name, v);
-          } else if (k.type == options::Type::boolean) {
-            bool v = false;
-            st = r.read(k.name, v);
-          } else if (k.type == options::Type::integer || k.type == options::Type::number || k.type == options::Type::size) {
-            double v = 0;
-            st = r.read(k.name, v);
-          }
-          if (!st.ok()) raise(st.error());
-        }
-        nb::list unknown;
-        for (const std::string& u : r.unused()) unknown.append(u);
-        return unknown;
-      }, nb::arg("owner"), nb::arg("extra").none(),
-      "For configuration checks: `extra` read against `owner`'s option schema (every value's type, range "
-      "and choice), as its connector reads it when made. Returns the keys that schema does not know.");
+  m.def("check_connector_options", [](const std::string& name, nb::handle extra) {
+        const Status st = check_connector_options(name, extra.is_none() ? Value(Value::Map{}) : from_py(extra));
+        if (!st.ok()) raise(st.error());
+      }, nb::arg("name"), nb::arg("extra").none(),
+      "For configuration checks: `extra` read by connector `name`'s own option reader, as when it is "
+      "made, without making it.");
   m.def("make_private_socket_dir", [](const std::string& tag) { return unwrap(make_private_socket_dir(tag)); },
         nb::arg("tag") = "stagelink");
   m.def("remove_private_socket_dir", &remove_private_socket_dir);
