@@ -219,17 +219,64 @@ Result<size_t> get_into(Connector& c, const std::string& from_stage, const std::
                         const std::string& key, const Value* metadata, Deadline deadline,
                         std::span<std::byte> dst, size_t tensor = 0);
 
-// Factory: create a connector by class name. `extra` is the config's `extra` map (plus injected
-// fields such as role). Errors: not_found (unknown name), unsupported (known, not built yet).
+namespace options {
+struct Schema;
+}
+
+// What a connector is, for the layers that choose one or decide how to use it (the relay, the
+// pipeline's placement and config checks, the Python binding): asked of its descriptor, never
+// decided by comparing class names.
+enum class ConnectorTrait : uint32_t {
+  host_local = 1u << 0,      // its payloads reach only processes of this host run by this user
+  side_channel = 1u << 1,    // a sender serves a side channel (extra.zmq_port) that its receivers
+                             // reach at sender_host:sender_zmq_port (vLLM-Omni's role-bound ones)
+  pickle_default = 1u << 2,  // objects without a native frame are pickled unless extra.allow_pickle
+                             // is false (only where no other user or host can write its data)
+  device_slots = 1u << 3,    // CUDA tensors may stay on their GPU (a device arena read over CUDA IPC)
+  lookup_gets = 1u << 4,     // a get given its put's metadata is one lookup: it never waits
+  python_made = 1u << 5,     // made by stagelink's Python layer (ConnectorDescriptor::python)
+};
+
+// Factory: make a connector. `name` is the name it was asked for (an alias included: vLLM-Omni's
+// callers read it back from name()); `extra` the config's `extra` map plus injected fields
+// (role, stage_id, ...).
+using ConnectorFactory = std::function<Result<std::unique_ptr<Connector>>(const std::string& name, const Value& extra)>;
+// A user connector's factory of old (registered by name alone).
 using ConnectorCreator = std::function<Result<std::unique_ptr<Connector>>(const Value& extra)>;
+
+// The one source of what a connector is: its names, its options, its traits and how it is made.
+// Registered once (the built-in ones by factory.cpp; a user's with register_connector) and listed
+// by connectors(), which Python reads as `stagelink._core.connectors()`.
+struct ConnectorDescriptor {
+  std::string name;
+  std::vector<std::string> aliases;         // other names it answers to (vLLM-Omni's)
+  const options::Schema* schema = nullptr;  // its extra's keys (null: none declared)
+  uint32_t traits = 0;                      // ConnectorTrait bits
+  ConnectorFactory factory;                 // null for a python_made one
+  // `extra` read as the factory reads it, nothing made (null: the schema's check, or none).
+  std::function<Status(const Value& extra)> check;
+  std::string python;  // python_made: "module:Class" that makes it
+  std::string doc;     // one line, for listings
+  bool has(ConnectorTrait t) const { return (traits & static_cast<uint32_t>(t)) != 0; }
+};
+
+// Create a connector by name or alias. Errors: not_found (unknown name), unsupported (known, not
+// made from C++: python_made, or not built yet), those of its factory.
 Result<std::unique_ptr<Connector>> create_connector(const std::string& name, const Value& extra);
-// Register a user connector under `name` (replaces an existing registration).
+// Register a connector (replaces one of the same name; its aliases then name it too).
+void register_connector(ConnectorDescriptor d);
+// Register a user connector under `name` with no traits (its data treated as crossing hosts).
 void register_connector(const std::string& name, ConnectorCreator creator);
+// The descriptor `name` (a name or an alias) names; nullopt when none.
+std::optional<ConnectorDescriptor> find_connector(const std::string& name);
+// Every registered connector, by name.
+std::vector<ConnectorDescriptor> connectors();
+// Every name create_connector takes (names and aliases), sorted.
 std::vector<std::string> registered_connectors();
 // A connector's `extra` read now by that connector's own option reader, as create_connector
 // would read it (each value's type, range and choice; a misspelt key names the key meant),
 // without making the connector. Errors: not_found (unknown name), those of the reader. A
-// connector whose options another layer reads (Mooncake's store: Python) or a user's: ok.
+// connector that declares neither reader nor schema: ok.
 Status check_connector_options(const std::string& name, const Value& extra);
 
 }  // namespace stagelink

@@ -41,7 +41,25 @@ struct RelayConfig {
   // Keys of the seed's RelayConfig (slot_size_mb, credits, rank, world_size, device) plus
   // backend, connector, extra, timeout_s, engine_id. Errors: invalid_argument naming the key.
   static Result<RelayConfig> from_value(const Value& v);
+  // The connector this relay makes (its backend's, or `connector`); empty for `local`.
+  std::string connector_name() const;
+  // Whether its payloads stay within this host (local, or a host_local connector's): only such a
+  // relay may carry CUDA device records.
+  bool host_local() const;
 };
+
+// The relay's backends, the one place each is described: the connector it makes and where its
+// data goes. `ucx` is read as `connector` with TransferEngineConnector; `connector` names its
+// connector in the config (its traits are then the connector's, from its descriptor).
+struct RelayBackend {
+  std::string_view name;       // shm | ucx | local | connector
+  std::string_view connector;  // the connector it makes ("" for local and connector)
+  bool host_local;             // its payloads stay within this host
+  std::string_view doc;
+};
+std::span<const RelayBackend> relay_backends();
+// The relay config's schema (a closed one: every unknown key refused), for the reference.
+const options::Schema& relay_schema();
 
 struct RelayPutOptions {
   std::string_view request_id;     // cleanup(request_id) releases the put and its credit

@@ -134,7 +134,27 @@ def config_reference() -> str:
            "they are read through (`stagelink config reference`; `stagelink._core.option_schemas()`). A key not",
            "listed is refused where the schema is closed and otherwise named in `health()[\"ignored_extra_keys\"]`;",
            "a near miss of a known key is refused with the key it resembles. Sizes take units (`256 MiB`, `1G`).",
-           "The pipeline file's own keys are in [the pipeline guide](../pipeline.md).", ""]
+           "The pipeline file's own keys are in [the pipeline guide](../pipeline.md).", "",
+           "## Connectors", "",
+           "Each connector's descriptor (`stagelink._core.connectors()`), the one place its names and traits are",
+           "written: `host_local` (its data reaches only this host's processes of this user), `side_channel` (a",
+           "sender serves a side channel its receivers reach), `pickle_default` (`allow_pickle` on unless set),",
+           "`device_slots` (CUDA tensors may stay on their GPU), `lookup_gets` (a get by metadata never waits),",
+           "`python_made` (made by the Python layer).", "",
+           "| connector | also named | traits | what it moves data through |", "|---|---|---|---|"]
+    seen = set()
+    for d in _core.connectors().values():
+        if d["name"] in seen:
+            continue
+        seen.add(d["name"])
+        out.append(f"| `{d['name']}` | {', '.join(f'`{a}`' for a in d['aliases'])} | "
+                   f"{', '.join(sorted(d['traits']))} | {d['doc']} |")
+    out += ["", "Relay backends (`stagelink._core.relay_backends()`; the pipeline adds `auto`: `shm` within a host,",
+            "`ucx` between hosts):", "", "| backend | connector | within one host | |", "|---|---|---|---|"]
+    for b in _core.relay_backends().values():
+        out.append(f"| `{b['name']}` | {('`' + b['connector'] + '`') if b['connector'] else ''} | "
+                   f"{'yes' if b['host_local'] else 'by connector' if b['name'] == 'connector' else 'no'} | {b['doc']} |")
+    out.append("")
     for s in _core.option_schemas():
         owner = s["owner"]
         where = f"Keys under `{s['prefix']}`" if s.get("prefix") else "Keys at the top level"

@@ -118,8 +118,14 @@ def load_omni_transfer_config(config_path: Union[str, os.PathLike, None] = None,
 
 
 # vLLM-Omni's role-bound connectors: a sender serves a side channel on ``zmq_port`` that its
-# receivers reach at ``sender_host:sender_zmq_port``.
-_ROLE_BOUND = ("TransferEngineConnector", "MooncakeTransferEngineConnector", "MoriTransferEngineConnector")
+# receivers reach at ``sender_host:sender_zmq_port``. stagelink's say so by their descriptor's
+# `side_channel` trait; vLLM-Omni's MORI one, which stagelink does not build, by its name.
+_FOREIGN_ROLE_BOUND = frozenset({"MoriTransferEngineConnector"})
+
+
+def _role_bound(name: str) -> bool:
+    from .connector import has_trait
+    return name in _FOREIGN_ROLE_BOUND or has_trait(name, "side_channel")
 
 
 def _detect_local_ip() -> str:
@@ -137,7 +143,7 @@ def _inject_chunk_path_endpoints(extra: dict, connector_name: str, role: str, ow
     kept. Any other connector, a stage id that is not an integer (``"prefill"``) or ``zmq_port: 0``
     (pick any port) is left as it is. The ports are the seed's request-forwarding ports
     (:func:`stagelink.transfer_engine_port`, purpose offset 0, one replica)."""
-    if connector_name not in _ROLE_BOUND:
+    if not _role_bound(connector_name):
         return
     try:
         own = int(own_stage)
@@ -171,7 +177,7 @@ def get_connectors_config_for_stage(transfer_config, stage_id) -> dict:
     for c in entries:
         name, incoming = c["connector"].name, c["direction"] == "input"
         extra = dict(c["connector"].extra)
-        if name in _ROLE_BOUND:
+        if _role_bound(name):
             edge = (c["peer"], stage_id) if incoming else (stage_id, c["peer"])
             role = transfer_config.connector_for_edge(*edge).extra.get("role")
             if role is None:

@@ -53,9 +53,6 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
 
     #: vLLM-Omni: connectors that move raw registered buffers (RDMA) set this; shared memory does not.
     supports_raw_data: bool = False
-    #: Connector names whose data may come from another host: pickle is off unless asked for.
-    _NETWORK = frozenset({"MooncakeStoreConnector", "MooncakeConnector", "MooncakeTransferEngineConnector", "StoreConnector",
-                          "TransferEngineConnector", "YuanrongConnector"})
 
     def __init__(self, name: str, extra: Optional[dict] = None):
         extra = dict(extra or {})
@@ -66,7 +63,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         #: vLLM-Omni's: the stage this connector serves (injected by the orchestrator; -1: not given).
         #: Its chunk adapter reads it.
         self.stage_id = extra.get("stage_id", -1)
-        allow_pickle = bool(extra.get("allow_pickle", name not in self._NETWORK))
+        allow_pickle = bool(extra.get("allow_pickle", has_trait(name, "pickle_default")))
         native_extra = {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool, type(None), dict, list))}
         super().__init__(name, native_extra, allow_pickle)
         self._ready = True
@@ -409,16 +406,33 @@ _CLASSES = {c.__name__: c for c in (SharedMemoryConnector, TransferEngineConnect
                                     MooncakeTransferEngineConnector, StoreConnector)}
 
 
+def describe_connector(name: str) -> Optional[dict]:
+    """The descriptor of connector ``name`` (a name or an alias), as the C++ core registered it:
+    ``{name, aliases, traits, schema, python, doc}``; ``traits`` holds ``host_local`` (its data
+    reaches only this host's processes of this user), ``side_channel`` (a sender serves a side
+    channel its receivers reach: vLLM-Omni's role-bound connectors), ``pickle_default``,
+    ``device_slots``, ``lookup_gets`` and ``python_made``. None for a name the core does not know
+    (a connector registered only in Python, through :class:`OmniConnectorFactory`)."""
+    return _core.connectors().get(name)
+
+
+def has_trait(name: str, trait: str) -> bool:
+    """Whether connector ``name`` has ``trait`` (:func:`describe_connector`); False for a name the
+    core does not know: such a connector's data is taken to cross hosts."""
+    d = describe_connector(name)
+    return d is not None and trait in d["traits"]
+
+
 def create_connector(name: str, extra: Optional[dict] = None, **injected):
     """Create a connector by class name (``SharedMemoryConnector``, ...). ``injected`` fields
     (``role``, ``stage_id``, ...) are merged into ``extra`` as vLLM-Omni's orchestrator does.
     An unknown name raises :class:`stagelink.NotFoundError`, which is also a ``ValueError``."""
     merged = dict(extra or {})
     merged.update(injected)
-    # Python: it drives Mooncake's Python client. "MooncakeConnector" is vLLM-Omni's other name
-    # for it (registered beside it there; its CI stage configs use it).
-    if name in ("MooncakeStoreConnector", "MooncakeConnector"):
-        from .mooncake_store import MooncakeStoreConnector
-        return MooncakeStoreConnector(merged, name)
+    d = describe_connector(name)
+    if d is not None and d["python"]:  # made here (Mooncake's store drives Mooncake's Python client)
+        import importlib
+        module, cls_name = d["python"].split(":")
+        return getattr(importlib.import_module(module), cls_name)(merged, name)
     cls = _CLASSES.get(name)
     return cls(merged) if cls is not None else Connector(name, merged)

@@ -31,10 +31,10 @@ def default_allow_pickle(config: dict) -> bool:
     if backend in ("shm", "local"):
         return True
     if backend == "connector":
-        from .connector import Connector
+        from .connector import has_trait
         extra = config.get("extra") or {}
         name = config.get("connector", "SharedMemoryConnector")
-        return bool(extra.get("allow_pickle", name not in Connector._NETWORK))
+        return bool(extra.get("allow_pickle", has_trait(name, "pickle_default")))
     return False
 
 

@@ -6,8 +6,8 @@
 #include "connectors/names.hpp"
 #include "connectors/shm_connector.hpp"
 #include "connectors/store_connector.hpp"
-#include "connectors/store_options.hpp"
 #include "connectors/te_connector.hpp"
+#include "core/options.hpp"
 #include "stagelink/connector.hpp"
 
 namespace stagelink {
@@ -48,73 +48,107 @@ Status validate_name(std::string_view what, std::string_view s, size_t max_len) 
 }
 
 namespace {
+// The registered descriptors by name; `names` maps every name and alias to its descriptor's name.
 struct Registry {
   std::mutex mu;
-  std::map<std::string, ConnectorCreator> creators;
+  std::map<std::string, ConnectorDescriptor> by_name;
+  std::map<std::string, std::string> names;
+
+  void add(ConnectorDescriptor d) {
+    if (auto old = by_name.find(d.name); old != by_name.end())
+      for (const auto& a : old->second.aliases) names.erase(a);
+    names[d.name] = d.name;
+    for (const auto& a : d.aliases) names[a] = d.name;
+    by_name[d.name] = std::move(d);
+  }
+  const ConnectorDescriptor* find(const std::string& name) const {
+    auto it = names.find(name);
+    if (it == names.end()) return nullptr;
+    auto d = by_name.find(it->second);
+    return d == by_name.end() ? nullptr : &d->second;
+  }
 };
 
+ConnectorDescriptor mooncake_store_descriptor() {
+  ConnectorDescriptor d;
+  d.name = "MooncakeStoreConnector";
+  d.aliases = {"MooncakeConnector"};  // vLLM-Omni's other name for it (its CI stage configs use it)
+  d.traits = uint32_t(ConnectorTrait::python_made);
+  d.python = "stagelink.mooncake_store:MooncakeStoreConnector";
+  d.doc = "Mooncake's distributed store, through its Python client (vLLM-Omni's connector)";
+  return d;
+}
 
 Registry& registry() {
   static Registry* r = [] {
     auto* reg = new Registry();
-    auto shm = [](const Value& extra) -> Result<std::unique_ptr<Connector>> {
-      SL_ASSIGN(auto opts, ShmConnectorOptions::from_extra(extra));
-      return make_shm_connector(opts);
-    };
-    reg->creators["SharedMemoryConnector"] = shm;
-    // MooncakeConnector: vLLM-Omni's other name for it (its CI configs use that one).
-    for (const char* n : {"MooncakeStoreConnector", "MooncakeConnector"}) {
-      const std::string name = n;
-      reg->creators[name] = [name](const Value&) -> Result<std::unique_ptr<Connector>> {
-        return make_error(Errc::unsupported,
-                          name + " drives Mooncake's Python client: create it from Python "
-                                 "(stagelink.create_connector), or use StoreConnector (Redis) from C++");
-      };
-    }
-    reg->creators["StoreConnector"] = [](const Value& extra) { return make_store_connector("StoreConnector", extra); };
-    for (const char* n : {"MooncakeTransferEngineConnector", "TransferEngineConnector"}) {
-      const std::string name = n;
-      reg->creators[name] = [name](const Value& extra) { return make_te_connector(name, extra); };
-    }
+    for (auto d : {shm_connector_descriptor(), store_connector_descriptor(), te_connector_descriptor(),
+                   mooncake_store_descriptor()})
+      reg->add(std::move(d));
     return reg;
   }();
   return *r;
 }
+
+std::string known_names(const Registry& r) {
+  std::string known;
+  for (const auto& [k, v] : r.names) known += (known.empty() ? "" : ", ") + k;
+  return known;
+}
 }  // namespace
 
 Result<std::unique_ptr<Connector>> create_connector(const std::string& name, const Value& extra) {
-  ConnectorCreator c;
+  ConnectorFactory make;
   {
     auto& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
-    auto it = r.creators.find(name);
-    if (it == r.creators.end()) {
-      std::string known;
-      for (auto& [k, v] : r.creators) known += (known.empty() ? "" : ", ") + k;
-      return make_error(Errc::not_found, "unknown connector '" + name + "' (known: " + known + ")");
-    }
-    c = it->second;
+    const ConnectorDescriptor* d = r.find(name);
+    if (!d) return make_error(Errc::not_found, "unknown connector '" + name + "' (known: " + known_names(r) + ")");
+    if (!d->factory)
+      return make_error(Errc::unsupported,
+                        name + " is made by stagelink's Python layer (" + d->python +
+                            "): create it from Python (stagelink.create_connector)" +
+                            (d->name == "MooncakeStoreConnector" ? ", or use StoreConnector (Redis) from C++" : ""));
+    make = d->factory;
   }
-  return c(extra);
+  return make(name, extra);
+}
+
+void register_connector(ConnectorDescriptor d) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.add(std::move(d));
 }
 
 void register_connector(const std::string& name, ConnectorCreator creator) {
+  ConnectorDescriptor d;
+  d.name = name;
+  d.factory = [creator = std::move(creator)](const std::string&, const Value& extra) { return creator(extra); };
+  register_connector(std::move(d));
+}
+
+std::optional<ConnectorDescriptor> find_connector(const std::string& name) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  r.creators[name] = std::move(creator);
+  const ConnectorDescriptor* d = r.find(name);
+  if (!d) return std::nullopt;
+  return *d;
+}
+
+std::vector<ConnectorDescriptor> connectors() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<ConnectorDescriptor> out;
+  for (const auto& [k, d] : r.by_name) out.push_back(d);
+  return out;
 }
 
 Status check_connector_options(const std::string& name, const Value& extra) {
-  auto status = [](auto&& r) -> Status {
-    if (!r.ok()) return std::move(r).error();
-    return {};
-  };
-  if (name == "SharedMemoryConnector") return status(ShmConnectorOptions::from_extra(extra));
-  if (name == "StoreConnector") return status(store_options(extra));
-  if (name == "TransferEngineConnector" || name == "MooncakeTransferEngineConnector") return check_te_options(extra);
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  if (!r.creators.count(name)) return make_error(Errc::not_found, "unknown connector '" + name + "'");
+  auto d = find_connector(name);
+  if (!d) return make_error(Errc::not_found, "unknown connector '" + name + "'");
+  if (d->check) SL_TRY(d->check(extra));
+  // Every declared key by its type, the common ones too (strict, get_timeout_s: read in Python).
+  if (d->schema) SL_TRY(options::check(*d->schema, extra));
   return {};
 }
 
@@ -122,7 +156,7 @@ std::vector<std::string> registered_connectors() {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   std::vector<std::string> out;
-  for (auto& [k, v] : r.creators) out.push_back(k);
+  for (const auto& [k, v] : r.names) out.push_back(k);
   return out;
 }
 

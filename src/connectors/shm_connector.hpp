@@ -29,5 +29,7 @@ struct ShmConnectorOptions {
 };
 
 Result<std::unique_ptr<Connector>> make_shm_connector(const ShmConnectorOptions& opts);
+// Its descriptor (names, schema, traits, factory), registered by factory.cpp.
+ConnectorDescriptor shm_connector_descriptor();
 
 }  // namespace stagelink

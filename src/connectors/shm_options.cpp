@@ -28,19 +28,13 @@ constexpr Key kShmKeys[] = {
      1u << 20},
     {"on_existing_key", Type::choice, "replace", "a put of an unread key replaces it, or fails (`error`)", 0, 0,
      "replace|error"},
-    {"get_timeout_s", Type::number, "none", "default timeout of a keyless get (Python; none: one attempt)", 0, 1e9},
-    {"strict", Type::boolean, "false", "raise instead of returning False/None (Python)"},
-    {"allow_pickle", Type::boolean, "true", "objects without a native frame may be pickled; off: refused at put and get"},
     {"cuda_ipc", Type::boolean, "true",
      "CUDA tensors stay on their GPU: put copies them into a device arena of the producer, get maps it over CUDA "
      "IPC (false: staged through host memory)"},
     {"cuda_arena_bytes", Type::size, "256 MiB", "each device arena's size (a larger tensor gets one of its own)",
      1u << 20, 1ull << 40},
-    {"role", Type::string, "", "sender, receiver or dual (set by the config loader)"},
-    {"stage_id", Type::any, "", "the stage this connector serves (vLLM-Omni's orchestrator sets it)"},
 };
-constexpr options::Schema kShmSchema{"SharedMemoryConnector", "extra.", kShmKeys};
-const options::Register kShmRegistered{kShmSchema};
+constexpr options::Schema kShmSchema{"SharedMemoryConnector", "extra.", kShmKeys, false, options::kCommonConnectorKeys};
 }  // namespace
 
 Result<ShmConnectorOptions> ShmConnectorOptions::from_extra(const Value& extra) {
@@ -72,6 +66,24 @@ Result<ShmConnectorOptions> ShmConnectorOptions::from_extra(const Value& extra) 
       return make_error(Errc::invalid_argument, "SharedMemoryConnector: extra.namespace '" + o.ns +
                                                     "' may hold only letters, digits, '_' and '-'");
   return o;
+}
+
+ConnectorDescriptor shm_connector_descriptor() {
+  ConnectorDescriptor d;
+  d.name = "SharedMemoryConnector";
+  d.schema = &kShmSchema;
+  d.traits = uint32_t(ConnectorTrait::host_local) | uint32_t(ConnectorTrait::pickle_default) |
+             uint32_t(ConnectorTrait::device_slots) | uint32_t(ConnectorTrait::lookup_gets);
+  d.factory = [](const std::string&, const Value& extra) -> Result<std::unique_ptr<Connector>> {
+    SL_ASSIGN(auto opts, ShmConnectorOptions::from_extra(extra));
+    return make_shm_connector(opts);
+  };
+  d.check = [](const Value& extra) -> Status {
+    SL_TRY(ShmConnectorOptions::from_extra(extra));
+    return {};
+  };
+  d.doc = "this host's processes, through shared memory (the default; no service)";
+  return d;
 }
 
 }  // namespace stagelink

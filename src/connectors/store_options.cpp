@@ -1,6 +1,8 @@
 // StoreConnector's options (store_options.hpp).
 #include "connectors/store_options.hpp"
 
+#include "connectors/store_connector.hpp"
+
 #include <algorithm>
 #include <cstdlib>
 
@@ -80,14 +82,8 @@ constexpr Key kStoreKeys[] = {
     {"buffer_cache_bytes", Type::size, "512 MiB", "frame buffers kept for reuse by gets", 0, 1ull << 40},
     {"tls", Type::any, "false", "true, or {ca_file, cert_file, key_file, server_name, verify, enabled}"},
     {"cluster", Type::any, "false", "Redis Cluster: true, or seed nodes 'host:port'"},
-    {"get_timeout_s", Type::number, "none", "default timeout of a keyless get (Python)", 0, 1e9},
-    {"strict", Type::boolean, "false", "raise instead of returning False/None (Python)"},
-    {"allow_pickle", Type::boolean, "false", "objects without a native frame may be pickled (off between hosts)"},
-    {"role", Type::string, "", "sender, receiver or dual (set by the config loader)"},
-    {"stage_id", Type::any, "", "the stage this connector serves (vLLM-Omni's orchestrator sets it)"},
 };
-constexpr options::Schema kStoreSchema{"StoreConnector", "extra.", kStoreKeys};
-const options::Register kStoreRegistered{kStoreSchema};
+constexpr options::Schema kStoreSchema{"StoreConnector", "extra.", kStoreKeys, false, options::kCommonConnectorKeys};
 
 }  // namespace
 
@@ -187,6 +183,19 @@ Result<StoreOptions> store_options(const Value& e) {
   }
   if (o.redis.nodes.empty()) o.redis.nodes.emplace_back(host, int(port));
   return o;
+}
+
+ConnectorDescriptor store_connector_descriptor() {
+  ConnectorDescriptor d;
+  d.name = "StoreConnector";
+  d.schema = &kStoreSchema;
+  d.factory = make_store_connector;
+  d.check = [](const Value& extra) -> Status {
+    SL_TRY(store_options(extra));
+    return {};
+  };
+  d.doc = "through a distributed store (Redis, Redis Cluster), chunked, with leases";
+  return d;
 }
 
 }  // namespace stagelink

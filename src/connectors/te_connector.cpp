@@ -40,13 +40,8 @@ constexpr Key kTeKeys[] = {
     {"serve_by_key", Type::boolean, "false",
      "serve gets that name only the key (no put metadata) to whoever reaches the side channel; with curve, key "
      "holders get them anyway (SECURITY.md)"},
-    {"get_timeout_s", Type::number, "none", "default timeout of a keyless get (Python)", 0, 1e9},
-    {"strict", Type::boolean, "false", "raise instead of returning False/None (Python)"},
-    {"allow_pickle", Type::boolean, "false", "objects without a native frame may be pickled (off between hosts)"},
-    {"stage_id", Type::any, "", "the stage this connector serves (vLLM-Omni's orchestrator sets it)"},
 };
-constexpr options::Schema kTeSchema{"TransferEngineConnector", "extra.", kTeKeys};
-const options::Register kTeRegistered{kTeSchema};
+constexpr options::Schema kTeSchema{"TransferEngineConnector", "extra.", kTeKeys, false, options::kCommonConnectorKeys};
 
 Result<TeOptions> te_options(const Value& e) {
   TeOptions o;
@@ -584,17 +579,26 @@ void TeConnector::sweep_locked() {
 
 }  // namespace te
 
-Status check_te_options(const Value& extra) {
-  auto o = te::te_options(extra);
-  if (!o.ok()) return std::move(o).error();
-  return {};
-}
-
 Result<std::unique_ptr<Connector>> make_te_connector(const std::string& name, const Value& extra) {
   SL_ASSIGN(te::TeOptions o, te::te_options(extra));
   auto c = std::make_unique<te::TeConnector>(std::move(o));
   SL_TRY(c->init(name));
   return std::unique_ptr<Connector>(std::move(c));
+}
+
+ConnectorDescriptor te_connector_descriptor() {
+  ConnectorDescriptor d;
+  d.name = "TransferEngineConnector";
+  d.aliases = {"MooncakeTransferEngineConnector"};  // vLLM-Omni's name for the seed's
+  d.schema = &te::kTeSchema;
+  d.traits = uint32_t(ConnectorTrait::side_channel);
+  d.factory = make_te_connector;
+  d.check = [](const Value& extra) -> Status {
+    SL_TRY(te::te_options(extra));
+    return {};
+  };
+  d.doc = "between hosts over UCX (TCP or RDMA) from a registered pool; a ZeroMQ side channel per sender";
+  return d;
 }
 
 }  // namespace stagelink

@@ -7,6 +7,6 @@
 
 namespace stagelink {
 Result<std::unique_ptr<Connector>> make_te_connector(const std::string& name, const Value& extra);
-// Its `extra` read as make_te_connector reads it, without making anything.
-Status check_te_options(const Value& extra);
+// Its descriptor (names, schema, traits, factory), registered by factory.cpp.
+ConnectorDescriptor te_connector_descriptor();
 }  // namespace stagelink

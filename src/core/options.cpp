@@ -32,13 +32,19 @@ void add_ignored(Value::Map& health, const std::vector<std::string>& ignored) {
 const Key* Schema::find(std::string_view name) const {
   for (const Key& k : keys)
     if (k.name == name) return &k;
+  for (const Key& k : common)
+    if (k.name == name) return &k;
   return nullptr;
 }
 
-std::vector<const Schema*>& schemas() {
-  static std::vector<const Schema*> all;
-  return all;
+std::vector<const Key*> Schema::all() const {
+  std::vector<const Key*> out;
+  for (const Key& k : keys) out.push_back(&k);
+  for (const Key& k : common)
+    if (std::none_of(keys.begin(), keys.end(), [&](const Key& own) { return own.name == k.name; })) out.push_back(&k);
+  return out;
 }
+
 
 bool parse_size(std::string_view s, double& out) {
   std::string str(s);
@@ -127,15 +133,15 @@ Result<Reader> Reader::open(const Schema& s, const Value& v) {
     if (s.find(k)) continue;
     const Key* near = nullptr;  // a near miss of a known key: a typo
     size_t best = 3;
-    for (const Key& known : s.keys)
-      if (const size_t d = distance(k, known.name); d < best) {
+    for (const Key* known : s.all())
+      if (const size_t d = distance(k, known->name); d < best) {
         best = d;
-        near = &known;
+        near = known;
       }
     if (k.size() < 5) near = nullptr;  // short keys are near everything
     if (near || s.closed) {
       std::string known;
-      for (const Key& kk : s.keys) known += (known.empty() ? "" : ", ") + std::string(kk.name);
+      for (const Key* kk : s.all()) known += (known.empty() ? "" : ", ") + std::string(kk->name);
       return make_error(Errc::invalid_argument,
                         std::string(s.owner) + ": unknown key '" + std::string(s.prefix) + k + "'" +
                             (near ? "; did you mean '" + std::string(near->name) + "'?" : " (known: " + known + ")"));
@@ -214,6 +220,39 @@ Status Reader::read(std::string_view name, bool& out) const {
   if (!v) return {};
   if (!v->is<bool>()) return bad(k, "true or false", *v);
   out = v->as<bool>();
+  return {};
+}
+
+Status check(const Schema& s, const Value& v) {
+  SL_ASSIGN(const Reader r, Reader::open(s, v));
+  for (const Key* k : s.all()) {
+    switch (k->type) {
+      case Type::boolean: {
+        bool b = false;
+        SL_TRY(r.read(k->name, b));
+        break;
+      }
+      case Type::integer:
+      case Type::number:
+      case Type::size: {
+        double d = 0;
+        SL_TRY(r.read(k->name, d));
+        break;
+      }
+      case Type::string:
+      case Type::choice: {
+        std::string str;
+        SL_TRY(r.read(k->name, str));
+        break;
+      }
+      case Type::map:
+        if (const Value* m = r.raw(k->name); m && !m->is<Value::Map>())
+          return make_error(Errc::invalid_argument, std::string(s.owner) + ": " + std::string(s.prefix) +
+                                                        std::string(k->name) + " must be a map");
+        break;
+      case Type::any: break;
+    }
+  }
   return {};
 }
 

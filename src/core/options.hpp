@@ -6,8 +6,11 @@
 // ..."), and otherwise left alone and reported (Reader::unused): vLLM-Omni's orchestrator and other
 // callers add keys of their own to every connector's extra (stage_id, ...), which a connector must
 // accept as vLLM-Omni's connectors do. A schema marked `closed` (the relay's config, which only
-// stagelink writes) refuses every unknown key. The schemas are listed by schemas() for the
-// documentation's configuration reference.
+// stagelink writes) refuses every unknown key. Keys every connector takes (kCommonConnectorKeys: strict,
+// get_timeout_s, allow_pickle, role, stage_id) are declared once and nested in each connector's
+// schema (Schema::common); a connector's own key of the same name takes precedence. Connectors'
+// schemas are listed through their descriptors (stagelink/connector.hpp: connectors()), the
+// relay's by relay_schema() (src/relay), for the documentation's configuration reference.
 #pragma once
 #include <cstdint>
 #include <limits>
@@ -48,15 +51,28 @@ struct Schema {
   std::string_view prefix;  // how a key is named in errors: "extra." for connectors, "" for the relay
   std::span<const Key> keys;
   bool closed = false;      // every unknown key refused
+  std::span<const Key> common = {};  // keys shared with other owners (kCommonConnectorKeys), after `keys`
+  // A key by name: the owner's own first, then the common ones.
   const Key* find(std::string_view name) const;
+  // Every key, the owner's own first, then the common ones it does not redeclare.
+  std::vector<const Key*> all() const;
 };
 
-// Every schema stagelink declares (connectors and relay), for the configuration reference.
-std::vector<const Schema*>& schemas();
-// Declares `s` for schemas() (a static registrar in the owner's file).
-struct Register {
-  explicit Register(const Schema& s) { schemas().push_back(&s); }
+// The keys every connector's extra takes (Python's strict and get_timeout_s, allow_pickle,
+// vLLM-Omni's role and stage_id): nested in each connector's schema as Schema::common.
+inline constexpr Key kCommonConnectorKeys[] = {
+    {"get_timeout_s", Type::number, "none", "default timeout of a keyless get (Python; none: one attempt)", 0, 1e9},
+    {"strict", Type::boolean, "false", "raise instead of returning False/None (Python)"},
+    {"allow_pickle", Type::boolean, "by connector",
+     "objects without a native frame may be pickled: on by default only where the data stays with this host's "
+     "user (SharedMemoryConnector), off between hosts; off: refused at put and get"},
+    {"role", Type::string, "", "sender, receiver or dual (set by the config loader)"},
+    {"stage_id", Type::any, "", "the stage this connector serves (vLLM-Omni's orchestrator sets it)"},
 };
+
+// Every key of `s` read by its type (the check of an owner that has no reader of its own: a
+// user's connector registered with a schema). Errors: those of Reader.
+Status check(const Schema& s, const Value& v);
 
 class Reader {
  public:

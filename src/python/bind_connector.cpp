@@ -434,7 +434,8 @@ void bind_connector(nb::module_& m) {
                made = create_connector(name, e);
              }
              auto c = unwrap(std::move(made));
-             const bool networked = c->name() != "SharedMemoryConnector";
+             const auto desc = find_connector(name);
+             const bool networked = !desc || !desc->has(ConnectorTrait::host_local);
              PyObject *inl = nullptr, *lookup = nullptr;
              size_t slots = 0;
              if (auto* f = c->capability<BindingFields>()) {

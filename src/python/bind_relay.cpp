@@ -14,18 +14,14 @@ namespace {
 struct PyRelay {
   std::shared_ptr<Relay> r;
   bool allow_pickle = true;
+  // Whether its payloads come within this host (RelayConfig::host_local, read once): only such a
+  // path may bring CUDA device records.
+  bool host_local = false;
   std::shared_ptr<Relay> get() {
     if (!r) raise(make_error(Errc::closed, "relay is closed"));
     return r;
   }
 };
-// Whether a relay's payloads come within this host (shared memory, or in-process): only such a
-// path may bring CUDA device records.
-bool host_local(const RelayConfig& c) {
-  return c.backend == "shm" || c.backend == "local" ||
-         (c.backend == "connector" && c.connector == "SharedMemoryConnector");
-}
-
 struct PyRelayOp {
   RelayOp op;
   nb::object metadata;  // converted once
@@ -164,7 +160,7 @@ void bind_relay(nb::module_& m) {
   nb::class_<PyRelay>(m, "_Relay")
       .def("__init__", [](PyRelay* self, nb::handle config, bool allow_pickle) {
              RelayConfig c = unwrap(RelayConfig::from_value(config.is_none() ? Value() : from_py(config)));
-             new (self) PyRelay{std::shared_ptr<Relay>(unwrap(Relay::create(c))), allow_pickle};
+             new (self) PyRelay{std::shared_ptr<Relay>(unwrap(Relay::create(c))), allow_pickle, c.host_local()};
            }, nb::arg("config").none(), nb::arg("allow_pickle") = true)
       .def("_put_obj", &relay_put_obj, nb::arg("data").none(), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
            nb::arg("edge"), nb::arg("readers"))
@@ -197,7 +193,7 @@ void bind_relay(nb::module_& m) {
              if (const auto& obj = op.object())  // a local put's object, by reference
                return nb::make_tuple(KIND_OBJECT, nb::borrow(static_cast<PyObject*>(const_cast<void*>(obj.get()))), op.size());
              GetResult g{std::move(op.payload()), op.size(), op.owned()};
-             Found f = found_of(g, zero_copy, self.allow_pickle, "relay payload", host_local(self.get()->config()));
+             Found f = found_of(g, zero_copy, self.allow_pickle, "relay payload", self.host_local);
              return nb::make_tuple(f.kind, f.obj, f.size);
            }, nb::arg("metadata").none(), nb::arg("request_id").none(), nb::arg("timeout").none(), nb::arg("zero_copy"))
       .def("_get_into", [](PyRelay& self, nb::handle metadata, nb::handle out, nb::handle rid, nb::handle timeout) {

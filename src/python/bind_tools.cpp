@@ -10,6 +10,7 @@
 #include "cuda/arena.hpp"
 #include "python/codec.hpp"
 #include "python/torch.hpp"
+#include "stagelink/relay.hpp"
 
 namespace stagelink::py {
 
@@ -167,31 +168,71 @@ void bind_tools(nb::module_& m) {
   m.def("decode_frame_parts", [](nb::bytes data) {
     return frame_parts(std::span<const std::byte>(reinterpret_cast<const std::byte*>(data.c_str()), data.size()));
   });
-  m.def("option_schemas", [] {
-    nb::list out;
-    for (const options::Schema* s : options::schemas()) {
-      nb::list keys;
-      for (const options::Key& k : s->keys) {
-        nb::dict d;
-        d["name"] = std::string(k.name);
-        d["type"] = options::type_name(k.type);
-        d["default"] = std::string(k.def);
-        d["doc"] = std::string(k.doc);
-        if (!std::isinf(k.min)) d["min"] = k.min;
-        if (!std::isinf(k.max)) d["max"] = k.max;
-        if (!k.choices.empty()) d["choices"] = std::string(k.choices);
-        keys.append(d);
-      }
-      nb::dict sd;
-      sd["owner"] = std::string(s->owner);
-      sd["prefix"] = std::string(s->prefix);
-      sd["closed"] = s->closed;
-      sd["keys"] = keys;
-      out.append(sd);
+  auto schema_dict = [](const options::Schema& s) {
+    nb::list keys;
+    for (const options::Key* k : s.all()) {
+      nb::dict d;
+      d["name"] = std::string(k->name);
+      d["type"] = options::type_name(k->type);
+      d["default"] = std::string(k->def);
+      d["doc"] = std::string(k->doc);
+      if (!std::isinf(k->min)) d["min"] = k->min;
+      if (!std::isinf(k->max)) d["max"] = k->max;
+      if (!k->choices.empty()) d["choices"] = std::string(k->choices);
+      keys.append(d);
     }
+    nb::dict sd;
+    sd["owner"] = std::string(s.owner);
+    sd["prefix"] = std::string(s.prefix);
+    sd["closed"] = s.closed;
+    sd["keys"] = keys;
+    return sd;
+  };
+  m.def("option_schemas", [schema_dict] {
+    nb::list out;
+    for (const ConnectorDescriptor& d : connectors())
+      if (d.schema) out.append(schema_dict(*d.schema));
+    out.append(schema_dict(relay_schema()));
     return out;
   }, "Every connector's and the relay's option schema (key, type, default, range, meaning): the source of the "
      "configuration reference.");
+  m.def("connectors", [] {
+    static const std::pair<ConnectorTrait, const char*> kTraits[] = {
+        {ConnectorTrait::host_local, "host_local"},     {ConnectorTrait::side_channel, "side_channel"},
+        {ConnectorTrait::pickle_default, "pickle_default"}, {ConnectorTrait::device_slots, "device_slots"},
+        {ConnectorTrait::lookup_gets, "lookup_gets"},   {ConnectorTrait::python_made, "python_made"}};
+    nb::dict out;
+    for (const ConnectorDescriptor& d : connectors()) {
+      nb::dict e;
+      e["name"] = d.name;
+      nb::list aliases;
+      for (const auto& a : d.aliases) aliases.append(nb::str(a.c_str()));
+      e["aliases"] = aliases;
+      nb::list traits;
+      for (auto [t, n] : kTraits)
+        if (d.has(t)) traits.append(nb::str(n));
+      e["traits"] = traits;
+      e["schema"] = d.schema ? nb::object(nb::str(std::string(d.schema->owner).c_str())) : nb::none();
+      e["python"] = d.python.empty() ? nb::object(nb::none()) : nb::object(nb::str(d.python.c_str()));
+      e["doc"] = d.doc;
+      out[nb::str(d.name.c_str())] = e;
+      for (const auto& a : d.aliases) out[nb::str(a.c_str())] = e;
+    }
+    return out;
+  }, "Every registered connector's descriptor by name and alias: {name, aliases, traits (host_local, "
+     "side_channel, pickle_default, device_slots, lookup_gets, python_made), schema, python, doc}.");
+  m.def("relay_backends", [] {
+    nb::dict out;
+    for (const RelayBackend& b : relay_backends()) {
+      nb::dict e;
+      e["name"] = std::string(b.name);
+      e["connector"] = b.connector.empty() ? nb::object(nb::none()) : nb::object(nb::str(std::string(b.connector).c_str()));
+      e["host_local"] = b.host_local;
+      e["doc"] = std::string(b.doc);
+      out[nb::str(std::string(b.name).c_str())] = e;
+    }
+    return out;
+  }, "The relay's backends: {name: {connector it makes (None: local, or named by the config), host_local, doc}}.");
   m.def("check_connector_options", [](const std::string& name, nb::handle extra) {
         const Status st = check_connector_options(name, extra.is_none() ? Value(Value::Map{}) : from_py(extra));
         if (!st.ok()) raise(st.error());

@@ -74,7 +74,31 @@ constexpr Key kRelayKeys[] = {
     {"engine_id", Type::string, "", "SGLang-Omni's engine id, carried in the metadata"},
 };
 constexpr options::Schema kRelaySchema{"relay config", "", kRelayKeys, true};
-const options::Register kRelayRegistered{kRelaySchema};
+
+constexpr RelayBackend kRelayBackends[] = {
+    {"shm", "SharedMemoryConnector", true, "shared memory within a host: a pool of slot_size_mb x credits"},
+    {"ucx", "TransferEngineConnector", false, "the transfer engine (UCX over TCP or RDMA) between hosts"},
+    {"local", "", true, "within one process: objects passed by reference"},
+    {"connector", "", false, "any registered connector, named in `connector`"},
+};
+
+std::span<const RelayBackend> relay_backends() { return kRelayBackends; }
+const options::Schema& relay_schema() { return kRelaySchema; }
+
+std::string RelayConfig::connector_name() const {
+  if (backend == "connector") return connector;
+  for (const RelayBackend& b : kRelayBackends)
+    if (b.name == backend) return std::string(b.connector);
+  return connector;
+}
+
+bool RelayConfig::host_local() const {
+  if (backend != "connector")
+    for (const RelayBackend& b : kRelayBackends)
+      if (b.name == backend) return b.host_local;
+  const auto d = find_connector(connector_name());
+  return d && d->has(ConnectorTrait::host_local);
+}
 
 Result<RelayConfig> RelayConfig::from_value(const Value& v) {
   RelayConfig c;
@@ -93,8 +117,8 @@ Result<RelayConfig> RelayConfig::from_value(const Value& v) {
     c.extra = *e;
   }
   if (c.backend == "ucx") {  // the transfer engine (UCX), extra: its keys (host, zmq_port, protocol, ...)
+    c.connector = c.connector_name();
     c.backend = "connector";
-    c.connector = "TransferEngineConnector";
   }
   if (c.backend == "connector" && c.connector.empty())
     return make_error(Errc::invalid_argument, "relay config: backend 'connector' needs 'connector' (a class name)");
@@ -124,7 +148,8 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     if (cfg.backend == "local") return {};
     Value::Map extra;
     if (cfg.extra.is<Value::Map>()) extra = cfg.extra.as<Value::Map>();
-    std::string name = cfg.backend == "shm" ? "SharedMemoryConnector" : cfg.connector;
+    const std::string name = cfg.connector_name();
+    const auto desc = find_connector(name);
     if (cfg.backend == "shm") {
       auto has = [&](const char* k) {
         return std::any_of(extra.begin(), extra.end(), [&](auto& kv) { return kv.first == k; });
@@ -133,7 +158,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       if (!has("arena_bytes"))
         extra.emplace_back("arena_bytes", uint64_t(std::max(1.0, cfg.slot_size_mb * cfg.credits) * (1 << 20)));
       if (!has("put_timeout_s")) extra.emplace_back("put_timeout_s", cfg.timeout_s);
-    } else if (name == "TransferEngineConnector") {
+    } else if (desc && desc->has(ConnectorTrait::side_channel)) {
       auto has = [&](const char* k) {
         return std::any_of(extra.begin(), extra.end(), [&](auto& kv) { return kv.first == k; });
       };
@@ -147,7 +172,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     lending = conn->capability<Lending>();
     link = conn->capability<SenderLink>();
     if (auto* f = conn->capability<BindingFields>()) device_slots = f->device_slots();
-    lookup_only = name == "SharedMemoryConnector";
+    lookup_only = desc && desc->has(ConnectorTrait::lookup_gets);
     return {};
   }
 

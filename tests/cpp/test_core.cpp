@@ -13,6 +13,7 @@
 #include "core/proc.hpp"
 #include "cuda/driver.hpp"
 #include "connectors/names.hpp"
+#include "core/options.hpp"
 #include "stagelink/stagelink.hpp"
 
 using namespace stagelink;
@@ -625,6 +626,88 @@ TEST(Factory, UserRegisteredConnector) {
   auto c = create_connector("EchoConnector", Value());
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c.value()->put("0", "1", "k", Payload{})->size, 42u);
+  // Registered by name alone: no traits (its data treated as crossing hosts), no option check.
+  auto d = find_connector("EchoConnector");
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->traits, 0u);
+  EXPECT_TRUE(check_connector_options("EchoConnector", Value(Value::Map{{"anything", Value(1.5)}})).ok());
+}
+
+TEST(Factory, DescriptorsAreTheOneSourceOfWhatAConnectorIs) {
+  // Issue 62: names, aliases, schema, traits and factory in one descriptor per connector.
+  auto shm = find_connector("SharedMemoryConnector");
+  ASSERT_TRUE(shm.has_value());
+  EXPECT_TRUE(shm->has(ConnectorTrait::host_local));
+  EXPECT_TRUE(shm->has(ConnectorTrait::pickle_default));
+  EXPECT_TRUE(shm->has(ConnectorTrait::lookup_gets));
+  EXPECT_FALSE(shm->has(ConnectorTrait::side_channel));
+  ASSERT_NE(shm->schema, nullptr);
+  // The common keys are nested once and found through every connector's schema.
+  ASSERT_NE(shm->schema->find("allow_pickle"), nullptr);
+  ASSERT_NE(shm->schema->find("stage_id"), nullptr);
+  auto te = find_connector("MooncakeTransferEngineConnector");  // an alias finds its descriptor
+  ASSERT_TRUE(te.has_value());
+  EXPECT_EQ(te->name, "TransferEngineConnector");
+  EXPECT_TRUE(te->has(ConnectorTrait::side_channel));
+  EXPECT_FALSE(te->has(ConnectorTrait::host_local));
+  EXPECT_FALSE(te->has(ConnectorTrait::pickle_default));
+  // The TE's own `role` (a choice) shadows the common one (a string).
+  EXPECT_EQ(te->schema->find("role")->type, options::Type::choice);
+  auto bad_role = check_connector_options("TransferEngineConnector", Value(Value::Map{{"role", Value("boss")}}));
+  ASSERT_FALSE(bad_role.ok());
+  EXPECT_NE(bad_role.error().message.find("extra.role must be one of"), std::string::npos) << bad_role.error().message;
+  auto bad_strict = check_connector_options("StoreConnector", Value(Value::Map{{"strict", Value("yes")}}));
+  ASSERT_FALSE(bad_strict.ok());
+  EXPECT_NE(bad_strict.error().message.find("StoreConnector: extra.strict must be true or false"), std::string::npos)
+      << bad_strict.error().message;
+  auto ms = find_connector("MooncakeConnector");
+  ASSERT_TRUE(ms.has_value());
+  EXPECT_TRUE(ms->has(ConnectorTrait::python_made));
+  EXPECT_FALSE(ms->python.empty());
+  // Every name and alias is listed once.
+  const auto names = registered_connectors();
+  for (const char* n : {"SharedMemoryConnector", "TransferEngineConnector", "MooncakeTransferEngineConnector",
+                        "StoreConnector", "MooncakeStoreConnector", "MooncakeConnector"})
+    EXPECT_EQ(std::count(names.begin(), names.end(), n), 1) << n;
+  // A descriptor registered with a schema and no reader of its own is checked by the schema.
+  static constexpr options::Key kKeys[] = {{"depth", options::Type::integer, "1", "how deep", 1, 4}};
+  static constexpr options::Schema kSchema{"DeepConnector", "extra.", kKeys, false, options::kCommonConnectorKeys};
+  ConnectorDescriptor deep;
+  deep.name = "DeepConnector";
+  deep.aliases = {"Deep"};
+  deep.schema = &kSchema;
+  deep.factory = [](const std::string& as, const Value&) -> Result<std::unique_ptr<Connector>> {
+    auto c = std::make_unique<EchoConnector>();
+    c->n_ = as;
+    return std::unique_ptr<Connector>(std::move(c));
+  };
+  register_connector(deep);
+  auto made = create_connector("Deep", Value());
+  ASSERT_TRUE(made.ok());
+  EXPECT_EQ(made.value()->name(), "Deep");  // made under the name it was asked for
+  EXPECT_TRUE(check_connector_options("Deep", Value(Value::Map{{"depth", Value(int64_t(3))}})).ok());
+  auto deeper = check_connector_options("DeepConnector", Value(Value::Map{{"depth", Value(int64_t(9))}}));
+  ASSERT_FALSE(deeper.ok());
+  EXPECT_NE(deeper.error().message.find("DeepConnector: extra.depth must be an integer in [1, 4], got 9"),
+            std::string::npos) << deeper.error().message;
+  EXPECT_FALSE(check_connector_options("DeepConnector", Value(Value::Map{{"strict", Value(int64_t(2))}})).ok());
+}
+
+TEST(Factory, RelayBackendsSayWhereTheirDataGoes) {
+  std::vector<std::string> names;
+  for (const RelayBackend& b : relay_backends()) names.emplace_back(b.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"shm", "ucx", "local", "connector"}));
+  auto cfg = [](Value::Map m) { return RelayConfig::from_value(Value(std::move(m))).value(); };
+  EXPECT_TRUE(cfg({{"backend", Value("shm")}}).host_local());
+  EXPECT_EQ(cfg({{"backend", Value("shm")}}).connector_name(), "SharedMemoryConnector");
+  EXPECT_TRUE(cfg({{"backend", Value("local")}}).host_local());
+  EXPECT_EQ(cfg({{"backend", Value("local")}}).connector_name(), "");
+  EXPECT_FALSE(cfg({{"backend", Value("ucx")}}).host_local());
+  EXPECT_EQ(cfg({{"backend", Value("ucx")}}).connector_name(), "TransferEngineConnector");
+  // A connector backend takes its connector's trait, alias or not.
+  EXPECT_TRUE(cfg({{"backend", Value("connector")}, {"connector", Value("SharedMemoryConnector")}}).host_local());
+  EXPECT_FALSE(cfg({{"backend", Value("connector")}, {"connector", Value("StoreConnector")}}).host_local());
+  EXPECT_FALSE(cfg({{"backend", Value("connector")}, {"connector", Value("NoSuchConnector")}}).host_local());
 }
 
 TEST(HostPool, DroppedLargeBuffersAreReusedAndBounded) {

@@ -445,3 +445,43 @@ def test_connector_options_share_one_reader_and_its_schemas_are_listed():
         assert c.health()["ignored_extra_keys"] == ["vendor_knob"]
     finally:
         c.close()
+
+
+def test_connector_descriptors_are_the_one_source_of_what_a_connector_is():
+    """Issue 62: each connector's names, traits and schema come from one descriptor in the core;
+    what the Python layer decides from them (pickle default, role binding, relay placement) follows
+    the descriptor, an alias included, not a list of class names."""
+    ds = stagelink._core.connectors()
+    assert ds["MooncakeTransferEngineConnector"]["name"] == "TransferEngineConnector"
+    assert set(ds["SharedMemoryConnector"]["traits"]) >= {"host_local", "pickle_default", "lookup_gets"}
+    assert "side_channel" in ds["TransferEngineConnector"]["traits"]
+    assert ds["MooncakeConnector"]["python"] == "stagelink.mooncake_store:MooncakeStoreConnector"
+    from stagelink.connector import has_trait
+    from stagelink.config import _role_bound
+    from stagelink.relay import default_allow_pickle
+    assert has_trait("SharedMemoryConnector", "pickle_default") and not has_trait("StoreConnector", "pickle_default")
+    assert not has_trait("NoSuchConnector", "host_local")  # unknown: taken to cross hosts
+    assert _role_bound("MooncakeTransferEngineConnector") and _role_bound("MoriTransferEngineConnector")
+    assert not _role_bound("SharedMemoryConnector")
+    assert default_allow_pickle({"backend": "connector", "connector": "SharedMemoryConnector"})
+    assert not default_allow_pickle({"backend": "connector", "connector": "TransferEngineConnector"})
+    # Pickle defaults follow the traits: shared memory on, the transfer engine off.
+    shm = stagelink.create_connector("SharedMemoryConnector", {"namespace": f"desc{os.getpid()}"})
+    te = stagelink.create_connector("MooncakeTransferEngineConnector", {"host": "127.0.0.1", "zmq_port": 0})
+    try:
+        assert shm.allow_pickle and not te.allow_pickle
+        assert te.name == "MooncakeTransferEngineConnector"  # made under the name asked for
+    finally:
+        shm.close()
+        te.close()
+    # Relay backends: where each one's data goes, and the connector it makes.
+    from stagelink.pipeline.spec import relay_connector, relay_host_local
+    assert relay_connector({"backend": "ucx"}) == "TransferEngineConnector"
+    assert relay_connector({"backend": "local"}) is None
+    assert relay_host_local({"backend": "shm"}) and not relay_host_local({"backend": "ucx"})
+    assert relay_host_local({"backend": "connector", "connector": "SharedMemoryConnector"})
+    assert not relay_host_local({"backend": "connector", "connector": "StoreConnector"})
+    # The configuration reference lists them from the same descriptors.
+    from stagelink.cli import config_reference
+    ref = config_reference()
+    assert "| `TransferEngineConnector` | `MooncakeTransferEngineConnector` | side_channel |" in ref

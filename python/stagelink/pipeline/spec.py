@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .. import _core
+from ..connector import has_trait
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
                "inline", "zero_copy", "host", "env"}
@@ -160,8 +161,7 @@ class PipelineSpec:
         backend = r.get("backend", "shm")
         if backend == "local":
             return "by reference"
-        shm = backend == "shm" or (backend == "connector" and r.get("connector") == "SharedMemoryConnector")
-        if shm and (r.get("extra") or {}).get("cuda_ipc", True):
+        if has_trait(relay_connector(r), "device_slots") and (r.get("extra") or {}).get("cuda_ipc", True):
             return "stay on their GPU (device arena, CUDA IPC)"
         return "staged through pinned host memory" + (" (transfer engine)" if backend == "ucx" else "")
 
@@ -383,9 +383,23 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
     return spec
 
 
-# Relay backends and connectors that reach only their own host (or process).
-_HOST_LOCAL_BACKENDS = {"shm", "local"}
-_HOST_LOCAL_CONNECTORS = {"SharedMemoryConnector"}
+def relay_connector(cfg: dict) -> Optional[str]:
+    """The connector a relay config makes (its backend's, or the one it names; None: `local`), from
+    the core's relay backend table (`_core.relay_backends()`). `auto` is resolved first (relay_for)."""
+    backend = cfg.get("backend", "shm")
+    if backend == "connector":
+        return cfg.get("connector")
+    return _core.relay_backends()[backend]["connector"]
+
+
+def relay_host_local(cfg: dict) -> bool:
+    """Whether a relay config's data reaches only its own host (or process): its backend's say, or
+    its connector's `host_local` trait."""
+    backend = cfg.get("backend", "shm")
+    if backend != "connector":
+        return _core.relay_backends()[backend]["host_local"]
+    return has_trait(cfg.get("connector"), "host_local")
+
 _SHELL_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
 
@@ -480,8 +494,7 @@ def _check_hosts(spec: PipelineSpec, source):
         if ha == hb:
             continue
         r = spec.relay_for(a, b)
-        if r.get("backend") in _HOST_LOCAL_BACKENDS or (r.get("backend") == "connector" and
-                                                       r.get("connector") in _HOST_LOCAL_CONNECTORS):
+        if relay_host_local(r):
             what = r.get("connector") if r.get("backend") == "connector" else f"relay backend '{r.get('backend')}'"
             raise PipelineConfigError(
                 f"{source}: edge {a} -> {b} joins two hosts ('{ha or 'the coordinator'}', "
@@ -507,7 +520,8 @@ def _control(v, n_procs, source) -> dict:
     return c
 
 
-_RELAY_BACKENDS = ("shm", "ucx", "auto", "local", "connector")
+# The core's relay backends, and `auto`: shm within a host, ucx between hosts (the pipeline's own).
+_RELAY_BACKENDS = tuple(_core.relay_backends()) + ("auto",)
 
 
 def _relay_cfg(v, where) -> dict:
@@ -528,9 +542,8 @@ def _relay_cfg(v, where) -> dict:
         raise PipelineConfigError(f"{where}: {e}") from None
     if cfg["backend"] == "connector" and not isinstance(cfg.get("connector"), str):
         raise PipelineConfigError(f"{where}: backend connector names its class in `connector`")
-    names = {"shm": ["SharedMemoryConnector"], "ucx": ["TransferEngineConnector"],
-             "auto": ["SharedMemoryConnector", "TransferEngineConnector"], "local": [],
-             "connector": [cfg.get("connector")]}[cfg["backend"]]
+    backends = ("shm", "ucx") if cfg["backend"] == "auto" else (cfg["backend"],)
+    names = [n for n in (relay_connector(dict(cfg, backend=b)) for b in backends) if n]
     for name in names:  # the connectors' own checks, now, not in a stage process at run time
         check_connector(name, cfg.get("extra"), where)
     return cfg
