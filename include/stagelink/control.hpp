@@ -25,16 +25,29 @@ enum class ControlType : uint8_t {
   shutdown,      // coordinator -> stage: stop after in-flight work
   abort,         // coordinator -> every stage: drop everything of `request_id`
   abort_ack,     // stage -> coordinator: the abort of `request_id` is done here
-  ready,         // stage process -> coordinator: started (or `error`: why it could not); at
-                 // shutdown, its figures in `body`. No request id.
+  ready,         // stage process -> coordinator: started (`metadata`: its endpoint and relay
+                 // senders), or `error`: why it could not
+  // The runtime's own lifecycle (stagelink's; SGLang-Omni's nine above are unchanged). None of
+  // them, nor shutdown and ready, carries a request id. python/stagelink/pipeline/protocol.py
+  // gives each its typed fields.
+  progress,      // stage process -> coordinator: which stage it is building, what that imports
+  peers,         // coordinator -> stage process: every process's control endpoint
+  peers_known,   // stage process -> coordinator: it has them
+  connect,       // coordinator -> stage process: connect these relays to their senders now
+  connected,     // stage process -> coordinator: done (`metadata`: the edges it could not connect)
+  stats,         // stage process -> coordinator, at shutdown: its figures in `body`
 };
-inline constexpr int kControlTypeCount = 9;
+inline constexpr int kControlTypeCount = 15;
+// Whether messages of type `t` belong to a request (and so must name one).
+constexpr bool control_type_has_request(ControlType t) noexcept {
+  return t != ControlType::shutdown && t < ControlType::ready;
+}
 const char* control_type_name(ControlType t) noexcept;
 Result<ControlType> control_type_from_name(std::string_view name);
 
 struct ControlMessage {
   ControlType type = ControlType::submit;
-  std::string request_id;             // required except for shutdown and ready
+  std::string request_id;             // required where control_type_has_request
   std::string from_stage, to_stage;   // empty: not applicable
   Value metadata;                     // relay metadata (data_ready, data_ack, stream); nil: none
   std::optional<uint64_t> chunk_id;   // stream chunks: their number per (request, target)

@@ -5,7 +5,9 @@
     wire = msg.to_bytes()                      # a small msgpack map
     msg = ControlMessage.from_bytes(wire)      # checked: malformed bytes raise CorruptError
 
-Types: submit, data_ready, data_ack, complete, stream, shutdown, abort, abort_ack, ready.
+Types: submit, data_ready, data_ack, complete, stream, shutdown, abort, abort_ack, ready (SGLang-Omni's),
+and the pipeline runtime's lifecycle: progress, peers, peers_known, connect, connected, stats
+(stagelink.pipeline.protocol gives each its typed fields).
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from typing import Any, Optional
 from . import _core
 from ._lifetime import NativeOwner, track
 
-TYPES = ("submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready")
+TYPES = ("submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready",
+         "progress", "peers", "peers_known", "connect", "connected", "stats")
+#: The types that belong to no request (every other one must name its request).
+NO_REQUEST = frozenset({"shutdown", "ready", "progress", "peers", "peers_known", "connect", "connected", "stats"})
 
 
 @dataclass
@@ -32,7 +37,7 @@ class ControlMessage:
 
     def to_bytes(self) -> bytes:
         """Encode; raises InvalidArgumentError for an unknown type, a missing request id (all but
-        shutdown and ready) or a field over its limit (ids 256 bytes, error 64 KiB, body 64 MiB)."""
+        the NO_REQUEST types) or a field over its limit (ids 256 bytes, error 64 KiB, body 64 MiB)."""
         return _core.control_encode(self.type, self.request_id or "", _s(self.from_stage), _s(self.to_stage),
                                     self.metadata, self.chunk_id, bool(self.is_done), self.error or "", self.body)
 

@@ -7,7 +7,8 @@ namespace stagelink {
 
 namespace {
 constexpr std::array<const char*, kControlTypeCount> kNames = {
-    "submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready"};
+    "submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready",
+    "progress", "peers", "peers_known", "connect", "connected", "stats"};
 constexpr uint64_t kVersion = 1;
 
 Status check_size(const char* field, size_t n, size_t max) {
@@ -32,7 +33,7 @@ Result<ControlType> control_type_from_name(std::string_view name) {
 
 Result<std::vector<std::byte>> encode_control(const ControlMessage& m) {
   if (static_cast<size_t>(m.type) >= kNames.size()) return make_error(Errc::invalid_argument, "unknown control message type");
-  if (m.request_id.empty() && m.type != ControlType::shutdown && m.type != ControlType::ready)
+  if (m.request_id.empty() && control_type_has_request(m.type))
     return make_error(Errc::invalid_argument, std::string(control_type_name(m.type)) + " message without a request_id");
   SL_TRY(check_size("request_id", m.request_id.size(), kControlMaxId));
   SL_TRY(check_size("from_stage", m.from_stage.size(), kControlMaxId));
@@ -113,7 +114,7 @@ Result<ControlMessage> decode_control(std::span<const std::byte> bytes) {
   }
   if (!have_version) return bad("no version");
   if (!have_type) return bad("no type");
-  if (m.request_id.empty() && m.type != ControlType::shutdown && m.type != ControlType::ready)
+  if (m.request_id.empty() && control_type_has_request(m.type))
     return bad(std::string(control_type_name(m.type)) + " message without a request_id");
   return m;
 }

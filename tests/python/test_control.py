@@ -4,12 +4,12 @@ import random
 import pytest
 
 import stagelink
-from stagelink.control import TYPES, ControlMessage
+from stagelink.control import NO_REQUEST, TYPES, ControlMessage
 
 
 def test_every_type_round_trips():
     for t in TYPES:
-        m = ControlMessage(t, "" if t in ("shutdown", "ready") else "req-1", from_stage="thinker", to_stage="talker",
+        m = ControlMessage(t, "" if t in NO_REQUEST else "req-1", from_stage="thinker", to_stage="talker",
                            metadata={"entry": 3, "gen": 1, "inline": b"\x00\x01"}, chunk_id=5 if t == "stream" else None,
                            is_done=t == "stream", error="boom" if t == "complete" else None,
                            body=b"frame" if t == "submit" else None)
@@ -141,3 +141,29 @@ def test_an_inbox_closed_in_a_forked_child_does_not_wake_the_parents_for_ever():
             assert time.process_time() - cpu0 < 0.2, "recv spun instead of sleeping"
     finally:
         remove_socket_dir(d)
+
+
+def test_the_runtime_lifecycle_has_one_typed_message_per_meaning():
+    """Issue 62: the pipeline runtime's lifecycle messages (a `ready` told apart by metadata keys
+    before) are a wire type each, decoded field by field in one module (pipeline/protocol.py)."""
+    from stagelink.pipeline import protocol as proto
+    msgs = [proto.Progress("p1", "thinker", "torch"), proto.Ready("p1", "tcp://10.0.0.2:5000", [["a", "b", {"h": 1}]]),
+            proto.StartFailed("p1", "Traceback: boom"), proto.Peers({"p1": "tcp://x:1", "p2": "tcp://y:2"}),
+            proto.PeersKnown("p2"), proto.Connect([["a", "b", {"host": "h", "port": 5}]], 2.5),
+            proto.Connected("p2", ["edge a -> b: refused"]), proto.Stats("p1", {"edges": {"a->b": {"bytes": 3}}}),
+            proto.Shutdown()]
+    types = set()
+    for msg in msgs:
+        wire = ControlMessage.from_bytes(msg.encode().to_bytes())
+        assert proto.decode(wire) == msg
+        types.add((wire.type, bool(wire.error)))
+    assert len(types) == len(msgs), "one wire type (or a ready's error) per meaning"
+    for t in ("submit", "data_ready", "stream", "complete", "abort", "abort_ack"):
+        assert proto.decode(ControlMessage(t, "r")) is None  # a request's: handled as it is
+    bad = [ControlMessage("progress", metadata={"building": 3}), ControlMessage("ready", metadata={"senders": [1]}),
+           ControlMessage("peers", metadata={"peers": ["x"]}), ControlMessage("connect", metadata={"edges": "x"}),
+           ControlMessage("connect", metadata=[1]), ControlMessage("stats", from_stage="p"),
+           ControlMessage("stats", body=stagelink._core.encode_object([1, 2]))]
+    for m in bad:
+        with pytest.raises(stagelink.CorruptError, match=f"control message '{m.type}'"):
+            proto.decode(ControlMessage.from_bytes(m.to_bytes()))

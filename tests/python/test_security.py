@@ -469,8 +469,8 @@ def _pickle_frame(obj) -> bytes:
 
 def test_a_pickle_in_a_control_body_runs_nothing_anywhere(ns, tmp_path):
     """control: {transport: tcp, curve: false}: a stranger with no key sends the coordinator a
-    `ready` (the figures message) and a `complete`, and a stage a `submit`, each with a pickle
-    frame as its body. Before the fix each unpickled it (ran the stranger's code); now each is
+    `stats` (the figures message; a `ready` before the protocol had a type per meaning), a `ready`
+    and a `complete`, and a stage a `submit`, each with a pickle frame as its body. Before the fix each unpickled it (ran the stranger's code); now each is
     refused unread, and the pipeline goes on."""
     from stagelink.control import ControlMessage, Outbox
     from stagelink.pipeline._wire import from_frame
@@ -487,6 +487,7 @@ def test_a_pickle_in_a_control_body_runs_nothing_anywhere(ns, tmp_path):
         fut = p.submit("r0", {"x": np.arange(4)})
         coord = p.spec.control["coordinator"]
         with Outbox(coord, None) as ob:
+            ob.send(ControlMessage("stats", from_stage="a", body=body), timeout=2)
             ob.send(ControlMessage("ready", from_stage="a", body=body), timeout=2)
             ob.send(ControlMessage("complete", "r0", from_stage="b", body=body), timeout=2)
         with Outbox(p._ready["a"], None) as ob:

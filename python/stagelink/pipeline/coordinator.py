@@ -16,7 +16,6 @@ import os
 import queue
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,10 +25,11 @@ from typing import Any, Deque, Dict, Optional
 from .. import _core
 from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_socket_dir
 from ..relay import Relay
+from . import protocol as proto
 from ._wire import from_frame, small_frame
+from .launcher import LaunchError, PlacedLauncher, StageProcess
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
-from .worker import (_LAT_WINDOW, EXIT_NO_STDIN, NO_STDIN, _relay_bytes, keyed_relay, open_inbox, open_outbox,
-                     remote_args, remote_spec_line)
+from .worker import _LAT_WINDOW, EXIT_NO_STDIN, NO_STDIN, _relay_bytes, keyed_relay, open_inbox, open_outbox
 
 
 class StageError(RuntimeError):
@@ -85,7 +85,7 @@ class Pipeline:
         self._aborting: Dict[str, _Req] = {}  # abort() waiting for acknowledgements
         self._closed = False
         self._broken: Optional[BaseException] = None
-        self._procs: Dict[str, subprocess.Popen] = {}
+        self._procs: Dict[str, StageProcess] = {}  # by the launcher (launcher.py)
         self._ready: Dict[str, Optional[str]] = {}
         self._stats: Dict[str, dict] = {}
         # The terminal stage's edge to this process, counted here as stage processes count theirs.
@@ -151,42 +151,21 @@ class Pipeline:
 
     # -- start-up and shutdown
     def _start(self, python, env):
-        spec_path = os.path.join(self._dir, "pipeline.json")
-        with open(spec_path, "w") as f:
-            json.dump(self.spec.to_dict(), f)
-        e = dict(os.environ if env is None else env)
-        # The coordinator's import path: stage factories import in the stages as they do here.
-        paths = [p for p in sys.path if p and os.path.isdir(p)]
-        front = self.spec.module_dirs()  # where the stages' own modules live
-        e["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(front + paths))
+        self._launcher = PlacedLauncher(self.spec, self._dir, python, env)
         for proc in self.spec.processes():
-            host = self.spec.host_of(proc)
-            if not host:
-                self._procs[proc] = subprocess.Popen(
-                    [python, "-m", "stagelink.pipeline._entry", spec_path, proc, self._dir], env=e,
-                    stdin=subprocess.PIPE if self.spec.control.get("keys_on_stdin") else subprocess.DEVNULL)
-                self._send_keys(proc, close=True)  # then end of file: it watches no stdin
-                continue
-            # Another host: its `launch` prefix runs the process there. Its stdin is a pipe this
-            # process holds and never writes: when this process ends, however it ends, the stage
-            # process reads end of file and exits (worker._watch_stdin).
-            h = self.spec.hosts[host]
-            argv = list(h["launch"]) + [h.get("python") or python, "-m", "stagelink.pipeline._entry"]
-            argv += remote_args(proc)
+            keys = self._keys[proc] if self.spec.control.get("keys_on_stdin") else None
             try:
-                self._procs[proc] = subprocess.Popen(argv, env=e, stdin=subprocess.PIPE)
-                self._send_line(proc, remote_spec_line(self.spec, front, paths), close=False)
-                self._send_keys(proc, close=False)  # the pipe stays open (worker._watch_stdin)
-            except OSError as err:
-                raise PipelineStartError(f"cannot launch stage process '{proc}' on host '{host}' with "
-                                         f"{h['launch']}: {err}") from None
+                # Its CURVE secret keys: one JSON line on its stdin (never argv, env or a file).
+                self._procs[proc] = self._launcher.launch(proc, json.dumps(keys).encode() + b"\n" if keys else None)
+            except LaunchError as err:
+                raise PipelineStartError(str(err)) from None
         # Each process has settings.startup_timeout_s from when it starts building its stages (its
         # first report: importing their modules, torch among them, is most of a start-up) or,
         # until then, from its launch. Reports say which stage it builds and what that imports.
         limit = self.settings["startup_timeout_s"]
         launched = time.monotonic()
         began: Dict[str, float] = {}
-        doing: Dict[str, dict] = {}
+        doing: Dict[str, proto.Progress] = {}
         senders: list = []  # [src, dst, sender_info] of the transfer-engine relays, from the processes
         while len(self._ready) < len(self._procs):
             now = time.monotonic()
@@ -194,57 +173,44 @@ class Pipeline:
             if late:
                 raise PipelineStartError("; ".join(self._slow_start(p, doing.get(p), now - began.get(p, launched))
                                                    for p in late) + f" (settings.startup_timeout_s: {limit:g} s)")
-            try:
-                m = self._inbox.recv(timeout=0.2)
-            except _core.TimeoutError:
-                self._raise_if_one_exited(set(self._ready))
-                continue
-            if m.type != "ready":
-                continue
-            if isinstance(m.metadata, dict) and "building" in m.metadata:
-                began.setdefault(m.from_stage, time.monotonic())
-                doing[m.from_stage] = m.metadata
-                continue
-            if m.error:
-                raise PipelineStartError(f"stage process '{m.from_stage}' (stages "
-                                         f"{self.spec.processes().get(m.from_stage)}) could not start:\n{m.error}")
-            md = m.metadata if isinstance(m.metadata, dict) else {}
-            self._ready[m.from_stage] = md.get("endpoint")
-            senders += [e for e in md.get("senders") or [] if isinstance(e, list) and len(e) == 3]
+            msg = self._recv_lifecycle(0.2, set(self._ready))
+            if isinstance(msg, proto.Progress):
+                began.setdefault(msg.proc, time.monotonic())
+                doing[msg.proc] = msg
+            elif isinstance(msg, proto.StartFailed):
+                raise PipelineStartError(f"stage process '{msg.proc}' (stages "
+                                         f"{self.spec.processes().get(msg.proc)}) could not start:\n{msg.error}")
+            elif isinstance(msg, proto.Ready):
+                self._ready[msg.proc] = msg.endpoint or None
+                senders += msg.senders
         deadline = time.monotonic() + limit  # the steps after every process is ready
         if self.spec.free_ports:
             self._share_endpoints(deadline)
         self._connect_relays(senders, deadline)
 
-    def _slow_start(self, proc: str, doing: Optional[dict], waited: float) -> str:
+    def _recv_lifecycle(self, timeout: float, started: set):
+        """The next lifecycle message (protocol.decode) within `timeout`, or None (a timeout, a
+        request's message, a malformed one); a stage process that exited, other than those in
+        `started`, fails the start."""
+        try:
+            m = self._inbox.recv(timeout=timeout)
+            return proto.decode(m)
+        except _core.TimeoutError:
+            self._raise_if_one_exited(started)
+        except _core.CorruptError as e:
+            print(f"stagelink coordinator: dropped a malformed control message: {e}", file=sys.stderr)
+        return None
+
+    def _slow_start(self, proc: str, doing: Optional[proto.Progress], waited: float) -> str:
         stages = self.spec.processes()[proc]
         if not doing:
             return (f"stage process '{proc}' (stages {stages}) did not begin building its stages within "
                     f"{waited:.0f} s of its launch (the interpreter or `import stagelink` did not finish)")
-        stage = doing.get("building")
+        stage = doing.building
         factory = self.spec.stages[stage].factory if stage in self.spec.stages else "?"
-        what = f"importing '{doing['importing']}'" if doing.get("importing") else "running its factory"
+        what = f"importing '{doing.importing}'" if doing.importing else "running its factory"
         return (f"stage process '{proc}' did not start within {waited:.0f} s of beginning to build its stages: "
                 f"stage '{stage}' ({factory}) was still {what}")
-
-    def _send_keys(self, proc, close: bool):
-        """Process `proc`'s CURVE secret keys, one JSON line on its stdin (never argv, env or a file)."""
-        if not self.spec.control.get("keys_on_stdin"):
-            return
-        self._send_line(proc, json.dumps(self._keys[proc]).encode() + b"\n", close)
-
-    def _send_line(self, proc, line: bytes, close: bool):
-        """One line on process `proc`'s stdin: what must not be on a command line (the spec of a
-        process on another host, its CURVE secret keys)."""
-        pipe = self._procs[proc].stdin
-        try:
-            pipe.write(line)
-            if close:
-                pipe.close()
-            else:
-                pipe.flush()
-        except OSError:  # it (or its launcher) exited already: reported below as the process's exit
-            pass
 
     def _connect_relays(self, senders, deadline):
         """Transfer-engine relays: each receiving process connects to its senders now (side
@@ -264,8 +230,7 @@ class Pipeline:
         for proc, edges in by_proc.items():
             if proc != COORDINATOR:
                 left = max(0.1, deadline - time.monotonic())
-                self._send(proc, ControlMessage("ready", from_stage=COORDINATOR,
-                                                metadata={"connect": edges, "timeout_s": left}), left)
+                self._send(proc, proto.Connect(edges, left).encode(), left)
         for src, dst, info in by_proc.pop(COORDINATOR, []):  # the results' relay: connected from here
             try:
                 self._relay_in.connect(info, timeout=max(0.1, deadline - time.monotonic()))
@@ -278,17 +243,12 @@ class Pipeline:
             if left <= 0:
                 raise PipelineStartError(f"stage processes {sorted(set(by_proc) - done)} did not connect their "
                                          f"relays {limit}")
-            try:
-                m = self._inbox.recv(timeout=min(left, 0.2))
-            except _core.TimeoutError:
-                self._raise_if_one_exited(set())
-                continue
-            md = m.metadata if isinstance(m.metadata, dict) else {}
-            if m.type == "ready" and md.get("connected"):
-                if md.get("errors"):
-                    raise PipelineStartError(f"stage process '{m.from_stage}' could not connect its relays to "
-                                             "their senders:\n  " + "\n  ".join(map(str, md["errors"])))
-                done.add(m.from_stage)
+            msg = self._recv_lifecycle(min(left, 0.2), set())
+            if isinstance(msg, proto.Connected):
+                if msg.errors:
+                    raise PipelineStartError(f"stage process '{msg.proc}' could not connect its relays to "
+                                             "their senders:\n  " + "\n  ".join(msg.errors))
+                done.add(msg.proc)
 
     def _share_endpoints(self, deadline):
         """control.base_port 0: every stage process bound a free port and said which; tell them all,
@@ -296,8 +256,7 @@ class Pipeline:
         peers = dict(self._ready)
         self.spec.control["peers"] = peers
         for proc in peers:
-            self._send(proc, ControlMessage("ready", from_stage=COORDINATOR, metadata={"peers": peers}),
-                       max(0.1, deadline - time.monotonic()))
+            self._send(proc, proto.Peers(peers).encode(), max(0.1, deadline - time.monotonic()))
         known = set()
         while len(known) < len(peers):
             left = deadline - time.monotonic()
@@ -305,13 +264,9 @@ class Pipeline:
                 raise PipelineStartError(f"stage processes {sorted(set(peers) - known)} did not confirm the "
                                          f"pipeline's endpoints within {self.settings['startup_timeout_s']} s "
                                          "(settings.startup_timeout_s)")
-            try:
-                m = self._inbox.recv(timeout=min(left, 0.2))
-            except _core.TimeoutError:
-                self._raise_if_one_exited(set())
-                continue
-            if m.type == "ready" and isinstance(m.metadata, dict) and m.metadata.get("peers_known"):
-                known.add(m.from_stage)
+            msg = self._recv_lifecycle(min(left, 0.2), set())
+            if isinstance(msg, proto.PeersKnown):
+                known.add(msg.proc)
 
     def _raise_if_one_exited(self, except_for):
         for proc, p in self._procs.items():
@@ -330,7 +285,7 @@ class Pipeline:
         timeout = self.settings["shutdown_timeout_s"] if timeout is None else timeout
         for proc in self._procs:
             try:
-                self._send(proc, ControlMessage("shutdown"), 1.0)
+                self._send(proc, proto.Shutdown().encode(), 1.0)
             except _core.StagelinkError:
                 pass
         deadline = time.monotonic() + timeout
@@ -345,17 +300,10 @@ class Pipeline:
         self._closed = True
         deadline = deadline or time.monotonic()
         for p in self._procs.values():
-            if p.stdin is not None and not p.stdin.closed:  # another host's: end of file ends it there
-                try:
-                    p.stdin.close()
-                except OSError:  # its launcher is gone already (what it left unread, never delivered)
-                    pass
+            p.end_input()  # another host's: end of file ends it there
         for p in self._procs.values():
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()) if not kill else 0.5)
-            except subprocess.TimeoutExpired:
+            if p.wait(max(0.0, deadline - time.monotonic()) if not kill else 0.5) is None:
                 p.kill()
-                p.wait()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2.0)
         err = _core.ClosedError("pipeline closed")
@@ -564,10 +512,11 @@ class Pipeline:
                 return
 
     def _handle(self, m: ControlMessage):
-        if m.type == "ready":
-            if m.body:
+        if m.type not in proto.REQUEST_TYPES:
+            msg = proto.decode(m)
+            if isinstance(msg, proto.Stats):
                 with self._lock:
-                    self._stats[m.from_stage] = from_frame(m.body)
+                    self._stats[msg.proc] = msg.figures
                     self._lock.notify_all()
             return
         if m.type == "abort_ack":
@@ -615,10 +564,8 @@ class Pipeline:
             return
         for proc, p in self._procs.items():
             if p.poll() is not None and self._broken is None:
-                host = self.spec.host_of(proc)
-                where = f"on host '{host}', its launcher's pid {p.pid}" if host else f"pid {p.pid}"
                 err = StageDiedError(f"stage process '{proc}' (stages {', '.join(self.spec.processes()[proc])}, "
-                                     f"{where}) died: {_how(p.returncode)}")
+                                     f"{p.where}) died: {_how(p.returncode)}")
                 with self._lock:
                     self._broken = err
                     for rid, r in list(self._reqs.items()):

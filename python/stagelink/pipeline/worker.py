@@ -22,8 +22,9 @@ from typing import Dict, Optional
 from .. import _core
 from ..control import ControlMessage, Inbox, Outbox
 from ..relay import Relay
+from . import protocol as proto
 from ._readonly import protect, unprotect
-from ._wire import from_frame, small_frame, to_frame
+from ._wire import from_frame, small_frame
 from .spec import COORDINATOR, PipelineSpec
 from .stage import _SEEN_WINDOW, StageRuntime
 
@@ -325,16 +326,19 @@ class Worker:
             for r in list(self.relays.values()):
                 r.cleanup(m.request_id)
             self.send(COORDINATOR, ControlMessage("abort_ack", m.request_id, from_stage=self.proc))
-        elif t == "ready" and isinstance(m.metadata, dict) and isinstance(m.metadata.get("peers"), dict):
-            # control.base_port 0: every process's endpoint, before the first request
-            self.spec.control["peers"] = {str(k): str(v) for k, v in m.metadata["peers"].items()}
-            self.send(COORDINATOR, ControlMessage("ready", from_stage=self.proc, metadata={"peers_known": True}))
-        elif t == "ready" and isinstance(m.metadata, dict) and isinstance(m.metadata.get("connect"), list):
-            # transfer-engine relays: connect to their senders before the first request
-            errors = self.connect_relays(m.metadata["connect"], float(m.metadata.get("timeout_s", 10.0)))
-            self.send(COORDINATOR, ControlMessage("ready", from_stage=self.proc,
-                                                  metadata={"connected": True, "errors": errors}))
-        elif t == "shutdown":
+        else:
+            return self.handle_lifecycle(proto.decode(m))
+        return True
+
+    def handle_lifecycle(self, msg) -> bool:
+        """A lifecycle message from the coordinator (protocol.py); False: shut down."""
+        if isinstance(msg, proto.Peers):  # control.base_port 0: every process's endpoint, before the first request
+            self.spec.control["peers"] = dict(msg.peers)
+            self.send(COORDINATOR, proto.PeersKnown(self.proc).encode())
+        elif isinstance(msg, proto.Connect):  # transfer-engine relays: connect to their senders now
+            errors = self.connect_relays(msg.edges, msg.timeout_s)
+            self.send(COORDINATOR, proto.Connected(self.proc, errors).encode())
+        elif isinstance(msg, proto.Shutdown):
             return False
         return True
 
@@ -407,13 +411,13 @@ class _StartProgress:
         return str(mod)
 
     def _send(self):
-        md = {"building": self.stage, "importing": self._importing()}
+        msg = proto.Progress(self.proc, self.stage, self._importing())
         with self.lock:
-            if md == self.sent or self.stop.is_set():
+            if msg == self.sent or self.stop.is_set():
                 return
-            self.sent = md
+            self.sent = msg
             try:
-                self.coord.send(ControlMessage("ready", from_stage=self.proc, metadata=md), timeout=5)
+                self.coord.send(msg.encode(), timeout=5)
             except _core.StagelinkError:
                 pass
 
@@ -590,11 +594,10 @@ def main(argv=None) -> int:
     except BaseException as e:  # noqa: BLE001  reported to the coordinator, which rolls back
         progress.close()
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        coord.send(ControlMessage("ready", from_stage=proc, error=tb[-60000:]), timeout=5)
+        coord.send(proto.StartFailed(proc, tb).encode(), timeout=5)
         coord.close()
         return 1
-    coord.send(ControlMessage("ready", from_stage=proc, metadata={"endpoint": w.inbox.endpoint,
-                                                                   "senders": w.sender_infos()}), timeout=5)
+    coord.send(proto.Ready(proc, w.inbox.endpoint, w.sender_infos()).encode(), timeout=5)
     orphaned = False
     try:
         while not terminated:
@@ -623,8 +626,7 @@ def main(argv=None) -> int:
         w.shutdown()
         try:
             if not orphaned and not terminated:  # nobody would read the figures: do not wait to send them
-                coord.send(ControlMessage("ready", from_stage=proc, body=to_frame(w.stats())),
-                           timeout=5)
+                coord.send(proto.Stats(proc, w.stats()).encode(), timeout=5)
         except _core.StagelinkError:
             pass
         for r in w.relays.values():
