@@ -207,3 +207,30 @@ def float_streamer(payload, ctx):
         if payload.get("chunk_sleep"):
             time.sleep(payload["chunk_sleep"])
     return None
+
+
+def pid_streamer(payload, ctx):
+    """Streams payload["chunks"] chunks, each saying which process made it (replica tests)."""
+    if payload.get("sleep"):
+        time.sleep(payload["sleep"])
+    for i in range(int(payload.get("chunks", 4))):
+        ctx.stream({"i": i, "pid": os.getpid()})
+    return {"x": payload["x"], "thinker": os.getpid()}
+
+
+def pid_collector(payload, ctx):
+    """Collects the chunks in order; says which process collected them and which made them."""
+    ids, makers = [], set()
+    for c in ctx.chunks():
+        ids.append(int(c["i"]))
+        makers.add(int(c["pid"]))
+    return {"x": payload["x"], "ids": ids, "makers": sorted(makers), "thinker": payload["thinker"],
+            "talker": os.getpid()}
+
+
+def slow_pid(payload, ctx):
+    """Sleeps payload["sleep"] s (in ticks that see an abort), then returns x + 1 and its pid."""
+    end = time.monotonic() + float(payload.get("sleep", 0.05))
+    while time.monotonic() < end and not ctx.aborted:
+        time.sleep(0.005)
+    return {"x": payload["x"] + 1, "pid": os.getpid()}

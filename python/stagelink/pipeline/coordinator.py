@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import os
 import queue
 import secrets
 import signal
@@ -28,6 +27,7 @@ from ..relay import Relay
 from . import protocol as proto
 from ._wire import from_frame, small_frame
 from .launcher import LaunchError, PlacedLauncher, StageProcess
+from .router import Membership, Router, proc_for
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
 from .worker import _LAT_WINDOW, EXIT_NO_STDIN, NO_STDIN, _relay_bytes, keyed_relay, open_inbox, open_outbox
 
@@ -51,12 +51,19 @@ class PipelineStartError(_core.StagelinkError):
 
 
 _END = object()
+# Runs of one request at most, where replicas die under it (retry: true).
+_MAX_ATTEMPTS = 3
 
 
 class _Req:
-    __slots__ = ("future", "t0", "t_first", "chunks", "n_chunks", "acks", "done", "on_chunk")
+    __slots__ = ("future", "t0", "t_first", "chunks", "n_chunks", "acks", "done", "on_chunk", "rid", "attempt",
+                 "payload", "skip")
 
-    def __init__(self):
+    def __init__(self, rid: str = ""):
+        self.rid = rid        # the caller's request id; messages carry wire_id(rid, attempt)
+        self.attempt = 0      # runs again after a replica died (retry: true)
+        self.payload = None   # kept for such a run where one may happen
+        self.skip = 0         # stream chunks the caller already has from an earlier attempt
         self.future: Future = Future()
         self.t0 = time.monotonic()
         self.t_first: Optional[float] = None
@@ -81,11 +88,16 @@ class Pipeline:
         self.spec = spec = dataclasses.replace(spec, control=dict(spec.control))
         self.settings = spec.settings
         self._lock = threading.Condition()
-        self._reqs: Dict[str, _Req] = {}
+        self._reqs: Dict[str, _Req] = {}  # by the id its messages carry (its attempt's)
+        self._attempt_of: Dict[str, str] = {}  # caller's id -> its attempt's, for requests run again
         self._aborting: Dict[str, _Req] = {}  # abort() waiting for acknowledgements
         self._closed = False
         self._broken: Optional[BaseException] = None
         self._procs: Dict[str, StageProcess] = {}  # by the launcher (launcher.py)
+        self._members = Membership(spec)  # the stage processes by (group, replica), and the dead
+        self._router = Router(self._members)  # which replica runs which request
+        # Requests may run again where a replicated stage is marked retry: keep their payloads.
+        self._may_retry = any(s.retry and s.replicas > 1 for s in spec.stages.values())
         self._ready: Dict[str, Optional[str]] = {}
         self._stats: Dict[str, dict] = {}
         # The terminal stage's edge to this process, counted here as stage processes count theirs.
@@ -221,9 +233,9 @@ class Pipeline:
         if info:
             senders = senders + [[COORDINATOR, self.spec.entry, info]]
         by_proc: Dict[str, list] = {}
-        for src, dst, info in senders:
-            by_proc.setdefault(COORDINATOR if dst == COORDINATOR else self.spec.stages[dst].process, []).append(
-                [src, dst, info])
+        for src, dst, info in senders:  # every replica of a receiving stage connects
+            for proc in [COORDINATOR] if dst == COORDINATOR else self.spec.replica_procs(dst):
+                by_proc.setdefault(proc, []).append([src, dst, info])
         if not by_proc:
             return
         limit = f"within {self.settings['startup_timeout_s']} s (settings.startup_timeout_s)"
@@ -349,33 +361,48 @@ class Pipeline:
                 raise _core.ClosedError("pipeline closed")
             if self._broken is not None:
                 raise self._broken
-            if rid in self._reqs:
+            if rid in self._reqs or rid in self._attempt_of:
                 raise _core.InvalidArgumentError(f"request '{rid}' is already in flight")
-            r = self._reqs[rid] = _Req()
+            r = self._reqs[rid] = _Req(rid)
             r.on_chunk = on_chunk
+            if self._may_retry:
+                r.payload = payload
         try:
-            t = time.monotonic_ns()
-            body = small_frame(payload, int(self.settings.get("inline_bytes", 16384)))
-            if body is None:
-                md = dict(self._relay.put_async(payload, request_id=rid, edge=self.spec.entry).metadata)
-            else:
-                md = {}
-            md["t_ns"] = t
-            self._send(self.spec.stages[self.spec.entry].process,
-                       ControlMessage("submit", rid, from_stage=COORDINATOR, to_stage=self.spec.entry, metadata=md,
-                                      body=body), 30.0)
+            self._send_submit(rid, r, payload)
         except BaseException as e:
             with self._lock:
                 self._finish_locked(rid, r, error=e)
             raise
         return r.future
 
+    def _send_submit(self, wire: str, r: _Req, payload) -> None:
+        """Route request attempt `wire` (replicas: the least loaded of each stage) and send it to
+        its entry stage's process."""
+        with self._lock:
+            try:
+                route = self._router.route(wire)
+            except LookupError as e:
+                raise StageDiedError(f"request '{r.rid}': {e}") from None
+        t = time.monotonic_ns()
+        entry = proc_for(self.spec, self._members.procs, self.spec.entry, route, wire)
+        body = small_frame(payload, int(self.settings.get("inline_bytes", 16384)))
+        if body is None:
+            edge = entry if route else self.spec.entry  # credits per receiving replica
+            md = dict(self._relay.put_async(payload, request_id=wire, edge=edge).metadata)
+        else:
+            md = {}
+        md["t_ns"] = t
+        if route:
+            md["route"] = route
+        self._send(entry, ControlMessage("submit", wire, from_stage=COORDINATOR, to_stage=self.spec.entry,
+                                         metadata=md, body=body), 30.0)
+
     def stream(self, request_id: str, timeout: Optional[float] = None):
         """Iterate the chunks the terminal stage streams for ``request_id`` until it completes.
         ``timeout``: the longest wait for one chunk (TimeoutError). A failed request raises its
         error at the end."""
         with self._lock:
-            r = self._reqs.get(str(request_id))
+            r = self._reqs.get(self._attempt_of.get(str(request_id), str(request_id)))
         if r is None:
             raise _core.NotFoundError(f"request '{request_id}' is not in flight (submit it first)")
         while True:
@@ -397,11 +424,12 @@ class Pipeline:
         rid = str(request_id)
         timeout = self.settings["abort_timeout_s"] if timeout is None else timeout
         with self._lock:
+            rid = self._attempt_of.get(rid, rid)  # the attempt its messages now carry
             r = self._reqs.get(rid)
             if r is None:
                 r = _Req()  # not ours any more: still clean up everywhere
             else:
-                self._finish_locked(rid, r, error=_core.CancelledError(f"request '{rid}' aborted"))
+                self._finish_locked(rid, r, error=_core.CancelledError(f"request '{r.rid}' aborted"))
             r.acks = set()
             self._aborting[rid] = r
         try:
@@ -418,7 +446,7 @@ class Pipeline:
         return ok
 
     def _live_procs(self):
-        return [p for p, h in self._procs.items() if h.poll() is None]
+        return [p for p, h in self._procs.items() if h.poll() is None and p not in self._members.dead]
 
     def _broadcast_abort(self, rid):
         for proc in self._live_procs():
@@ -476,12 +504,16 @@ class Pipeline:
             error = _core.ClosedError("pipeline closed while the request was finishing")
         r.done = True
         self._reqs.pop(rid, None)
+        self._router.done(rid)
+        if r.attempt:
+            self._attempt_of.pop(r.rid, None)
+        r.payload = None
         if error is not None:
             r.future.set_exception(error)
         else:
             r.future.set_result(result)
             self.completed_count += 1
-            self.completed.append({"request_id": rid, "e2e_s": time.monotonic() - r.t0,
+            self.completed.append({"request_id": r.rid or rid, "e2e_s": time.monotonic() - r.t0,
                                    "ttfc_s": (r.t_first - r.t0) if r.t_first is not None else None,
                                    "chunks": r.n_chunks})
         r.chunks.put(_END)
@@ -540,6 +572,9 @@ class Pipeline:
                 return
             obj = from_frame(m.body) if m.body else self._relay_in.get_async(m.metadata).result()
             self._count_in(m)
+            if r.skip:  # the caller has this chunk from the attempt before (a replica died)
+                r.skip -= 1
+                return
             if r.t_first is None:
                 r.t_first = time.monotonic()
             r.n_chunks += 1
@@ -559,11 +594,68 @@ class Pipeline:
             with self._lock:
                 self._finish_locked(m.request_id, r, result=obj)
 
+    def _replica_died(self, proc: str, p: StageProcess, group: str, replica: int) -> None:
+        """A replica died while others of its group live: it gets no more requests; those it held
+        run again on the others where every stage of its group is `retry: true` (from the entry
+        stage, under a new attempt id; stream chunks the caller has are not repeated), else fail
+        naming stage, replica and process."""
+        stages = self.spec.groups()[group]
+        why = f"{p.where}) died: {_how(p.returncode)}"
+        retry = all(self.spec.stages[n].retry for n in stages)
+        again, failed = [], []
+        with self._lock:
+            self._members.mark_dead(proc, why)
+            for wire in self._router.holders(group, replica):
+                r = self._reqs.get(wire)
+                if r is None or r.done:
+                    continue
+                if retry and r.attempt < _MAX_ATTEMPTS and r.payload is not None:
+                    self._reqs.pop(wire)
+                    self._router.done(wire)
+                    r.attempt += 1
+                    r.skip = r.n_chunks
+                    new = f"{r.rid}~{r.attempt}"
+                    self._reqs[new] = r
+                    self._attempt_of[r.rid] = new
+                    again.append((wire, new, r))
+                else:
+                    failed.append(wire)
+                    self._finish_locked(wire, r, error=StageDiedError(
+                        f"request '{r.rid}': replica {replica} of stages {', '.join(stages)} (process '{proc}', "
+                        f"{why}" + ("" if retry else "; not run again (retry: false)")))
+        print(f"stagelink coordinator: process '{proc}' (replica {replica} of {', '.join(stages)}, {why}; "
+              f"{len(again)} request(s) run again, {len(failed)} failed", file=sys.stderr)
+        for old in failed:
+            self._broadcast_abort(old)
+            self._relay.cleanup(old)
+        for old, new, r in again:
+            self._broadcast_abort(old)  # what the other stages hold of the attempt before
+            self._relay.cleanup(old)
+            try:
+                self._send_submit(new, r, r.payload)
+            except BaseException as e:  # noqa: BLE001  that request fails; the others go on
+                with self._lock:
+                    self._finish_locked(new, r, error=e)
+
+    def replicas(self) -> Dict[str, dict]:
+        """Per stage process: its group, replica, whether it runs, and its requests in flight."""
+        with self._lock:
+            load = self._router.in_flight()
+            return {p: {"group": self._members.key(p)[0], "replica": self._members.key(p)[1],
+                        "alive": p not in self._members.dead and h.poll() is None, "in_flight": load.get(p, 0)}
+                    for p, h in self._procs.items()}
+
     def _check(self):
         if self._closed:
             return
         for proc, p in self._procs.items():
-            if p.poll() is not None and self._broken is None:
+            if p.poll() is None or proc in self._members.dead:
+                continue
+            group, replica = self._members.key(proc)
+            if len(self._members.alive(group)) > 1:  # others carry on: only its requests are touched
+                self._replica_died(proc, p, group, replica)
+                continue
+            if self._broken is None:
                 err = StageDiedError(f"stage process '{proc}' (stages {', '.join(self.spec.processes()[proc])}, "
                                      f"{p.where}) died: {_how(p.returncode)}")
                 with self._lock:
@@ -577,7 +669,7 @@ class Pipeline:
             late = [(rid, r) for rid, r in self._reqs.items() if now - r.t0 > limit]
             for rid, r in late:
                 self._finish_locked(rid, r, error=_core.TimeoutError(
-                    f"request '{rid}' not complete after {limit} s (settings.request_timeout_s)"))
+                    f"request '{r.rid or rid}' not complete after {limit} s (settings.request_timeout_s)"))
         for rid, _ in late:
             self._broadcast_abort(rid)
 

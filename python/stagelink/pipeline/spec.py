@@ -48,7 +48,8 @@ from .. import _core
 from ..connector import has_trait
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
-               "inline", "zero_copy", "host", "env"}
+               "inline", "zero_copy", "host", "env", "replicas", "retry"}
+MAX_REPLICAS = 64
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
              "control", "hosts"}
 # startup_timeout_s counts per process from when it starts building its stages (importing their
@@ -86,6 +87,12 @@ class StageSpec:
     zero_copy: bool = False
     host: str = ""  # a name under `hosts:`; "" is the coordinator's host
     env: Dict[str, str] = field(default_factory=dict)  # set in its process before any stage is built
+    # Copies of its process (the whole `process` group: its stages share the count); each request
+    # goes to one replica of each stage (the least loaded when it is submitted).
+    replicas: int = 1
+    # Safe to run again: a request whose replica of this stage died is run again from the entry
+    # stage on the surviving replicas instead of failing.
+    retry: bool = False
     sources: List[str] = field(default_factory=list)         # stages whose `next` names this one
     stream_sources: List[str] = field(default_factory=list)  # stages whose `stream_to` names it
 
@@ -108,12 +115,44 @@ class PipelineSpec:
     # Other hosts: name -> {"address", "launch" (argv prefix that runs a command there), "python"}.
     hosts: Dict[str, dict] = field(default_factory=dict)
 
-    def processes(self) -> Dict[str, List[str]]:
-        """Process name -> its stages, in file order."""
+    def groups(self) -> Dict[str, List[str]]:
+        """Process group (a stage's `process`) -> its stages, in file order."""
         out: Dict[str, List[str]] = {}
         for s in self.stages.values():
             out.setdefault(s.process, []).append(s.name)
         return out
+
+    def processes(self) -> Dict[str, List[str]]:
+        """Stage process name -> its stages, in file order: one per group, or with `replicas: N`
+        N of them, named GROUP.0 .. GROUP.N-1 (replica_procs)."""
+        out: Dict[str, List[str]] = {}
+        for g, names in self.groups().items():
+            for p in self.group_procs(g):
+                out[p] = names
+        return out
+
+    def group_procs(self, group: str) -> List[str]:
+        """The stage processes of a process group: its replicas."""
+        n = next(s.replicas for s in self.stages.values() if s.process == group)
+        return [group] if n == 1 else [f"{group}.{i}" for i in range(n)]
+
+    def replica_procs(self, stage: str) -> List[str]:
+        """The processes that run `stage`: one per replica."""
+        return self.group_procs(self.stages[stage].process)
+
+    def group_of(self, proc: str) -> str:
+        """The process group stage process `proc` belongs to (a replica's group)."""
+        if proc == COORDINATOR or any(s.process == proc for s in self.stages.values()):
+            return proc
+        base, _, idx = proc.rpartition(".")
+        if idx.isdigit() and any(s.process == base and s.replicas > 1 for s in self.stages.values()):
+            return base
+        raise KeyError(proc)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether any stage has more than one replica."""
+        return any(s.replicas > 1 for s in self.stages.values())
 
     @property
     def multi_host(self) -> bool:
@@ -177,14 +216,16 @@ class PipelineSpec:
         """The `hosts:` name process `proc` runs on; "" for the coordinator's host."""
         if proc == COORDINATOR:
             return ""
-        return next(s.host for s in self.stages.values() if s.process == proc)
+        group = self.group_of(proc)
+        return next(s.host for s in self.stages.values() if s.process == group)
 
     def env_of(self, proc: str) -> Dict[str, str]:
         """The environment process `proc` sets for itself: its host's `env`, then its stages'."""
         h = self.host_of(proc)
         out = dict(self.hosts[h].get("env") or {}) if h else {}
+        group = self.group_of(proc)
         for s in self.stages.values():
-            if s.process == proc:
+            if s.process == group:
                 out.update(s.env)
         return out
 
@@ -199,7 +240,7 @@ class PipelineSpec:
                 "client": self.client, "control": self.control, "hosts": self.hosts,
                 "stages": [{k: getattr(s, k) for k in ("name", "factory", "args", "next", "stream_to", "terminal",
                                                        "process", "merge", "concurrency", "inline", "zero_copy",
-                                                       "host", "env", "sources",
+                                                       "host", "env", "replicas", "retry", "sources",
                                                        "stream_sources")} for s in self.stages.values()]}
 
     @classmethod
@@ -290,11 +331,20 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         if not isinstance(host, str):
             raise PipelineConfigError(f"{where}: 'host' must be a name under 'hosts:'")
         env = _env(s.get("env"), f"{where}: env")
+        replicas = s.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= MAX_REPLICAS:
+            raise PipelineConfigError(f"{where}: 'replicas' must be an integer in [1, {MAX_REPLICAS}] (copies of its "
+                                      f"process), got {replicas!r}")
+        retry = s.get("retry", False)
+        if not isinstance(retry, bool):
+            raise PipelineConfigError(f"{where}: 'retry' must be true (safe to run again: a request whose replica "
+                                      "died is run again) or false")
         stages[name] = StageSpec(name=name, factory=factory, args=args, next=_list(s.get("next"), f"{where}: next"),
                                  stream_to=_list(s.get("stream_to"), f"{where}: stream_to"),
                                  terminal=bool(s.get("terminal", False)), process=proc, merge=merge,
                                  concurrency=conc, inline=_inline(s.get("inline"), where),
-                                 zero_copy=bool(s.get("zero_copy", False)), host=host, env=env)
+                                 zero_copy=bool(s.get("zero_copy", False)), host=host, env=env,
+                                 replicas=replicas, retry=retry)
     for s in stages.values():
         for key in ("next", "stream_to"):
             for t in getattr(s, key):
@@ -331,6 +381,7 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
                                       "supported")
     _check_acyclic(stages, source)
     _check_reaches(stages, entries[0], terminals[0], source)
+    _check_replicas(stages, source)
     relay = _relay_cfg(raw.get("relay"), f"{source}: relay")
     settings = dict(_SETTINGS)
     st = raw.get("settings") or {}
@@ -370,7 +421,8 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
     for k in ("request", "verify"):
         if k in client and (not isinstance(client[k], str) or client[k].count(":") != 1):
             raise PipelineConfigError(f"{source}: client.{k} must be 'module:callable'")
-    control = _control(raw.get("control", "shm"), len(set(s.process for s in stages.values())), source)
+    n_procs = sum(next(s.replicas for s in stages.values() if s.process == g) for g in {s.process for s in stages.values()})
+    control = _control(raw.get("control", "shm"), n_procs, source)
     if control["transport"] == "tcp" and (control["host"] == "auto" or (
             not (isinstance(raw.get("control"), dict) and "host" in raw["control"]) and
             any(s.host for s in stages.values()))):
@@ -401,6 +453,23 @@ def relay_host_local(cfg: dict) -> bool:
     return has_trait(cfg.get("connector"), "host_local")
 
 _SHELL_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+
+
+def _check_replicas(stages: Dict[str, StageSpec], source: str) -> None:
+    """Stages that share a process share its replica count; a replica's name (GROUP.i) is no
+    other process group's."""
+    groups: Dict[str, StageSpec] = {}
+    for s in stages.values():
+        first = groups.setdefault(s.process, s)
+        if first.replicas != s.replicas:
+            raise PipelineConfigError(f"{source}: stages '{first.name}' and '{s.name}' share process '{s.process}' but "
+                                      f"ask for {first.replicas} and {s.replicas} replicas: a process group is "
+                                      "replicated whole")
+    for g, s in groups.items():
+        for i in range(s.replicas if s.replicas > 1 else 0):
+            if f"{g}.{i}" in groups:
+                raise PipelineConfigError(f"{source}: process '{g}.{i}' is both a process group and a replica of "
+                                          f"'{g}' (replicas: {s.replicas}): rename one")
 
 
 def _map_of(v, where: str, what: str) -> dict:

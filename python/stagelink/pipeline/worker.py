@@ -25,6 +25,7 @@ from ..relay import Relay
 from . import protocol as proto
 from ._readonly import protect, unprotect
 from ._wire import from_frame, small_frame
+from .router import proc_for
 from .spec import COORDINATOR, PipelineSpec
 from .stage import _SEEN_WINDOW, StageRuntime
 
@@ -115,6 +116,11 @@ class Worker:
         self.inbox: Optional[Inbox] = None
         self.inline_limit = int(spec.settings.get("inline_bytes", 16384))
         self.host = spec.host_of(proc)
+        # Stage replicas (router.py): each process group's processes, and the route of each
+        # request this process saw (the replicas its messages go to), a bounded window.
+        self.group_procs = {g: spec.group_procs(g) for g in spec.groups()}
+        self.replicated = spec.replicated
+        self.routes: collections.OrderedDict = collections.OrderedDict()
 
     # -- plumbing
     def relay(self, src: str, dst: str) -> Relay:
@@ -136,8 +142,25 @@ class Worker:
                     r = self.relays[key] = Relay(cfg)
         return r
 
-    def proc_of(self, stage: str) -> str:
-        return COORDINATOR if stage == COORDINATOR else self.spec.stages[stage].process
+    def proc_of(self, stage: str, rid: str = "") -> str:
+        """The process that runs `stage` for request `rid` (its route's replica)."""
+        if not self.replicated:
+            return COORDINATOR if stage == COORDINATOR else self.spec.stages[stage].process
+        return proc_for(self.spec, self.group_procs, stage, self.routes.get(rid), rid)
+
+    def learn_route(self, rid: str, md) -> None:
+        """Keep the route a request's message carries (replicated pipelines only)."""
+        route = md.get("route") if isinstance(md, dict) else None
+        if isinstance(route, dict) and rid not in self.routes:
+            self.routes[rid] = route
+            if len(self.routes) > _SEEN_WINDOW:
+                self.routes.popitem(last=False)
+
+    def _with_route(self, rid: str, md: dict) -> dict:
+        route = self.routes.get(rid) if self.replicated else None
+        if route is not None:
+            md["route"] = route
+        return md
 
     def send(self, proc: str, msg: ControlMessage):
         with self.out_lock:
@@ -160,11 +183,13 @@ class Worker:
         obj = unprotect(obj)  # a zero_copy input passed on: a plain tensor again
         body = small_frame(obj, self.inline_limit)
         if body is not None:
-            return {"t_ns": t}, body
-        op = self.relay(src, dst).put_async(obj, request_id=rid, edge=dst)
+            return self._with_route(rid, {"t_ns": t}), body
+        # Credits per receiving process: a slow replica holds back only its own edge.
+        edge = self.proc_of(dst, rid) if self.replicated and dst != COORDINATOR else dst
+        op = self.relay(src, dst).put_async(obj, request_id=rid, edge=edge)
         md = dict(op.metadata)
         md["t_ns"] = t
-        return md, None
+        return self._with_route(rid, md), None
 
     def read(self, src, dst, kind, item, t_ns, zero_copy=False):
         """The payload a message carried: `kind` obj (by reference), body (a frame), relay (metadata;
@@ -204,29 +229,30 @@ class Worker:
 
     # -- sending
     def send_data(self, rid, src, dst, obj):
-        if self.proc_of(dst) == self.proc:
+        if self.proc_of(dst, rid) == self.proc:
             t = time.monotonic_ns()
             self.read(src, dst, "obj", None, t)
             self.stages[dst].deliver_data(rid, src, obj)
             return
         md, body = self._put(rid, src, dst, obj)
-        self.send(self.proc_of(dst), ControlMessage("data_ready", rid, from_stage=src, to_stage=dst, metadata=md,
+        self.send(self.proc_of(dst, rid), ControlMessage("data_ready", rid, from_stage=src, to_stage=dst, metadata=md,
                                                     body=body))
 
     def send_stream(self, rid, src, dst, cid, chunk):
-        if dst != COORDINATOR and self.proc_of(dst) == self.proc:
+        if dst != COORDINATOR and self.proc_of(dst, rid) == self.proc:
             self.stages[dst].deliver_stream(rid, src, cid, "obj", chunk, False, "", time.monotonic_ns())
             return
         md, body = self._put(rid, src, dst, chunk)
-        self.send(self.proc_of(dst), ControlMessage("stream", rid, from_stage=src, to_stage=dst, metadata=md,
+        self.send(self.proc_of(dst, rid), ControlMessage("stream", rid, from_stage=src, to_stage=dst, metadata=md,
                                                     chunk_id=cid, body=body))
 
     def send_stream_signal(self, rid, src, dst, cid, error):
-        if dst != COORDINATOR and self.proc_of(dst) == self.proc:
+        if dst != COORDINATOR and self.proc_of(dst, rid) == self.proc:
             self.stages[dst].deliver_stream(rid, src, cid, "obj", None, True, error, time.monotonic_ns())
             return
-        self.send(self.proc_of(dst), ControlMessage("stream", rid, from_stage=src, to_stage=dst, chunk_id=cid,
-                                                    is_done=True, error=error or None))
+        md = self._with_route(rid, {"t_ns": time.monotonic_ns()}) if self.replicated else None
+        self.send(self.proc_of(dst, rid), ControlMessage("stream", rid, from_stage=src, to_stage=dst, chunk_id=cid,
+                                                         is_done=True, error=error or None, metadata=md))
 
     def send_result(self, rid, src, obj):
         md, body = self._put(rid, src, COORDINATOR, obj)
@@ -279,6 +305,8 @@ class Worker:
 
     def handle(self, m: ControlMessage) -> bool:
         t = m.type
+        if self.replicated and t in ("submit", "data_ready", "stream"):
+            self.learn_route(m.request_id, m.metadata)
         if t in ("submit", "data_ready"):
             st = self.stages.get(m.to_stage)
             if st is None:
@@ -304,7 +332,7 @@ class Worker:
                 return True
             md = m.metadata
             t_ns = int(md.get("t_ns", 0)) if isinstance(md, dict) else time.monotonic_ns()
-            kind, item = ("body", m.body) if m.body else ("relay", md)
+            kind, item = ("body", m.body) if m.body else ("relay", md) if not m.is_done else ("obj", None)
             if kind == "relay" and isinstance(md, dict) and not m.is_done and st.take_early(
                     m.request_id, _relay_bytes(md)):
                 try:
@@ -319,6 +347,7 @@ class Worker:
                 self.discard(m.from_stage, m.to_stage, md)
         elif t == "abort":
             self.aborted[m.request_id] = True
+            self.routes.pop(m.request_id, None)
             if len(self.aborted) > _SEEN_WINDOW:
                 self.aborted.popitem(last=False)
             for st in self.stages.values():
