@@ -291,6 +291,9 @@ def _cmd_bench(args):
     if args.kind in ("pipeline", "all"):
         from .bench_pipeline import run_pipeline
         run_pipeline(args.rounds, json_for("pipeline"), peer=not args.no_peer, quick=args.quick)
+    if args.kind in ("replicas", "all"):
+        from .bench_replicas import run_replicas
+        run_replicas(args.rounds, json_for("replicas"), quick=args.quick)
     if args.kind in ("cuda", "all"):
         from .bench_cuda import run_cuda
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
@@ -371,20 +374,23 @@ def main(argv=None):
                "  pipeline  SGLang-Omni's toy pipeline on stagelink (defaults, speed options) and on\n"
                "         SGLang-Omni 0.1.9's own runtime (installed once into ~/.cache/stagelink/peers),\n"
                "         alternating, --rounds rounds; peers: SGLang-Omni\n"
+               "  replicas  stage replicas: req/s of a CPU-bound stage with 1 and 2 replicas, and the\n"
+               "         gap in completions when one is SIGKILLed mid-run (retry: true; none lost)\n"
                "  cuda   CUDA tensors between processes (says why and stops without a GPU); peers:\n"
                "         pinned/pageable/device copies, CUDA IPC, the seed's design\n"
                "  all    each of the above in turn\n"
                "  plot   draw result files as SVG charts: stagelink bench plot FILE.json... [--out DIR]")
-    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "pipeline", "cuda", "all", "plot"],
+    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "pipeline", "replicas", "cuda", "all",
+                                    "plot"],
                    help="what to measure (below), or plot to draw results")
     b.add_argument("files", nargs="*", metavar="FILE", help="plot: result files written with --json")
     b.add_argument("--out", default="bench-charts", metavar="DIR",
                    help="plot: the folder the SVG charts go to (default bench-charts)")
     b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
     b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
-    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-pipeline.json, FILE-cuda.json)")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-pipeline.json, FILE-replicas.json, FILE-cuda.json)")
     b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; pipeline: fewer requests (a smoke run)")
-    b.add_argument("--rounds", type=int, default=3, help="pipeline: rounds of every variant, alternating (default 3)")
+    b.add_argument("--rounds", type=int, default=3, help="pipeline, replicas: rounds of every variant, alternating (default 3)")
     b.add_argument("--no-peer", action="store_true", help="pipeline: stagelink only, without installing or running SGLang-Omni")
     b.set_defaults(fn=_cmd_bench)
 

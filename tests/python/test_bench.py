@@ -105,6 +105,20 @@ def test_bench_pipeline_runs_the_toy_and_reports_without_the_peer(tmp_path):
     assert saved["date"].endswith("Z") and saved["stagelink"] == stagelink.__version__  # bench/results/ says when
 
 
+def test_bench_replicas_measures_scaling_and_a_failover_losing_nothing(tmp_path):
+    """`stagelink bench replicas --quick --rounds 1`: both replica counts run with every replica
+    used, the killed replica's requests all complete, and the failover gap is measured."""
+    import json
+    from stagelink.bench_replicas import run_replicas
+    out = io.StringIO()
+    res = run_replicas(rounds=1, json_path=str(tmp_path / "r.json"), quick=True, out=out)
+    assert json.load(open(tmp_path / "r.json"))["kind"] == "replicas"
+    assert res["req_s"]["1"][0] > 0 and res["req_s"]["2"][0] > 0 and len(res["ratio_2_over_1"]) == 1
+    (fo,) = res["failover"]
+    assert fo["lost"] == 0 and fo["requests"] == 100 and 0 < fo["failover_gap_ms"] < 5000
+    assert "2 replicas / 1" in out.getvalue() and "0 of 100 lost" in out.getvalue()
+
+
 def test_bench_te_times_the_default_copying_get_beside_the_zero_copy_one():
     """Issue 52: `stagelink bench te` reports the get users call by default (a copy) beside the
     zero-copy one and a bytes payload's, each verified, with the pairs' spread; two pairs on
