@@ -92,7 +92,8 @@ def _check_pipeline(path) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     procs = spec.processes()
-    print(f"pipeline {spec.name} ({spec.source}): {len(spec.stages)} stages in {len(procs)} processes, "
+    initial = spec.initial_processes()
+    print(f"pipeline {spec.name} ({spec.source}): {len(spec.stages)} stages in {len(initial)} processes, "
           f"entry {spec.entry}, terminal {spec.terminal}")
     c = spec.control
     tcp = c["transport"] == "tcp"
@@ -104,6 +105,12 @@ def _check_pipeline(path) -> int:
         where = (f"host {host} ({spec.hosts[host]['address']}, launched by {' '.join(spec.hosts[host]['launch'])})"
                  if host else "this host")
         line = f"  {proc}: {', '.join(names)} on {where}"
+        st = spec.stages[names[0]]
+        if len(spec.group_procs(st.process)) > 1:
+            i_rep = spec.group_procs(st.process).index(proc)
+            line += (f" (replica {i_rep}" + (", started by Pipeline.scale" if proc not in initial else "") +
+                     (", retry" if st.retry else "") + (f", up to {st.max_restarts} restarts" if st.max_restarts
+                                                         else "") + ")")
         if tcp:
             line += f", control on {spec.address_of(proc)}:{port(i)}"
         env = spec.env_of(proc)

@@ -115,8 +115,9 @@ def test_bench_replicas_measures_scaling_and_a_failover_losing_nothing(tmp_path)
     assert json.load(open(tmp_path / "r.json"))["kind"] == "replicas"
     assert res["req_s"]["1"][0] > 0 and res["req_s"]["2"][0] > 0 and len(res["ratio_2_over_1"]) == 1
     (fo,) = res["failover"]
-    assert fo["lost"] == 0 and fo["requests"] == 100 and 0 < fo["failover_gap_ms"] < 5000
-    assert "2 replicas / 1" in out.getvalue() and "0 of 100 lost" in out.getvalue()
+    assert fo["lost"] == 0 and fo["requests"] == 200 and 0 < fo["failover_gap_ms"] < 5000
+    assert fo["kills"] == 4 and fo["restarts"] == 4
+    assert "2 replicas / 1" in out.getvalue() and "0 of 200 requests lost" in out.getvalue()
 
 
 def test_bench_te_times_the_default_copying_get_beside_the_zero_copy_one():

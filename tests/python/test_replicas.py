@@ -101,7 +101,9 @@ def test_replica_settings_are_checked_when_read(tmp_path):
     for bad, match in [({"replicas": 0}, "'replicas' must be an integer in \\[1, 64\\]"),
                        ({"replicas": "2"}, "'replicas' must be an integer"),
                        ({"retry": "yes"}, "'retry' must be true"),
-                       ({"replicas": 2, "process": "a"}, "share process 'a' but ask for 1 and 2 replicas")]:
+                       ({"replicas": 2, "process": "a"}, "share process 'a' but ask for replicas 1 and 2"),
+                       ({"replicas": 2, "max_replicas": 1}, "'max_replicas' must be an integer in \\[replicas"),
+                       ({"max_restarts": -1}, "'max_restarts' must be an integer >= 0")]:
         stages = [dict(base[0]), dict(base[1], **bad)]
         with pytest.raises(PipelineConfigError, match=match):
             load_pipeline({"stages": stages})
@@ -110,3 +112,85 @@ def test_replica_settings_are_checked_when_read(tmp_path):
     s = load_pipeline({"stages": [base[0], dict(base[1], replicas=3, retry=True)]})
     assert list(s.processes()) == ["a", "b.0", "b.1", "b.2"] and s.replica_procs("b") == ["b.0", "b.1", "b.2"]
     assert s.group_of("b.2") == "b" and s.stages["b"].retry
+
+
+class _Load:
+    """Requests kept in flight (8) from a thread until stopped; every result checked."""
+
+    def __init__(self, p, sleep=0.02):
+        self.p, self.sleep, self.stop = p, sleep, threading.Event()
+        self.results, self.errors = [], []
+        self.t = threading.Thread(target=self._run)
+        self.t.start()
+
+    def _run(self):
+        sem = threading.Semaphore(8)
+        i = 0
+        futs = []
+        while not self.stop.is_set():
+            if not sem.acquire(timeout=0.1):
+                continue
+            f = self.p.submit(f"L{i}", {"x": i, "sleep": self.sleep})
+            f.add_done_callback(lambda _f: sem.release())
+            futs.append((i, f))
+            i += 1
+        for i, f in futs:
+            try:
+                r = f.result(60)
+                (self.results if r["x"] == 2 * i + 1 else self.errors).append(r)
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(e)
+
+    def finish(self):
+        self.stop.set()
+        self.t.join(120)
+        return self.results, self.errors
+
+
+def test_scaling_up_and_down_while_requests_run_loses_none(ns):
+    d = spec(ns, [{"name": "a", "factory": f"{S}:double", "next": "b"},
+                  {"name": "b", "factory": f"{S}:slow_pid", "terminal": True, "replicas": 1, "max_replicas": 3}])
+    with Pipeline.from_config(d) as p:
+        assert sorted(p.process_ids()) == ["a", "b.0"]
+        load = _Load(p)
+        time.sleep(0.5)
+        assert p.scale("b", 3) == ["b.0", "b.1", "b.2"]
+        t = time.monotonic()
+        pids = {}
+        while time.monotonic() - t < 10 and len(pids) < 3:  # the new replicas take requests
+            pids.update({p2: 1 for p2, v in p.replicas().items() if v["in_flight"]})
+            time.sleep(0.01)
+        assert len(pids) == 3, p.replicas()
+        assert p.scale("b", 1) == ["b.0"]
+        time.sleep(0.3)
+        results, errors = load.finish()
+        state = p.replicas()
+        with pytest.raises(Exception, match="replicas must be in \\[1, 3\\]"):
+            p.scale("b", 4)
+    assert not errors, errors[:3]
+    assert len(results) > 40
+    assert state["b.1"]["state"] == "stopped" and state["b.2"]["state"] == "stopped" and state["b.0"]["alive"]
+    assert len({r["pid"] for r in results}) == 3
+
+
+def test_a_replica_killed_ten_times_restarts_each_time_and_loses_nothing(ns):
+    d = spec(ns, [{"name": "a", "factory": f"{S}:double", "next": "b"},
+                  {"name": "b", "factory": f"{S}:slow_pid", "terminal": True, "replicas": 2, "retry": True,
+                   "max_restarts": 10}], settings={"request_timeout_s": 60})
+    with Pipeline.from_config(d) as p:
+        load = _Load(p)
+        for k in range(10):
+            time.sleep(0.2)
+            victim = f"b.{k % 2}"
+            os.kill(p.process_ids()[victim], signal.SIGKILL)
+            t = time.monotonic()  # noticed, started again, and ready: then the next kill
+            while not (p.replicas()[victim]["restarts"] == k // 2 + 1 and p.replicas()[victim]["alive"]) \
+                    and time.monotonic() - t < 30:
+                time.sleep(0.02)
+            assert p.replicas()[victim]["alive"], p.replicas()[victim]
+        results, errors = load.finish()
+        state = p.replicas()
+    assert not errors, errors[:3]
+    assert len(results) > 20
+    assert state["b.0"]["restarts"] == 5 and state["b.1"]["restarts"] == 5
+    assert "killed by SIGKILL" in state["b.0"]["died"]

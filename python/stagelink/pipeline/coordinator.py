@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 from .. import _core
 from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_socket_dir
@@ -96,6 +96,8 @@ class Pipeline:
         self._procs: Dict[str, StageProcess] = {}  # by the launcher (launcher.py)
         self._members = Membership(spec)  # the stage processes by (group, replica), and the dead
         self._router = Router(self._members)  # which replica runs which request
+        self._starting: Dict[str, float] = {}  # processes started while running -> when
+        self._scale_lock = threading.Lock()  # one scale() at a time
         # Requests may run again where a replicated stage is marked retry: keep their payloads.
         self._may_retry = any(s.retry and s.replicas > 1 for s in spec.stages.values())
         self._ready: Dict[str, Optional[str]] = {}
@@ -164,11 +166,9 @@ class Pipeline:
     # -- start-up and shutdown
     def _start(self, python, env):
         self._launcher = PlacedLauncher(self.spec, self._dir, python, env)
-        for proc in self.spec.processes():
-            keys = self._keys[proc] if self.spec.control.get("keys_on_stdin") else None
+        for proc in self.spec.initial_processes():
             try:
-                # Its CURVE secret keys: one JSON line on its stdin (never argv, env or a file).
-                self._procs[proc] = self._launcher.launch(proc, json.dumps(keys).encode() + b"\n" if keys else None)
+                self._launch(proc)
             except LaunchError as err:
                 raise PipelineStartError(str(err)) from None
         # Each process has settings.startup_timeout_s from when it starts building its stages (its
@@ -199,6 +199,131 @@ class Pipeline:
         if self.spec.free_ports:
             self._share_endpoints(deadline)
         self._connect_relays(senders, deadline)
+
+    def _launch(self, proc: str) -> None:
+        """Start stage process `proc` through the launcher, its CURVE secret keys one JSON line on
+        its stdin (never argv, env or a file)."""
+        keys = self._keys[proc] if self.spec.control.get("keys_on_stdin") else None
+        p = self._launcher.launch(proc, json.dumps(keys).encode() + b"\n" if keys else None)
+        with self._lock:
+            self._procs[proc] = p
+
+    def _relaunch(self, proc: str) -> None:
+        """Start `proc` again while the pipeline runs (a restart, or Pipeline.scale): a fresh
+        control endpoint where the old one may be a dead process's (shm rings get a new name);
+        it joins when it says it is ready (_joined)."""
+        if self.spec.control.get("transport", "shm") == "shm":
+            self.spec.control["shm_names"][proc] = secrets.token_hex(8)
+            self._launcher.refresh()
+        with self._lock:
+            self._members.set(proc, "starting")
+            self._starting[proc] = time.monotonic()
+            self._ready.pop(proc, None)
+        try:
+            self._launch(proc)
+        except LaunchError as e:
+            with self._lock:
+                self._members.set(proc, "dead", str(e))
+                self._starting.pop(proc, None)
+            print(f"stagelink coordinator: {e}", file=sys.stderr)
+
+    def _joined(self, msg) -> None:
+        """A process started while the pipeline runs said it is ready (or could not start): every
+        other process learns its endpoint (Peers), then it takes requests."""
+        with self._lock:
+            if self._members.state.get(msg.proc) != "starting":
+                return
+            self._starting.pop(msg.proc, None)
+            if isinstance(msg, proto.StartFailed):
+                self._members.set(msg.proc, "dead", "could not start")
+                print(f"stagelink coordinator: process '{msg.proc}' could not start:\n{msg.error}", file=sys.stderr)
+                self._lock.notify_all()
+                return
+            self._ready[msg.proc] = msg.endpoint
+            self.spec.control.setdefault("peers", {})[msg.proc] = msg.endpoint
+            others = [p for p in self._live_procs() if p != msg.proc]
+        with self._out_lock:  # the coordinator's own outbox to it: to the new endpoint
+            old = self._outboxes.pop(msg.proc, None)
+        if old is not None:
+            old.close()
+        for proc in others:
+            try:
+                self._send(proc, proto.Peers({msg.proc: msg.endpoint}).encode(), 5.0)
+            except _core.StagelinkError:
+                pass
+        with self._lock:
+            self._members.set(msg.proc, "alive")
+            self._lock.notify_all()
+
+    def scale(self, stage: str, n: int, timeout: Optional[float] = None) -> List[str]:
+        """Grow or shrink `stage` (its process group) to `n` running replicas while requests run,
+        losing none: new replicas take requests once ready; retired ones (the highest numbered)
+        take no new requests, finish what they hold, then stop. Returns the processes running
+        after. `n` is at most the stage's `max_replicas`. Raises TimeoutError when a new replica
+        is not ready within settings.startup_timeout_s (`timeout`), or a retired one still holds
+        requests after settings.request_timeout_s."""
+        if stage not in self.spec.stages:
+            raise _core.NotFoundError(f"no stage '{stage}' (stages: {', '.join(self.spec.stages)})")
+        group = self.spec.stages[stage].process
+        procs = self._members.procs[group]
+        if not isinstance(n, int) or not 1 <= n <= len(procs):
+            raise _core.InvalidArgumentError(f"scale('{stage}', {n!r}): replicas must be in [1, {len(procs)}] "
+                                             f"(its max_replicas)")
+        with self._scale_lock:
+            running = self._members.running(group)
+            grow = [p for p in procs if p not in running][:max(0, n - len(running))]
+            shrink = sorted(running, key=lambda p: self._members.key(p)[1])[n:] if n < len(running) else []
+            for p in grow:
+                self._relaunch(p)
+            if grow:
+                limit = self.settings["startup_timeout_s"] if timeout is None else timeout
+                deadline = time.monotonic() + limit
+                with self._lock:
+                    while any(self._members.state[p] == "starting" for p in grow):
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise _core.TimeoutError(f"scale('{stage}', {n}): {[p for p in grow if self._members.state[p] == 'starting']} "
+                                                     f"not ready within {limit:g} s")
+                        self._lock.wait(min(left, 0.1))
+                bad = [p for p in grow if self._members.state[p] != "alive"]
+                if bad:
+                    raise PipelineStartError(f"scale('{stage}', {n}): {bad} could not start "
+                                             f"({[self._members.why.get(p, '') for p in bad]})")
+            if shrink:
+                self._retire(shrink, self.settings["request_timeout_s"] if timeout is None else timeout)
+            return self._members.running(group)
+
+    def _retire(self, procs: List[str], limit: float) -> None:
+        """Drain `procs` (no new requests; wait until they hold none), then stop them."""
+        deadline = time.monotonic() + limit
+        with self._lock:
+            for p in procs:
+                self._members.set(p, "draining")
+            while True:
+                load = self._router.in_flight()
+                if all(load.get(p, 0) == 0 for p in procs):
+                    break
+                if time.monotonic() >= deadline:
+                    for p in procs:
+                        self._members.set(p, "alive")
+                    raise _core.TimeoutError(f"replicas {procs} still hold requests after {limit:g} s")
+                self._lock.wait(0.05)
+        for p in procs:
+            try:
+                self._send(p, proto.Shutdown().encode(), 5.0)
+            except _core.StagelinkError:
+                pass
+        stop_by = time.monotonic() + self.settings["shutdown_timeout_s"]
+        for p in procs:
+            h = self._procs[p]
+            if h.wait(max(0.0, stop_by - time.monotonic())) is None:
+                h.kill()
+            with self._lock:
+                self._members.set(p, "stopped")
+            with self._out_lock:
+                ob = self._outboxes.pop(p, None)
+            if ob is not None:
+                ob.close()
 
     def _recv_lifecycle(self, timeout: float, started: set):
         """The next lifecycle message (protocol.decode) within `timeout`, or None (a timeout, a
@@ -235,7 +360,8 @@ class Pipeline:
         by_proc: Dict[str, list] = {}
         for src, dst, info in senders:  # every replica of a receiving stage connects
             for proc in [COORDINATOR] if dst == COORDINATOR else self.spec.replica_procs(dst):
-                by_proc.setdefault(proc, []).append([src, dst, info])
+                if proc == COORDINATOR or proc in self._procs:  # replicas started with the pipeline
+                    by_proc.setdefault(proc, []).append([src, dst, info])
         if not by_proc:
             return
         limit = f"within {self.settings['startup_timeout_s']} s (settings.startup_timeout_s)"
@@ -446,7 +572,8 @@ class Pipeline:
         return ok
 
     def _live_procs(self):
-        return [p for p, h in self._procs.items() if h.poll() is None and p not in self._members.dead]
+        return [p for p, h in list(self._procs.items())
+                if h.poll() is None and self._members.state[p] in ("alive", "draining")]
 
     def _broadcast_abort(self, rid):
         for proc in self._live_procs():
@@ -550,6 +677,8 @@ class Pipeline:
                 with self._lock:
                     self._stats[msg.proc] = msg.figures
                     self._lock.notify_all()
+            elif isinstance(msg, (proto.Ready, proto.StartFailed)):
+                self._joined(msg)
             return
         if m.type == "abort_ack":
             with self._lock:
@@ -604,7 +733,7 @@ class Pipeline:
         retry = all(self.spec.stages[n].retry for n in stages)
         again, failed = [], []
         with self._lock:
-            self._members.mark_dead(proc, why)
+            self._members.set(proc, "dead", why)
             for wire in self._router.holders(group, replica):
                 r = self._reqs.get(wire)
                 if r is None or r.done:
@@ -636,23 +765,46 @@ class Pipeline:
             except BaseException as e:  # noqa: BLE001  that request fails; the others go on
                 with self._lock:
                     self._finish_locked(new, r, error=e)
+        st = self.spec.stages[stages[0]]
+        if self._members.restarts[proc] < st.max_restarts and not self._closed:
+            self._members.restarts[proc] += 1
+            print(f"stagelink coordinator: starting '{proc}' again (restart {self._members.restarts[proc]} of "
+                  f"{st.max_restarts})", file=sys.stderr)
+            self._relaunch(proc)
 
     def replicas(self) -> Dict[str, dict]:
-        """Per stage process: its group, replica, whether it runs, and its requests in flight."""
+        """Per stage process (every replica a stage may have): its group, replica number, state
+        (alive, starting, draining, stopped, dead), `alive` (takes requests), requests in flight,
+        restarts, and how it died."""
         with self._lock:
             load = self._router.in_flight()
-            return {p: {"group": self._members.key(p)[0], "replica": self._members.key(p)[1],
-                        "alive": p not in self._members.dead and h.poll() is None, "in_flight": load.get(p, 0)}
-                    for p, h in self._procs.items()}
+            out = {}
+            for p, (g, i) in ((p, self._members.key(p)) for g in self._members.procs for p in self._members.procs[g]):
+                st = self._members.state[p]
+                out[p] = {"group": g, "replica": i, "state": st, "alive": st == "alive", "in_flight": load.get(p, 0),
+                          "restarts": self._members.restarts[p], "died": self._members.why.get(p)}
+            return out
 
     def _check(self):
         if self._closed:
             return
-        for proc, p in self._procs.items():
-            if p.poll() is None or proc in self._members.dead:
+        for proc, p in list(self._procs.items()):
+            state = self._members.state[proc]
+            if p.poll() is None:
+                if state == "starting" and time.monotonic() - self._starting.get(proc, time.monotonic()) > \
+                        self.settings["startup_timeout_s"]:
+                    p.kill()  # reported below, next round, as a start that failed
+                continue
+            if state in ("dead", "stopped"):
                 continue
             group, replica = self._members.key(proc)
-            if len(self._members.alive(group)) > 1:  # others carry on: only its requests are touched
+            if state == "starting":  # died before it was ready: it held nothing
+                with self._lock:
+                    self._starting.pop(proc, None)
+                    self._members.set(proc, "dead", f"{p.where}) died while starting: {_how(p.returncode)}")
+                    self._lock.notify_all()
+                continue
+            if [i for i in self._members.alive(group) if i != replica]:  # others carry on: only its requests touched
                 self._replica_died(proc, p, group, replica)
                 continue
             if self._broken is None:

@@ -101,6 +101,10 @@ class Launcher(abc.ABC):
         """Where `proc` would run, for `stagelink config check` and errors."""
         return "this host"
 
+    def refresh(self) -> None:
+        """The spec changed (a process started again gets a fresh endpoint): launches from now on
+        hand out the new one."""
+
 
 class _Env:
     """The stage processes' environment: the caller's, with the coordinator's import path (the
@@ -119,8 +123,13 @@ class LocalLauncher(Launcher):
     def __init__(self, spec: PipelineSpec, sock_dir: str, python: str, env: _Env):
         self.spec, self.dir, self.python, self.env = spec, sock_dir, python, env
         self.spec_path = os.path.join(sock_dir, "pipeline.json")
-        with open(self.spec_path, "w") as f:
-            json.dump(spec.to_dict(), f)
+        self.refresh()
+
+    def refresh(self) -> None:
+        tmp = self.spec_path + ".new"
+        with open(tmp, "w") as f:
+            json.dump(self.spec.to_dict(), f)
+        os.replace(tmp, self.spec_path)  # a process starting now reads the old one or the new one whole
 
     def launch(self, proc: str, keys_line: Optional[bytes]) -> StageProcess:
         p = subprocess.Popen([self.python, "-m", "stagelink.pipeline._entry", self.spec_path, proc, self.dir],
@@ -174,6 +183,9 @@ class PlacedLauncher(Launcher):
 
     def describe(self, proc: str) -> str:
         return self._of(proc).describe(proc)
+
+    def refresh(self) -> None:
+        self.local.refresh()
 
     def launch(self, proc: str, keys_line: Optional[bytes]) -> StageProcess:
         return self._of(proc).launch(proc, keys_line)

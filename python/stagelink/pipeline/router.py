@@ -21,26 +21,38 @@ Route = Dict[str, int]
 
 
 class Membership:
-    """The stage processes by (process group, replica), and which are alive."""
+    """The stage processes by (process group, replica), and the state of each: `alive` (routed
+    to), `starting` (launched, not ready yet), `draining` (finishing what it holds before it
+    stops: Pipeline.scale), `stopped` (never started, or retired) or `dead`."""
 
     def __init__(self, spec: PipelineSpec):
         self.spec = spec
         self.procs: Dict[str, List[str]] = {g: spec.group_procs(g) for g in spec.groups()}
         self._key = {p: (g, i) for g, ps in self.procs.items() for i, p in enumerate(ps)}
-        self.dead: Dict[str, str] = {}  # process -> why
+        initial = spec.initial_processes()
+        self.state: Dict[str, str] = {p: "alive" if p in initial else "stopped" for p in self._key}
+        self.why: Dict[str, str] = {}  # process -> how it died
+        self.restarts: Dict[str, int] = {p: 0 for p in self._key}
 
     def key(self, proc: str) -> Tuple[str, int]:
         """(group, replica) of a stage process."""
         return self._key[proc]
 
     def alive(self, group: str) -> List[int]:
-        return [i for i, p in enumerate(self.procs[group]) if p not in self.dead]
+        """The replicas of `group` that take new requests."""
+        return [i for i, p in enumerate(self.procs[group]) if self.state[p] == "alive"]
+
+    def running(self, group: str) -> List[str]:
+        """The processes of `group` that run or are starting (what Pipeline.scale counts)."""
+        return [p for p in self.procs[group] if self.state[p] in ("alive", "starting")]
 
     def replicated(self, group: str) -> bool:
         return len(self.procs[group]) > 1
 
-    def mark_dead(self, proc: str, why: str) -> None:
-        self.dead[proc] = why
+    def set(self, proc: str, state: str, why: str = "") -> None:
+        self.state[proc] = state
+        if why:
+            self.why[proc] = why
 
 
 class Router:

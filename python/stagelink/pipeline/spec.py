@@ -48,7 +48,7 @@ from .. import _core
 from ..connector import has_trait
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
-               "inline", "zero_copy", "host", "env", "replicas", "retry"}
+               "inline", "zero_copy", "host", "env", "replicas", "retry", "max_replicas", "max_restarts"}
 MAX_REPLICAS = 64
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
              "control", "hosts"}
@@ -93,6 +93,11 @@ class StageSpec:
     # Safe to run again: a request whose replica of this stage died is run again from the entry
     # stage on the surviving replicas instead of failing.
     retry: bool = False
+    # The most replicas Pipeline.scale may grow it to (0: `replicas`); their names, keys and
+    # control endpoints are made at start-up.
+    max_replicas: int = 0
+    # Times a dead replica of it is started again (0: never); it rejoins once it says it is ready.
+    max_restarts: int = 0
     sources: List[str] = field(default_factory=list)         # stages whose `next` names this one
     stream_sources: List[str] = field(default_factory=list)  # stages whose `stream_to` names it
 
@@ -124,16 +129,30 @@ class PipelineSpec:
 
     def processes(self) -> Dict[str, List[str]]:
         """Stage process name -> its stages, in file order: one per group, or with `replicas: N`
-        N of them, named GROUP.0 .. GROUP.N-1 (replica_procs)."""
+        (`max_replicas: M`) M of them, named GROUP.0 .. GROUP.M-1, the first N started with the
+        pipeline (initial_processes) and the others by Pipeline.scale."""
         out: Dict[str, List[str]] = {}
         for g, names in self.groups().items():
             for p in self.group_procs(g):
                 out[p] = names
         return out
 
+    def initial_processes(self) -> Dict[str, List[str]]:
+        """The stage processes started with the pipeline: `replicas` of each group."""
+        out: Dict[str, List[str]] = {}
+        for g, names in self.groups().items():
+            n = self._first(g).replicas
+            for p in self.group_procs(g)[:n]:
+                out[p] = names
+        return out
+
+    def _first(self, group: str) -> "StageSpec":
+        return next(s for s in self.stages.values() if s.process == group)
+
     def group_procs(self, group: str) -> List[str]:
-        """The stage processes of a process group: its replicas."""
-        n = next(s.replicas for s in self.stages.values() if s.process == group)
+        """The stage processes of a process group: its replicas (up to max_replicas)."""
+        st = self._first(group)
+        n = max(st.replicas, st.max_replicas)
         return [group] if n == 1 else [f"{group}.{i}" for i in range(n)]
 
     def replica_procs(self, stage: str) -> List[str]:
@@ -145,14 +164,15 @@ class PipelineSpec:
         if proc == COORDINATOR or any(s.process == proc for s in self.stages.values()):
             return proc
         base, _, idx = proc.rpartition(".")
-        if idx.isdigit() and any(s.process == base and s.replicas > 1 for s in self.stages.values()):
+        if idx.isdigit() and any(s.process == base and max(s.replicas, s.max_replicas) > 1
+                                 for s in self.stages.values()):
             return base
         raise KeyError(proc)
 
     @property
     def replicated(self) -> bool:
-        """Whether any stage has more than one replica."""
-        return any(s.replicas > 1 for s in self.stages.values())
+        """Whether any stage has (or may grow to) more than one replica."""
+        return any(max(s.replicas, s.max_replicas) > 1 for s in self.stages.values())
 
     @property
     def multi_host(self) -> bool:
@@ -240,7 +260,8 @@ class PipelineSpec:
                 "client": self.client, "control": self.control, "hosts": self.hosts,
                 "stages": [{k: getattr(s, k) for k in ("name", "factory", "args", "next", "stream_to", "terminal",
                                                        "process", "merge", "concurrency", "inline", "zero_copy",
-                                                       "host", "env", "replicas", "retry", "sources",
+                                                       "host", "env", "replicas", "retry", "max_replicas",
+                                                       "max_restarts", "sources",
                                                        "stream_sources")} for s in self.stages.values()]}
 
     @classmethod
@@ -335,6 +356,15 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= MAX_REPLICAS:
             raise PipelineConfigError(f"{where}: 'replicas' must be an integer in [1, {MAX_REPLICAS}] (copies of its "
                                       f"process), got {replicas!r}")
+        max_replicas = s.get("max_replicas", replicas)
+        if not isinstance(max_replicas, int) or isinstance(max_replicas, bool) or \
+                not replicas <= max_replicas <= MAX_REPLICAS:
+            raise PipelineConfigError(f"{where}: 'max_replicas' must be an integer in [replicas, {MAX_REPLICAS}] (what "
+                                      f"Pipeline.scale may grow it to), got {max_replicas!r}")
+        max_restarts = s.get("max_restarts", 0)
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or not 0 <= max_restarts <= 1_000_000:
+            raise PipelineConfigError(f"{where}: 'max_restarts' must be an integer >= 0 (times a dead replica is "
+                                      f"started again), got {max_restarts!r}")
         retry = s.get("retry", False)
         if not isinstance(retry, bool):
             raise PipelineConfigError(f"{where}: 'retry' must be true (safe to run again: a request whose replica "
@@ -344,7 +374,8 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
                                  terminal=bool(s.get("terminal", False)), process=proc, merge=merge,
                                  concurrency=conc, inline=_inline(s.get("inline"), where),
                                  zero_copy=bool(s.get("zero_copy", False)), host=host, env=env,
-                                 replicas=replicas, retry=retry)
+                                 replicas=replicas, retry=retry, max_replicas=max_replicas,
+                                 max_restarts=max_restarts)
     for s in stages.values():
         for key in ("next", "stream_to"):
             for t in getattr(s, key):
@@ -421,7 +452,8 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
     for k in ("request", "verify"):
         if k in client and (not isinstance(client[k], str) or client[k].count(":") != 1):
             raise PipelineConfigError(f"{source}: client.{k} must be 'module:callable'")
-    n_procs = sum(next(s.replicas for s in stages.values() if s.process == g) for g in {s.process for s in stages.values()})
+    n_procs = sum(next(max(s.replicas, s.max_replicas) for s in stages.values() if s.process == g)
+                  for g in {s.process for s in stages.values()})
     control = _control(raw.get("control", "shm"), n_procs, source)
     if control["transport"] == "tcp" and (control["host"] == "auto" or (
             not (isinstance(raw.get("control"), dict) and "host" in raw["control"]) and
@@ -461,15 +493,17 @@ def _check_replicas(stages: Dict[str, StageSpec], source: str) -> None:
     groups: Dict[str, StageSpec] = {}
     for s in stages.values():
         first = groups.setdefault(s.process, s)
-        if first.replicas != s.replicas:
-            raise PipelineConfigError(f"{source}: stages '{first.name}' and '{s.name}' share process '{s.process}' but "
-                                      f"ask for {first.replicas} and {s.replicas} replicas: a process group is "
-                                      "replicated whole")
+        for key in ("replicas", "max_replicas", "max_restarts"):
+            if getattr(first, key) != getattr(s, key):
+                raise PipelineConfigError(f"{source}: stages '{first.name}' and '{s.name}' share process '{s.process}' "
+                                          f"but ask for {key} {getattr(first, key)} and {getattr(s, key)}: a process "
+                                          "group is replicated whole")
     for g, s in groups.items():
-        for i in range(s.replicas if s.replicas > 1 else 0):
+        n = max(s.replicas, s.max_replicas)
+        for i in range(n if n > 1 else 0):
             if f"{g}.{i}" in groups:
                 raise PipelineConfigError(f"{source}: process '{g}.{i}' is both a process group and a replica of "
-                                          f"'{g}' (replicas: {s.replicas}): rename one")
+                                          f"'{g}' (replicas: {n}): rename one")
 
 
 def _map_of(v, where: str, what: str) -> dict:

@@ -43,6 +43,8 @@ def endpoint(spec: PipelineSpec, sock_dir: str, proc: str, bind: bool = False) -
     are what the processes bound: the coordinator's in the spec it hands out, the stage processes'
     as they reported them (`peers`, sent to every process before the first request)."""
     t = spec.control.get("transport", "shm")
+    if not bind and proc != COORDINATOR and proc in spec.control.get("peers", {}):
+        return spec.control["peers"][proc]  # what it bound (base_port 0), or where it was started again
     if t == "ipc":
         return f"ipc://{sock_dir}/{proc}.sock"
     if t == "tcp":
@@ -361,8 +363,17 @@ class Worker:
 
     def handle_lifecycle(self, msg) -> bool:
         """A lifecycle message from the coordinator (protocol.py); False: shut down."""
-        if isinstance(msg, proto.Peers):  # control.base_port 0: every process's endpoint, before the first request
-            self.spec.control["peers"] = dict(msg.peers)
+        if isinstance(msg, proto.Peers):
+            # control.base_port 0: every process's endpoint, before the first request; later, the
+            # endpoint of a process started again (a restart, Pipeline.scale)
+            peers = self.spec.control.setdefault("peers", {})
+            for proc, ep in msg.peers.items():
+                if peers.get(proc) != ep:
+                    peers[proc] = ep
+                    with self.out_lock:
+                        old = self.outboxes.pop(proc, None)
+                    if old is not None:
+                        old.close()
             self.send(COORDINATOR, proto.PeersKnown(self.proc).encode())
         elif isinstance(msg, proto.Connect):  # transfer-engine relays: connect to their senders now
             errors = self.connect_relays(msg.edges, msg.timeout_s)
@@ -484,7 +495,7 @@ def share_cpus(spec: PipelineSpec, proc: str) -> int:
     every core after each torch op: with three stage processes on two cores, a stage making a 1 MiB
     tensor spent 1.2 ms of CPU per request, 80% of it OpenMP threads waiting for work."""
     host = spec.host_of(proc)
-    here = sum(1 for p in spec.processes() if spec.host_of(p) == host) + (0 if host else 1)
+    here = sum(1 for p in spec.initial_processes() if spec.host_of(p) == host) + (0 if host else 1)
     n = max(1, effective_cpus() // max(1, here))
     for var in _THREAD_VARS:
         os.environ.setdefault(var, str(n))
