@@ -202,8 +202,17 @@ def _cuda(r):
     ], "milliseconds (median)", "lower")]
 
 
+def _replicas(r):
+    rounds = [f"round {i + 1}" for i in range(len(r["req_s"]["1"]))]
+    fo = r.get("failover") or []
+    return [("A CPU-bound stage with 1 and 2 replicas", rounds,
+             [("1 replica", r["req_s"]["1"]), ("2 replicas", r["req_s"]["2"])], "requests per second", "higher"),
+            ("Gap in completions after a replica is SIGKILLed (longest per run)", [f"run {i + 1}" for i in range(len(fo))],
+             [("stagelink", [f.get("failover_gap_ms") for f in fo])], "milliseconds", "lower")]
+
+
 CHARTS = {"shm": _shm, "mq": _mq, "relay": _relay, "te": _te, "store": _store, "pipeline": _pipeline,
-          "pipeline-hosts": _pipeline_hosts, "cuda": _cuda}
+          "pipeline-hosts": _pipeline_hosts, "replicas": _replicas, "cuda": _cuda}
 
 
 def charts(result):
