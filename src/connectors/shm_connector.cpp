@@ -252,19 +252,15 @@ Status ShmConnector::ensure_arena_locked() {
   // Reserved whole now when asked (preallocate_arena), else as puts reach into it
   // (reserved_locked): either way before a byte is written, so a full /dev/shm is an error,
   // never a SIGBUS.
-  SL_ASSIGN(auto seg, create_fresh('a', name, [&](const std::string& n) {
+  std::pair<uint32_t, uint32_t> reg;
+  SL_ASSIGN(auto seg, create_fresh('a', name, opts_.arena_bytes, false, reg, [&](const std::string& n) {
     return opts_.preallocate_arena ? Segment::create(opts_.shm_dir, n, opts_.arena_bytes, false)
                                    : Segment::create_sparse(opts_.shm_dir, n, opts_.arena_bytes);
   }));
-  auto reg = dir_->register_arena(name, opts_.arena_bytes, false);
-  if (!reg.ok()) {
-    Segment::unlink(opts_.shm_dir, name);
-    return std::move(reg).error();
-  }
   arena_ = seg;
   arena_reserved_ = opts_.preallocate_arena ? opts_.arena_bytes : 0;
-  arena_idx_ = reg->first;
-  arena_gen_ = reg->second;
+  arena_idx_ = reg.first;
+  arena_gen_ = reg.second;
   arena_alloc_ = std::make_unique<BufferAllocator>(opts_.arena_bytes, 64);
   return {};
 }
@@ -320,16 +316,12 @@ Result<ShmConnector::Region> ShmConnector::allocate_locked(std::unique_lock<std:
   }
   if (size > opts_.arena_bytes) {
     std::string name;
-    SL_ASSIGN(auto seg, create_fresh('x', name, [&](const std::string& n) {
+    std::pair<uint32_t, uint32_t> reg;
+    SL_ASSIGN(auto seg, create_fresh('x', name, size, true, reg, [&](const std::string& n) {
       return Segment::create(opts_.shm_dir, n, size, false);
     }));
-    auto reg = dir_->register_arena(name, size, true);
-    if (!reg.ok()) {
-      Segment::unlink(opts_.shm_dir, name);
-      return std::move(reg).error();
-    }
     dedicated_puts_.fetch_add(1, std::memory_order_relaxed);
-    return Region{seg->data(), 0, size, seg, reg->first, reg->second};
+    return Region{seg->data(), 0, size, seg, reg.first, reg.second};
   }
   SL_TRY(ensure_arena_locked());
   const uint64_t deadline = now + uint64_t(opts_.put_timeout_s * 1e9);

@@ -201,10 +201,16 @@ class ShmConnector final : public Connector,
   // A segment under a name of ours no one holds: names are predictable (pid, counter), and another
   // user may have created the next one first; O_EXCL then fails and the next number is tried.
   template <class Create>
-  Result<std::shared_ptr<Segment>> create_fresh(char kind, std::string& name, Create&& create) {
+  // The segment is listed in the directory (register_arena, `reg`) before its file is made: a
+  // process killed while making it leaves a record under its own pid, which the next reaper
+  // unlinks (made first and listed after, a kill in between left a file nobody reaps).
+  Result<std::shared_ptr<Segment>> create_fresh(char kind, std::string& name, uint64_t size, bool dedicated,
+                                                std::pair<uint32_t, uint32_t>& reg, Create&& create) {
     for (int attempt = 0;; ++attempt) {
       name = dir_->prefix() + kind + std::to_string(getpid()) + "." + std::to_string(g_segment_counter.fetch_add(1));
+      SL_ASSIGN(reg, dir_->register_arena(name, size, dedicated));
       auto seg = create(name);
+      if (!seg.ok()) dir_->unregister_arena(reg.first, reg.second);
       if (seg.ok() || seg.error().code != Errc::exists) return seg;
       if (attempt == 15)
         return make_error(Errc::exists, seg.error().message + " (and 15 names before it: squatted by another user?)");
