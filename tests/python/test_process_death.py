@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import stagelink
-from net_util import start_redis
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -42,17 +41,6 @@ def _kill(p, after=0.1):
     p.stdin.close()
 
 
-@pytest.fixture
-def store_port():
-    import shutil
-    if not shutil.which("redis-server"):
-        pytest.skip("redis-server is not installed (./scripts/setup installs it)")
-    p, port = start_redis()
-    yield port
-    p.kill()
-    p.wait()
-
-
 def _extra(name, ns, port=None):
     return {"SharedMemoryConnector": {"namespace": ns},
             "TransferEngineConnector": {"host": "127.0.0.1", "zmq_port": 0, "timeout_s": 3,
@@ -65,7 +53,7 @@ CONNECTORS = ["SharedMemoryConnector", "TransferEngineConnector", "StoreConnecto
 
 @pytest.mark.parametrize("name", CONNECTORS)
 def test_a_writer_killed_mid_put(name, ns, request):
-    port = request.getfixturevalue("store_port") if name == "StoreConnector" else None
+    port = request.getfixturevalue("redis") if name == "StoreConnector" else None
     extra = _extra(name, ns, port)
     w = _child("writer", "connector", name, extra)
     md = _line(w)
@@ -94,7 +82,7 @@ def test_a_writer_killed_mid_put(name, ns, request):
 
 @pytest.mark.parametrize("name", CONNECTORS)
 def test_a_reader_killed_mid_get(name, ns, request):
-    port = request.getfixturevalue("store_port") if name == "StoreConnector" else None
+    port = request.getfixturevalue("redis") if name == "StoreConnector" else None
     extra = _extra(name, ns, port)
     size = 64 << 20
     with stagelink.create_connector(name, dict(extra, strict=True, role="sender")) as c:
