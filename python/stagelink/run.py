@@ -194,7 +194,10 @@ def _report(spec, p, stats, wall, requests, failures, chunk_bytes, total_s) -> d
     for proc, s in per_proc:
         for name, e in sorted(s.get("edges", {}).items()):
             lat = [x / 1e3 for x in e["lat_ns"]]
-            edges.append({"edge": name, "process": proc, "messages": e["messages"], "bytes": e["bytes"],
+            # Per receiving replica where a stage has several (router.py): "front->work (work.1)".
+            dst = name.split("->")[-1]
+            label = name if dst not in spec.stages or spec.stages[dst].process == proc else f"{name} ({proc})"
+            edges.append({"edge": label, "process": proc, "messages": e["messages"], "bytes": e["bytes"],
                           "hop_us_p50": statistics.median(lat) if lat else None,
                           "hop_us_p99": _pct(lat, 0.99) if lat else None,
                           "gb_per_s": e["bytes"] / wall / 1e9 if wall > 0 else None})
@@ -207,7 +210,9 @@ def _report(spec, p, stats, wall, requests, failures, chunk_bytes, total_s) -> d
             "ttfc_ms_p50": statistics.median(ttfc) if ttfc else None,
             "ttfc_ms_p99": _pct(ttfc, 0.99) if ttfc else None,
             "streamed_to_client_bytes": chunk_bytes, "edges": edges,
-            "stages": {n: v for s in stats.values() for n, v in s.get("stages", {}).items()},
+            "stages": {(n if spec.stages[n].process == proc else f"{n} ({proc})"): v
+                       for proc, s in stats.items() for n, v in s.get("stages", {}).items() if n in spec.stages},
+            "replicas": p.replicas() if spec.replicated else {},
             "failures": failures[:100], "total_s": total_s}
 
 
@@ -232,3 +237,10 @@ def _print_report(console, r):
               f"{r['requests_per_s']:.1f}" if r["requests_per_s"] else "-", ms(r["e2e_ms_p50"]), ms(r["e2e_ms_p99"]),
               ms(r["ttfc_ms_p50"]), ms(r["ttfc_ms_p99"]), ms(r["startup_ms"]))
     console.print(s)
+    if r.get("replicas"):
+        t = Table(title="replicas", title_justify="left")
+        for col in ("process", "state", "restarts", "died"):
+            t.add_column(col, justify="left" if col in ("process", "died") else "right")
+        for proc, v in r["replicas"].items():
+            t.add_row(proc, v["state"], str(v["restarts"]), v["died"] or "")
+        console.print(t)

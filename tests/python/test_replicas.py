@@ -194,3 +194,24 @@ def test_a_replica_killed_ten_times_restarts_each_time_and_loses_nothing(ns):
     assert len(results) > 20
     assert state["b.0"]["restarts"] == 5 and state["b.1"]["restarts"] == 5
     assert "killed by SIGKILL" in state["b.0"]["died"]
+
+
+def test_stagelink_run_reports_per_replica(tmp_path):
+    """`stagelink run` on examples/replicas_pipeline.yaml: every result verified, the edges into
+    `work` split per replica, and a replicas table."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "r.json"
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagelink"), "run",
+                        os.path.join(root, "examples", "replicas_pipeline.yaml"), "--requests", "60",
+                        "--concurrency", "8", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all results verified end to end" in r.stdout and "replicas" in r.stdout
+    rep = json.loads(out.read_text())
+    edges = {e["edge"]: e["messages"] for e in rep["edges"]}
+    assert edges.get("front->work (work.0)", 0) > 0 and edges.get("front->work (work.1)", 0) > 0, edges
+    assert set(rep["replicas"]) == {"front", "work.0", "work.1", "work.2", "work.3"}
+    assert rep["replicas"]["work.2"]["state"] == "stopped" and rep["replicas"]["work.0"]["state"] == "alive"
+    assert {"work (work.0)", "work (work.1)"} <= set(rep["stages"])
