@@ -73,6 +73,11 @@ Result<TransferConfig> load_transfer_config_file(const std::string& path,
 Result<TransferConfig> load_transfer_config_string(const std::string& yaml,
                                                    const std::string& source = "<string>",
                                                    uint64_t default_shm_threshold_bytes = kDefaultShmThresholdBytes);
+// The same from values already read (a YAML file a caller parsed itself, e.g. the pipeline
+// file's `edges:` and `connectors:`): strings stay strings; errors name `source` and the key
+// (no line: the values carry none). Errors: invalid_argument (bytes, or nesting deeper than 64).
+Result<TransferConfig> load_transfer_config_value(const Value& root, const std::string& source = "<value>",
+                                                  uint64_t default_shm_threshold_bytes = kDefaultShmThresholdBytes);
 
 // One string value expanded as the loaders do (`key` and `source` name it in errors). `bare`: also
 // `$VAR` without braces, as vLLM-Omni's connectors take it in a host.

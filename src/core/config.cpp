@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -493,6 +494,42 @@ Result<TransferConfig> resolve_root(YAML::Node root, const fs::path& dir, const 
   SL_TRY(expand_env(full, "", source));
   return parse(full, source, default_shm_threshold);
 }
+// A value tree as the YAML the loaders read: strings tagged as quoted (they stay strings),
+// numbers written to round-trip.
+Result<YAML::Node> yaml_of(const Value& v, const std::string& source, int depth) {
+  if (depth > 64) return make_error(Errc::invalid_argument, source + ": nested deeper than 64 levels");
+  if (v.is_nil()) return YAML::Node(YAML::NodeType::Null);
+  if (v.is<std::string>()) {
+    YAML::Node n(v.as<std::string>());
+    n.SetTag("!");
+    return n;
+  }
+  if (v.is<bool>()) return YAML::Node(v.as<bool>() ? "true" : "false");
+  if (v.is<double>()) {
+    char b[40];
+    std::snprintf(b, sizeof b, "%.17g", v.as<double>());
+    return YAML::Node(std::string(b));
+  }
+  if (int64_t i; v.get_i64(i)) return YAML::Node(std::to_string(i));
+  if (uint64_t u; v.get_u64(u)) return YAML::Node(std::to_string(u));
+  if (v.is<Value::List>()) {
+    YAML::Node n(YAML::NodeType::Sequence);
+    for (const Value& x : v.as<Value::List>()) {
+      SL_ASSIGN(YAML::Node c, yaml_of(x, source, depth + 1));
+      n.push_back(c);
+    }
+    return n;
+  }
+  if (v.is<Value::Map>()) {
+    YAML::Node n(YAML::NodeType::Map);
+    for (const auto& [k, x] : v.as<Value::Map>()) {
+      SL_ASSIGN(YAML::Node c, yaml_of(x, source, depth + 1));
+      n[k] = c;
+    }
+    return n;
+  }
+  return make_error(Errc::invalid_argument, source + ": a configuration holds no bytes");
+}
 }  // namespace
 
 Result<std::string> expand_env_value(std::string_view in, const std::string& key, const std::string& source,
@@ -561,6 +598,16 @@ Result<TransferConfig> load_transfer_config_string(const std::string& text, cons
     return resolve_root(root, fs::current_path(), source, default_shm_threshold_bytes);
   } catch (const YAML::Exception& e) {
     return make_error(Errc::invalid_argument, source + ":" + std::to_string(e.mark.line + 1) + ": malformed YAML: " + e.msg);
+  }
+}
+
+Result<TransferConfig> load_transfer_config_value(const Value& root, const std::string& source,
+                                                  uint64_t default_shm_threshold_bytes) {
+  try {
+    SL_ASSIGN(YAML::Node node, yaml_of(root, source, 0));
+    return resolve_root(node, fs::current_path(), source, default_shm_threshold_bytes);
+  } catch (const YAML::Exception& e) {
+    return make_error(Errc::invalid_argument, source + ": " + e.msg);
   }
 }
 

@@ -246,6 +246,10 @@ void bind_tools(nb::module_& m) {
   m.def("load_config_file", [](const std::string& path, uint64_t default_shm_threshold) {
     return config_dict(unwrap(load_transfer_config_file(path, default_shm_threshold)));
   }, nb::arg("path"), nb::arg("default_shm_threshold") = kDefaultShmThresholdBytes);
+  m.def("load_config_value", [](nb::handle obj, const std::string& source, uint64_t default_shm_threshold) {
+    return config_dict(unwrap(load_transfer_config_value(from_py(obj), source, default_shm_threshold)));
+  }, nb::arg("obj"), nb::arg("source"), nb::arg("default_shm_threshold") = kDefaultShmThresholdBytes,
+     "The transfer-config loader on values already read (a dict), not text: errors name `source` and the key.");
   m.def("load_config_string", [](const std::string& text, const std::string& source, uint64_t default_shm_threshold) {
     return config_dict(unwrap(load_transfer_config_string(text, source, default_shm_threshold)));
   }, nb::arg("text"), nb::arg("source"), nb::arg("default_shm_threshold") = kDefaultShmThresholdBytes);

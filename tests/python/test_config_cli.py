@@ -485,3 +485,28 @@ def test_connector_descriptors_are_the_one_source_of_what_a_connector_is():
     from stagelink.cli import config_reference
     ref = config_reference()
     assert "| `TransferEngineConnector` | `MooncakeTransferEngineConnector` | side_channel |" in ref
+
+
+def test_pipeline_edges_are_read_as_values_not_reparsed_text(tmp_path, monkeypatch):
+    """Issue 62: the pipeline file's `edges:` and `connectors:` went to the C++ loader as JSON text
+    and its errors had the text's line (always 1) cut out with a regex. The loader now takes the
+    values: strings stay strings, ${VAR} still expands, and an error names the file and the key."""
+    import yaml
+    monkeypatch.setenv("SL_EDGE_NS", "fromenv")
+    f = tmp_path / "p.yaml"
+    stages = [{"name": "a", "factory": "m:f", "next": "b"}, {"name": "b", "factory": "m:g", "terminal": True}]
+    f.write_text(yaml.safe_dump({"connectors": {"c1": {"name": "SharedMemoryConnector",
+                                                       "extra": {"namespace": "123", "ttl_s": 60}},
+                                                "c2": {"name": "SharedMemoryConnector",
+                                                       "extra": {"namespace": "${SL_EDGE_NS}"}}},
+                                 "edges": [{"from": "a", "to": "b", "connector": "c1"}], "stages": stages}))
+    spec = stagelink.pipeline.load_pipeline(str(f))
+    extra = spec.edge_relays["a->b"]["extra"]
+    assert extra["namespace"] == "123" and extra["ttl_s"] == 60  # a string stays one; a number stays one
+    raw = yaml.safe_load(f.read_text())
+    raw["edges"][0]["connector"] = "c2"
+    assert stagelink.pipeline.load_pipeline(raw).edge_relays["a->b"]["extra"]["namespace"] == "fromenv"
+    raw["edges"][0]["connector"] = "c3"
+    with pytest.raises(stagelink.pipeline.PipelineConfigError) as e:
+        stagelink.pipeline.load_pipeline(dict(raw))
+    assert str(e.value).startswith("<dict>: ") and "c3" in str(e.value) and "<dict>:1:" not in str(e.value)

@@ -37,7 +37,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import re
 import shlex
@@ -687,11 +686,10 @@ def _edges(raw, stages, relay, source) -> Dict[str, dict]:
     rt = raw.get("runtime")
     if isinstance(rt, dict) and rt.get("connectors") is not None:
         sub["runtime"] = {"connectors": rt["connectors"]}
-    try:
-        cfg = _core.load_config_string(json.dumps(sub, default=str), source)
-    except _core.StagelinkError as e:
-        # The loader names a line of the text it was given (one line of JSON), not of the file.
-        raise PipelineConfigError(re.sub(rf"^{re.escape(source)}:\d+: ", f"{source}: ", str(e))) from None
+    try:  # the values as read, not text: the loader's errors name the file and the key
+        cfg = _core.load_config_value(sub, source)
+    except (_core.StagelinkError, TypeError, ValueError) as e:  # TypeError: a value YAML has and configs do not
+        raise PipelineConfigError(str(e)) from None
     out = {}
     for i, e in enumerate(cfg["edges"]):
         src, dst = str(e["from"]), str(e["to"])
