@@ -215,3 +215,26 @@ def test_stagelink_run_reports_per_replica(tmp_path):
     assert set(rep["replicas"]) == {"front", "work.0", "work.1", "work.2", "work.3"}
     assert rep["replicas"]["work.2"]["state"] == "stopped" and rep["replicas"]["work.0"]["state"] == "alive"
     assert {"work (work.0)", "work (work.1)"} <= set(rep["stages"])
+
+
+def test_a_single_process_stage_restarts_and_its_requests_wait_for_it(ns):
+    """max_restarts on a stage of one process: its death no longer breaks the pipeline. With
+    retry, the requests it held wait for the restart and run again; submits made meanwhile wait
+    for it too (up to settings.startup_timeout_s)."""
+    d = spec(ns, [{"name": "a", "factory": f"{S}:double", "next": "b"},
+                  {"name": "b", "factory": f"{S}:slow_pid", "terminal": True, "retry": True, "max_restarts": 2}],
+             settings={"request_timeout_s": 60})
+    with Pipeline.from_config(d) as p:
+        load = _Load(p)
+        time.sleep(0.4)
+        first = p.process_ids()["b"]
+        os.kill(first, signal.SIGKILL)
+        t = time.monotonic()
+        while p.replicas()["b"]["restarts"] < 1 or not p.replicas()["b"]["alive"]:
+            assert time.monotonic() - t < 30, p.replicas()
+            time.sleep(0.02)
+        time.sleep(0.4)
+        results, errors = load.finish()
+        assert p.process_ids()["b"] != first
+    assert not errors, errors[:3]
+    assert len({r["pid"] for r in results}) == 2 and len(results) > 20

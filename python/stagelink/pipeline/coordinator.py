@@ -97,9 +97,11 @@ class Pipeline:
         self._members = Membership(spec)  # the stage processes by (group, replica), and the dead
         self._router = Router(self._members)  # which replica runs which request
         self._starting: Dict[str, float] = {}  # processes started while running -> when
+        self._held: list = []  # requests to run again once a restarting stage is back
         self._scale_lock = threading.Lock()  # one scale() at a time
-        # Requests may run again where a replicated stage is marked retry: keep their payloads.
-        self._may_retry = any(s.retry and s.replicas > 1 for s in spec.stages.values())
+        # Requests may run again where a stage marked retry has replicas or restarts: keep payloads.
+        self._may_retry = any(s.retry and (max(s.replicas, s.max_replicas) > 1 or s.max_restarts)
+                              for s in spec.stages.values())
         self._ready: Dict[str, Optional[str]] = {}
         self._stats: Dict[str, dict] = {}
         # The terminal stage's edge to this process, counted here as stage processes count theirs.
@@ -238,7 +240,12 @@ class Pipeline:
                 self._members.set(msg.proc, "dead", "could not start")
                 print(f"stagelink coordinator: process '{msg.proc}' could not start:\n{msg.error}", file=sys.stderr)
                 self._lock.notify_all()
-                return
+                gone = not self._members.alive(self._members.key(msg.proc)[0])
+        if isinstance(msg, proto.StartFailed):
+            if gone and self._broken is None:
+                self._break(StageDiedError(f"stage process '{msg.proc}' could not start again:\n{msg.error}"))
+            return
+        with self._lock:
             self._ready[msg.proc] = msg.endpoint
             self.spec.control.setdefault("peers", {})[msg.proc] = msg.endpoint
             others = [p for p in self._live_procs() if p != msg.proc]
@@ -254,6 +261,8 @@ class Pipeline:
         with self._lock:
             self._members.set(msg.proc, "alive")
             self._lock.notify_all()
+            held, self._held = (self._held, []) if not self._restarting_groups() else ([], self._held)
+        self._resubmit(held)  # what waited for it (a stage with no other replica)
 
     def scale(self, stage: str, n: int, timeout: Optional[float] = None) -> List[str]:
         """Grow or shrink `stage` (its process group) to `n` running replicas while requests run,
@@ -503,8 +512,14 @@ class Pipeline:
 
     def _send_submit(self, wire: str, r: _Req, payload) -> None:
         """Route request attempt `wire` (replicas: the least loaded of each stage) and send it to
-        its entry stage's process."""
+        its entry stage's process. A stage whose every process is starting again (max_restarts)
+        is waited for, up to settings.startup_timeout_s (never on the receive thread, which is what
+        learns that it is ready)."""
         with self._lock:
+            if threading.current_thread() is not self._thread:
+                deadline = time.monotonic() + self.settings["startup_timeout_s"]
+                while self._restarting_groups() and not self._closed and time.monotonic() < deadline:
+                    self._lock.wait(0.05)
             try:
                 route = self._router.route(wire)
             except LookupError as e:
@@ -723,6 +738,24 @@ class Pipeline:
             with self._lock:
                 self._finish_locked(m.request_id, r, result=obj)
 
+    def _break(self, err: BaseException) -> None:
+        """A stage has no process left: every request in flight fails with `err`, and so will
+        every later submit."""
+        with self._lock:
+            self._broken = err
+            self._held = []
+            for rid, r in list(self._reqs.items()):
+                self._finish_locked(rid, r, error=err)
+
+    def _will_restart(self, proc: str) -> bool:
+        st = self.spec.stages[self.spec.groups()[self._members.key(proc)[0]][0]]
+        return not self._closed and self._members.restarts[proc] < st.max_restarts
+
+    def _restarting_groups(self) -> List[str]:
+        """Groups with no process taking requests and one starting again. Under the lock."""
+        return [g for g, ps in self._members.procs.items()
+                if not self._members.alive(g) and any(self._members.state[p] == "starting" for p in ps)]
+
     def _replica_died(self, proc: str, p: StageProcess, group: str, replica: int) -> None:
         """A replica died while others of its group live: it gets no more requests; those it held
         run again on the others where every stage of its group is `retry: true` (from the entry
@@ -734,7 +767,9 @@ class Pipeline:
         again, failed = [], []
         with self._lock:
             self._members.set(proc, "dead", why)
-            for wire in self._router.holders(group, replica):
+            # A group of one process: every request in flight passes it.
+            held = self._router.holders(group, replica) if self._members.replicated(group) else list(self._reqs)
+            for wire in held:
                 r = self._reqs.get(wire)
                 if r is None or r.done:
                     continue
@@ -757,20 +792,28 @@ class Pipeline:
         for old in failed:
             self._broadcast_abort(old)
             self._relay.cleanup(old)
-        for old, new, r in again:
+        for old, _, _ in again:
             self._broadcast_abort(old)  # what the other stages hold of the attempt before
             self._relay.cleanup(old)
+        st = self.spec.stages[stages[0]]
+        if self._will_restart(proc):
+            self._members.restarts[proc] += 1
+            print(f"stagelink coordinator: starting '{proc}' again (restart {self._members.restarts[proc]} of "
+                  f"{st.max_restarts})", file=sys.stderr)
+            self._relaunch(proc)
+        with self._lock:  # no replica of its stage left to run them on: they wait for the restart
+            if self._restarting_groups():
+                self._held += again
+                return
+        self._resubmit(again)
+
+    def _resubmit(self, again) -> None:
+        for _, new, r in again:
             try:
                 self._send_submit(new, r, r.payload)
             except BaseException as e:  # noqa: BLE001  that request fails; the others go on
                 with self._lock:
                     self._finish_locked(new, r, error=e)
-        st = self.spec.stages[stages[0]]
-        if self._members.restarts[proc] < st.max_restarts and not self._closed:
-            self._members.restarts[proc] += 1
-            print(f"stagelink coordinator: starting '{proc}' again (restart {self._members.restarts[proc]} of "
-                  f"{st.max_restarts})", file=sys.stderr)
-            self._relaunch(proc)
 
     def replicas(self) -> Dict[str, dict]:
         """Per stage process (every replica a stage may have): its group, replica number, state
@@ -803,17 +846,19 @@ class Pipeline:
                     self._starting.pop(proc, None)
                     self._members.set(proc, "dead", f"{p.where}) died while starting: {_how(p.returncode)}")
                     self._lock.notify_all()
+                if not self._members.alive(group) and self._broken is None:  # nothing left to run its stages
+                    self._break(StageDiedError(f"stage process '{proc}' (stages "
+                                               f"{', '.join(self.spec.processes()[proc])}, {p.where}) died while "
+                                               f"starting again: {_how(p.returncode)}"))
                 continue
-            if [i for i in self._members.alive(group) if i != replica]:  # others carry on: only its requests touched
+            # Others carry on, or it will be started again: only its requests are touched.
+            if [i for i in self._members.alive(group) if i != replica] or self._will_restart(proc):
                 self._replica_died(proc, p, group, replica)
                 continue
             if self._broken is None:
-                err = StageDiedError(f"stage process '{proc}' (stages {', '.join(self.spec.processes()[proc])}, "
-                                     f"{p.where}) died: {_how(p.returncode)}")
-                with self._lock:
-                    self._broken = err
-                    for rid, r in list(self._reqs.items()):
-                        self._finish_locked(rid, r, error=err)
+                self._break(StageDiedError(f"stage process '{proc}' (stages "
+                                           f"{', '.join(self.spec.processes()[proc])}, {p.where}) died: "
+                                           f"{_how(p.returncode)}"))
                 # What the dead process held is reclaimed by the survivors' reaping.
         limit = self.settings["request_timeout_s"]
         now = time.monotonic()
