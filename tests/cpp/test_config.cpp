@@ -119,6 +119,42 @@ runtime:
   EXPECT_TRUE(c->edge("talker", "vocoder")->defaulted);
 }
 
+TEST(Config, ValuesAlreadyReadLoadAsTheirTextWould) {
+  // Issue 62: a caller that parsed its file itself hands the values over, not text.
+  auto m = [](std::initializer_list<std::pair<std::string, Value>> kv) {
+    Value::Map out;
+    for (auto& [k, v] : kv) out.emplace_back(k, v);
+    return Value(std::move(out));
+  };
+  const Value root = m({{"connectors", m({{"c1", m({{"name", Value("SharedMemoryConnector")},
+                                                    {"extra", m({{"namespace", Value("123")},
+                                                                 {"ttl_s", Value(60.5)},
+                                                                 {"readers", Value(int64_t(2))}})}})}})},
+                        {"edges", Value(Value::List{m({{"from", Value("a")}, {"to", Value("b")},
+                                                       {"connector", Value("c1")}})})}});
+  auto c = load_transfer_config_value(root, "p.yaml");
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  const ConnectorSpec spec = c->connector_for_edge("a", "b");
+  ASSERT_EQ(spec.name, "SharedMemoryConnector");
+  const Value* ns = spec.extra.find("namespace");
+  ASSERT_TRUE(ns && ns->is<std::string>());  // a string that looks like a number stays a string
+  EXPECT_EQ(ns->as<std::string>(), "123");
+  const Value* ttl = spec.extra.find("ttl_s");
+  ASSERT_TRUE(ttl && ttl->is<double>());
+  EXPECT_EQ(ttl->as<double>(), 60.5);
+  int64_t readers = 0;
+  ASSERT_TRUE(spec.extra.find("readers")->get_i64(readers));
+  EXPECT_EQ(readers, 2);
+  // An error names the source and the key, and no line (the values carry none).
+  const Value bad = m({{"edges", Value(Value::List{m({{"from", Value("a")}, {"to", Value("b")},
+                                                      {"connector", Value("nope")}})})}});
+  auto e = load_transfer_config_value(bad, "p.yaml");
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.error().message.rfind("p.yaml: ", 0), 0u) << e.error().message;
+  EXPECT_NE(e.error().message.find("nope"), std::string::npos) << e.error().message;
+  EXPECT_FALSE(load_transfer_config_value(m({{"edges", Value::copy_bytes(std::vector<std::byte>(3))}}), "p.yaml").ok());
+}
+
 TEST(Config, MismatchedEndsAreAnError) {
   const char* y = R"(
 runtime:
