@@ -104,11 +104,14 @@ Result<std::unique_ptr<Connector>> create_connector(const std::string& name, con
     std::lock_guard<std::mutex> lock(r.mu);
     const ConnectorDescriptor* d = r.find(name);
     if (!d) return make_error(Errc::not_found, "unknown connector '" + name + "' (known: " + known_names(r) + ")");
-    if (!d->factory)
-      return make_error(Errc::unsupported,
-                        name + " is made by stagelink's Python layer (" + d->python +
-                            "): create it from Python (stagelink.create_connector)" +
-                            (d->name == "MooncakeStoreConnector" ? ", or use StoreConnector (Redis) from C++" : ""));
+    if (!d->factory) {
+      std::string made_here;  // what C++ can make instead
+      for (const auto& [k, other] : r.by_name)
+        if (other.factory) made_here += (made_here.empty() ? "" : ", ") + k;
+      return make_error(Errc::unsupported, name + " is made by stagelink's Python layer (" + d->python +
+                                               "): create it from Python (stagelink.create_connector), or "
+                                               "from C++ one of " + made_here);
+    }
     make = d->factory;
   }
   return make(name, extra);

@@ -60,7 +60,7 @@ class _Req:
                  "payload", "skip")
 
     def __init__(self, rid: str = ""):
-        self.rid = rid        # the caller's request id; messages carry wire_id(rid, attempt)
+        self.rid = rid        # the caller's request id; messages carry it, or "ID~N" for its run N (retry)
         self.attempt = 0      # runs again after a replica died (retry: true)
         self.payload = None   # kept for such a run where one may happen
         self.skip = 0         # stream chunks the caller already has from an earlier attempt
@@ -438,7 +438,7 @@ class Pipeline:
         deadline = time.monotonic() + timeout
         with self._lock:
             while len(self._stats) < len(self._procs) and time.monotonic() < deadline:
-                if all(p.poll() is not None for p in self._procs.values()):
+                if all(p.poll() is not None for p in list(self._procs.values())):
                     break
                 self._lock.wait(0.05)
         self._teardown(kill=False, deadline=deadline)
@@ -516,7 +516,7 @@ class Pipeline:
         is waited for, up to settings.startup_timeout_s (never on the receive thread, which is what
         learns that it is ready)."""
         with self._lock:
-            if threading.current_thread() is not self._thread:
+            if self._starting and threading.current_thread() is not self._thread:  # a restart under way
                 deadline = time.monotonic() + self.settings["startup_timeout_s"]
                 while self._restarting_groups() and not self._closed and time.monotonic() < deadline:
                     self._lock.wait(0.05)
@@ -609,7 +609,7 @@ class Pipeline:
     def process_ids(self) -> Dict[str, int]:
         """{process name: pid} of the stage processes this coordinator started and that still run
         (for a stage on another host, the pid of its launcher here, e.g. ssh)."""
-        return {p: h.pid for p, h in self._procs.items() if h.poll() is None}
+        return {p: h.pid for p, h in list(self._procs.items()) if h.poll() is None}  # list: scale() may add
 
     def coordinator_edges(self) -> Dict[str, dict]:
         """The edge from the terminal stage to this process (its result and streamed chunks):
@@ -682,7 +682,7 @@ class Pipeline:
                 last_check = now
                 self._check()
             if self._closed and (len(self._stats) >= len(self._procs)
-                                 or all(p.poll() is not None for p in self._procs.values())):
+                                 or all(p.poll() is not None for p in list(self._procs.values()))):
                 return
 
     def _handle(self, m: ControlMessage):
