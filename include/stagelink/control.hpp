@@ -36,8 +36,10 @@ enum class ControlType : uint8_t {
   connect,       // coordinator -> stage process: connect these relays to their senders now
   connected,     // stage process -> coordinator: done (`metadata`: the edges it could not connect)
   stats,         // stage process -> coordinator, at shutdown: its figures in `body`
+  launch,        // launcher -> the agent that starts a stage process on another node (a Ray
+                 // actor): the process's spec and secrets in `body`, over CURVE
 };
-inline constexpr int kControlTypeCount = 15;
+inline constexpr int kControlTypeCount = 16;
 // Whether messages of type `t` belong to a request (and so must name one).
 constexpr bool control_type_has_request(ControlType t) noexcept {
   return t != ControlType::shutdown && t < ControlType::ready;

@@ -83,7 +83,7 @@ def _check_stage_modules(spec) -> None:
 def _check_pipeline(path) -> int:
     """`stagelink config check` of a pipeline file: where each process runs and serves, and what
     carries each edge's data."""
-    from .pipeline import PipelineConfigError, load_pipeline
+    from .pipeline import PipelineConfigError, load_pipeline, placement
     from .relay import default_allow_pickle
     try:
         spec = load_pipeline(path)
@@ -98,12 +98,19 @@ def _check_pipeline(path) -> int:
     c = spec.control
     tcp = c["transport"] == "tcp"
     port = lambda i: "a free port" if spec.free_ports else str(int(c["base_port"]) + i)  # noqa: E731
-    print(f"control: {c['transport']}" + (f", the coordinator on {c['host']}:{port(0)}" if tcp else ""))
+    ray = spec.placement.get("engine") == "ray"
+    coord = "its node's address (from Ray)" if ray and c.get("host") == "auto" else c.get("host")
+    print(f"control: {c['transport']}" + (f", the coordinator on {coord}:{port(0)}" if tcp else ""))
+    if ray:
+        p = spec.placement
+        print(f"placement: placed by Ray ({p['address']}), strategy {p['strategy']}: one placement group, a bundle "
+              f"per process below (every replica it may run); the nodes are chosen at start-up "
+              f"(within {p['timeout_s']:g} s), `stagelink run` shows them")
     print("\nprocesses:")
     for i, (proc, names) in enumerate(procs.items(), 1):
         host = spec.host_of(proc)
         where = (f"host {host} ({spec.hosts[host]['address']}, launched by {' '.join(spec.hosts[host]['launch'])})"
-                 if host else "this host")
+                 if host else f"a Ray node with {placement.describe(spec, proc)}" if ray else "this host")
         line = f"  {proc}: {', '.join(names)} on {where}"
         st = spec.stages[names[0]]
         if len(spec.group_procs(st.process)) > 1:
@@ -111,7 +118,7 @@ def _check_pipeline(path) -> int:
             line += (f" (replica {i_rep}" + (", started by Pipeline.scale" if proc not in initial else "") +
                      (", retry" if st.retry else "") + (f", up to {st.max_restarts} restarts" if st.max_restarts
                                                          else "") + ")")
-        if tcp:
+        if tcp and not ray:
             line += f", control on {spec.address_of(proc)}:{port(i)}"
         env = spec.env_of(proc)
         if env:
@@ -122,6 +129,8 @@ def _check_pipeline(path) -> int:
         r = spec.relay_for(a, b)
         what = r.get("connector") if r.get("backend") == "connector" else f"relay {r.get('backend')}"
         cross = " (between hosts)" if spec.stage_host(a) != spec.stage_host(b) else ""
+        if ray and spec.edge_relays.get(f"{a}->{b}", spec.relay).get("backend") == "auto":
+            what, cross = "relay auto", " (shm within a node, ucx between nodes: as Ray places them)"
         pickle = r["allow_pickle"] if "allow_pickle" in r else default_allow_pickle(r)
         how = ("pickle allowed (opted in: relay.allow_pickle)" if pickle and "allow_pickle" in r
                else "pickle allowed (same host, same user)" if pickle else "no pickle")
@@ -162,6 +171,8 @@ def config_reference() -> str:
         out.append(f"| `{b['name']}` | {('`' + b['connector'] + '`') if b['connector'] else ''} | "
                    f"{'yes' if b['host_local'] else 'by connector' if b['name'] == 'connector' else 'no'} | {b['doc']} |")
     out.append("")
+    from .pipeline import placement
+    out += placement.reference()
     for s in _core.option_schemas():
         owner = s["owner"]
         where = f"Keys under `{s['prefix']}`" if s.get("prefix") else "Keys at the top level"

@@ -55,15 +55,6 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
     layout = ", ".join(f"{name}: {'+'.join(st)}" + (f" on {spec.host_of(name)}" if spec.host_of(name) else "")
                        for name, st in procs.items())
     console.print(f"[bold]{spec.name}[/]: {len(spec.stages)} stages in {len(procs)} processes ({layout})")
-    paths: dict = {}  # how CUDA tensors cross each data and stream edge (docs/cuda.md)
-    for a, b, kind in spec.edges():
-        if kind in ("data", "stream"):
-            edges = paths.setdefault(spec.cuda_path(a, b), [])
-            if f"{a}->{b}" not in edges:  # a data and a stream edge of one pair: one path
-                edges.append(f"{a}->{b}")
-    if paths:
-        console.print("CUDA tensors: " + "; ".join(f"{', '.join(e)}: {p}" for p, e in paths.items()),
-                      highlight=False)
     t_start = time.monotonic()
     # SIGTERM (systemd, `docker stop`, kill) stops the run as Ctrl-C does: the stages are shut
     # down and their shared memory freed; the exit status is then 143 (128 + SIGTERM).
@@ -93,6 +84,18 @@ def _run(console, err, spec, make, verify, args, requests, concurrency, json_pat
         err.print(("terminated (SIGTERM)" if terminated else "interrupted") + " during start-up")
         return 128 + signal.SIGTERM if terminated else 130
     console.print(f"started in {p.startup_s * 1000:.0f} ms")
+    if spec.placement or spec.hosts:  # where each went (a placement engine decides it at start)
+        console.print("placed: " + ", ".join(f"{proc} on {where}" for proc, where in p.placement().items()
+                                             if proc in p.spec.initial_processes()), highlight=False)
+    paths: dict = {}  # how CUDA tensors cross each data and stream edge (docs/cuda.md)
+    for a, b, kind in p.spec.edges():
+        if kind in ("data", "stream"):
+            edges = paths.setdefault(p.spec.cuda_path(a, b), [])
+            if f"{a}->{b}" not in edges:  # a data and a stream edge of one pair: one path
+                edges.append(f"{a}->{b}")
+    if paths:
+        console.print("CUDA tensors: " + "; ".join(f"{', '.join(e)}: {how}" for how, e in paths.items()),
+                      highlight=False)
     lock = threading.Lock()
     failures: List[str] = []
     done = [0]
@@ -157,7 +160,7 @@ def _run(console, err, spec, make, verify, args, requests, concurrency, json_pat
         wall = time.monotonic() - t0
         p.close()
     stats = p.stats()
-    report = _report(spec, p, stats, wall, requests, failures, chunk_bytes[0], time.monotonic() - t_start)
+    report = _report(p.spec, p, stats, wall, requests, failures, chunk_bytes[0], time.monotonic() - t_start)
     _print_report(console, report)
     if failures:
         for f in failures[:10]:
@@ -197,7 +200,10 @@ def _report(spec, p, stats, wall, requests, failures, chunk_bytes, total_s) -> d
             # Per receiving replica where a stage has several (router.py): "front->work (work.1)".
             dst = name.split("->")[-1]
             label = name if dst not in spec.stages or spec.stages[dst].process == proc else f"{name} ({proc})"
-            edges.append({"edge": label, "process": proc, "messages": e["messages"], "bytes": e["bytes"],
+            src = name.split("->")[0]
+            r = spec.relay_for(src, dst) if src in spec.stages or src == "coordinator" else {}
+            via = r.get("connector") if r.get("backend") == "connector" else r.get("backend")
+            edges.append({"edge": label, "process": proc, "via": via, "messages": e["messages"], "bytes": e["bytes"],
                           "hop_us_p50": statistics.median(lat) if lat else None,
                           "hop_us_p99": _pct(lat, 0.99) if lat else None,
                           "gb_per_s": e["bytes"] / wall / 1e9 if wall > 0 else None})
@@ -213,16 +219,17 @@ def _report(spec, p, stats, wall, requests, failures, chunk_bytes, total_s) -> d
             "stages": {(n if spec.stages[n].process == proc else f"{n} ({proc})"): v
                        for proc, s in stats.items() for n, v in s.get("stages", {}).items() if n in spec.stages},
             "replicas": p.replicas() if spec.replicated else {},
+            "placement": p.placement(),
             "failures": failures[:100], "total_s": total_s}
 
 
 def _print_report(console, r):
     from rich.table import Table
     t = Table(title="edges (data plane)", title_justify="left")
-    for col in ("edge", "messages", "bytes", "hop p50", "hop p99", "GB/s"):
-        t.add_column(col, justify="left" if col == "edge" else "right")
+    for col in ("edge", "via", "messages", "bytes", "hop p50", "hop p99", "GB/s"):
+        t.add_column(col, justify="left" if col in ("edge", "via") else "right")
     for e in r["edges"]:
-        t.add_row(e["edge"], str(e["messages"]), _fmt_bytes(e["bytes"]),
+        t.add_row(e["edge"], e.get("via") or "-", str(e["messages"]), _fmt_bytes(e["bytes"]),
                   f"{e['hop_us_p50']:.0f} us" if e["hop_us_p50"] is not None else "-",
                   f"{e['hop_us_p99']:.0f} us" if e["hop_us_p99"] is not None else "-",
                   f"{e['gb_per_s']:.2f}" if e["gb_per_s"] else "-")

@@ -151,7 +151,7 @@ def test_the_runtime_lifecycle_has_one_typed_message_per_meaning():
             proto.StartFailed("p1", "Traceback: boom"), proto.Peers({"p1": "tcp://x:1", "p2": "tcp://y:2"}),
             proto.PeersKnown("p2"), proto.Connect([["a", "b", {"host": "h", "port": 5}]], 2.5),
             proto.Connected("p2", ["edge a -> b: refused"]), proto.Stats("p1", {"edges": {"a->b": {"bytes": 3}}}),
-            proto.Shutdown()]
+            proto.Shutdown(), proto.Launch("talker.1", b'{"spec": {}}\n{"control": "k"}\n')]
     types = set()
     for msg in msgs:
         wire = ControlMessage.from_bytes(msg.encode().to_bytes())
@@ -163,7 +163,8 @@ def test_the_runtime_lifecycle_has_one_typed_message_per_meaning():
     bad = [ControlMessage("progress", metadata={"building": 3}), ControlMessage("ready", metadata={"senders": [1]}),
            ControlMessage("peers", metadata={"peers": ["x"]}), ControlMessage("connect", metadata={"edges": "x"}),
            ControlMessage("connect", metadata=[1]), ControlMessage("stats", from_stage="p"),
-           ControlMessage("stats", body=stagelink._core.encode_object([1, 2]))]
+           ControlMessage("stats", body=stagelink._core.encode_object([1, 2])),
+           ControlMessage("launch", to_stage="p"), ControlMessage("launch", body=b"x")]
     for m in bad:
         with pytest.raises(stagelink.CorruptError, match=f"control message '{m.type}'"):
             proto.decode(ControlMessage.from_bytes(m.to_bytes()))

@@ -72,6 +72,22 @@ def test_three_stages_over_shm_with_streaming(ns):
     assert len(p.completed) == 6
 
 
+def test_a_request_id_used_again_after_it_finished_runs_again(ns):
+    """The stages drop late messages of finished request ids; an id the caller uses again once its
+    request finished used to be dropped too, and the request timed out. It runs (and streams) as
+    a new request, as often as the caller reuses it; one still in flight is refused."""
+    d = three_stage(ns, settings={"request_timeout_s": 10})
+    with Pipeline.from_config(d) as p:
+        for k in range(3):
+            r = p.submit("same", {"x": np.arange(10) + k}).result(10)
+            assert r["ids"] == list(range(8)), k  # every chunk of this run, once
+        f = p.submit("busy", {"x": np.arange(10), "chunk_sleep": 0.05})
+        with pytest.raises(stagelink.InvalidArgumentError, match="already in flight"):
+            p.submit("busy", {"x": np.arange(10)})
+        f.result(10)
+        assert [c["request_id"] for c in p.completed] == ["same", "same", "same", "busy"]
+
+
 def test_data_arrives_intact_between_processes(ns):
     d = spec(ns, [
         {"name": "a", "factory": f"{S}:double", "next": "b"},

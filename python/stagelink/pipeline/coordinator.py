@@ -14,7 +14,6 @@ import dataclasses
 import json
 import queue
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -26,9 +25,11 @@ from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_
 from ..relay import Relay
 from . import protocol as proto
 from ._wire import from_frame, small_frame
-from .launcher import LaunchError, PlacedLauncher, StageProcess
+from .launcher import LaunchError, Launcher, StageProcess, make_launcher
+from .placement import PlacementError
 from .router import Membership, Router, proc_for
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
+from .stage import _SEEN_WINDOW
 from .worker import _LAT_WINDOW, EXIT_NO_STDIN, NO_STDIN, _relay_bytes, keyed_relay, open_inbox, open_outbox
 
 
@@ -55,12 +56,21 @@ _END = object()
 _MAX_ATTEMPTS = 3
 
 
+#: Finished request ids remembered (at least the stages' window of ids whose late messages they drop).
+_FINISHED_WINDOW = 2 * _SEEN_WINDOW
+
+
 class _Req:
     __slots__ = ("future", "t0", "t_first", "chunks", "n_chunks", "acks", "done", "on_chunk", "rid", "attempt",
-                 "payload", "skip")
+                 "payload", "skip", "base", "gen")
 
-    def __init__(self, rid: str = ""):
-        self.rid = rid        # the caller's request id; messages carry it, or "ID~N" for its run N (retry)
+    def __init__(self, rid: str = "", gen: int = 0):
+        self.rid = rid        # the caller's request id
+        # What its messages carry: the caller's id; "ID#G" where the caller used ID before (its
+        # G-th reuse, since the stages drop late messages of ids that finished); "BASE~N" for its
+        # run N (retry).
+        self.gen = gen
+        self.base = rid if not gen else f"{rid}#{gen}"
         self.attempt = 0      # runs again after a replica died (retry: true)
         self.payload = None   # kept for such a run where one may happen
         self.skip = 0         # stream chunks the caller already has from an earlier attempt
@@ -85,11 +95,16 @@ class Pipeline:
 
     def __init__(self, spec: PipelineSpec, *, python: Optional[str] = None, env: Optional[dict] = None):
         # Its own control settings: with base_port 0 the ports this run got are written there.
-        self.spec = spec = dataclasses.replace(spec, control=dict(spec.control))
+        # (and where a placement engine puts each process: its hosts and placement, this run's).
+        self.spec = spec = dataclasses.replace(spec, control=dict(spec.control), hosts=dict(spec.hosts),
+                                               placed=dict(spec.placed))
         self.settings = spec.settings
         self._lock = threading.Condition()
         self._reqs: Dict[str, _Req] = {}  # by the id its messages carry (its attempt's)
-        self._attempt_of: Dict[str, str] = {}  # caller's id -> its attempt's, for requests run again
+        self._attempt_of: Dict[str, str] = {}  # caller's id -> the id its messages carry, where not its own
+        # Caller ids of finished requests -> the reuse count of the last (a window as long as the
+        # stages' own window of finished ids, whose late messages they drop).
+        self._finished_ids: "collections.OrderedDict[str, int]" = collections.OrderedDict()
         self._aborting: Dict[str, _Req] = {}  # abort() waiting for acknowledgements
         self._closed = False
         self._broken: Optional[BaseException] = None
@@ -119,10 +134,17 @@ class Pipeline:
         self._relay: Optional[Relay] = None     # to the entry stage (requests)
         self._relay_in: Optional[Relay] = None  # from the terminal stage (results, streamed chunks)
         self._thread: Optional[threading.Thread] = None
+        self._launcher: Optional[Launcher] = None
         t0 = time.monotonic()
         # Sweep what crashed processes of earlier runs left in shared memory (only the dead's).
         _core.shm_reap("/dev/shm")
         try:
+            # First where each process runs: a placement engine (Ray) decides it now, and the
+            # relays (`auto`), addresses and keys below depend on it.
+            try:
+                self._launcher = make_launcher(spec, self._dir, python or sys.executable, env)
+            except (LaunchError, PlacementError) as err:
+                raise PipelineStartError(str(err)) from None
             # CURVE keys: with control: tcp a key pair per process (the public keys travel in the
             # spec); with transfer-engine edges one key the pipeline's side channels share. Each
             # process gets its secret keys on its stdin.
@@ -150,7 +172,7 @@ class Pipeline:
             in_cfg = keyed_relay(spec.relay_at(COORDINATOR, spec.terminal, COORDINATOR), data)
             self._relay = Relay(out_cfg)
             self._relay_in = self._relay if in_cfg == out_cfg else Relay(in_cfg)
-            self._start(python or sys.executable, env)
+            self._start()
         except BaseException:
             self._teardown(kill=True)
             raise
@@ -166,8 +188,8 @@ class Pipeline:
     from_config = from_yaml  # a dict works too
 
     # -- start-up and shutdown
-    def _start(self, python, env):
-        self._launcher = PlacedLauncher(self.spec, self._dir, python, env)
+    def _start(self):
+        self._launcher.refresh()  # the spec is complete now (keys, endpoints, names)
         for proc in self.spec.initial_processes():
             try:
                 self._launch(proc)
@@ -420,7 +442,7 @@ class Pipeline:
             if proc not in except_for and p.poll() is not None:
                 why = f": {NO_STDIN}" if p.returncode == EXIT_NO_STDIN else ""
                 raise PipelineStartError(f"stage process '{proc}' (stages {self.spec.processes()[proc]}) "
-                                         f"exited during start-up: {_how(p.returncode)}{why}") from None
+                                         f"exited during start-up: {p.how()}{why}") from None
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Stop every stage process (in-flight requests fail with ClosedError), gather their
@@ -466,6 +488,8 @@ class Pipeline:
             self._relay.close()
         if self._inbox is not None:
             self._inbox.close()
+        if self._launcher is not None:
+            self._launcher.close()
         remove_socket_dir(self._dir)
         if any(p.returncode not in (0, None) for p in self._procs.values()):
             _core.shm_reap("/dev/shm")  # a stage died: reclaim what it held, now that nobody else uses it
@@ -498,15 +522,19 @@ class Pipeline:
                 raise self._broken
             if rid in self._reqs or rid in self._attempt_of:
                 raise _core.InvalidArgumentError(f"request '{rid}' is already in flight")
-            r = self._reqs[rid] = _Req(rid)
+            used = self._finished_ids.get(rid)
+            r = _Req(rid, 0 if used is None else used + 1)
+            self._reqs[r.base] = r
+            if r.base != rid:
+                self._attempt_of[rid] = r.base
             r.on_chunk = on_chunk
             if self._may_retry:
                 r.payload = payload
         try:
-            self._send_submit(rid, r, payload)
+            self._send_submit(r.base, r, payload)
         except BaseException as e:
             with self._lock:
-                self._finish_locked(rid, r, error=e)
+                self._finish_locked(r.base, r, error=e)
             raise
         return r.future
 
@@ -647,8 +675,13 @@ class Pipeline:
         r.done = True
         self._reqs.pop(rid, None)
         self._router.done(rid)
-        if r.attempt:
+        if self._attempt_of.get(r.rid) == rid:
             self._attempt_of.pop(r.rid, None)
+        if r.rid:
+            self._finished_ids[r.rid] = r.gen
+            self._finished_ids.move_to_end(r.rid)
+            if len(self._finished_ids) > _FINISHED_WINDOW:
+                self._finished_ids.popitem(last=False)
         r.payload = None
         if error is not None:
             r.future.set_exception(error)
@@ -762,7 +795,7 @@ class Pipeline:
         stage, under a new attempt id; stream chunks the caller has are not repeated), else fail
         naming stage, replica and process."""
         stages = self.spec.groups()[group]
-        why = f"{p.where}) died: {_how(p.returncode)}"
+        why = f"{p.where}) died: {p.how()}"
         retry = all(self.spec.stages[n].retry for n in stages)
         again, failed = [], []
         with self._lock:
@@ -778,7 +811,7 @@ class Pipeline:
                     self._router.done(wire)
                     r.attempt += 1
                     r.skip = r.n_chunks
-                    new = f"{r.rid}~{r.attempt}"
+                    new = f"{r.base}~{r.attempt}"
                     self._reqs[new] = r
                     self._attempt_of[r.rid] = new
                     again.append((wire, new, r))
@@ -815,6 +848,11 @@ class Pipeline:
                 with self._lock:
                     self._finish_locked(new, r, error=e)
 
+    def placement(self) -> Dict[str, str]:
+        """Where each stage process runs (every replica it may have), in words: "this host",
+        "host 'gpu2'", "Ray node 10.0.0.6"."""
+        return {p: self._launcher.describe(p) for p in self.spec.processes()}
+
     def replicas(self) -> Dict[str, dict]:
         """Per stage process (every replica a stage may have): its group, replica number, state
         (alive, starting, draining, stopped, dead), `alive` (takes requests), requests in flight,
@@ -844,12 +882,12 @@ class Pipeline:
             if state == "starting":  # died before it was ready: it held nothing
                 with self._lock:
                     self._starting.pop(proc, None)
-                    self._members.set(proc, "dead", f"{p.where}) died while starting: {_how(p.returncode)}")
+                    self._members.set(proc, "dead", f"{p.where}) died while starting: {p.how()}")
                     self._lock.notify_all()
                 if not self._members.alive(group) and self._broken is None:  # nothing left to run its stages
                     self._break(StageDiedError(f"stage process '{proc}' (stages "
                                                f"{', '.join(self.spec.processes()[proc])}, {p.where}) died while "
-                                               f"starting again: {_how(p.returncode)}"))
+                                               f"starting again: {p.how()}"))
                 continue
             # Others carry on, or it will be started again: only its requests are touched.
             if [i for i in self._members.alive(group) if i != replica] or self._will_restart(proc):
@@ -858,7 +896,7 @@ class Pipeline:
             if self._broken is None:
                 self._break(StageDiedError(f"stage process '{proc}' (stages "
                                            f"{', '.join(self.spec.processes()[proc])}, {p.where}) died: "
-                                           f"{_how(p.returncode)}"))
+                                           f"{p.how()}"))
                 # What the dead process held is reclaimed by the survivors' reaping.
         limit = self.settings["request_timeout_s"]
         now = time.monotonic()
@@ -871,12 +909,3 @@ class Pipeline:
             self._broadcast_abort(rid)
 
 
-def _how(rc) -> str:
-    if rc is None:
-        return "still running"
-    if rc < 0:
-        try:
-            return f"killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"killed by signal {-rc}"
-    return f"exit code {rc}"

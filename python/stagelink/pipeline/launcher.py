@@ -3,6 +3,7 @@
 `StageProcess` handles (poll, input lines, stop); it never starts a process itself.
 
     LocalLauncher   this host: `python -m stagelink.pipeline._entry SPEC.json PROCESS DIR`
+    RayLauncher     a Ray cluster (`placement: {engine: ray}`): ray_launcher.py
     HostsLauncher   another host of the file's `hosts:` through its `launch` prefix (ssh by default):
                     `... --remote - PROCESS`, the spec and keys on stdin, which stays open so the
                     process ends when the coordinator does (worker._watch_stdin)
@@ -15,6 +16,7 @@ from __future__ import annotations
 import abc
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import List, Optional
@@ -51,6 +53,10 @@ class StageProcess:
 
     def alive(self) -> bool:
         return self._p.poll() is None
+
+    def how(self) -> str:
+        """How it ended, for messages: 'exit code 1', 'killed by SIGKILL', or a launcher's reason."""
+        return how_it_ended(self.returncode)
 
     def send_line(self, line: bytes, last: bool = False) -> None:
         """One line on its stdin (`last`: then end of file, unless its input must stay open). A
@@ -102,8 +108,35 @@ class Launcher(abc.ABC):
         return "this host"
 
     def refresh(self) -> None:
-        """The spec changed (a process started again gets a fresh endpoint): launches from now on
-        hand out the new one."""
+        """The spec is complete (before the first launch), or changed (a process started again
+        gets a fresh endpoint): launches from now on hand out this one."""
+
+    def close(self) -> None:
+        """After every process ended: release what the launcher holds (a cluster's reservation)."""
+
+
+def how_it_ended(rc: Optional[int]) -> str:
+    if rc is None:
+        return "still running"
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def make_launcher(spec: PipelineSpec, sock_dir: str, python: str, env: Optional[dict]) -> Launcher:
+    """The launcher the file's placement asks for. A Ray one places the pipeline now (the spec
+    learns each process's node), so it is made before anything depends on where processes run."""
+    if spec.placement.get("engine") == "ray":
+        from .placement import ray_missing
+        missing = ray_missing()
+        if missing:
+            raise LaunchError(missing)
+        from .ray_launcher import RayLauncher
+        return RayLauncher(spec, python, _Env(spec, env))
+    return PlacedLauncher(spec, sock_dir, python, env)
 
 
 class _Env:
@@ -122,8 +155,7 @@ class LocalLauncher(Launcher):
 
     def __init__(self, spec: PipelineSpec, sock_dir: str, python: str, env: _Env):
         self.spec, self.dir, self.python, self.env = spec, sock_dir, python, env
-        self.spec_path = os.path.join(sock_dir, "pipeline.json")
-        self.refresh()
+        self.spec_path = os.path.join(sock_dir, "pipeline.json")  # written by refresh(), before the first launch
 
     def refresh(self) -> None:
         tmp = self.spec_path + ".new"

@@ -21,6 +21,7 @@ The runtime's lifecycle (typed below; decode() turns a ControlMessage into one o
     Connected   stage process -> coordinator  done; the edges it could not connect, as text
     Stats       stage process -> coordinator  at shutdown: its figures
     Shutdown    coordinator -> stage process  stop after in-flight work
+    Launch      launcher -> its agent on a node  start this process: its spec and secrets (Ray)
 
 Every lifecycle message is checked field by field when decoded: a field of the wrong kind raises
 CorruptError naming it (the receive loops drop such a message and go on).
@@ -206,9 +207,28 @@ class Shutdown:
         return cls()
 
 
-Lifecycle = Union[Progress, Ready, StartFailed, Peers, PeersKnown, Connect, Connected, Stats, Shutdown]
+@dataclass(frozen=True)
+class Launch:
+    """What a launcher's agent on another node (ray_launcher's actor) needs to start process
+    `proc`: the lines its stdin begins with (the spec, then the secret keys). Sent only over a
+    CURVE socket the agent bound for the launcher's key alone."""
+    TYPE: ClassVar[str] = "launch"
+    proc: str
+    lines: bytes
 
-_DECODERS = {c.TYPE: c.decode for c in (Progress, Peers, PeersKnown, Connect, Connected, Stats, Shutdown)}
+    def encode(self) -> ControlMessage:
+        return ControlMessage(self.TYPE, to_stage=self.proc, body=self.lines)
+
+    @classmethod
+    def decode(cls, m: ControlMessage) -> "Launch":
+        if not m.to_stage or not m.body:
+            raise _bad(m, "no process or no lines")
+        return cls(m.to_stage, bytes(m.body))
+
+
+Lifecycle = Union[Progress, Ready, StartFailed, Peers, PeersKnown, Connect, Connected, Stats, Shutdown, Launch]
+
+_DECODERS = {c.TYPE: c.decode for c in (Progress, Peers, PeersKnown, Connect, Connected, Stats, Shutdown, Launch)}
 
 #: The wire types of requests (ControlMessage as it is).
 REQUEST_TYPES = frozenset({"submit", "data_ready", "stream", "complete", "abort", "abort_ack"})

@@ -45,12 +45,14 @@ from typing import Any, Dict, List, Optional
 
 from .. import _core
 from ..connector import has_trait
+from . import placement
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
-               "inline", "zero_copy", "host", "env", "replicas", "retry", "max_replicas", "max_restarts"}
+               "inline", "zero_copy", "host", "env", "replicas", "retry", "max_replicas", "max_restarts",
+               "resources", "node", "labels"}
 MAX_REPLICAS = 64
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
-             "control", "hosts"}
+             "control", "hosts", "placement"}
 # startup_timeout_s counts per process from when it starts building its stages (importing their
 # modules): three processes importing torch at once on a loaded 2-core machine took over 20 s.
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 120.0, "abort_timeout_s": 5.0,
@@ -97,6 +99,11 @@ class StageSpec:
     max_replicas: int = 0
     # Times a dead replica of it is started again (0: never); it rejoins once it says it is ready.
     max_restarts: int = 0
+    # Read by a placement engine (placement.py): what its process reserves ({CPU: 2, GPU: 1,
+    # memory: bytes, custom: n}), the Ray node it must run on (an address), node labels it needs.
+    resources: Dict[str, float] = field(default_factory=dict)
+    node: str = ""
+    labels: Dict[str, str] = field(default_factory=dict)
     sources: List[str] = field(default_factory=list)         # stages whose `next` names this one
     stream_sources: List[str] = field(default_factory=list)  # stages whose `stream_to` names it
 
@@ -118,6 +125,11 @@ class PipelineSpec:
     control: dict = field(default_factory=lambda: {"transport": "shm"})
     # Other hosts: name -> {"address", "launch" (argv prefix that runs a command there), "python"}.
     hosts: Dict[str, dict] = field(default_factory=dict)
+    # `placement:` (placement.py): {} places by `hosts:`; {"engine": "ray", ...} on a Ray cluster.
+    placement: dict = field(default_factory=dict)
+    # Where a placement engine put each process: process -> a name under `hosts` ("" or absent:
+    # the coordinator's host). Made by the launcher before any process starts.
+    placed: Dict[str, str] = field(default_factory=dict)
 
     def groups(self) -> Dict[str, List[str]]:
         """Process group (a stage's `process`) -> its stages, in file order."""
@@ -175,8 +187,8 @@ class PipelineSpec:
 
     @property
     def multi_host(self) -> bool:
-        """Whether any stage runs on another host (`host:`)."""
-        return any(s.host for s in self.stages.values())
+        """Whether any stage runs on another host (`host:`, or placed there)."""
+        return any(s.host for s in self.stages.values()) or any(self.placed.values())
 
     @property
     def free_ports(self) -> bool:
@@ -184,8 +196,15 @@ class PipelineSpec:
         return self.control.get("transport") == "tcp" and int(self.control["base_port"]) == 0
 
     def stage_host(self, stage: str) -> str:
-        """The `hosts:` name stage `stage` (or the coordinator) runs on; "" for the coordinator's host."""
-        return "" if stage == COORDINATOR else self.stages[stage].host
+        """The `hosts:` name stage `stage` (or the coordinator) runs on; "" for the coordinator's host.
+        Placed by an engine, its processes' host where they all share one, else the hosts joined
+        by '+' (replicas on several nodes: unlike every single host, so edges to it cross hosts)."""
+        if stage == COORDINATOR:
+            return ""
+        if self.placed:
+            hosts = sorted({self.placed.get(p, "") for p in self.replica_procs(stage)})
+            return hosts[0] if len(hosts) == 1 else "+".join(h or "coordinator" for h in hosts)
+        return self.stages[stage].host
 
     def edges(self) -> List[tuple]:
         """Every edge as (src, dst, kind): the coordinator's request to the entry stage, `next`
@@ -235,6 +254,8 @@ class PipelineSpec:
         """The `hosts:` name process `proc` runs on; "" for the coordinator's host."""
         if proc == COORDINATOR:
             return ""
+        if self.placed:
+            return self.placed.get(proc, "")
         group = self.group_of(proc)
         return next(s.host for s in self.stages.values() if s.process == group)
 
@@ -257,10 +278,11 @@ class PipelineSpec:
         return {"name": self.name, "entry": self.entry, "terminal": self.terminal, "relay": self.relay,
                 "edge_relays": self.edge_relays, "settings": self.settings, "source": self.source,
                 "client": self.client, "control": self.control, "hosts": self.hosts,
+                "placement": self.placement, "placed": self.placed,
                 "stages": [{k: getattr(s, k) for k in ("name", "factory", "args", "next", "stream_to", "terminal",
                                                        "process", "merge", "concurrency", "inline", "zero_copy",
                                                        "host", "env", "replicas", "retry", "max_replicas",
-                                                       "max_restarts", "sources",
+                                                       "max_restarts", "resources", "node", "labels", "sources",
                                                        "stream_sources")} for s in self.stages.values()]}
 
     @classmethod
@@ -268,7 +290,7 @@ class PipelineSpec:
         stages = {s["name"]: StageSpec(**s) for s in d["stages"]}
         return cls(d["name"], stages, d["entry"], d["terminal"], d["relay"], d["edge_relays"], d["settings"],
                    d.get("source", "<dict>"), d.get("client") or {}, d.get("control") or {"transport": "shm"},
-                   d.get("hosts") or {})
+                   d.get("hosts") or {}, d.get("placement") or {}, d.get("placed") or {})
 
 
 def _inline(v, where: str) -> Optional[bool]:
@@ -368,13 +390,14 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
         if not isinstance(retry, bool):
             raise PipelineConfigError(f"{where}: 'retry' must be true (safe to run again: a request whose replica "
                                       "died is run again) or false")
+        where_placed = placement.parse_stage(s, where)
         stages[name] = StageSpec(name=name, factory=factory, args=args, next=_list(s.get("next"), f"{where}: next"),
                                  stream_to=_list(s.get("stream_to"), f"{where}: stream_to"),
                                  terminal=bool(s.get("terminal", False)), process=proc, merge=merge,
                                  concurrency=conc, inline=_inline(s.get("inline"), where),
                                  zero_copy=bool(s.get("zero_copy", False)), host=host, env=env,
                                  replicas=replicas, retry=retry, max_replicas=max_replicas,
-                                 max_restarts=max_restarts)
+                                 max_restarts=max_restarts, **where_placed)
     for s in stages.values():
         for key in ("next", "stream_to"):
             for t in getattr(s, key):
@@ -453,15 +476,23 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
             raise PipelineConfigError(f"{source}: client.{k} must be 'module:callable'")
     n_procs = sum(next(max(s.replicas, s.max_replicas) for s in stages.values() if s.process == g)
                   for g in {s.process for s in stages.values()})
-    control = _control(raw.get("control", "shm"), n_procs, source)
-    if control["transport"] == "tcp" and (control["host"] == "auto" or (
+    placed_by = placement.parse_placement(raw.get("placement"), source)
+    # Under Ray, control messages cross nodes: TCP on free ports by default, the coordinator's
+    # address learnt from Ray at start-up (ray_launcher.py).
+    default_control = {"transport": "tcp", "host": "auto", "base_port": 0} if placed_by else "shm"
+    control = _control(raw.get("control", default_control), n_procs, source)
+    if placed_by and control["transport"] == "tcp" and not (isinstance(raw.get("control"), dict)
+                                                            and "host" in raw["control"]):
+        control["host"] = "auto"
+    if control["transport"] == "tcp" and not placed_by and (control["host"] == "auto" or (
             not (isinstance(raw.get("control"), dict) and "host" in raw["control"]) and
             any(s.host for s in stages.values()))):
         # this host's address: STAGELINK_HOST_IP (or VLLM_HOST_IP), else its first interface's
         # that is up and not loopback
         control["host"] = _core.host_address()
     spec = PipelineSpec(str(name), stages, entries[0], terminals[0], relay, edge_relays, settings, source, client,
-                        control, _hosts(raw.get("hosts"), source))
+                        control, _hosts(raw.get("hosts"), source), placed_by)
+    placement.check(spec, source)
     _check_hosts(spec, source)
     return spec
 

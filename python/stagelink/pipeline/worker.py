@@ -548,12 +548,15 @@ def _read_keys(spec: PipelineSpec) -> dict:
 def _watch_stdin(gone: threading.Event):
     """A process started on another host ends when its stdin reaches end of file: the coordinator
     holds the other end (through `ssh`, or whatever `launch` is), so its exit, even by SIGKILL, or
-    its killing the launcher, closes it."""
+    its killing the launcher, closes it. It reads the descriptor itself, not sys.stdin: a daemon
+    thread blocked inside sys.stdin's buffer holds its lock, and the interpreter's exit, which
+    flushes that buffer, then aborts the process ("could not acquire lock ... at interpreter
+    shutdown": SIGABRT instead of a clean exit)."""
     def run():
         try:
-            while sys.stdin.buffer.read1(4096):
+            while os.read(0, 4096):
                 pass
-        except (OSError, ValueError):
+        except OSError:
             pass
         gone.set()
     threading.Thread(target=run, name="stagelink-stdin-watch", daemon=True).start()

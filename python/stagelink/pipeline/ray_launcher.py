@@ -1,0 +1,349 @@
+"""Stage processes on a Ray cluster (`placement: {engine: ray}`), behind the `Launcher` seam.
+
+Placement. One placement group per pipeline, a bundle per stage process it may run
+(placement.bundle: its stages' resources; replicas up to max_replicas), under the file's
+strategy. Once Ray has reserved it, the bundle -> node table says where every process runs
+before any starts: a process on the coordinator's node is on "this host", the others on a host
+named after their node's address (spec.hosts, spec.placed), so `relay: auto` puts the edges
+within a node on shared memory and the ones between nodes on the transfer engine, and control
+messages go over TCP with the pipeline's CURVE keys as with `hosts:`.
+
+Starting a process. The process runs under a `_StageHost` actor in its bundle (holding its
+resources, so Ray's CUDA_VISIBLE_DEVICES reaches it): `python -m stagelink.pipeline._entry
+--remote - PROC`, its stdin held open by the actor, as ssh holds it under `hosts:`. What the
+process reads first on stdin (its spec, which may hold expanded secrets, and its CURVE keys)
+never travels as an actor argument or through Ray's object store: the actor binds a CURVE
+socket admitting only this launcher's key and returns its public key; the launcher connects and
+sends one `launch` message (protocol.Launch), encrypted.
+
+Failure. The actor's `run` call returns the process's exit status; an actor that dies (killed,
+its node gone, as Ray's health checks decide) fails that call, and the handle reports the
+process dead with the reason and node. A process started again goes back to its bundle.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, Optional
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .. import _core
+from ..control import Inbox, Outbox
+from . import placement as pl
+from . import protocol as proto
+from .launcher import Launcher, LaunchError, StageProcess, _Env
+from .spec import PipelineConfigError, PipelineSpec, _check_hosts
+from .worker import remote_args, remote_spec_line
+
+#: The exit status reported for a process whose actor died (the process with it).
+ACTOR_DIED = -9
+
+
+def _tcp(addr: str, port: int = 0) -> str:
+    return f"tcp://[{addr}]:{port}" if ":" in addr else f"tcp://{addr}:{port}"
+
+
+class _StageHost:
+    """The actor under one stage process (threaded: run blocks while the others answer)."""
+
+    def __init__(self, launcher_key: str):
+        self.address = ray.util.get_node_ip_address()
+        pub, sec = _core.curve_keypair()
+        self.key = pub
+        self.inbox = Inbox(_tcp(self.address), {"secret_key": sec, "public_key": pub,
+                                                "allowed_clients": [launcher_key]})
+        self.p: Optional[subprocess.Popen] = None
+        self.lock = threading.Lock()
+        self.ended = False
+
+    def hello(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"address": self.address, "node_id": ctx.get_node_id(), "hostname": socket.gethostname(),
+                "endpoint": self.inbox.endpoint, "key": self.key, "pid": os.getpid()}
+
+    def run(self, proc: str, python: str, timeout: float) -> int:
+        """Wait for the launcher's `launch` message, start the stage process with its lines on
+        stdin (held open), and return its exit status when it ends. This thread lives as long as
+        the process, so the process's PR_SET_PDEATHSIG (worker._die_with_parent) fires only if the
+        actor dies."""
+        try:
+            m = proto.Launch.decode(self.inbox.recv(timeout))
+        finally:
+            self.inbox.close()
+        if m.proc != proc:
+            raise RuntimeError(f"launch message for '{m.proc}', expected '{proc}'")
+        with self.lock:
+            if self.ended:
+                return 0
+            self.p = subprocess.Popen([python or sys.executable, "-m", "stagelink.pipeline._entry"] + remote_args(proc),
+                                      stdin=subprocess.PIPE)
+        try:
+            self.p.stdin.write(m.lines)
+            self.p.stdin.flush()
+        except OSError:
+            pass  # it exited at once: its status says why
+        return self.p.wait()
+
+    def pid(self) -> Optional[int]:
+        return self.p.pid if self.p is not None else None
+
+    def end_input(self) -> None:
+        """End of file on the process's stdin: it takes it for the coordinator's end."""
+        with self.lock:
+            self.ended = True
+            if self.p is not None and self.p.stdin and not self.p.stdin.closed:
+                try:
+                    self.p.stdin.close()
+                except OSError:
+                    pass
+
+
+_Host = ray.remote(max_concurrency=4)(_StageHost)
+
+
+class RayStageProcess(StageProcess):
+    """A stage process under a `_StageHost` actor. poll/wait read the actor's `run` call; the
+    launch itself (the actor's hello, the encrypted `launch` message) runs on a thread, and a
+    failure there reports the process as exited with the reason in `how()`."""
+
+    def __init__(self, launcher: "RayLauncher", proc: str, actor, lines: bytes, timeout: float):
+        self.name, self._actor, self._l = proc, actor, launcher
+        self.keep_input_open = True
+        self._code: Optional[int] = None
+        self._why = ""
+        self._pid: Optional[int] = None
+        self.node = launcher.spec.address_of(proc)
+        self.where = f"on Ray node {self.node}"
+        self._run = actor.run.remote(proc, launcher.python, timeout)
+        self._thread = threading.Thread(target=self._send, args=(lines, timeout), daemon=True,
+                                        name=f"stagelink-ray-launch-{proc}")
+        self._thread.start()
+
+    def _send(self, lines: bytes, timeout: float) -> None:
+        try:
+            hello = ray.get(self._actor.hello.remote(), timeout=timeout)
+            self.node = hello["address"]
+            self.where = f"on Ray node {hello['address']} ({hello['hostname']}), actor pid {hello['pid']}"
+            ob = Outbox(hello["endpoint"], {"secret_key": self._l.secret, "public_key": self._l.public,
+                                            "server_key": hello["key"]})
+            try:
+                ob.send(proto.Launch(self.name, lines).encode(), timeout=timeout)
+            finally:
+                ob.close()
+        except Exception as e:  # noqa: BLE001  reported as the process's end
+            self._fail(f"its Ray actor did not start: {_reason(e)}")
+
+    def _fail(self, why: str) -> None:
+        if self._code is None:
+            self._code, self._why = ACTOR_DIED, why
+            try:
+                ray.kill(self._actor, no_restart=True)
+            except Exception:  # noqa: BLE001  gone already
+                pass
+
+    @property
+    def pid(self) -> int:
+        """The stage process's pid on its node (0 while unknown)."""
+        if self._pid is None and self._code is None:
+            try:
+                self._pid = ray.get(self._actor.pid.remote(), timeout=5)
+            except Exception:  # noqa: BLE001
+                return 0
+        return self._pid or 0
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._code
+
+    def poll(self) -> Optional[int]:
+        if self._code is None:
+            done, _ = ray.wait([self._run], timeout=0)
+            if done:
+                self._collect()
+        return self._code
+
+    def _collect(self) -> None:
+        try:
+            code = ray.get(self._run, timeout=5)
+            if self._code is None:
+                self._code = code
+        except Exception as e:  # noqa: BLE001  the actor died (killed, its node lost)
+            self._fail(_reason(e))
+
+    def how(self) -> str:
+        return self._why or super().how()
+
+    def alive(self) -> bool:
+        return self.poll() is None
+
+    def send_line(self, line: bytes, last: bool = False) -> None:
+        raise LaunchError("a Ray stage process reads its stdin from its actor only")
+
+    def end_input(self) -> None:
+        if self._code is None:
+            try:
+                self._actor.end_input.remote()
+            except Exception:  # noqa: BLE001  gone already
+                pass
+
+    def wait(self, timeout: float) -> Optional[int]:
+        if self._code is None:
+            done, _ = ray.wait([self._run], timeout=max(0.0, timeout))
+            if done:
+                self._collect()
+        return self._code
+
+    def kill(self) -> None:
+        try:
+            ray.kill(self._actor, no_restart=True)
+        except Exception:  # noqa: BLE001  gone already
+            pass
+        if self.wait(10.0) is None:
+            self._fail("killed")
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    node_lost = "node" in str(e).lower() and ("died" in str(e).lower() or "dead" in str(e).lower())
+    head = f"{type(e).__name__}: " + (text[0] if text else "")
+    return ("its Ray node died (" + head + ")") if node_lost else head[:400]
+
+
+def _probe(address: str, timeout: float) -> None:
+    """A HOST:PORT (or ray://HOST:PORT) address answers TCP within `timeout`: ray.init itself
+    retries a silent address for minutes."""
+    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    if address in ("auto", "local") or ":" not in hostport:
+        return
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as e:
+        raise pl.PlacementError(f"placement: ray: no Ray cluster answers at {address!r} (within {timeout:g} s: "
+                                f"{e}); start one (ray start --head) or fix placement.address") from None
+
+
+class RayLauncher(Launcher):
+    """Places the pipeline on a Ray cluster (a placement group) when made, then starts each stage
+    process under an actor in its bundle. `close()` removes the group (every actor with it)."""
+
+    def __init__(self, spec: PipelineSpec, python: str, env: _Env):
+        self.spec, self.env = spec, env
+        p = spec.placement
+        self.python = p.get("python") or ""
+        self.public, self.secret = _core.curve_keypair()  # the launch channel's (not the pipeline's)
+        self.actors: Dict[str, object] = {}
+        self.pg = None
+        self._own = not ray.is_initialized()
+        if self._own:
+            _probe(p["address"], min(10.0, p["timeout_s"]))
+            try:
+                if p["address"] == "local":  # a Ray of its own on this host, for this process
+                    ray.init(include_dashboard=False, logging_level="WARNING")
+                else:
+                    ray.init(address=p["address"], logging_level="WARNING")
+            except Exception as e:  # noqa: BLE001  ConnectionError, RuntimeError, ValueError by version
+                raise pl.PlacementError(f"placement: ray: cannot join the Ray cluster at {p['address']!r}: "
+                                        f"{type(e).__name__}: {e}") from None
+        try:
+            self._place()
+        except BaseException:
+            self.close()
+            raise
+
+    def _place(self) -> None:
+        spec, p = self.spec, self.spec.placement
+        procs = list(spec.processes())
+        self.index = {proc: i for i, proc in enumerate(procs)}
+        bundles = [pl.bundle(spec, proc) for proc in procs]
+        selectors = [pl.labels(spec, proc) for proc in procs]
+        t0 = time.monotonic()
+        self.pg = placement_group(bundles, strategy=p["strategy"],
+                                  name=f"stagelink-{spec.name}-{secrets.token_hex(4)}",
+                                  bundle_label_selector=selectors if any(selectors) else None)
+        try:
+            ray.get(self.pg.ready(), timeout=p["timeout_s"])
+        except ray.exceptions.GetTimeoutError:
+            have = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
+            asked = "; ".join(f"{proc}: {pl.describe(spec, proc)}" for proc in procs)
+            raise pl.PlacementError(
+                f"placement: Ray found no room for the pipeline's {len(procs)} processes ({p['strategy']}) within "
+                f"{p['timeout_s']:g} s (placement.timeout_s): they ask {asked}; the cluster has {have} free "
+                f"on {len([n for n in ray.nodes() if n['Alive']])} node(s)") from None
+        self.place_s = time.monotonic() - t0
+        nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        table = placement_group_table(self.pg)["bundles_to_node_id"]
+        try:
+            mine = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001  a Ray client (ray://) is on no node of the cluster
+            mine = None
+        self.nodes: Dict[str, dict] = {}
+        for proc, i in self.index.items():
+            n = nodes[table[i]]
+            addr = n["NodeManagerAddress"]
+            self.nodes[proc] = {"address": addr, "node_id": n["NodeID"],
+                                "hostname": n.get("NodeManagerHostname", ""), "here": n["NodeID"] == mine}
+            if n["NodeID"] == mine:
+                spec.placed[proc] = ""
+            else:
+                spec.hosts[addr] = {"address": addr, "launch": [], "python": self.python, "env": {},
+                                    "node_id": n["NodeID"]}
+                spec.placed[proc] = addr
+        if spec.control.get("host") == "auto":
+            spec.control["host"] = (nodes[mine]["NodeManagerAddress"] if mine in nodes else _core.host_address())
+        try:  # edges the file put on a one-host relay that the placement split across nodes
+            _check_hosts(spec, f"{spec.source} (as Ray placed it)")
+        except PipelineConfigError as e:
+            raise pl.PlacementError(str(e)) from None
+
+    def describe(self, proc: str) -> str:
+        n = self.nodes.get(proc)
+        if not n:
+            return "a Ray node"
+        return f"Ray node {n['address']}" + (" (the coordinator's)" if n["here"] else "")
+
+    def launch(self, proc: str, keys_line: Optional[bytes]) -> StageProcess:
+        old = self.actors.pop(proc, None)
+        if old is not None:  # a restart: free its bundle first
+            try:
+                ray.kill(old, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        b = pl.bundle(self.spec, proc)
+        custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU", "memory") and not k.startswith("node:")}
+        opts = dict(num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0), resources=custom,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, self.index[proc]))
+        if b.get("memory"):
+            opts["memory"] = b["memory"]
+        try:
+            actor = _Host.options(**opts).remote(self.public)
+        except Exception as e:  # noqa: BLE001
+            raise LaunchError(f"Ray could not create the actor of stage process '{proc}': {e}") from None
+        self.actors[proc] = actor
+        lines = remote_spec_line(self.spec, self.env.front, self.env.paths) + (keys_line or b"")
+        return RayStageProcess(self, proc, actor, lines, self.spec.settings["startup_timeout_s"])
+
+    def close(self) -> None:
+        for a in self.actors.values():
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors.clear()
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001  the cluster is gone
+                pass
+            self.pg = None
+        if self._own and ray.is_initialized():
+            ray.shutdown()
