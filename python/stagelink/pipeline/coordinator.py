@@ -218,6 +218,7 @@ class Pipeline:
                                          f"{self.spec.processes().get(msg.proc)}) could not start:\n{msg.error}")
             elif isinstance(msg, proto.Ready):
                 self._ready[msg.proc] = msg.endpoint or None
+                self._procs[msg.proc].ready(msg.pid) if msg.proc in self._procs else None
                 senders += msg.senders
         deadline = time.monotonic() + limit  # the steps after every process is ready
         if self.spec.free_ports:
@@ -269,6 +270,7 @@ class Pipeline:
             return
         with self._lock:
             self._ready[msg.proc] = msg.endpoint
+            self._procs[msg.proc].ready(msg.pid) if msg.proc in self._procs else None
             self.spec.control.setdefault("peers", {})[msg.proc] = msg.endpoint
             others = [p for p in self._live_procs() if p != msg.proc]
         with self._out_lock:  # the coordinator's own outbox to it: to the new endpoint

@@ -54,6 +54,9 @@ class StageProcess:
     def alive(self) -> bool:
         return self._p.poll() is None
 
+    def ready(self, pid: int) -> None:
+        """It said it is ready, with its pid on its host (a launcher that started it knows it)."""
+
     def how(self) -> str:
         """How it ended, for messages: 'exit code 1', 'killed by SIGKILL', or a launcher's reason."""
         return how_it_ended(self.returncode)

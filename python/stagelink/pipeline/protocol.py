@@ -79,16 +79,18 @@ class Progress:
 
 @dataclass(frozen=True)
 class Ready:
-    """A stage process started: where it receives control messages, and [src, dst, info] of each
-    edge it sends on whose receivers connect to it (transfer-engine side channels)."""
+    """A stage process started: where it receives control messages, [src, dst, info] of each
+    edge it sends on whose receivers connect to it (transfer-engine side channels), and its pid
+    on its host (a launcher that does not start it itself learns it here)."""
     TYPE: ClassVar[str] = "ready"
     proc: str
     endpoint: str
     senders: List[list] = field(default_factory=list)
+    pid: int = 0
 
     def encode(self) -> ControlMessage:
         return ControlMessage(self.TYPE, from_stage=self.proc,
-                              metadata={"endpoint": self.endpoint, "senders": list(self.senders)})
+                              metadata={"endpoint": self.endpoint, "senders": list(self.senders), "pid": self.pid})
 
     @classmethod
     def decode(cls, m: ControlMessage) -> "Ready":
@@ -97,7 +99,7 @@ class Ready:
         if not all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], str)
                    for e in senders):
             raise _bad(m, "'senders' is not a list of [src, dst, info]")
-        return cls(m.from_stage or "", _field(m, md, "endpoint", str, ""), senders)
+        return cls(m.from_stage or "", _field(m, md, "endpoint", str, ""), senders, _field(m, md, "pid", int, 0))
 
 
 @dataclass(frozen=True)

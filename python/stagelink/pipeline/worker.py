@@ -640,7 +640,7 @@ def main(argv=None) -> int:
         coord.send(proto.StartFailed(proc, tb).encode(), timeout=5)
         coord.close()
         return 1
-    coord.send(proto.Ready(proc, w.inbox.endpoint, w.sender_infos()).encode(), timeout=5)
+    coord.send(proto.Ready(proc, w.inbox.endpoint, w.sender_infos(), os.getpid()).encode(), timeout=5)
     orphaned = False
     try:
         while not terminated:
