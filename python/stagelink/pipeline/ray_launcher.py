@@ -191,10 +191,14 @@ class RayStageProcess(StageProcess):
 
 
 def _reason(e: BaseException) -> str:
+    """How a Ray call failed, in one line. An actor Ray calls unavailable (its connection closed:
+    its process or node gone, or a network that dropped it) is treated as dead: its call's result,
+    the exit status, is lost either way, and the handle kills what may be left of it."""
     text = str(e).strip().splitlines()
-    node_lost = "node" in str(e).lower() and ("died" in str(e).lower() or "dead" in str(e).lower())
     head = f"{type(e).__name__}: " + (text[0] if text else "")
-    return ("its Ray node died (" + head + ")") if node_lost else head[:400]
+    if isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
+        return f"its Ray actor was lost ({head[:240]})"
+    return head[:400]
 
 
 def _probe(address: str, timeout: float) -> None:
