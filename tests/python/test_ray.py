@@ -260,3 +260,4 @@ def test_the_ray_example_checks_without_a_cluster():
     out = " ".join(r.stdout.split())
     assert "talker.1: talker on a Ray node with CPU 1, labels side=b (replica 1, retry, up to 2 restarts)" in out, out
     assert "thinker -> talker (stream): relay auto (shm within a node, ucx between nodes: as Ray places them)" in out
+

@@ -45,6 +45,8 @@ from .worker import remote_args, remote_spec_line
 
 #: The exit status reported for a process whose actor died (the process with it).
 ACTOR_DIED = -9
+#: The object store of a Ray started for one pipeline (`address: local`): Ray's smallest.
+_LOCAL_STORE = 80 << 20
 
 
 def _tcp(addr: str, port: int = 0) -> str:
@@ -232,7 +234,11 @@ class RayLauncher(Launcher):
             _probe(p["address"], min(10.0, p["timeout_s"]))
             try:
                 if p["address"] == "local":  # a Ray of its own on this host, for this process
-                    ray.init(include_dashboard=False, logging_level="WARNING")
+                    # As many logical CPUs as the pipeline asks (Ray counts this host's cores,
+                    # and a process asks 1), and a small object store: no payload goes there.
+                    need = sum(pl.bundle(spec, proc).get("CPU", 0.0) for proc in spec.processes())
+                    ray.init(include_dashboard=False, logging_level="WARNING", object_store_memory=_LOCAL_STORE,
+                             num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
                 else:
                     ray.init(address=p["address"], logging_level="WARNING")
             except Exception as e:  # noqa: BLE001  ConnectionError, RuntimeError, ValueError by version
