@@ -1,16 +1,19 @@
 """A two-node Ray cluster on one machine, for the Ray placement tests and benchmarks: a head in
 one network namespace and a worker in another, joined by a veth pair (bench_te.TwoHosts), each
 node's address its veth's (Ray's --node-ip-address), small object stores, `num_cpus` logical
-CPUs each, node labels `side=a` / `side=b`. Root only. `close()` kills every process in both
-namespaces (Ray's, and the stage processes Ray's actors started) and removes them.
+CPUs each, node labels `side=a` / `side=b`, and Ray's token authentication on (a token made
+here; HOME a directory of its own, so no ~/.ray of the caller's is read or written). Root only.
+`close()` kills every process in both namespaces (Ray's, and the stage processes Ray's actors
+started) and removes them.
 
     with TwoNodeRay() as c:
-        subprocess.run(c.a + [python, "driver.py", c.address])   # a driver on the head node
+        subprocess.run(c.a + [python, "driver.py", c.address], env=c.env)  # a driver on the head node
         c.kill_node_b()                                          # the worker node dies
 """
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -40,7 +43,11 @@ class TwoNodeRay:
         self.addr_a, self.addr_b = self.h.addr_a, self.h.addr_b
         self.address = f"{self.addr_a}:{port}"
         self.tmp = tempfile.mkdtemp(prefix="sl-ray-")
-        self.env = dict(os.environ, **HEALTH_ENV, RAY_USAGE_STATS_ENABLED="0")
+        home = os.path.join(self.tmp, "home")
+        os.makedirs(home)
+        # Drivers need this environment too (the token): run them with env=self.env.
+        self.env = dict(os.environ, **HEALTH_ENV, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token",
+                        RAY_AUTH_TOKEN=secrets.token_hex(32), HOME=home)
         try:
             # A default route through the veth: Ray finds a process's node address by the route
             # out (no packet is sent), and namespaces have none.

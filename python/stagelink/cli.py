@@ -80,7 +80,7 @@ def _check_stage_modules(spec) -> None:
         sys.path[:] = saved
 
 
-def _check_pipeline(path) -> int:
+def _check_pipeline(path, place: bool = False) -> int:
     """`stagelink config check` of a pipeline file: where each process runs and serves, and what
     carries each edge's data."""
     from .pipeline import PipelineConfigError, load_pipeline, placement
@@ -93,6 +93,18 @@ def _check_pipeline(path) -> int:
         return 2
     procs = spec.processes()
     initial = spec.initial_processes()
+    nodes: dict = {}
+    if place and spec.placement.get("engine") == "ray":
+        missing = placement.ray_missing()
+        if missing:
+            print(f"error: {missing}", file=sys.stderr)
+            return 1
+        from .pipeline.ray_launcher import dry_place
+        try:
+            nodes = dry_place(spec)
+        except Exception as e:  # noqa: BLE001  PlacementError, or Ray's own
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     print(f"pipeline {spec.name} ({spec.source}): {len(spec.stages)} stages in {len(initial)} processes, "
           f"entry {spec.entry}, terminal {spec.terminal}")
     c = spec.control
@@ -104,13 +116,16 @@ def _check_pipeline(path) -> int:
     if ray:
         p = spec.placement
         print(f"placement: placed by Ray ({p['address']}), strategy {p['strategy']}: one placement group, a bundle "
-              f"per process below (every replica it may run); the nodes are chosen at start-up "
-              f"(within {p['timeout_s']:g} s), `stagelink run` shows them")
+              f"per process below (every replica it may run); " +
+              ("where Ray would place each now, asked with --place" if nodes else
+               f"the nodes are chosen at start-up (within {p['timeout_s']:g} s; --place asks the cluster now), "
+               "`stagelink run` shows them"))
     print("\nprocesses:")
     for i, (proc, names) in enumerate(procs.items(), 1):
         host = spec.host_of(proc)
         where = (f"host {host} ({spec.hosts[host]['address']}, launched by {' '.join(spec.hosts[host]['launch'])})"
-                 if host else f"a Ray node with {placement.describe(spec, proc)}" if ray else "this host")
+                 if host else f"{nodes[proc]} ({placement.describe(spec, proc)})" if proc in nodes
+                 else f"a Ray node with {placement.describe(spec, proc)}" if ray else "this host")
         line = f"  {proc}: {', '.join(names)} on {where}"
         st = spec.stages[names[0]]
         if len(spec.group_procs(st.process)) > 1:
@@ -198,7 +213,7 @@ def _cmd_config_reference(args):
 def _cmd_config_check(args):
     from . import transfer_engine_port
     if _is_pipeline_file(args.file):
-        return _check_pipeline(args.file)
+        return _check_pipeline(args.file, place=args.place)
     cfg = _load_config(args.file)
     if cfg is None:
         return 2
@@ -424,6 +439,9 @@ def main(argv=None):
                                      "Example: stagelink config check stages.yaml")
     cc.epilog = EXIT_STATUSES
     cc.add_argument("file", help="the YAML (or JSON) config")
+    cc.add_argument("--place", action="store_true",
+                    help="a pipeline file placed by Ray: ask the cluster where each process would run now (a "
+                         "placement group is made, read and removed; nothing starts). Exit 1 if it cannot place it")
     cc.set_defaults(fn=_cmd_config_check)
     cr = csub.add_parser("reference", help="print every connector's and the relay's options as Markdown",
                          description="Print the configuration reference (docs/reference/configuration.md) from "

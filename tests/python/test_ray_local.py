@@ -37,7 +37,11 @@ def test_address_local_starts_a_ray_of_its_own(tmp_path):
         "    print(json.dumps({'x': [r['x'] for r in out], 'placement': p.placement(),\n"
         "                      'edges': {f'{a}->{b}': p.spec.relay_for(a, b)['backend'] for a, b, _ in p.spec.edges()}}))\n")
     before = _ray_pids()
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=240)
+    # Ray's own ray.init() turns its token authentication on and keeps the token in ~/.ray: a HOME
+    # of the test's, so nothing of the caller's is touched (and the stage actors work under it).
+    env = dict(os.environ, HOME=str(tmp_path))
+    env.pop("RAY_AUTH_MODE", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=240, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["x"] == [2 * i + 1 for i in range(8)]
@@ -47,3 +51,4 @@ def test_address_local_starts_a_ray_of_its_own(tmp_path):
     while _ray_pids() - before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _ray_pids() - before, f"Ray processes left: {_ray_pids() - before}"
+    assert (tmp_path / ".ray" / "auth_token").exists(), "Ray's default for a local cluster: token auth on"

@@ -22,6 +22,7 @@ process dead with the reason and node. A process started again goes back to its 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import socket
@@ -201,6 +202,17 @@ def _reason(e: BaseException) -> str:
     if isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
         return f"its Ray actor was lost ({head[:240]})"
     return head[:400]
+
+
+def dry_place(spec: PipelineSpec) -> Dict[str, str]:
+    """Where Ray would place each process of `spec` now, in words (`stagelink config check
+    --place`): the placement group is made, read and removed; no actor or process starts."""
+    spec = dataclasses.replace(spec, control=dict(spec.control), hosts=dict(spec.hosts), placed=dict(spec.placed))
+    launcher = RayLauncher(spec, "", _Env(spec, None))
+    try:
+        return {proc: launcher.describe(proc) for proc in spec.processes()}
+    finally:
+        launcher.close()
 
 
 def _probe(address: str, timeout: float) -> None:
