@@ -174,6 +174,9 @@ def test_scaling_up_and_down_while_requests_run_loses_none(ns):
     assert not errors, errors[:3]
     assert len(results) > 40
     assert state["b.1"]["state"] == "stopped" and state["b.2"]["state"] == "stopped" and state["b.0"]["alive"]
+    # retired, not dead: their exit after `shutdown` raced the coordinator's death check, which
+    # recorded "died: exit code 0" on a replica scale() stopped
+    assert state["b.1"]["died"] is None and state["b.2"]["died"] is None, state
     assert len({r["pid"] for r in results}) == 3
 
 

@@ -114,6 +114,7 @@ class Pipeline:
         self._starting: Dict[str, float] = {}  # processes started while running -> when
         self._held: list = []  # requests to run again once a restarting stage is back
         self._scale_lock = threading.Lock()  # one scale() at a time
+        self._retiring: set = set()  # processes scale() told to stop: their exit is no death
         # Requests may run again where a stage marked retry has replicas or restarts: keep payloads.
         self._may_retry = any(s.retry and (max(s.replicas, s.max_replicas) > 1 or s.max_restarts)
                               for s in spec.stages.values())
@@ -341,6 +342,8 @@ class Pipeline:
                         self._members.set(p, "alive")
                     raise _core.TimeoutError(f"replicas {procs} still hold requests after {limit:g} s")
                 self._lock.wait(0.05)
+        with self._lock:  # they exit now: an end, not a death (_check leaves them to this)
+            self._retiring.update(procs)
         for p in procs:
             try:
                 self._send(p, proto.Shutdown().encode(), 5.0)
@@ -353,6 +356,7 @@ class Pipeline:
                 h.kill()
             with self._lock:
                 self._members.set(p, "stopped")
+                self._retiring.discard(p)
             with self._out_lock:
                 ob = self._outboxes.pop(p, None)
             if ob is not None:
@@ -878,7 +882,7 @@ class Pipeline:
                         self.settings["startup_timeout_s"]:
                     p.kill()  # reported below, next round, as a start that failed
                 continue
-            if state in ("dead", "stopped"):
+            if state in ("dead", "stopped") or proc in self._retiring:
                 continue
             group, replica = self._members.key(proc)
             if state == "starting":  # died before it was ready: it held nothing
