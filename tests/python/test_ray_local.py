@@ -2,8 +2,10 @@
 cluster and no root needed (test_ray.py has the two-node cluster)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -39,9 +41,16 @@ def test_address_local_starts_a_ray_of_its_own(tmp_path):
     before = _ray_pids()
     # Ray's own ray.init() turns its token authentication on and keeps the token in ~/.ray: a HOME
     # of the test's, so nothing of the caller's is touched (and the stage actors work under it).
-    env = dict(os.environ, HOME=str(tmp_path))
+    # Its session files in a directory of the test's too (not /tmp/ray; short: Ray's socket paths
+    # must fit in 107 bytes).
+    ray_tmp = tempfile.mkdtemp(prefix="slr-", dir="/tmp")
+    env = dict(os.environ, HOME=str(tmp_path), RAY_TMPDIR=ray_tmp)
     env.pop("RAY_AUTH_MODE", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=240, env=env)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=240,
+                           env=env)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["x"] == [2 * i + 1 for i in range(8)]
