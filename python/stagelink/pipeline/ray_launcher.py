@@ -65,10 +65,10 @@ class _StageHost:
         self.key = pub
         self.inbox = Inbox(_tcp(self.address), {"secret_key": sec, "public_key": pub,
                                                 "allowed_clients": [launcher_key]})
+        self.code: Optional[int] = None
 
     def hello(self) -> dict:
-        ctx = ray.get_runtime_context()
-        return {"address": self.address, "node_id": ctx.get_node_id(), "hostname": socket.gethostname(),
+        return {"address": self.address, "hostname": socket.gethostname(),
                 "endpoint": self.inbox.endpoint, "key": self.key, "pid": os.getpid()}
 
     def run(self, proc: str, python: str, timeout: float) -> int:
@@ -89,7 +89,13 @@ class _StageHost:
             p.stdin.flush()
         except OSError:
             pass  # it exited at once: its status says why
-        return p.wait()
+        self.code = p.wait()
+        return self.code
+
+    def exit_code(self) -> Optional[int]:
+        """The process's exit status (None: it never started). Queued behind `run`, so it answers
+        once the process ended: what a caller that lost `run`'s result asks instead."""
+        return self.code
 
 
 _Host = ray.remote(_StageHost)
@@ -106,8 +112,7 @@ class RayStageProcess(StageProcess):
         self._code: Optional[int] = None
         self._why = ""
         self._pid: Optional[int] = None
-        self.node = launcher.spec.address_of(proc)
-        self.where = f"on Ray node {self.node}"
+        self.where = f"on Ray node {launcher.spec.address_of(proc)}"
         # In this order: the actor runs one call at a time, and `run` waits for what `hello` enables.
         hello = actor.hello.remote()
         self._run = actor.run.remote(proc, launcher.python, timeout)
@@ -118,7 +123,6 @@ class RayStageProcess(StageProcess):
     def _send(self, hello_ref, lines: bytes, timeout: float) -> None:
         try:
             hello = ray.get(hello_ref, timeout=timeout)
-            self.node = hello["address"]
             self.where = f"on Ray node {hello['address']} ({hello['hostname']}), actor pid {hello['pid']}"
             ob = Outbox(hello["endpoint"], {"secret_key": self._l.secret, "public_key": self._l.public,
                                             "server_key": hello["key"]})
@@ -159,10 +163,20 @@ class RayStageProcess(StageProcess):
     def _collect(self) -> None:
         try:
             code = ray.get(self._run, timeout=5)
-            if self._code is None:
-                self._code = code
+        except ray.exceptions.ActorUnavailableError:
+            # Ray cannot tell (its connection to the actor dropped: a node gone, or a network
+            # blip): alive until Ray says dead. Ask again; the call waits behind `run` while the
+            # actor lives, and fails with ActorDiedError once Ray's health checks give it up.
+            self._run = self._actor.exit_code.remote()
+            return
         except Exception as e:  # noqa: BLE001  the actor died (killed, its node lost)
             self._fail(_reason(e))
+            return
+        if self._code is None:
+            if code is None:
+                self._fail("its Ray actor never started the process")
+            else:
+                self._code = code
 
     def how(self) -> str:
         return self._why or super().how()
@@ -194,9 +208,7 @@ class RayStageProcess(StageProcess):
 
 
 def _reason(e: BaseException) -> str:
-    """How a Ray call failed, in one line. An actor Ray calls unavailable (its connection closed:
-    its process or node gone, or a network that dropped it) is treated as dead: its call's result,
-    the exit status, is lost either way, and the handle kills what may be left of it."""
+    """How a Ray call failed, in one line (an actor Ray declared dead, or a launch that failed)."""
     text = str(e).strip().splitlines()
     head = f"{type(e).__name__}: " + (text[0] if text else "")
     if isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
@@ -292,13 +304,12 @@ class RayLauncher(Launcher):
         for proc, i in self.index.items():
             n = nodes[table[i]]
             addr = n["NodeManagerAddress"]
-            self.nodes[proc] = {"address": addr, "node_id": n["NodeID"],
+            self.nodes[proc] = {"address": addr,
                                 "hostname": n.get("NodeManagerHostname", ""), "here": n["NodeID"] == mine}
             if n["NodeID"] == mine:
                 spec.placed[proc] = ""
             else:
-                spec.hosts[addr] = {"address": addr, "launch": [], "python": self.python, "env": {},
-                                    "node_id": n["NodeID"]}
+                spec.hosts[addr] = {"address": addr, "launch": [], "python": self.python, "env": {}}
                 spec.placed[proc] = addr
         if spec.control.get("host") == "auto":
             spec.control["host"] = (nodes[mine]["NodeManagerAddress"] if mine in nodes else _core.host_address())

@@ -49,7 +49,7 @@ from . import placement
 
 _STAGE_KEYS = {"name", "factory", "args", "next", "stream_to", "terminal", "process", "merge", "concurrency",
                "inline", "zero_copy", "host", "env", "replicas", "retry", "max_replicas", "max_restarts",
-               "resources", "node", "labels"}
+               *placement.STAGE_KEYS}
 MAX_REPLICAS = 64
 _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runtime", "description", "client",
              "control", "hosts", "placement"}
