@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "stagelink/frame.hpp"
+#include "stagelink/metrics.hpp"
 #include "stagelink/payload.hpp"
 #include "stagelink/result.hpp"
 
@@ -101,16 +102,36 @@ class Loan {
 // below; the relay's and the bindings' are internal (src/connectors/capabilities.hpp).
 enum class CapabilityId : uint8_t { lending, waiting_gets, arrivals, sender_link, releases, binding };
 
+// What every connector counts, once, in its non-virtual put/get/cleanup (health() and the metrics
+// tree read these cells; a connector counts only what is its own beyond them).
+struct ConnectorCounts {
+  metrics::Timing put_time, get_time;  // successful calls: their count is the puts and gets
+  metrics::Counter put_bytes, get_bytes;
+  metrics::Counter put_errors[16], get_errors[16];  // by Errc (a get's not_found is a miss, not an error)
+  metrics::Counter cleanups, cleaned;               // cleanup() calls, and the entries they released
+  uint64_t puts() const { return put_time.count(); }
+  uint64_t gets() const { return get_time.count(); }
+  uint64_t errors() const;    // every failed put and get but timeouts and a get's not_found
+  uint64_t timeouts() const;  // puts and gets that failed with timeout
+};
+
 class Connector {
  public:
-  virtual ~Connector() = default;
+  Connector();
+  virtual ~Connector();
+  Connector(const Connector&) = delete;
+  Connector& operator=(const Connector&) = delete;
   virtual const std::string& name() const = 0;
 
   // Publish `payload` under key@from_to. Errors: invalid_argument (bad key), exists (key still
   // being read), exhausted (no room before the put timeout), closed, io.
-  virtual Result<PutResult> put(const std::string& from_stage, const std::string& to_stage,
-                                const std::string& key, const Payload& payload,
-                                const PutOptions& opts = {}) = 0;
+  Result<PutResult> put(const std::string& from_stage, const std::string& to_stage, const std::string& key,
+                        const Payload& payload, const PutOptions& opts = {}) {
+    const uint64_t t0 = metrics::ticks();
+    auto r = do_put(from_stage, to_stage, key, payload, opts);
+    count_put(r, t0);
+    return r;
+  }
 
   // Fetch key@from_to. With metadata from put(), locate it directly; without, find it by key,
   // waiting until `deadline` (kNoWait: one attempt). Blocks in the kernel, never polls.
@@ -120,18 +141,39 @@ class Connector {
   // is `corrupt`, never another payload.
   // Errors: not_found (absent, after one attempt), timeout, cancelled (abandon_get, close),
   // corrupt (bad metadata/frame), closed.
-  virtual Result<GetResult> get(const std::string& from_stage, const std::string& to_stage,
-                                const std::string& key, const Value* metadata,
-                                Deadline deadline = kNoWait, const GetOptions& opts = {}) = 0;
+  Result<GetResult> get(const std::string& from_stage, const std::string& to_stage, const std::string& key,
+                        const Value* metadata, Deadline deadline = kNoWait, const GetOptions& opts = {}) {
+    const uint64_t t0 = metrics::ticks();
+    auto r = do_get(from_stage, to_stage, key, metadata, deadline, opts);
+    if (r.ok()) [[likely]] {
+      counts_.get_time.since(t0);
+      counts_.get_bytes.add(r->size);
+    } else {
+      counts_.get_errors[size_t(r.error().code) & 15].add();
+    }
+    return r;
+  }
 
   // Free every unread put of this request: the put whose key equals request_id and the puts tied
   // to it with PutOptions::request_id. Nothing else ("X" never frees "X_1" unless tied to "X").
   // Returns how many entries were released.
-  virtual size_t cleanup(const std::string& request_id) = 0;
+  size_t cleanup(const std::string& request_id) {
+    const size_t n = do_cleanup(request_id);
+    counts_.cleanups.add();
+    counts_.cleaned.add(n);
+    return n;
+  }
   // Counters (puts, gets, bytes_transferred, errors, timeouts, ...) and transport state.
   virtual Value health() = 0;
   // Release everything this connector owns. Idempotent; also run by the destructor.
   virtual void close() = 0;
+
+  // What put/get/cleanup counted (health() and the metrics read these).
+  const ConnectorCounts& counts() const { return counts_; }
+  // The `connector` label of this connector's metrics (its descriptor's name; create_connector
+  // sets it).
+  void set_metrics_label(std::string label);
+  std::string metrics_label() const;
 
   // This connector as capability C (Lending, WaitingGets, ArrivalSignals, SenderLink, ...), or
   // nullptr when it does not offer it.
@@ -141,12 +183,38 @@ class Connector {
   }
 
  protected:
+  // The implementations behind put, get and cleanup (their contracts above).
+  virtual Result<PutResult> do_put(const std::string& from_stage, const std::string& to_stage,
+                                   const std::string& key, const Payload& payload, const PutOptions& opts) = 0;
+  virtual Result<GetResult> do_get(const std::string& from_stage, const std::string& to_stage,
+                                   const std::string& key, const Value* metadata, Deadline deadline,
+                                   const GetOptions& opts) = 0;
+  virtual size_t do_cleanup(const std::string& request_id) = 0;
+
+  // Count a put made another way than put() (a capability's, e.g. Lending::put_loan).
+  void count_put(const Result<PutResult>& r, uint64_t t0) {
+    if (r.ok()) [[likely]] {
+      counts_.put_time.since(t0);
+      counts_.put_bytes.add(r->size);
+    } else {
+      counts_.put_errors[size_t(r.error().code) & 15].add();
+    }
+  }
+  // health()'s common keys, from counts(): connector, puts, gets, bytes_transferred, errors,
+  // timeouts, cleanups.
+  void add_counts(Value::Map& m) const;
+
   // The implementation behind capability(): `this` as the interface whose kId is `id` (returned
   // as that interface's pointer, converted to void*), or nullptr.
   virtual void* find_capability(CapabilityId id) {
     (void)id;
     return nullptr;
   }
+
+ private:
+  class Metrics;
+  ConnectorCounts counts_;
+  std::unique_ptr<Metrics> metrics_;  // this connector's Source in the metrics tree
 };
 
 // Zero-copy producer path: reserve room for a frame with these tensors; write them; publish

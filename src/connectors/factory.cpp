@@ -99,6 +99,7 @@ std::string known_names(const Registry& r) {
 
 Result<std::unique_ptr<Connector>> create_connector(const std::string& name, const Value& extra) {
   ConnectorFactory make;
+  std::string label;
   {
     auto& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
@@ -113,8 +114,11 @@ Result<std::unique_ptr<Connector>> create_connector(const std::string& name, con
                                                "from C++ one of " + made_here);
     }
     make = d->factory;
+    label = d->name;
   }
-  return make(name, extra);
+  auto c = make(name, extra);
+  if (c.ok() && *c) (*c)->set_metrics_label(std::move(label));
+  return c;
 }
 
 void register_connector(ConnectorDescriptor d) {

@@ -15,26 +15,49 @@ Status ShmConnector::init() {
   return {};
 }
 
-Result<GetResult> ShmConnector::get(const std::string& from, const std::string& to, const std::string& key, const Value* metadata, Deadline deadline, const GetOptions& go) {
-  auto r = get_impl(from, to, key, metadata, deadline, go);
-  if (r.ok()) {
-    gets_.fetch_add(1, std::memory_order_relaxed);
-    get_bytes_.fetch_add(r->size, std::memory_order_relaxed);
-  } else if (r.error().code == Errc::timeout) {
-    timeouts_.fetch_add(1, std::memory_order_relaxed);
-  } else if (r.error().code != Errc::not_found) {
-    errors_.fetch_add(1, std::memory_order_relaxed);
-  }
-  return r;
+Result<GetResult> ShmConnector::do_get(const std::string& from, const std::string& to, const std::string& key, const Value* metadata, Deadline deadline, const GetOptions& go) {
+  return get_impl(from, to, key, metadata, deadline, go);
 }
 
-size_t ShmConnector::cleanup(const std::string& request_id) {
+namespace {
+using metrics::Family;
+using metrics::Kind;
+const Family kShmInline{"stagelink_shm_inline_puts_total", Kind::counter, "",
+                        "puts small enough to travel in their metadata (shm_threshold_bytes)", {"connector"}};
+const Family kShmDedicated{"stagelink_shm_dedicated_segments_total", Kind::counter, "",
+                           "puts too large for the arena, given a segment of their own", {"connector"}};
+const Family kShmReplaced{"stagelink_shm_replaced_total", Kind::counter, "",
+                          "unread puts replaced by a put of the same key", {"connector"}};
+const Family kShmOutstanding{"stagelink_shm_outstanding_entries", Kind::gauge, "",
+                             "puts of this process not yet released by every reader", {"connector"}};
+const Family kShmArena{"stagelink_shm_arena_bytes", Kind::gauge, "bytes", "arena capacity", {"connector"}};
+const Family kShmArenaUsed{"stagelink_shm_arena_used_bytes", Kind::gauge, "bytes",
+                           "arena bytes held by unreleased puts and loans", {"connector"}};
+const Family kShmWaiters{"stagelink_shm_waiting_gets", Kind::gauge, "", "gets blocked waiting for their key",
+                         {"connector"}};
+}  // namespace
+
+void ShmConnector::Metrics::collect(metrics::Sink& out) const {
+  const std::string l = c.metrics_label();
+  out.value(kShmInline, {l}, double(c.inline_puts_.load(std::memory_order_relaxed)));
+  out.value(kShmDedicated, {l}, double(c.dedicated_puts_.load(std::memory_order_relaxed)));
+  out.value(kShmReplaced, {l}, double(c.replaced_.load(std::memory_order_relaxed)));
+  {
+    std::lock_guard<std::mutex> lock(c.mu_);
+    out.value(kShmOutstanding, {l}, double(c.out_.size()));
+    out.value(kShmArena, {l}, double(c.arena_alloc_ ? c.arena_alloc_->capacity() : 0));
+    out.value(kShmArenaUsed, {l}, double(c.arena_alloc_ ? c.arena_alloc_->used() : 0));
+  }
+  std::lock_guard<std::mutex> lock(c.wait_mu_);
+  out.value(kShmWaiters, {l}, double(c.waiters_.size()));
+}
+
+size_t ShmConnector::do_cleanup(const std::string& request_id) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!open_locked()) return 0;
   // Every unread entry of the request on this host: ours, other producers' (abort).
   const size_t n = dir_->cancel_request(request_id);
   reclaim_all_locked();
-  cleanups_.fetch_add(1, std::memory_order_relaxed);
   return n;
 }
 
@@ -118,14 +141,9 @@ Value ShmConnector::health() {
   m.emplace_back("status", closed_ ? "closed" : "healthy");
   options::add_ignored(m, opts_.ignored);
   m.emplace_back("connector", name_);
-  m.emplace_back("puts", uint64_t(puts_.load()));
-  m.emplace_back("gets", uint64_t(gets_.load()));
-  m.emplace_back("bytes_transferred", uint64_t(put_bytes_.load() + get_bytes_.load()));
-  m.emplace_back("errors", uint64_t(errors_.load()));
-  m.emplace_back("timeouts", uint64_t(timeouts_.load()));
+  add_counts(m);
   m.emplace_back("inline_puts", uint64_t(inline_puts_.load()));
   m.emplace_back("dedicated_segments", uint64_t(dedicated_puts_.load()));
-  m.emplace_back("cleanups", uint64_t(cleanups_.load()));
   m.emplace_back("replaced", uint64_t(replaced_.load()));
   m.emplace_back("outstanding", uint64_t(out_.size()));
   m.emplace_back("arena_bytes", uint64_t(arena_alloc_ ? arena_alloc_->capacity() : 0));
@@ -149,6 +167,7 @@ Value ShmConnector::health() {
 }
 
 void ShmConnector::close() {
+  metrics_reg_.reset();  // first, and not under mu_ (a collection takes the tree's lock, then mu_)
   {
     // First, and not under mu_ (a loan's destructor takes the gate, then mu_).
     std::lock_guard<std::mutex> g(gate_->mu);
@@ -385,8 +404,6 @@ Result<PutResult> ShmConnector::publish_locked(Claim& cl, const Region& reg, siz
     md.emplace_back("shm", Value(std::move(shm)));
   }
   pr.metadata = Value(std::move(md));
-  bump_locked(puts_);
-  bump_locked(put_bytes_, total);
   return pr;
 }
 

@@ -92,7 +92,8 @@ class ShmConnector final : public Connector,
                            public ReleaseTracking,
                            public BindingFields {
  public:
-  explicit ShmConnector(ShmConnectorOptions o) : opts_(std::move(o)), gate_(std::make_shared<LoanGate>()) {
+  explicit ShmConnector(ShmConnectorOptions o)
+      : opts_(std::move(o)), gate_(std::make_shared<LoanGate>()), metrics_(*this), metrics_reg_(&metrics_) {
     gate_->owner = this;
   }
   ~ShmConnector() override { close(); }
@@ -106,20 +107,18 @@ class ShmConnector final : public Connector,
   std::string_view direct_lookup_field() const override { return "entry"; }
   size_t device_slots() const override { return opts_.cuda_ipc ? opts_.cuda_arena_bytes : 0; }
 
-  Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key,
-                        const Payload& payload, const PutOptions& po) override {
-    auto r = put_impl(from, to, key, payload, nullptr, po);
-    count_error(r);
-    return r;
+  Result<PutResult> do_put(const std::string& from, const std::string& to, const std::string& key,
+                           const Payload& payload, const PutOptions& po) override {
+    return put_impl(from, to, key, payload, nullptr, po);
   }
 
   Result<Loan> loan(const Value& tree, std::span<const TensorSpec> specs) override;
   Result<PutResult> put_loan(const std::string& from, const std::string& to, const std::string& key,
                              Loan&& loan, const PutOptions& po) override;
 
-  Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key, const Value* metadata, Deadline deadline, const GetOptions& go) override;
+  Result<GetResult> do_get(const std::string& from, const std::string& to, const std::string& key, const Value* metadata, Deadline deadline, const GetOptions& go) override;
 
-  size_t cleanup(const std::string& request_id) override;
+  size_t do_cleanup(const std::string& request_id) override;
 
   size_t abandon_get(const std::string& key) override;
 
@@ -185,11 +184,6 @@ class ShmConnector final : public Connector,
   // closing, attach as this process: its puts then take an arena of its own.
   void forget_parent_locked(bool reattach);
 
-  // Successful puts are counted in publish_locked, under mu_; failed ones here.
-  template <class R>
-  void count_error(const R& r) {
-    if (!r.ok()) errors_.fetch_add(1, std::memory_order_relaxed);
-  }
   // A counter only written under mu_: a plain increment (readers of health() load it atomically).
   static void bump_locked(std::atomic<uint64_t>& c, uint64_t by = 1) {
     c.store(c.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
@@ -239,6 +233,8 @@ class ShmConnector final : public Connector,
 
   Result<PutResult> publish_locked(Claim& cl, const Region& reg, size_t total, uint32_t readers, std::span<const std::byte> inline_bytes, uint64_t now, const std::function<void(std::span<const std::byte>)>* sink = nullptr, const std::shared_ptr<const void>* hold = nullptr);
 
+  Result<PutResult> put_loan_impl(const std::string& from, const std::string& to, const std::string& key, Loan&& loan,
+                                  const PutOptions& po);
   Result<PutResult> put_impl(const std::string& from, const std::string& to, const std::string& key, const Payload& payload, const FramePlan* given_plan, const PutOptions& po);
 
   Result<GetResult> get_impl(const std::string& from, const std::string& to, const std::string& key, const Value* metadata, Deadline deadline, const GetOptions& go);
@@ -272,9 +268,16 @@ class ShmConnector final : public Connector,
   uint64_t last_reap_ns_ = 0;
   std::mutex wait_mu_;
   std::vector<Waiter*> waiters_;
-  // puts_, put_bytes_, inline_puts_: written under mu_ only; the others by concurrent gets too.
-  std::atomic<uint64_t> puts_{0}, put_bytes_{0}, inline_puts_{0}, gets_{0}, get_bytes_{0}, errors_{0}, timeouts_{0},
-      dedicated_puts_{0}, cleanups_{0}, replaced_{0};
+  // Beyond what the Connector base counts: written under mu_ (a plain increment, bump_locked).
+  std::atomic<uint64_t> inline_puts_{0}, dedicated_puts_{0}, replaced_{0};
+  // This connector's own samples in the metrics tree (collected under the tree's lock, then mu_:
+  // the registration goes at the start of close(), never under mu_).
+  struct Metrics final : metrics::Source {
+    explicit Metrics(ShmConnector& c) : c(c) {}
+    void collect(metrics::Sink& out) const override;
+    ShmConnector& c;
+  } metrics_;
+  metrics::Registration metrics_reg_;  // last: gone before the rest
 };
 
 }  // namespace stagelink

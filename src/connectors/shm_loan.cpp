@@ -68,6 +68,14 @@ Result<Loan> ShmConnector::loan(const Value& tree, std::span<const TensorSpec> s
 
 Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::string& to, const std::string& key,
                                          Loan&& loan, const PutOptions& po) {
+  const uint64_t t0 = metrics::ticks();
+  auto r = put_loan_impl(from, to, key, std::move(loan), po);
+  count_put(r, t0);
+  return r;
+}
+
+Result<PutResult> ShmConnector::put_loan_impl(const std::string& from, const std::string& to, const std::string& key,
+                                              Loan&& loan, const PutOptions& po) {
   auto* impl = loan.impl();
   if (!impl || impl->gate != gate_)
     return make_error(Errc::invalid_argument, "loan is empty or belongs to another connector");
@@ -90,7 +98,6 @@ Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::str
   auto r = publish_locked(cl, reg, impl->plan.total, readers, inl, now, po.hooks ? &po.hooks->inline_sink : nullptr);
   lock.unlock();
   loan = Loan();
-  count_error(r);
   return r;
 }
 

@@ -253,6 +253,11 @@ class BufferCache : public std::enable_shared_from_this<BufferCache> {
   size_t cached_ = 0, cap_;
 };
 
+const metrics::Family kStoreWaits{"stagelink_store_waiting_gets_total", metrics::Kind::counter, "",
+                                  "gets that waited on the store for their key (each once)", {"connector"}};
+const metrics::Family kStoreCleanupErrors{"stagelink_store_cleanup_errors_total", metrics::Kind::counter, "",
+                                          "cleanup() calls the store failed", {"connector"}};
+
 class StoreConnector final : public Connector, public WaitingGets {
  public:
   StoreConnector(std::string name, StoreOptions o, std::unique_ptr<Redis> r)
@@ -277,7 +282,7 @@ class StoreConnector final : public Connector, public WaitingGets {
 
   const std::string& name() const override { return name_; }
 
-  Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key, const Payload& p,
+  Result<PutResult> do_put(const std::string& from, const std::string& to, const std::string& key, const Payload& p,
                         const PutOptions& po) override {
     SL_TRY(open());
     SL_TRY(validate_name("from_stage", from, 64));
@@ -414,14 +419,12 @@ class StoreConnector final : public Connector, public WaitingGets {
       if (auto om = decode_meta(store::str(old)); om.ok() && om->gen != m.gen) drop_chunks(base, *om);  // replaced
     if (!idx.empty())
       if (auto ri = redis_->run(req, idx, dl); !ri.ok()) return fail(std::move(ri).error());
-    puts_.fetch_add(1);
-    bytes_.fetch_add(m.size);
     PutResult out;
     out.size = m.size;  // no metadata: the store is the rendezvous (the seed's contract)
     return out;
   }
 
-  Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key, const Value*,
+  Result<GetResult> do_get(const std::string& from, const std::string& to, const std::string& key, const Value*,
                         Deadline deadline, const GetOptions& go) override {
     SL_TRY(open());
     SL_TRY(validate_name("from_stage", from, 64));
@@ -471,14 +474,11 @@ class StoreConnector final : public Connector, public WaitingGets {
         }
         if (!got.ok()) return fail(std::move(got).error());
         if (left > 0 && popped) wake_next(base, m);  // more readers: the next waiter may go
-        gets_.fetch_add(1);
-        bytes_.fetch_add(m.size);
         return got;
       }
       // Nothing yet: wait on the signal list until the put pushes (no polling).
       if (deadline == kNoWait) return make_error(Errc::not_found, "no '" + ik + "' in the store");
       if (Clock::now() >= deadline) {
-        timeouts_.fetch_add(1);
         return make_error(Errc::timeout, "no '" + ik + "' in the store before the deadline");
       }
       if (waited && go.keep_waiting && !go.keep_waiting())
@@ -523,7 +523,7 @@ class StoreConnector final : public Connector, public WaitingGets {
     }
   }
 
-  size_t cleanup(const std::string& rid) override {
+  size_t do_cleanup(const std::string& rid) override {
     if (!redis_) return 0;
     const std::string req = "sl:req:{" + rid + "}";
     const Deadline dl = deadline_after(o_.redis.timeout_s);
@@ -531,7 +531,7 @@ class StoreConnector final : public Connector, public WaitingGets {
     q[0].arg("SMEMBERS").arg(req);
     auto r = redis_->run(req, q, dl);
     if (!r.ok()) {
-      errors_.fetch_add(1);
+      cleanup_errors_.fetch_add(1);
       SL_LOG_WARN("%s cleanup(%s): %s", name_.c_str(), rid.c_str(), r.error().message.c_str());
       return 0;
     }
@@ -565,12 +565,9 @@ class StoreConnector final : public Connector, public WaitingGets {
       if (const Value* ok = info.find("reachable"); ok && ok->is<bool>() && !ok->as<bool>()) m[0].second = "unreachable";
       m.emplace_back("store", std::move(info));
     }
-    m.emplace_back("puts", uint64_t(puts_.load()));
-    m.emplace_back("gets", uint64_t(gets_.load()));
-    m.emplace_back("bytes_transferred", uint64_t(bytes_.load()));
+    add_counts(m);
     m.emplace_back("waits", uint64_t(waits_.load()));
-    m.emplace_back("timeouts", uint64_t(timeouts_.load()));
-    m.emplace_back("errors", uint64_t(errors_.load()));
+    m.emplace_back("cleanup_errors", uint64_t(cleanup_errors_.load()));
     m.emplace_back("ttl_seconds", o_.ttl_s);
     m.emplace_back("chunk_bytes", uint64_t(o_.chunk_bytes));
     m.emplace_back("connections", uint64_t(o_.redis.connections));
@@ -592,6 +589,7 @@ class StoreConnector final : public Connector, public WaitingGets {
   // Wakes blocked gets (cancelled) and closes idle connections; calls under way finish (or fail)
   // and their connections close as they come back. The client itself goes with the connector.
   void close() override {
+    metrics_reg_.reset();
     if (closed_.exchange(true)) return;
     {
       std::lock_guard<std::mutex> l(wait_mu_);
@@ -616,8 +614,7 @@ class StoreConnector final : public Connector, public WaitingGets {
     w.fd.store(-3);
   }
   template <class E>
-  E fail(E e) {
-    errors_.fetch_add(1);
+  E fail(E e) {  // a failed put or get (the Connector base counts it)
     return e;
   }
   static std::string chunk_name(const std::string& base, uint64_t gen, uint64_t i) {
@@ -792,7 +789,18 @@ class StoreConnector final : public Connector, public WaitingGets {
   std::atomic<bool> closed_{false};
   std::mutex wait_mu_;
   std::multimap<std::string, Waiter*> waiters_;  // gets blocked in BLPOP, by key
-  std::atomic<uint64_t> puts_{0}, gets_{0}, bytes_{0}, waits_{0}, timeouts_{0}, errors_{0};
+  // Beyond what the Connector base counts.
+  std::atomic<uint64_t> waits_{0}, cleanup_errors_{0};
+  struct Metrics final : metrics::Source {
+    explicit Metrics(StoreConnector& c) : c(c) {}
+    void collect(metrics::Sink& out) const override {
+      const std::string l = c.metrics_label();
+      out.value(kStoreWaits, {l}, double(c.waits_.load()));
+      out.value(kStoreCleanupErrors, {l}, double(c.cleanup_errors_.load()));
+    }
+    StoreConnector& c;
+  } metrics_{*this};
+  metrics::Registration metrics_reg_{&metrics_};  // reset first in close()
 };
 
 }  // namespace

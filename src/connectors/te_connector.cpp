@@ -123,7 +123,7 @@ Status TeConnector::init(const std::string& name) {
   return {};
 }
 
-Result<PutResult> TeConnector::put(const std::string& from, const std::string& to, const std::string& key, const Payload& p, const PutOptions& po) {
+Result<PutResult> TeConnector::do_put(const std::string& from, const std::string& to, const std::string& key, const Payload& p, const PutOptions& po) {
   SL_TRY(same_process());
   if (closed_) return make_error(Errc::closed, name_ + " is closed");
   if (!router_) return make_error(Errc::invalid_argument, name_ + " with role receiver cannot put");
@@ -164,8 +164,6 @@ Result<PutResult> TeConnector::put(const std::string& from, const std::string& t
     }
     entries_.emplace(ik, e);
   }
-  puts_.fetch_add(1);
-  put_bytes_.fetch_add(plan.total);
   PutResult r;
   r.size = plan.total;
   Value::Map md;
@@ -189,7 +187,7 @@ Status TeConnector::update_sender_info(const std::string& host, int port) {
   return {};
 }
 
-Result<GetResult> TeConnector::get(const std::string& from, const std::string& to, const std::string& key, const Value* md, Deadline deadline, const GetOptions& go) {
+Result<GetResult> TeConnector::do_get(const std::string& from, const std::string& to, const std::string& key, const Value* md, Deadline deadline, const GetOptions& go) {
   SL_TRY(same_process());
   if (closed_) return make_error(Errc::closed, name_ + " is closed");
   SL_TRY(validate_name("from_stage", from, 64));
@@ -358,8 +356,6 @@ Result<GetResult> TeConnector::finish_get(const std::byte* at, size_t size, cons
   } else {
     SL_TRY(decode_frame_copy_into(bytes, g.payload));
   }
-  gets_.fetch_add(1);
-  get_bytes_.fetch_add(size);
   return g;
 }
 
@@ -373,7 +369,7 @@ Result<bool> TeConnector::put_released(const Value& md) {
   return it == entries_.end() || it->second.seq != seq;
 }
 
-size_t TeConnector::cleanup(const std::string& rid) {
+size_t TeConnector::do_cleanup(const std::string& rid) {
   std::lock_guard<std::mutex> l(mu_);
   size_t n = 0;
   for (auto it = entries_.begin(); it != entries_.end();) {
@@ -397,14 +393,12 @@ Value TeConnector::health() {
   options::add_ignored(m, o_.ignored);
   m.emplace_back("host", advertised_);
   m.emplace_back("zmq_port", uint64_t(port_));
-  m.emplace_back("puts", uint64_t(puts_.load()));
-  m.emplace_back("gets", uint64_t(gets_.load()));
-  m.emplace_back("bytes_transferred", uint64_t(put_bytes_.load() + get_bytes_.load()));
+  add_counts(m);
   m.emplace_back("pulls_served", uint64_t(pulls_.load()));
   m.emplace_back("gets_over_ucx", uint64_t(gets_ucx_.load()));  // pull request sent as a UCX message
   m.emplace_back("gets_over_side_channel", uint64_t(gets_side_.load()));
   m.emplace_back("connects", uint64_t(connects_.load()));  // connect() calls that set up a sender
-  m.emplace_back("errors", uint64_t(errors_.load()));
+  m.emplace_back("serve_errors", uint64_t(errors_.load()));  // pulls this sender failed to serve
   m.emplace_back("curve", bool(o_.curve));  // the side channel authenticated and encrypted
   m.emplace_back("refused_peers", uint64_t((admission_ ? admission_->refused() : 0) + (guard_ ? guard_->refused() : 0)));
   m.emplace_back("refused_pulls", uint64_t(refused_pulls_.load()));  // without a token or the put's capability
@@ -427,7 +421,38 @@ Status TeConnector::same_process() const {
                                                "survive fork(): make a new connector in this process");
 }
 
+namespace {
+using metrics::Family;
+using metrics::Kind;
+const Family kTePulls{"stagelink_te_pulls_served_total", Kind::counter, "",
+                      "pulls this sender served (its puts' bytes written into receivers)", {"connector"}};
+const Family kTeServeErrors{"stagelink_te_serve_errors_total", Kind::counter, "",
+                            "pulls this sender failed or refused to serve", {"connector"}};
+const Family kTeGetsVia{"stagelink_te_gets_total", Kind::counter, "",
+                        "gets by how their pull request reached the sender (ucx or side_channel)", {"connector", "via"}};
+const Family kTeConnects{"stagelink_te_connects_total", Kind::counter, "",
+                         "connect() calls that set up a sender ahead of its first get", {"connector"}};
+const Family kTeRefused{"stagelink_te_refused_total", Kind::counter, "",
+                        "peers refused at the side channel's handshake and pulls without the put's capability",
+                        {"connector"}};
+const Family kTeOutstanding{"stagelink_te_outstanding_entries", Kind::gauge, "",
+                            "puts of this sender not yet pulled by every reader", {"connector"}};
+}  // namespace
+
+void TeConnector::Metrics::collect(metrics::Sink& out) const {
+  const std::string l = c.metrics_label();
+  out.value(kTePulls, {l}, double(c.pulls_.load()));
+  out.value(kTeServeErrors, {l}, double(c.errors_.load()));
+  out.value(kTeGetsVia, {l, "ucx"}, double(c.gets_ucx_.load()));
+  out.value(kTeGetsVia, {l, "side_channel"}, double(c.gets_side_.load()));
+  out.value(kTeConnects, {l}, double(c.connects_.load()));
+  out.value(kTeRefused, {l}, double(c.refused_pulls_.load()));
+  std::lock_guard<std::mutex> g(c.mu_);
+  out.value(kTeOutstanding, {l}, double(c.entries_.size()));
+}
+
 void TeConnector::close() {
+  metrics_reg_.reset();  // first, not under mu_ (a collection takes the tree's lock, then mu_)
   if (closed_.exchange(true)) return;
   if (fork_.inherited()) {
     // Inherited through fork(): the side-channel thread, the UCX engine (and its progress

@@ -81,7 +81,7 @@ inline double timeout_for(double base, size_t bytes) { return base + double(byte
 
 class TeConnector final : public Connector, public SenderLink, public ReleaseTracking {
  public:
-  explicit TeConnector(TeOptions o) : o_(std::move(o)) {}
+  explicit TeConnector(TeOptions o) : o_(std::move(o)), metrics_(*this), metrics_reg_(&metrics_) {}
   ~TeConnector() override {
     close();
     if (hello_efd_ >= 0) ::close(hello_efd_);
@@ -91,11 +91,11 @@ class TeConnector final : public Connector, public SenderLink, public ReleaseTra
 
   const std::string& name() const override { return name_; }
 
-  Result<PutResult> put(const std::string& from, const std::string& to, const std::string& key, const Payload& p, const PutOptions& po) override;
+  Result<PutResult> do_put(const std::string& from, const std::string& to, const std::string& key, const Payload& p, const PutOptions& po) override;
 
   Status update_sender_info(const std::string& host, int port) override;
 
-  Result<GetResult> get(const std::string& from, const std::string& to, const std::string& key, const Value* md, Deadline deadline, const GetOptions& go) override;
+  Result<GetResult> do_get(const std::string& from, const std::string& to, const std::string& key, const Value* md, Deadline deadline, const GetOptions& go) override;
 
   Value sender_info() override;
 
@@ -125,7 +125,7 @@ class TeConnector final : public Connector, public SenderLink, public ReleaseTra
     return nullptr;
   }
 
-  size_t cleanup(const std::string& rid) override;
+  size_t do_cleanup(const std::string& rid) override;
 
   Value health() override;
 
@@ -255,8 +255,15 @@ class TeConnector final : public Connector, public SenderLink, public ReleaseTra
   std::map<std::vector<std::byte>, uint64_t> auth_by_worker_;  // sender: receiver engine -> its token (under mu_)
   std::deque<std::vector<std::byte>> auth_order_;              // the order they were issued (under mu_)
   std::atomic<uint64_t> refused_pulls_{0};
-  std::atomic<uint64_t> puts_{0}, gets_{0}, put_bytes_{0}, get_bytes_{0}, pulls_{0}, errors_{0}, gets_ucx_{0},
-      gets_side_{0}, connects_{0};
+  // Beyond what the Connector base counts: the sender's side (pulls served, and those that failed).
+  std::atomic<uint64_t> pulls_{0}, errors_{0}, gets_ucx_{0}, gets_side_{0}, connects_{0};
+  // This connector's own samples in the metrics tree (the registration goes first in close()).
+  struct Metrics final : metrics::Source {
+    explicit Metrics(TeConnector& c) : c(c) {}
+    void collect(metrics::Sink& out) const override;
+    TeConnector& c;
+  } metrics_;
+  metrics::Registration metrics_reg_;
 };
 
 }  // namespace stagelink::te

@@ -138,6 +138,26 @@ struct RelayOp::State {
   bool owned = false;
 };
 
+namespace {
+using metrics::Family;
+using metrics::Kind;
+const Family kRelayPuts{"stagelink_relay_puts_total", Kind::counter, "", "put_async calls that published", {"backend"}};
+const Family kRelayGets{"stagelink_relay_gets_total", Kind::counter, "", "get_async calls that read a put", {"backend"}};
+const Family kRelayBytesOut{"stagelink_relay_put_bytes_total", Kind::counter, "bytes", "bytes the relay's puts published",
+                            {"backend"}};
+const Family kRelayBytesIn{"stagelink_relay_get_bytes_total", Kind::counter, "bytes", "bytes the relay's gets read",
+                           {"backend"}};
+const Family kCreditWaits{"stagelink_relay_credit_waits_total", Kind::counter, "",
+                          "puts that waited for a credit (their edge's credits all held by unread puts)", {"backend"}};
+const Family kCreditTimeouts{"stagelink_relay_credit_timeouts_total", Kind::counter, "",
+                             "puts that found no credit before their deadline", {"backend"}};
+const Family kCreditWait{"stagelink_relay_credit_wait_seconds", Kind::histogram, "seconds",
+                         "how long a put that waited for a credit waited", {"backend"}};
+const Family kCreditsInUse{"stagelink_relay_credits_in_use", Kind::gauge, "",
+                           "credits held by unread puts, per edge (a full edge holds `credits`)", {"backend", "edge"}};
+const Family kCredits{"stagelink_relay_credits", Kind::gauge, "", "credits per edge (the relay's config)", {"backend"}};
+}  // namespace
+
 class RelayCore : public std::enable_shared_from_this<RelayCore> {
  public:
   explicit RelayCore(RelayConfig c) : cfg(std::move(c)), id(g_relay_ids.fetch_add(1) + 1) {
@@ -228,6 +248,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     rec->edge = edge;
     rec->rid = std::string(rid);
     bool waited = false;
+    const uint64_t t0 = metrics::ticks();
     for (;;) {
       const uint64_t seen = epoch();  // before the check: a release after it ends the wait
       {
@@ -237,11 +258,14 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
         reap_locked(q);
         if (q.size() < cfg.credits) {
           q.push_back(rec);
-          if (waited) credit_waits.fetch_add(1, std::memory_order_relaxed);
+          if (waited) {
+            credit_waits.add();
+            credit_wait.since(t0);
+          }
           return rec;
         }
         if (Clock::now() >= deadline) {
-          credit_timeouts.fetch_add(1, std::memory_order_relaxed);
+          credit_timeouts.add();
           std::string holders;
           for (size_t i = 0; i < q.size() && i < 4; ++i) holders += (i ? ", " : "") + q[i]->rid;
           return make_error(Errc::exhausted, "relay: no credit for edge '" + edge + "' after " +
@@ -349,9 +373,9 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       add_sglang_fields(md, publish ? publish_bytes : o.data_bytes ? *o.data_bytes : p.tensor_bytes(), o.request_id);
       if (o.hold) md.emplace_back("cuda_ipc", true);
       rec->md = Value(std::move(md));
-      bytes_out.fetch_add(r->size, std::memory_order_relaxed);
+      bytes_out.add(r->size);
     }
-    puts.fetch_add(1, std::memory_order_relaxed);
+    puts.add();
     st->core = shared_from_this();
     st->rec = rec;
     st->metadata = rec->md;
@@ -454,7 +478,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       st->payload = std::move(g.payload);
       st->size = g.size;
       st->owned = g.owned;
-      bytes_in.fetch_add(g.size, std::memory_order_relaxed);
+      bytes_in.add(g.size);
     }
     if (!o.dest.empty()) {
       if (st->payload.tensors.size() != 1)
@@ -468,7 +492,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       st->payload = Payload{};  // the slot goes back now
       st->size = src.size();
     }
-    gets.fetch_add(1, std::memory_order_relaxed);
+    gets.add();
     return RelayOp(std::move(st));
   }
 
@@ -525,13 +549,13 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     Value::Map m;
     m.emplace_back("backend", cfg.backend);
     m.emplace_back("status", closed ? "closed" : "healthy");
-    m.emplace_back("puts", uint64_t(puts.load()));
-    m.emplace_back("gets", uint64_t(gets.load()));
-    m.emplace_back("bytes_out", uint64_t(bytes_out.load()));
-    m.emplace_back("bytes_in", uint64_t(bytes_in.load()));
+    m.emplace_back("puts", puts.value());
+    m.emplace_back("gets", gets.value());
+    m.emplace_back("bytes_out", bytes_out.value());
+    m.emplace_back("bytes_in", bytes_in.value());
     m.emplace_back("credits", uint64_t(cfg.credits));
-    m.emplace_back("credit_waits", uint64_t(credit_waits.load()));
-    m.emplace_back("credit_timeouts", uint64_t(credit_timeouts.load()));
+    m.emplace_back("credit_waits", credit_waits.value());
+    m.emplace_back("credit_timeouts", credit_timeouts.value());
     Value::Map in_use;
     {
       std::lock_guard<std::mutex> l(mu);
@@ -546,6 +570,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
   }
 
   void close() {
+    metrics_reg_.reset();  // first, not under mu (a collection takes the tree's lock, then mu)
     {
       std::lock_guard<std::mutex> l(mu);
       if (closed.exchange(true)) return;
@@ -580,7 +605,33 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
   std::mutex mu;
   std::atomic<bool> closed{false};
   std::unordered_map<std::string, std::deque<std::shared_ptr<PutRec>>> inflight;
-  std::atomic<uint64_t> seq{0}, puts{0}, gets{0}, bytes_out{0}, bytes_in{0}, credit_waits{0}, credit_timeouts{0};
+  std::atomic<uint64_t> seq{0};
+  metrics::Counter puts, gets, bytes_out, bytes_in, credit_waits, credit_timeouts;
+  metrics::Timing credit_wait;
+  // The relay's samples in the metrics tree (collected under the tree's lock, then mu: the
+  // registration goes at the start of close(), never under mu).
+  struct Metrics final : metrics::Source {
+    explicit Metrics(RelayCore& c) : c(c) {}
+    void collect(metrics::Sink& out) const override {
+      const std::string& b = c.cfg.backend;
+      out.value(kRelayPuts, {b}, double(c.puts.value()));
+      out.value(kRelayGets, {b}, double(c.gets.value()));
+      out.value(kRelayBytesOut, {b}, double(c.bytes_out.value()));
+      out.value(kRelayBytesIn, {b}, double(c.bytes_in.value()));
+      out.value(kCreditWaits, {b}, double(c.credit_waits.value()));
+      out.value(kCreditTimeouts, {b}, double(c.credit_timeouts.value()));
+      out.timing(kCreditWait, {b}, c.credit_wait);
+      out.value(kCredits, {b}, double(c.cfg.credits));
+      std::lock_guard<std::mutex> l(c.mu);
+      for (auto& [edge, q] : c.inflight) {
+        size_t held = 0;
+        for (auto& r : q) held += !r->released.load(std::memory_order_acquire);
+        out.value(kCreditsInUse, {b, edge}, double(held));
+      }
+    }
+    RelayCore& c;
+  } metrics_{*this};
+  metrics::Registration metrics_reg_{&metrics_};
 };
 
 RelayOp::RelayOp() = default;

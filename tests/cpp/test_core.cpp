@@ -606,13 +606,13 @@ namespace {
 class EchoConnector : public Connector {
  public:
   const std::string& name() const override { return n_; }
-  Result<PutResult> put(const std::string&, const std::string&, const std::string&, const Payload&, const PutOptions&) override {
+  Result<PutResult> do_put(const std::string&, const std::string&, const std::string&, const Payload&, const PutOptions&) override {
     return PutResult{42, Value()};
   }
-  Result<GetResult> get(const std::string&, const std::string&, const std::string&, const Value*, Deadline, const GetOptions&) override {
+  Result<GetResult> do_get(const std::string&, const std::string&, const std::string&, const Value*, Deadline, const GetOptions&) override {
     return make_error(Errc::not_found, "empty");
   }
-  size_t cleanup(const std::string&) override { return 0; }
+  size_t do_cleanup(const std::string&) override { return 0; }
   Value health() override { return Value(); }
   void close() override {}
   std::string n_ = "EchoConnector";
