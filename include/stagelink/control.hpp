@@ -38,8 +38,10 @@ enum class ControlType : uint8_t {
   stats,         // stage process -> coordinator, at shutdown: its figures in `body`
   launch,        // launcher -> the agent that starts a stage process on another node (a Ray
                  // actor): the process's spec and secrets in `body`, over CURVE
+  metrics_ask,   // coordinator -> stage process: send your metrics (`metadata`: seq), a scrape
+  metrics,       // stage process -> coordinator: its metrics tree's samples in `body`
 };
-inline constexpr int kControlTypeCount = 16;
+inline constexpr int kControlTypeCount = 18;
 // Whether messages of type `t` belong to a request (and so must name one).
 constexpr bool control_type_has_request(ControlType t) noexcept {
   return t != ControlType::shutdown && t < ControlType::ready;

@@ -2,6 +2,7 @@
 #include "stagelink/allocator.hpp"
 #include "stagelink/config.hpp"
 #include "stagelink/connector.hpp"
+#include "stagelink/metrics.hpp"
 #include "stagelink/control.hpp"
 #include "stagelink/frame.hpp"
 #include "stagelink/payload.hpp"

@@ -31,6 +31,8 @@ from .control import ControlMessage  # noqa: F401
 from .mq import MessageQueue  # noqa: F401
 from .relay import (LocalRelay, Relay, RelayOperation, ShmRelay, UcxRelay, create_relay,  # noqa: F401
                     register_relay)
+from . import metrics  # noqa: F401,E402
+from .metrics import serve_metrics  # noqa: F401,E402
 from .pipeline import Pipeline  # noqa: F401
 
 from ._version import __version__  # noqa: F401  (the one place it is written)

@@ -18,10 +18,10 @@ from . import _core
 from ._lifetime import NativeOwner, track
 
 TYPES = ("submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready",
-         "progress", "peers", "peers_known", "connect", "connected", "stats", "launch")
+         "progress", "peers", "peers_known", "connect", "connected", "stats", "launch", "metrics_ask", "metrics")
 #: The types that belong to no request (every other one must name its request).
 NO_REQUEST = frozenset({"shutdown", "ready", "progress", "peers", "peers_known", "connect", "connected", "stats",
-                        "launch"})
+                        "launch", "metrics_ask", "metrics"})
 
 
 @dataclass

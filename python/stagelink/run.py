@@ -30,7 +30,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional[str] = None,
-        quiet: bool = False) -> int:
+        quiet: bool = False, metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1",
+        metrics_linger_s: float = 0.0) -> int:
     from rich.console import Console
 
     from .pipeline import PipelineConfigError, load_pipeline
@@ -65,25 +66,33 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
         raise KeyboardInterrupt
     old_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
     try:
-        return _run(console, err, spec, make, verify, args, requests, concurrency, json_path, t_start, terminated)
+        obs = {"metrics_port": metrics_port, "metrics_host": metrics_host, "linger_s": metrics_linger_s}
+        return _run(console, err, spec, make, verify, args, requests, concurrency, json_path, t_start, terminated,
+                    obs)
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 
 
-def _run(console, err, spec, make, verify, args, requests, concurrency, json_path, t_start, terminated) -> int:
+def _run(console, err, spec, make, verify, args, requests, concurrency, json_path, t_start, terminated,
+         obs) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .pipeline import Pipeline
     try:
-        p = Pipeline(spec)
+        p = Pipeline(spec, metrics_port=obs["metrics_port"], metrics_host=obs["metrics_host"])
     except _core.StagelinkError as e:
         err.print(f"error: the pipeline did not start: {e}")
+        return 1
+    except OSError as e:  # the metrics port: taken, or an address not of this host
+        err.print(f"error: --metrics-port {obs['metrics_port']} on {obs['metrics_host']}: {e}")
         return 1
     except KeyboardInterrupt:  # what started was stopped by Pipeline's own roll-back
         err.print(("terminated (SIGTERM)" if terminated else "interrupted") + " during start-up")
         return 128 + signal.SIGTERM if terminated else 130
     console.print(f"started in {p.startup_s * 1000:.0f} ms")
+    if p.metrics_server is not None:
+        console.print(f"metrics: {p.metrics_server.url}", highlight=False)
     if spec.placement or spec.hosts:  # where each went (a placement engine decides it at start)
         console.print("placed: " + ", ".join(f"{proc} on {where}" for proc, where in p.placement().items()
                                              if proc in p.spec.initial_processes()), highlight=False)
@@ -101,6 +110,7 @@ def _run(console, err, spec, make, verify, args, requests, concurrency, json_pat
     done = [0]
     chunk_bytes = [0]
     interrupted = False
+    wall = None  # the requests' wall time (not the metrics' linger)
     t0 = time.monotonic()
     try:
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -153,11 +163,16 @@ def _run(console, err, spec, make, verify, args, requests, concurrency, json_pat
                 fut.add_done_callback(lambda f, i=i, req=req, chunks=chunks: finished(i, req, chunks, f))
             while not all_done.wait(0.2):
                 pass
+            wall = time.monotonic() - t0
+            if obs["linger_s"] > 0 and p.metrics_server is not None:
+                console.print(f"metrics stay up {obs['linger_s']:g} s at {p.metrics_server.url}", highlight=False)
+                time.sleep(obs["linger_s"])
     except KeyboardInterrupt:
         interrupted = True
         err.print(("terminated (SIGTERM)" if terminated else "interrupted") + ": stopping the stages")
     finally:
-        wall = time.monotonic() - t0
+        if wall is None or interrupted:
+            wall = time.monotonic() - t0
         p.close()
     stats = p.stats()
     report = _report(p.spec, p, stats, wall, requests, failures, chunk_bytes[0], time.monotonic() - t_start)

@@ -44,6 +44,7 @@ void ShmConnector::Metrics::collect(metrics::Sink& out) const {
   out.value(kShmReplaced, {l}, double(c.replaced_.load(std::memory_order_relaxed)));
   {
     std::lock_guard<std::mutex> lock(c.mu_);
+    if (c.open_locked() && c.dir_) c.reclaim_all_locked();  // what readers released since (as health())
     out.value(kShmOutstanding, {l}, double(c.out_.size()));
     out.value(kShmArena, {l}, double(c.arena_alloc_ ? c.arena_alloc_->capacity() : 0));
     out.value(kShmArenaUsed, {l}, double(c.arena_alloc_ ? c.arena_alloc_->used() : 0));

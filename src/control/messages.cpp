@@ -8,7 +8,8 @@ namespace stagelink {
 namespace {
 constexpr std::array<const char*, kControlTypeCount> kNames = {
     "submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready",
-    "progress", "peers", "peers_known", "connect", "connected", "stats", "launch"};
+    "progress", "peers", "peers_known", "connect", "connected", "stats", "launch",
+    "metrics_ask", "metrics"};
 constexpr uint64_t kVersion = 1;
 
 Status check_size(const char* field, size_t n, size_t max) {

@@ -271,6 +271,38 @@ void bind_tools(nb::module_& m) {
     }
     return l;
   }, nb::arg("shm_dir") = "/dev/shm");
+  // The metrics tree (include/stagelink/metrics.hpp), read by stagelink.metrics.
+  static constexpr auto ok_or_raise = [](const Status& st) {
+    if (!st.ok()) raise(st.error());
+  };
+  m.def("metrics_collect", [] { return to_py(metrics::collect_value()); },
+        "every sample of this process's metrics tree: [{name, kind, unit, help, labels, samples}]");
+  m.def("metric_families", [] {
+    const char* kinds[] = {"counter", "gauge", "histogram"};
+    nb::list out;
+    for (const auto* f : metrics::families()) {
+      nb::dict d;
+      d["name"] = f->name;
+      d["kind"] = kinds[int(f->kind)];
+      d["unit"] = f->unit;
+      d["help"] = f->help;
+      d["labels"] = f->labels;
+      out.append(d);
+    }
+    return out;
+  }, "every metric family declared in this process, by name");
+  nb::class_<metrics::Dynamic>(m, "_Metric")
+      .def_static("get", [](const std::string& name, const std::string& kind, const std::string& unit,
+                            const std::string& help, const std::vector<std::string>& labels) {
+        const metrics::Kind k = kind == "counter" ? metrics::Kind::counter
+                                : kind == "gauge" ? metrics::Kind::gauge
+                                : kind == "histogram" ? metrics::Kind::histogram
+                                : (raise(make_error(Errc::invalid_argument, "metric kind: counter, gauge or histogram, not " + kind)), metrics::Kind::counter);
+        return unwrap(metrics::Dynamic::get(name, k, unit, help, labels));
+      }, nb::rv_policy::reference)
+      .def("add", [](metrics::Dynamic& d, const std::vector<std::string>& l, double v) { ok_or_raise(d.add(l, v)); })
+      .def("set", [](metrics::Dynamic& d, const std::vector<std::string>& l, double v) { ok_or_raise(d.set(l, v)); })
+      .def("observe", [](metrics::Dynamic& d, const std::vector<std::string>& l, double v) { ok_or_raise(d.observe(l, v)); });
   m.def("shm_reap", [](const std::string& dir) { return shm::reap(dir); }, nb::arg("shm_dir") = "/dev/shm");
   m.def("shm_user_prefix", &shm::user_prefix);
   m.def("curve_keypair", [] {

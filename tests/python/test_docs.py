@@ -21,6 +21,31 @@ def test_the_configuration_reference_is_generated_from_the_schemas():
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "mkdocs")), reason="mkdocs is not installed (./scripts/setup)")
+
+def test_the_metrics_reference_is_generated_from_the_declarations():
+    out = subprocess.run([os.path.join(BIN, "stagelink"), "metrics", "reference"], capture_output=True, text=True,
+                         check=True).stdout
+    with open(os.path.join(ROOT, "docs", "reference", "metrics.md")) as f:
+        assert f.read() == out, "docs/reference/metrics.md is stale: stagelink metrics reference > it"
+    assert "`stagelink_connector_puts_total` | counter" in out and "`stagelink_stage_run_seconds` | histogram" in out
+
+
+def test_the_grafana_dashboard_asks_only_for_metrics_that_exist():
+    import json
+    out = subprocess.run([os.path.join(BIN, "stagelink"), "metrics", "reference"], capture_output=True, text=True,
+                         check=True).stdout
+    declared = set(re.findall(r"`(stagelink_[a-z_]+)`", out))
+    with open(os.path.join(ROOT, "examples", "grafana-stagelink.json")) as f:
+        dash = json.load(f)
+    asked = set()
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for t in panel["targets"]:
+            asked |= set(re.findall(r"stagelink_[a-z_]+", t["expr"]))
+    base = {re.sub(r"_(bucket|sum|count)$", "", n) for n in asked}
+    assert base <= declared, base - declared
+    assert len(dash["panels"]) >= 10
+
 def test_the_site_builds_strictly(tmp_path):
     r = subprocess.run([os.path.join(BIN, "mkdocs"), "build", "--strict", "--site-dir", str(tmp_path / "site")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,

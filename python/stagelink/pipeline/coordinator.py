@@ -21,8 +21,10 @@ from concurrent.futures import Future
 from typing import Any, Deque, Dict, List, Optional
 
 from .. import _core
+from .. import metrics as _metrics
 from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_socket_dir
 from ..relay import Relay
+from . import observe
 from . import protocol as proto
 from ._wire import from_frame, small_frame
 from .launcher import LaunchError, Launcher, StageProcess, make_launcher
@@ -93,7 +95,8 @@ class Pipeline:
     ``close()`` stops every process and removes every socket and shared-memory slot (also run by
     ``with`` and, as a last resort, at interpreter exit)."""
 
-    def __init__(self, spec: PipelineSpec, *, python: Optional[str] = None, env: Optional[dict] = None):
+    def __init__(self, spec: PipelineSpec, *, python: Optional[str] = None, env: Optional[dict] = None,
+                 metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1"):
         # Its own control settings: with base_port 0 the ports this run got are written there.
         # (and where a placement engine puts each process: its hosts and placement, this run's).
         self.spec = spec = dataclasses.replace(spec, control=dict(spec.control), hosts=dict(spec.hosts),
@@ -120,6 +123,10 @@ class Pipeline:
                               for s in spec.stages.values())
         self._ready: Dict[str, Optional[str]] = {}
         self._stats: Dict[str, dict] = {}
+        self._metrics_seq = 0
+        self._metrics_in: Dict[str, tuple] = {}  # process -> (seq, families) of its last MetricsReport
+        self._metrics_lock = threading.Lock()  # one gathering at a time
+        self.metrics_server: Optional[_metrics.MetricsServer] = None
         # The terminal stage's edge to this process, counted here as stage processes count theirs.
         self._edge_in = {"bytes": 0, "messages": 0, "lat_ns": collections.deque(maxlen=_LAT_WINDOW)}
         self._outboxes: Dict[str, Outbox] = {}
@@ -180,6 +187,12 @@ class Pipeline:
         self.startup_s = time.monotonic() - t0
         self._thread = threading.Thread(target=self._loop, name="stagelink-coordinator", daemon=True)
         self._thread.start()
+        if metrics_port is not None:  # one scrape target for the whole pipeline (metrics())
+            try:
+                self.metrics_server = _metrics.serve_metrics(metrics_port, metrics_host, source=self.metrics)
+            except BaseException:  # the port taken, an address not ours: nothing left running
+                self._teardown(kill=True)
+                raise
 
     @classmethod
     def from_yaml(cls, path, **kw) -> "Pipeline":
@@ -473,6 +486,8 @@ class Pipeline:
 
     def _teardown(self, kill: bool, deadline: Optional[float] = None):
         self._closed = True
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         deadline = deadline or time.monotonic()
         for p in self._procs.values():
             p.end_input()  # another host's: end of file ends it there
@@ -640,6 +655,38 @@ class Pipeline:
         `control_refused`: peers its control inbox refused at the CURVE handshake, control: tcp)."""
         return dict(self._stats)
 
+    def metrics(self, timeout: float = 2.0) -> list:
+        """The pipeline's metrics now, as stagelink.metrics.collect() gives a process's: this
+        process's (the coordinator's: requests, deaths, its relays) and, asked over the control
+        plane, every live stage process's on every host, each sample labelled with its `process`
+        (coordinator for this one). A process that does not answer within `timeout` is left out
+        and its stagelink_pipeline_process_up is 0. What `metrics_port` serves."""
+        with self._metrics_lock:
+            self._metrics_seq += 1
+            seq = self._metrics_seq
+            procs = [p for p in self._live_procs() if self._members.state[p] == "alive"]
+            asked = []
+            for proc in procs:
+                try:
+                    self._send(proc, proto.MetricsAsk(seq).encode(), min(timeout, 1.0))
+                    asked.append(proc)
+                except _core.StagelinkError:
+                    pass
+            deadline = time.monotonic() + timeout
+            with self._lock:
+                while (any(self._metrics_in.get(p, (0,))[0] != seq for p in asked)
+                       and time.monotonic() < deadline and not self._closed):
+                    self._lock.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                got = {p: self._metrics_in[p][1] for p in asked if self._metrics_in.get(p, (0,))[0] == seq}
+            name = self.spec.name
+            observe.REQUESTS_IN_FLIGHT.set(name, value=self.in_flight())
+            for proc in self.spec.processes():
+                if proc in procs or self._members.state.get(proc) in ("dead",):
+                    observe.PROCESS_UP.set(name, proc, value=1 if proc in got else 0)
+            parts = [_metrics.with_labels(_metrics.collect(), {"process": COORDINATOR})]
+            parts += [_metrics.with_labels(f, {"process": p}) for p, f in sorted(got.items())]
+            return _metrics.merge(*parts)
+
     def process_ids(self) -> Dict[str, int]:
         """{process name: pid} of the stage processes this coordinator started and that still run
         (for a stage on another host, the pid of its launcher here, e.g. ssh)."""
@@ -689,9 +736,13 @@ class Pipeline:
             if len(self._finished_ids) > _FINISHED_WINDOW:
                 self._finished_ids.popitem(last=False)
         r.payload = None
+        name = self.spec.name
         if error is not None:
+            observe.REQUESTS.inc(name, "aborted" if isinstance(error, _core.CancelledError) else "failed")
             r.future.set_exception(error)
         else:
+            observe.REQUESTS.inc(name, "ok")
+            observe.REQUEST_SECONDS.observe(name, seconds=time.monotonic() - r.t0)
             r.future.set_result(result)
             self.completed_count += 1
             self.completed.append({"request_id": r.rid or rid, "e2e_s": time.monotonic() - r.t0,
@@ -731,6 +782,10 @@ class Pipeline:
                 with self._lock:
                     self._stats[msg.proc] = msg.figures
                     self._lock.notify_all()
+            elif isinstance(msg, proto.MetricsReport):
+                with self._lock:
+                    self._metrics_in[msg.proc] = (msg.seq, msg.families)
+                    self._lock.notify_all()
             elif isinstance(msg, (proto.Ready, proto.StartFailed)):
                 self._joined(msg)
             return
@@ -760,6 +815,7 @@ class Pipeline:
                 return
             if r.t_first is None:
                 r.t_first = time.monotonic()
+                observe.FIRST_CHUNK_SECONDS.observe(self.spec.name, seconds=r.t_first - r.t0)
             r.n_chunks += 1
             if r.on_chunk is not None:
                 r.on_chunk(obj)
@@ -835,8 +891,11 @@ class Pipeline:
             self._broadcast_abort(old)  # what the other stages hold of the attempt before
             self._relay.cleanup(old)
         st = self.spec.stages[stages[0]]
+        if again:
+            observe.RETRIES.inc(self.spec.name, by=len(again))
         if self._will_restart(proc):
             self._members.restarts[proc] += 1
+            observe.RESTARTS.inc(self.spec.name, proc)
             print(f"stagelink coordinator: starting '{proc}' again (restart {self._members.restarts[proc]} of "
                   f"{st.max_restarts})", file=sys.stderr)
             self._relaunch(proc)
@@ -884,6 +943,7 @@ class Pipeline:
                 continue
             if state in ("dead", "stopped") or proc in self._retiring:
                 continue
+            observe.DEATHS.inc(self.spec.name, proc)
             group, replica = self._members.key(proc)
             if state == "starting":  # died before it was ready: it held nothing
                 with self._lock:

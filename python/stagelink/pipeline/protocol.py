@@ -20,6 +20,8 @@ The runtime's lifecycle (typed below; decode() turns a ControlMessage into one o
     Connect     coordinator -> stage process  connect these relays to their senders now
     Connected   stage process -> coordinator  done; the edges it could not connect, as text
     Stats       stage process -> coordinator  at shutdown: its figures
+    MetricsAsk  coordinator -> stage process  send your metrics now (a scrape of the pipeline's /metrics)
+    MetricsReport stage process -> coordinator  its metrics tree's samples, answering MetricsAsk `seq`
     Shutdown    coordinator -> stage process  stop after in-flight work
     Launch      launcher -> its agent on a node  start this process: its spec and secrets (Ray)
 
@@ -198,6 +200,43 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class MetricsAsk:
+    TYPE: ClassVar[str] = "metrics_ask"
+    seq: int
+
+    def encode(self) -> ControlMessage:
+        return ControlMessage(self.TYPE, from_stage=COORDINATOR, metadata={"seq": self.seq})
+
+    @classmethod
+    def decode(cls, m: ControlMessage) -> "MetricsAsk":
+        return cls(_field(m, _map(m), "seq", int))
+
+
+@dataclass(frozen=True)
+class MetricsReport:
+    """A stage process's metrics (stagelink.metrics.collect()), as a native frame (never pickle)."""
+    TYPE: ClassVar[str] = "metrics"
+    proc: str
+    seq: int
+    families: list
+
+    def encode(self) -> ControlMessage:
+        return ControlMessage(self.TYPE, from_stage=self.proc, metadata={"seq": self.seq},
+                              body=to_frame(self.families))
+
+    @classmethod
+    def decode(cls, m: ControlMessage) -> "MetricsReport":
+        seq = _field(m, _map(m), "seq", int)
+        fams = from_frame(m.body) if m.body else None
+        if not isinstance(fams, list) or not all(
+                isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("labels"), list)
+                and isinstance(f.get("samples"), list) and f.get("kind") in ("counter", "gauge", "histogram")
+                for f in fams):
+            raise _bad(m, "its metrics are not a list of families")
+        return cls(m.from_stage or "", seq, fams)
+
+
+@dataclass(frozen=True)
 class Shutdown:
     TYPE: ClassVar[str] = "shutdown"
 
@@ -228,9 +267,11 @@ class Launch:
         return cls(m.to_stage, bytes(m.body))
 
 
-Lifecycle = Union[Progress, Ready, StartFailed, Peers, PeersKnown, Connect, Connected, Stats, Shutdown, Launch]
+Lifecycle = Union[Progress, Ready, StartFailed, Peers, PeersKnown, Connect, Connected, Stats, MetricsAsk,
+                  MetricsReport, Shutdown, Launch]
 
-_DECODERS = {c.TYPE: c.decode for c in (Progress, Peers, PeersKnown, Connect, Connected, Stats, Shutdown, Launch)}
+_DECODERS = {c.TYPE: c.decode for c in (Progress, Peers, PeersKnown, Connect, Connected, Stats, MetricsAsk,
+                                        MetricsReport, Shutdown, Launch)}
 
 #: The wire types of requests (ControlMessage as it is).
 REQUEST_TYPES = frozenset({"submit", "data_ready", "stream", "complete", "abort", "abort_ack"})

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .. import _core
+from . import observe
 from .spec import COORDINATOR, PipelineConfigError, StageSpec, build_stage, resolve
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class Aborted(_core.CancelledError):
 
 class _Request:
     __slots__ = ("inputs", "started", "queue", "expect", "held", "done_srcs", "aborted", "cond", "n_streamed",
-                 "stream_closed", "ctx", "done", "payload_in", "early")
+                 "stream_closed", "ctx", "done", "payload_in", "early", "t_ready")
 
     def __init__(self, lock):
         self.inputs: Dict[str, Any] = {}
@@ -65,6 +66,7 @@ class _Request:
         self.done = False
         self.payload_in = False  # callback stages: every `next` source's payload has arrived
         self.early = 0  # bytes of chunks copied out of the relay before the stage could start
+        self.t_ready = 0  # monotonic_ns when every input had arrived (its queueing starts)
 
 
 class StageContext:
@@ -155,6 +157,7 @@ class StageRuntime:
                 r.queue.append((None, "payload", None, 0))
             else:
                 r.started = True
+                r.t_ready = time.monotonic_ns()
             inline = self.spec.inline or (self.auto and self.short_streak >= AUTO_INLINE_STREAK
                                           and self.avg_ns <= AUTO_INLINE_NS
                                           and self.stream_srcs <= r.done_srcs)
@@ -248,6 +251,9 @@ class StageRuntime:
     def _run(self, rid: str, r: _Request):
         ctx = r.ctx or StageContext(self, rid, r)
         t0 = time.monotonic_ns()
+        name = self.spec.name
+        if r.t_ready:
+            observe.STAGE_QUEUE_SECONDS.observe(name, seconds=(t0 - r.t_ready) / 1e9)
         try:
             self._complete(rid, r, self.fn(self._payload(r), ctx))
         except BaseException as e:  # noqa: BLE001  a stage's failure fails only its request
@@ -256,6 +262,8 @@ class StageRuntime:
             took = time.monotonic_ns() - t0
             self.busy_ns += took
             self.runs += 1
+            observe.STAGE_RUNS.inc(name)
+            observe.STAGE_RUN_SECONDS.observe(name, seconds=took / 1e9)
             if self.auto:
                 self.avg_ns += (took - self.avg_ns) / 8
                 self.short_streak = self.short_streak + 1 if took <= AUTO_INLINE_MAX_NS else 0
@@ -278,6 +286,7 @@ class StageRuntime:
     def _failed(self, rid: str, r: _Request, e: BaseException):
         if isinstance(e, Aborted) or r.aborted:
             return
+        observe.STAGE_FAILURES.inc(self.spec.name)
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         for t in self.stream_targets:
             if t != COORDINATOR and t not in r.stream_closed:
@@ -320,8 +329,11 @@ class StageRuntime:
             r.done = True
             self._failed(rid, r, e)
         finally:
-            self.busy_ns += time.monotonic_ns() - t0
+            took = time.monotonic_ns() - t0
+            self.busy_ns += took
+            observe.STAGE_RUN_SECONDS.observe(self.spec.name, seconds=took / 1e9)
         self.runs += 1
+        observe.STAGE_RUNS.inc(self.spec.name)
         self._finish(rid, r)
 
     @staticmethod

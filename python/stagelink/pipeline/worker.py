@@ -25,6 +25,8 @@ from ..relay import Relay
 from . import protocol as proto
 from ._readonly import protect, unprotect
 from ._wire import from_frame, small_frame
+from .. import metrics as _metrics
+from . import observe
 from .router import proc_for
 from .spec import COORDINATOR, PipelineSpec
 from .stage import _SEEN_WINDOW, StageRuntime
@@ -241,6 +243,7 @@ class Worker:
                                                     body=body))
 
     def send_stream(self, rid, src, dst, cid, chunk):
+        observe.STAGE_CHUNKS.inc(src)
         if dst != COORDINATOR and self.proc_of(dst, rid) == self.proc:
             self.stages[dst].deliver_stream(rid, src, cid, "obj", chunk, False, "", time.monotonic_ns())
             return
@@ -378,6 +381,10 @@ class Worker:
         elif isinstance(msg, proto.Connect):  # transfer-engine relays: connect to their senders now
             errors = self.connect_relays(msg.edges, msg.timeout_s)
             self.send(COORDINATOR, proto.Connected(self.proc, errors).encode())
+        elif isinstance(msg, proto.MetricsAsk):  # a scrape of the pipeline's /metrics
+            for name, st in self.stages.items():
+                observe.STAGE_IN_FLIGHT.set(name, value=len(st.reqs))
+            self.send(COORDINATOR, proto.MetricsReport(self.proc, msg.seq, _metrics.collect()).encode())
         elif isinstance(msg, proto.Shutdown):
             return False
         return True

@@ -1,0 +1,207 @@
+"""Metrics (issue 63): one tree per process, counted in the C++ core; Prometheus' text format at
+/metrics, parsed here with prometheus_client's own parser; a pipeline is one scrape target."""
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import stagelink
+from stagelink.pipeline import Pipeline
+
+S = "pipeline_stages"
+
+
+def scrape(url):
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples, name, **labels):
+    """The sum of `name`'s samples whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def test_a_connector_s_puts_gets_and_bytes_move_the_counters_exactly(ns):
+    c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns})
+    try:
+        with stagelink.serve_metrics(0) as srv:
+            assert srv.url.startswith("http://127.0.0.1:")
+            before = scrape(srv.url)
+            put_bytes, get_bytes = 0, 0
+            for i in range(12):
+                ok, n, _ = c.put("a", "b", f"k{i}", np.full(1000 + i, i, np.uint8))
+                assert ok
+                put_bytes += n
+            for i in range(9):
+                obj, n = c.get("a", "b", f"k{i}")
+                assert obj[0] == i
+                get_bytes += n
+            assert c.get("a", "b", "absent") is None  # a miss, not an error
+            assert c.put("a", "b", "", b"x")[0] is False  # a bad key: an error, by its code
+            after = scrape(srv.url)
+    finally:
+        c.close()
+    lab = {"connector": "SharedMemoryConnector"}
+    d = lambda n, **kw: value(after, n, **lab, **kw) - value(before, n, **lab, **kw)  # noqa: E731
+    assert d("stagelink_connector_puts_total") == 12
+    assert d("stagelink_connector_gets_total") == 9
+    assert d("stagelink_connector_put_bytes_total") == put_bytes
+    assert d("stagelink_connector_get_bytes_total") == get_bytes
+    assert d("stagelink_connector_get_misses_total") == 1
+    assert d("stagelink_connector_errors_total", op="put", code="invalid_argument") == 1
+    assert d("stagelink_connector_put_seconds_count") == 12
+    assert d("stagelink_connector_get_seconds_count") == 9
+    assert 0 < d("stagelink_connector_put_seconds_sum") < 12 * 0.5
+    # Buckets are cumulative and end at the count.
+    inf = value(after, "stagelink_connector_put_seconds_bucket", le="+Inf", **lab)
+    assert inf == value(after, "stagelink_connector_put_seconds_count", **lab)
+    assert d("stagelink_shm_outstanding_entries") == 3  # k9..k11 unread
+
+
+def test_the_endpoint_serves_metrics_only_on_loopback_by_default():
+    with stagelink.serve_metrics(0) as srv:
+        assert srv.host == "127.0.0.1"
+        for path in ("/", "/metrics/../etc/passwd", "/debug"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(srv.url.replace("/metrics", path), timeout=5)
+            assert e.value.code == 404
+        req = urllib.request.Request(srv.url, data=b"x", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == 405
+        # A port in use: an error, not a silent second server.
+        with pytest.raises(OSError):
+            stagelink.serve_metrics(srv.port)
+        # OpenMetrics when asked for.
+        req = urllib.request.Request(srv.url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        r = urllib.request.urlopen(req, timeout=5)
+        assert "openmetrics" in r.headers["Content-Type"]
+        assert r.read().decode().rstrip().endswith("# EOF")
+    with pytest.raises(OSError):  # closed: nothing answers
+        urllib.request.urlopen(srv.url, timeout=2)
+
+
+def test_metrics_of_your_own_join_the_tree():
+    m = stagelink.metrics.counter("myapp_widgets_total", "widgets made", ["kind"])
+    m.inc("round")
+    m.inc("round", by=2)
+    assert stagelink.metrics.counter("myapp_widgets_total", "widgets made", ["kind"]).name == m.name
+    with pytest.raises(stagelink.StagelinkError):
+        m.inc("round", by=-1)
+    with pytest.raises(stagelink.StagelinkError):
+        stagelink.metrics.gauge("myapp_widgets_total", "as a gauge", ["kind"])
+    with pytest.raises(stagelink.StagelinkError):
+        stagelink.metrics.counter("stagelink_connector_puts_total", "stagelink's own")
+    with stagelink.serve_metrics(0) as srv:
+        assert value(scrape(srv.url), "myapp_widgets_total", kind="round") == 3
+
+
+def _pipeline(ns, name, **kw):
+    d = {"name": name, "relay": {"extra": {"namespace": ns}, "timeout_s": 10},
+         "stages": [{"name": "thinker", "factory": f"{S}:streamer", "stream_to": "talker", "next": "talker"},
+                    {"name": "talker", "factory": f"{S}:collector", "next": "vocoder"},
+                    {"name": "vocoder", "factory": f"{S}:passthrough", "terminal": True}]}
+    return Pipeline.from_config(d, metrics_port=0, **kw)
+
+
+def test_a_pipeline_is_one_scrape_target_counting_every_stage_and_hop(ns):
+    n, chunks = 20, 5
+    with _pipeline(ns, "watched") as p:
+        url = p.metrics_server.url
+        for i in range(n):
+            r = p.submit(f"r{i}", {"x": i, "chunks": chunks, "chunk_bytes": 200_000}).result(30)
+            assert r["ids"] == list(range(chunks))
+        m = scrape(url)
+    # Every process answered, each labelled.
+    for proc in ("thinker", "talker", "vocoder"):
+        assert value(m, "stagelink_pipeline_process_up", process=proc) == 1
+        assert value(m, "stagelink_stage_runs_total", stage=proc, process=proc) == n
+        assert value(m, "stagelink_stage_failures_total", stage=proc) == 0
+        assert value(m, "stagelink_stage_run_seconds_count", stage=proc) == n
+    assert value(m, "stagelink_pipeline_requests_total", pipeline="watched", result="ok") == n
+    assert value(m, "stagelink_pipeline_request_seconds_count", pipeline="watched") == n
+    assert value(m, "stagelink_pipeline_time_to_first_chunk_seconds_count") == 0  # nothing streamed to the caller
+    assert value(m, "stagelink_stage_chunks_total", stage="thinker") == n * chunks
+    # Hops: each relay put is read once; bytes out equal bytes in, across processes.
+    puts = value(m, "stagelink_relay_puts_total")
+    gets = value(m, "stagelink_relay_gets_total")
+    assert puts == gets >= n * chunks  # the chunks at least (small payloads travel in the control message)
+    assert value(m, "stagelink_relay_put_bytes_total") == value(m, "stagelink_relay_get_bytes_total") \
+        >= n * chunks * 200_000
+    # The connectors under the stage processes' relays count the same puts and bytes (the
+    # coordinator's process is this test's, with other tests' connectors in it).
+    stages = ("thinker", "talker", "vocoder")
+    assert sum(value(m, "stagelink_connector_puts_total", process=s) for s in stages) == puts
+    assert sum(value(m, "stagelink_connector_put_bytes_total", process=s) for s in stages) == \
+        value(m, "stagelink_relay_put_bytes_total")
+
+
+def test_a_stage_process_killed_mid_run_shows_in_the_failure_counters(ns):
+    with _pipeline(ns, "killed") as p:
+        url = p.metrics_server.url
+        assert p.submit("warm", {"x": 0, "chunks": 1}).result(30)
+        victim = p.process_ids()["talker"]
+        futs = [p.submit(f"k{i}", {"x": i, "chunks": 50, "chunk_sleep": 0.02}) for i in range(3)]
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        failed = 0
+        for f in futs:
+            try:
+                f.result(30)
+            except stagelink.StagelinkError:
+                failed += 1
+        deadline = time.monotonic() + 10
+        while True:
+            m = scrape(url)
+            if value(m, "stagelink_pipeline_process_deaths_total", process="talker") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert failed == 3
+    assert value(m, "stagelink_pipeline_process_deaths_total", pipeline="killed", process="talker") == 1
+    assert value(m, "stagelink_pipeline_requests_total", pipeline="killed", result="failed") == 3
+    assert value(m, "stagelink_pipeline_requests_total", pipeline="killed", result="ok") == 1
+    assert value(m, "stagelink_pipeline_process_up", pipeline="killed", process="talker") == 0
+    assert value(m, "stagelink_pipeline_process_up", pipeline="killed", process="thinker") == 1
+
+
+def test_stagelink_run_serves_metrics_while_it_runs(tmp_path):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "stagelink.cli", "run", os.path.join(root, "examples", "omni_pipeline.yaml"),
+                             "--requests", "8", "--metrics-port", str(port), "--metrics-linger", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        deadline = time.monotonic() + 90
+        m = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                m = scrape(url)
+                if value(m, "stagelink_pipeline_requests_total", result="ok") == 8:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.2)
+        assert value(m, "stagelink_pipeline_requests_total", pipeline="omni", result="ok") == 8
+        for stage in ("encoder", "thinker", "talker", "vocoder"):
+            assert value(m, "stagelink_stage_runs_total", stage=stage) == 8
+        assert value(m, "stagelink_pipeline_time_to_first_chunk_seconds_count", pipeline="omni") == 8
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    assert f"metrics: http://127.0.0.1:{port}/metrics" in out, out
