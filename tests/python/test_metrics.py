@@ -131,20 +131,18 @@ def test_a_pipeline_is_one_scrape_target_counting_every_stage_and_hop(ns):
         assert value(m, "stagelink_stage_run_seconds_count", stage=proc) == n
     assert value(m, "stagelink_pipeline_requests_total", pipeline="watched", result="ok") == n
     assert value(m, "stagelink_pipeline_request_seconds_count", pipeline="watched") == n
-    assert value(m, "stagelink_pipeline_time_to_first_chunk_seconds_count") == 0  # nothing streamed to the caller
+    assert value(m, "stagelink_pipeline_time_to_first_chunk_seconds_count", pipeline="watched") == 0  # none to the caller
     assert value(m, "stagelink_stage_chunks_total", stage="thinker") == n * chunks
-    # Hops: each relay put is read once; bytes out equal bytes in, across processes.
-    puts = value(m, "stagelink_relay_puts_total")
-    gets = value(m, "stagelink_relay_gets_total")
-    assert puts == gets >= n * chunks  # the chunks at least (small payloads travel in the control message)
-    assert value(m, "stagelink_relay_put_bytes_total") == value(m, "stagelink_relay_get_bytes_total") \
-        >= n * chunks * 200_000
-    # The connectors under the stage processes' relays count the same puts and bytes (the
-    # coordinator's process is this test's, with other tests' connectors in it).
+    # Hops between the stage processes (the coordinator's process is this test's, holding other
+    # tests' relays and connectors): each relay put is read once; bytes out equal bytes in; the
+    # connectors under those relays count the same puts and bytes.
     stages = ("thinker", "talker", "vocoder")
-    assert sum(value(m, "stagelink_connector_puts_total", process=s) for s in stages) == puts
-    assert sum(value(m, "stagelink_connector_put_bytes_total", process=s) for s in stages) == \
-        value(m, "stagelink_relay_put_bytes_total")
+    at = lambda name: sum(value(m, name, process=s) for s in stages)  # noqa: E731
+    puts, gets = at("stagelink_relay_puts_total"), at("stagelink_relay_gets_total")
+    assert puts == gets >= n * chunks  # the chunks at least (small payloads travel in the control message)
+    assert at("stagelink_relay_put_bytes_total") == at("stagelink_relay_get_bytes_total") >= n * chunks * 200_000
+    assert at("stagelink_connector_puts_total") == puts
+    assert at("stagelink_connector_put_bytes_total") == at("stagelink_relay_put_bytes_total")
 
 
 def test_a_stage_process_killed_mid_run_shows_in_the_failure_counters(ns):
