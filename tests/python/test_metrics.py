@@ -165,6 +165,8 @@ def test_a_stage_process_killed_mid_run_shows_in_the_failure_counters(ns):
             if value(m, "stagelink_pipeline_process_deaths_total", process="talker") or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        time.sleep(1.0)  # ten rounds of the coordinator's checks: a death is counted once, not per round
+        m = scrape(url)
     assert failed == 3
     assert value(m, "stagelink_pipeline_process_deaths_total", pipeline="killed", process="talker") == 1
     assert value(m, "stagelink_pipeline_requests_total", pipeline="killed", result="failed") == 3

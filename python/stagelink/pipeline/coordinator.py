@@ -959,6 +959,8 @@ class Pipeline:
             if [i for i in self._members.alive(group) if i != replica] or self._will_restart(proc):
                 self._replica_died(proc, p, group, replica)
                 continue
+            with self._lock:  # dead now: counted and reported once, not at every check
+                self._members.set(proc, "dead", f"{p.where}) died: {p.how()}")
             if self._broken is None:
                 self._break(StageDiedError(f"stage process '{proc}' (stages "
                                            f"{', '.join(self.spec.processes()[proc])}, {p.where}) died: "
