@@ -157,8 +157,27 @@ std::vector<Sample> collect();
 // value} or {labels, buckets: [cumulative...], sum}]}], bounds() under "bounds" of histograms.
 Value collect_value();
 
+// One label set's value of a Dynamic metric: found once (Dynamic::cell), then counted with no
+// lock, lookup or allocation (relaxed atomics). Lives as long as the process.
+class DynamicCell {
+ public:
+  DynamicCell(const Family& f, size_t buckets) : f_(&f), b_(buckets) {}
+  Status add(double v);              // counter (v >= 0), gauge
+  Status set(double v);              // gauge
+  Status observe(double seconds);    // histogram
+  double value() const { return v_.load(std::memory_order_relaxed); }  // a histogram's: its sum
+  uint64_t bucket(size_t i) const { return b_[i].load(std::memory_order_relaxed); }
+  size_t buckets() const { return b_.size(); }
+
+ private:
+  const Family* f_;
+  std::atomic<double> v_{0};
+  std::vector<std::atomic<uint64_t>> b_;  // histogram: per bounds() entry, not cumulative
+};
+
 // A metric made at run time (Python's stagelink.metrics.counter(...), a user's): a family and its
-// samples by label values, in the tree for the life of the process. Thread-safe; a lookup per call.
+// samples by label values, in the tree for the life of the process. Thread-safe. add/set/observe
+// find the label set's cell each call; a caller that counts often finds it once with cell().
 class Dynamic : public Source {
  public:
   // The family `name` if one is already declared with the same kind and labels; else declared.
@@ -168,6 +187,9 @@ class Dynamic : public Source {
   Status add(const std::vector<std::string>& labels, double v);    // counter, gauge
   Status set(const std::vector<std::string>& labels, double v);    // gauge
   Status observe(const std::vector<std::string>& labels, double seconds);  // histogram
+  // The cell of these label values (made on first use). Errors: invalid_argument (not one value
+  // per label name).
+  Result<DynamicCell*> cell(const std::vector<std::string>& labels);
   const Family& family() const { return *f_; }
   void collect(Sink& out) const override;
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import http.server
 import math
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from . import _core
 
-__all__ = ["collect", "families", "counter", "gauge", "histogram", "Metric", "render", "serve_metrics",
+__all__ = ["collect", "families", "counter", "gauge", "histogram", "Metric", "Cell", "render", "serve_metrics",
            "MetricsServer", "with_labels"]
 
 #: A sample list as collect() returns it: [{name, kind, unit, help, labels, samples: [...]}].
@@ -48,7 +48,7 @@ class Metric:
 
     def __init__(self, name: str, kind: str, help: str, labels: Sequence[str], unit: str = ""):
         self._m = _core._Metric.get(name, kind, unit, help, list(labels))
-        self.name, self.kind, self.labels = name, kind, tuple(labels)
+        self.name, self.kind, self.label_names = name, kind, tuple(labels)
 
     def inc(self, *labels: str, by: float = 1.0) -> None:
         """Add `by` (counter, gauge)."""
@@ -61,6 +61,28 @@ class Metric:
     def observe(self, *labels: str, seconds: float) -> None:
         """Count one duration into a histogram."""
         self._m.observe([str(v) for v in labels], float(seconds))
+
+    def labels(self, *values: str) -> "Cell":
+        """The sample of these label values, found once: its ``inc``, ``set`` and ``observe`` take
+        no lock, lookup or allocation (for metrics counted per message)."""
+        return Cell(self._m.cell([str(v) for v in values]))
+
+
+class Cell:
+    """One label set of a :class:`Metric` (``Metric.labels(...)``)."""
+    __slots__ = ("_c",)
+
+    def __init__(self, c):
+        self._c = c
+
+    def inc(self, by: float = 1.0) -> None:
+        self._c.add(by)
+
+    def set(self, value: float) -> None:
+        self._c.set(value)
+
+    def observe(self, seconds: float) -> None:
+        self._c.observe(seconds)
 
 
 def counter(name: str, help: str, labels: Sequence[str] = ()) -> Metric:
@@ -152,6 +174,12 @@ def render(source: Optional[Callable[[], Families]] = None, accept: str = "") ->
     return encoder(reg), content_type
 
 
+#: Connections the endpoint serves at once (more are closed at once), and how long one may sit
+#: idle before it is closed: what a stranger who can reach the port can hold.
+MAX_CONNECTIONS = 16
+IDLE_TIMEOUT_S = 10.0
+
+
 class MetricsServer:
     """The endpoint serve_metrics() started: ``port`` (the one bound, when 0 was asked),
     ``url``, ``close()`` (also on ``with``)."""
@@ -162,6 +190,7 @@ class MetricsServer:
         class Handler(http.server.BaseHTTPRequestHandler):
             server_version = "stagelink-metrics"
             sys_version = ""
+            timeout = IDLE_TIMEOUT_S  # a connection that sends nothing is closed
 
             def do_GET(self):  # noqa: N802  http.server's name
                 if self.path.split("?", 1)[0] != "/metrics":
@@ -186,9 +215,23 @@ class MetricsServer:
             def log_message(self, *a):  # quiet: a scrape every few seconds is not news
                 pass
 
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True
             allow_reuse_address = True
+
+            def process_request(self, request, client_address):
+                if not slots.acquire(blocking=False):  # full: this one is closed, the others go on
+                    self.shutdown_request(request)
+                    return
+                super().process_request(request, client_address)
+
+            def process_request_thread(self, request, client_address):
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.release()
 
         import socket
         if ":" in host:
@@ -223,14 +266,3 @@ def serve_metrics(port: int = 0, host: str = "127.0.0.1",
     host needs an address it can reach (``0.0.0.0``), and nothing but metrics is served there.
     ``port=0`` takes a free port (``.port`` says which). Raises OSError when the port is taken."""
     return MetricsServer(source or collect, port, host)
-
-
-def _flatten(fams: Iterable[dict]) -> Dict[tuple, float]:
-    """{(name, (label, value), ...): value} of counters and gauges, and of histograms' counts
-    (tests, tables)."""
-    out = {}
-    for f in fams:
-        for s in f["samples"]:
-            key = (f["name"],) + tuple(zip(f["labels"], s["labels"]))
-            out[key] = float(s["value"]) if "value" in s else float(s["buckets"][-1] if s["buckets"] else 0)
-    return out

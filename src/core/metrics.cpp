@@ -249,12 +249,8 @@ Value collect_value() {
 
 struct Dynamic::Impl {
   std::unique_ptr<Family> family;
-  mutable std::mutex mu;
-  struct Cell {
-    double v = 0;
-    std::vector<uint64_t> buckets;  // histogram: per bounds() entry, not cumulative
-  };
-  std::map<std::vector<std::string>, Cell> cells;
+  mutable std::mutex mu;  // the map only: cells count without it
+  std::map<std::vector<std::string>, std::unique_ptr<DynamicCell>> cells;
   Registration reg;
 };
 
@@ -295,43 +291,49 @@ Result<Dynamic*> Dynamic::get(std::string_view name, Kind kind, std::string_view
   return dyn;
 }
 
-namespace {
-Status check_labels(const Family& f, const std::vector<std::string>& labels) {
-  if (labels.size() != f.labels.size())
-    return make_error(Errc::invalid_argument, "metric " + f.name + " takes " + std::to_string(f.labels.size()) +
+Result<DynamicCell*> Dynamic::cell(const std::vector<std::string>& labels) {
+  if (labels.size() != f_->labels.size())
+    return make_error(Errc::invalid_argument, "metric " + f_->name + " takes " + std::to_string(f_->labels.size()) +
                                                   " label values, not " + std::to_string(labels.size()));
-  return {};
+  std::lock_guard<std::mutex> g(impl_->mu);
+  auto& c = impl_->cells[labels];
+  if (!c) c = std::make_unique<DynamicCell>(*f_, f_->kind == Kind::histogram ? bounds().size() : 0);
+  return c.get();
 }
-}  // namespace
 
 Status Dynamic::add(const std::vector<std::string>& labels, double v) {
-  SL_TRY(check_labels(*f_, labels));
+  SL_ASSIGN(DynamicCell * c, cell(labels));
+  return c->add(v);
+}
+Status Dynamic::set(const std::vector<std::string>& labels, double v) {
+  SL_ASSIGN(DynamicCell * c, cell(labels));
+  return c->set(v);
+}
+Status Dynamic::observe(const std::vector<std::string>& labels, double seconds) {
+  SL_ASSIGN(DynamicCell * c, cell(labels));
+  return c->observe(seconds);
+}
+
+Status DynamicCell::add(double v) {
   if (f_->kind == Kind::histogram) return make_error(Errc::invalid_argument, f_->name + " is a histogram: observe()");
   if (f_->kind == Kind::counter && !(v >= 0)) return make_error(Errc::invalid_argument, f_->name + " is a counter: it only goes up");
-  std::lock_guard<std::mutex> g(impl_->mu);
-  impl_->cells[labels].v += v;
+  v_.fetch_add(v, std::memory_order_relaxed);
   return {};
 }
 
-Status Dynamic::set(const std::vector<std::string>& labels, double v) {
-  SL_TRY(check_labels(*f_, labels));
+Status DynamicCell::set(double v) {
   if (f_->kind != Kind::gauge) return make_error(Errc::invalid_argument, f_->name + " is not a gauge");
-  std::lock_guard<std::mutex> g(impl_->mu);
-  impl_->cells[labels].v = v;
+  v_.store(v, std::memory_order_relaxed);
   return {};
 }
 
-Status Dynamic::observe(const std::vector<std::string>& labels, double seconds) {
-  SL_TRY(check_labels(*f_, labels));
+Status DynamicCell::observe(double seconds) {
   if (f_->kind != Kind::histogram) return make_error(Errc::invalid_argument, f_->name + " is not a histogram");
   if (!(seconds >= 0)) return make_error(Errc::invalid_argument, f_->name + ": a duration is not negative");
   const auto& b = bounds();
   const size_t j = size_t(std::lower_bound(b.begin(), b.end(), seconds) - b.begin());
-  std::lock_guard<std::mutex> g(impl_->mu);
-  auto& c = impl_->cells[labels];
-  if (c.buckets.empty()) c.buckets.assign(b.size(), 0);
-  c.buckets[std::min(j, b.size() - 1)] += 1;
-  c.v += seconds;
+  b_[std::min(j, b_.size() - 1)].fetch_add(1, std::memory_order_relaxed);
+  v_.fetch_add(seconds, std::memory_order_relaxed);
   return {};
 }
 
@@ -341,13 +343,12 @@ void Dynamic::collect(Sink& out) const {
     Sample s;
     s.family = f_;
     s.labels = labels;
+    s.value = c->value();
     if (f_->kind == Kind::histogram) {
-      s.buckets = c.buckets;
-      for (size_t i = 1; i < s.buckets.size(); ++i) s.buckets[i] += s.buckets[i - 1];
+      s.buckets.resize(c->buckets());
+      for (size_t i = 0; i < s.buckets.size(); ++i) s.buckets[i] = c->bucket(i) + (i ? s.buckets[i - 1] : 0);
+      s.sum = s.value;
       s.value = s.buckets.empty() ? 0 : double(s.buckets.back());
-      s.sum = c.v;
-    } else {
-      s.value = c.v;
     }
     out.emit(std::move(s));
   }

@@ -275,7 +275,16 @@ void bind_tools(nb::module_& m) {
   static constexpr auto ok_or_raise = [](const Status& st) {
     if (!st.ok()) raise(st.error());
   };
-  m.def("metrics_collect", [] { return to_py(metrics::collect_value()); },
+  m.def("metrics_collect", [] {
+        Value v;
+        {
+          // Collecting takes the owners' locks (a connector's, a relay's): never with the GIL held,
+          // or a thread that holds one of them and waits for the GIL would wait for ever.
+          nb::gil_scoped_release nogil;
+          v = metrics::collect_value();
+        }
+        return to_py(v);
+      },
         "every sample of this process's metrics tree: [{name, kind, unit, help, labels, samples}]");
   m.def("metric_families", [] {
     const char* kinds[] = {"counter", "gauge", "histogram"};
@@ -302,7 +311,14 @@ void bind_tools(nb::module_& m) {
       }, nb::rv_policy::reference)
       .def("add", [](metrics::Dynamic& d, const std::vector<std::string>& l, double v) { ok_or_raise(d.add(l, v)); })
       .def("set", [](metrics::Dynamic& d, const std::vector<std::string>& l, double v) { ok_or_raise(d.set(l, v)); })
-      .def("observe", [](metrics::Dynamic& d, const std::vector<std::string>& l, double v) { ok_or_raise(d.observe(l, v)); });
+      .def("observe", [](metrics::Dynamic& d, const std::vector<std::string>& l, double v) { ok_or_raise(d.observe(l, v)); })
+      .def("cell", [](metrics::Dynamic& d, const std::vector<std::string>& l) { return unwrap(d.cell(l)); },
+           nb::rv_policy::reference);
+  // One label set's cell: counted with no lock, lookup or allocation (it lives as long as the process).
+  nb::class_<metrics::DynamicCell>(m, "_MetricCell")
+      .def("add", [](metrics::DynamicCell& c, double v) { ok_or_raise(c.add(v)); })
+      .def("set", [](metrics::DynamicCell& c, double v) { ok_or_raise(c.set(v)); })
+      .def("observe", [](metrics::DynamicCell& c, double v) { ok_or_raise(c.observe(v)); });
   m.def("shm_reap", [](const std::string& dir) { return shm::reap(dir); }, nb::arg("shm_dir") = "/dev/shm");
   m.def("shm_user_prefix", &shm::user_prefix);
   m.def("curve_keypair", [] {

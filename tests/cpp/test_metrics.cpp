@@ -120,6 +120,15 @@ TEST(Metrics, DynamicMetricsCheckKindAndLabels) {
   EXPECT_FALSE(metrics::Dynamic::get("test_requests_total", metrics::Kind::gauge, "", "", {"stage"}).ok());
   EXPECT_FALSE(metrics::Dynamic::get("stagelink_connector_puts_total", metrics::Kind::counter, "", "", {}).ok());
   EXPECT_FALSE(metrics::Dynamic::get("bad name", metrics::Kind::counter, "", "", {}).ok());
+  // A cell found once counts into the same sample as the calls that look it up.
+  auto cell = (*c)->cell({"b"});
+  ASSERT_TRUE(cell.ok());
+  EXPECT_EQ((*c)->cell({"b"}).value(), *cell);
+  ASSERT_TRUE((*cell)->add(4).ok());
+  ASSERT_TRUE((*c)->add({"b"}, 1).ok());
+  EXPECT_EQ(sample("test_requests_total", {"b"}), 5);
+  EXPECT_EQ((*cell)->add(-1).error().code, Errc::invalid_argument);
+  EXPECT_FALSE((*c)->cell({"b", "c"}).ok());
   auto h = metrics::Dynamic::get("test_stage_seconds", metrics::Kind::histogram, "seconds", "", {});
   ASSERT_TRUE(h.ok());
   ASSERT_TRUE((*h)->observe({}, 0.003).ok());

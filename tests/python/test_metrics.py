@@ -69,6 +69,50 @@ def test_a_connector_s_puts_gets_and_bytes_move_the_counters_exactly(ns):
     assert d("stagelink_shm_outstanding_entries") == 3  # k9..k11 unread
 
 
+def test_what_a_stranger_can_hold_of_the_endpoint_is_bounded():
+    from stagelink import metrics
+    with stagelink.serve_metrics(0) as srv:
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(metrics.MAX_CONNECTIONS + 4)]
+        try:
+            time.sleep(0.3)
+            # Past the cap, connections are closed at once.
+            closed = 0
+            for s in idle[metrics.MAX_CONNECTIONS:]:
+                s.settimeout(2)
+                try:
+                    closed += s.recv(1) == b""
+                except (ConnectionResetError, socket.timeout):
+                    pass
+            assert closed == 4
+            # The idle ones are closed after the idle timeout: a scrape gets through then.
+            t0 = time.monotonic()
+            while True:
+                try:
+                    scrape(srv.url)
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    assert time.monotonic() - t0 < metrics.IDLE_TIMEOUT_S + 5, "idle connections held too long"
+                    time.sleep(0.2)
+            assert time.monotonic() - t0 > 1  # (the cap held them off meanwhile)
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_a_label_set_found_once_counts_into_the_same_sample():
+    m = stagelink.metrics.counter("myapp_cells_total", "cells", ["kind"])
+    cell = m.labels("a")
+    for _ in range(5):
+        cell.inc()
+    m.inc("a", by=2)
+    with pytest.raises(stagelink.StagelinkError):
+        cell.inc(-1)
+    with pytest.raises(stagelink.StagelinkError):
+        m.labels("a", "b")
+    with stagelink.serve_metrics(0) as srv:
+        assert value(scrape(srv.url), "myapp_cells_total", kind="a") == 7
+
+
 def test_the_endpoint_serves_metrics_only_on_loopback_by_default():
     with stagelink.serve_metrics(0) as srv:
         assert srv.host == "127.0.0.1"

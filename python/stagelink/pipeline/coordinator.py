@@ -127,6 +127,10 @@ class Pipeline:
         self._metrics_in: Dict[str, tuple] = {}  # process -> (seq, families) of its last MetricsReport
         self._metrics_lock = threading.Lock()  # one gathering at a time
         self.metrics_server: Optional[_metrics.MetricsServer] = None
+        # The per-request metrics of this pipeline, found once (no lookup per request).
+        self._m_result = {k: observe.REQUESTS.labels(spec.name, k) for k in ("ok", "failed", "aborted")}
+        self._m_e2e = observe.REQUEST_SECONDS.labels(spec.name)
+        self._m_first = observe.FIRST_CHUNK_SECONDS.labels(spec.name)
         # The terminal stage's edge to this process, counted here as stage processes count theirs.
         self._edge_in = {"bytes": 0, "messages": 0, "lat_ns": collections.deque(maxlen=_LAT_WINDOW)}
         self._outboxes: Dict[str, Outbox] = {}
@@ -736,13 +740,12 @@ class Pipeline:
             if len(self._finished_ids) > _FINISHED_WINDOW:
                 self._finished_ids.popitem(last=False)
         r.payload = None
-        name = self.spec.name
         if error is not None:
-            observe.REQUESTS.inc(name, "aborted" if isinstance(error, _core.CancelledError) else "failed")
+            self._m_result["aborted" if isinstance(error, _core.CancelledError) else "failed"].inc()
             r.future.set_exception(error)
         else:
-            observe.REQUESTS.inc(name, "ok")
-            observe.REQUEST_SECONDS.observe(name, seconds=time.monotonic() - r.t0)
+            self._m_result["ok"].inc()
+            self._m_e2e.observe(time.monotonic() - r.t0)
             r.future.set_result(result)
             self.completed_count += 1
             self.completed.append({"request_id": r.rid or rid, "e2e_s": time.monotonic() - r.t0,
@@ -815,7 +818,7 @@ class Pipeline:
                 return
             if r.t_first is None:
                 r.t_first = time.monotonic()
-                observe.FIRST_CHUNK_SECONDS.observe(self.spec.name, seconds=r.t_first - r.t0)
+                self._m_first.observe(r.t_first - r.t0)
             r.n_chunks += 1
             if r.on_chunk is not None:
                 r.on_chunk(obj)

@@ -243,7 +243,9 @@ class Worker:
                                                     body=body))
 
     def send_stream(self, rid, src, dst, cid, chunk):
-        observe.STAGE_CHUNKS.inc(src)
+        st = self.stages.get(src)
+        if st is not None:
+            st.m_chunks.inc()
         if dst != COORDINATOR and self.proc_of(dst, rid) == self.proc:
             self.stages[dst].deliver_stream(rid, src, cid, "obj", chunk, False, "", time.monotonic_ns())
             return
