@@ -255,8 +255,6 @@ class StageRuntime:
     def _run(self, rid: str, r: _Request):
         ctx = r.ctx or StageContext(self, rid, r)
         t0 = time.monotonic_ns()
-        if r.t_ready:
-            self.m_queue_s.observe((t0 - r.t_ready) / 1e9)
         try:
             self._complete(rid, r, self.fn(self._payload(r), ctx))
         except BaseException as e:  # noqa: BLE001  a stage's failure fails only its request
@@ -267,6 +265,8 @@ class StageRuntime:
             self.runs += 1
             self.m_runs.inc()
             self.m_run_s.observe(took / 1e9)
+            if r.t_ready:  # (counted after the run: not part of its time, nor of inline: auto's)
+                self.m_queue_s.observe((t0 - r.t_ready) / 1e9)
             if self.auto:
                 self.avg_ns += (took - self.avg_ns) / 8
                 self.short_streak = self.short_streak + 1 if took <= AUTO_INLINE_MAX_NS else 0
