@@ -13,6 +13,7 @@
 #include "stagelink/metrics.hpp"
 #include "stagelink/payload.hpp"
 #include "stagelink/result.hpp"
+#include "stagelink/trace.hpp"
 
 namespace stagelink {
 
@@ -39,6 +40,8 @@ struct PutOptions {
   // tied to it this way). Empty: the put belongs to the request named by its key alone.
   std::string_view request_id;
   const PutHooks* hooks = nullptr;  // null for every caller but stagelink's own bindings
+  // A W3C traceparent (trace.hpp): sampled, the put records a span "connector.put" under it. Empty: none.
+  std::string_view traceparent;
 };
 
 struct PutResult {
@@ -57,6 +60,8 @@ struct GetOptions {
   // get. Empty: the get waits until its deadline.
   std::function<bool()> keep_waiting;
   const GetHooks* hooks = nullptr;  // null for every caller but stagelink's own bindings
+  // A W3C traceparent (trace.hpp): sampled, the get records a span "connector.get" under it. Empty: none.
+  std::string_view traceparent;
 };
 inline constexpr std::chrono::milliseconds kWaitCheckEvery{200};
 // The end of the next stretch of a wait that ends at `deadline`: `deadline`, or sooner when there
@@ -128,8 +133,12 @@ class Connector {
   Result<PutResult> put(const std::string& from_stage, const std::string& to_stage, const std::string& key,
                         const Payload& payload, const PutOptions& opts = {}) {
     const uint64_t t0 = metrics::ticks();
+    const uint64_t w0 = opts.traceparent.empty() ? 0 : trace::now_ns();
     auto r = do_put(from_stage, to_stage, key, payload, opts);
     count_put(r, t0);
+    if (w0) [[unlikely]]
+      trace_call("connector.put", opts.traceparent, w0, from_stage, to_stage, key, opts.request_id,
+                 r.ok() ? r->size : 0, r.ok() ? nullptr : &r.error());
     return r;
   }
 
@@ -144,6 +153,7 @@ class Connector {
   Result<GetResult> get(const std::string& from_stage, const std::string& to_stage, const std::string& key,
                         const Value* metadata, Deadline deadline = kNoWait, const GetOptions& opts = {}) {
     const uint64_t t0 = metrics::ticks();
+    const uint64_t w0 = opts.traceparent.empty() ? 0 : trace::now_ns();
     auto r = do_get(from_stage, to_stage, key, metadata, deadline, opts);
     if (r.ok()) [[likely]] {
       counts_.get_time.since(t0);
@@ -151,6 +161,9 @@ class Connector {
     } else {
       counts_.get_errors[size_t(r.error().code) & 15].add();
     }
+    if (w0) [[unlikely]]
+      trace_call("connector.get", opts.traceparent, w0, from_stage, to_stage, key, {}, r.ok() ? r->size : 0,
+                 r.ok() ? nullptr : &r.error());
     return r;
   }
 
@@ -200,6 +213,10 @@ class Connector {
       counts_.put_errors[size_t(r.error().code) & 15].add();
     }
   }
+  // Record the span of a traced call (put or get) that began at `w0` (trace::now_ns()).
+  void trace_call(const char* op, std::string_view traceparent, uint64_t w0, const std::string& from_stage,
+                  const std::string& to_stage, const std::string& key, std::string_view request_id, size_t bytes,
+                  const Error* error) const;
   // health()'s common keys, from counts(): connector, puts, gets, bytes_transferred, errors,
   // timeouts, cleanups.
   void add_counts(Value::Map& m) const;

@@ -40,8 +40,10 @@ enum class ControlType : uint8_t {
                  // actor): the process's spec and secrets in `body`, over CURVE
   metrics_ask,   // coordinator -> stage process: send your metrics (`metadata`: seq), a scrape
   metrics,       // stage process -> coordinator: its metrics tree's samples in `body`
+  trace,         // coordinator -> stage process: send your trace spans (`metadata`: seq, clock);
+                 // stage process -> coordinator: its spans in `body` and its clock readings
 };
-inline constexpr int kControlTypeCount = 18;
+inline constexpr int kControlTypeCount = 19;
 // Whether messages of type `t` belong to a request (and so must name one).
 constexpr bool control_type_has_request(ControlType t) noexcept {
   return t != ControlType::shutdown && t < ControlType::ready;
@@ -58,6 +60,9 @@ struct ControlMessage {
   bool is_done = false;               // stream: the last signal of the stream
   std::string error;                  // empty: none; else what failed (complete, stream)
   std::vector<std::byte> body;        // small inline payload (a frame), e.g. submit and complete
+  // A W3C traceparent (trace.hpp) when the request is traced: the span that sent this message.
+  // An encoder refuses a malformed one; a decoder drops it (W3C: a receiver ignores it).
+  std::string traceparent;
 
   bool operator==(const ControlMessage&) const = default;
 };

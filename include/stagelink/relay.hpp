@@ -63,6 +63,9 @@ const options::Schema& relay_schema();
 
 struct RelayPutOptions {
   std::string_view request_id;     // cleanup(request_id) releases the put and its credit
+  // A W3C traceparent (trace.hpp): sampled, a wait for a credit records a span "relay.credit_wait" and
+  // the connector's put a span "connector.put" under it. Empty: none.
+  std::string_view traceparent;
   std::optional<int> dst_rank;     // the seed's destination rank (an edge of its own)
   std::string_view edge;           // destination name (credits are per edge); empty: by dst_rank
   uint32_t readers = 1;            // fan-out: gets that may read it before it is released
@@ -92,6 +95,7 @@ struct RelayGetOptions {
   double timeout_s = -1;           // < 0: the relay's timeout_s
   std::function<bool()> keep_waiting;  // passed to the connector's get (GetOptions::keep_waiting)
   bool private_ok = false;  // with zero_copy: GetOptions::private_ok (RelayOp::owned says the outcome)
+  std::string_view traceparent;  // sampled: the connector's get records a span under it (trace.hpp)
 };
 
 // One piece of a put_segments payload: `data` written at byte `offset` of its one uint8 tensor.

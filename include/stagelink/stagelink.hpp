@@ -3,6 +3,7 @@
 #include "stagelink/config.hpp"
 #include "stagelink/connector.hpp"
 #include "stagelink/metrics.hpp"
+#include "stagelink/trace.hpp"
 #include "stagelink/control.hpp"
 #include "stagelink/frame.hpp"
 #include "stagelink/payload.hpp"

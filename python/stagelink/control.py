@@ -18,10 +18,10 @@ from . import _core
 from ._lifetime import NativeOwner, track
 
 TYPES = ("submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready",
-         "progress", "peers", "peers_known", "connect", "connected", "stats", "launch", "metrics_ask", "metrics")
+         "progress", "peers", "peers_known", "connect", "connected", "stats", "launch", "metrics_ask", "metrics", "trace")
 #: The types that belong to no request (every other one must name its request).
 NO_REQUEST = frozenset({"shutdown", "ready", "progress", "peers", "peers_known", "connect", "connected", "stats",
-                        "launch", "metrics_ask", "metrics"})
+                        "launch", "metrics_ask", "metrics", "trace"})
 
 
 @dataclass
@@ -35,12 +35,14 @@ class ControlMessage:
     is_done: bool = False
     error: Optional[str] = None
     body: Optional[bytes] = None  # a small inline payload (a frame)
+    traceparent: Optional[str] = None  # W3C trace context of a traced request (stagelink.trace)
 
     def to_bytes(self) -> bytes:
         """Encode; raises InvalidArgumentError for an unknown type, a missing request id (all but
         the NO_REQUEST types) or a field over its limit (ids 256 bytes, error 64 KiB, body 64 MiB)."""
         return _core.control_encode(self.type, self.request_id or "", _s(self.from_stage), _s(self.to_stage),
-                                    self.metadata, self.chunk_id, bool(self.is_done), self.error or "", self.body)
+                                    self.metadata, self.chunk_id, bool(self.is_done), self.error or "", self.body,
+                                    self.traceparent or "")
 
     @classmethod
     def from_bytes(cls, data) -> "ControlMessage":
@@ -94,7 +96,7 @@ class Outbox(NativeOwner):
     def send(self, msg: ControlMessage, timeout: Optional[float] = None) -> None:
         """Queue ``msg``; blocks while the peer's queue is full, up to ``timeout`` (None: forever)."""
         self._native.send(msg.type, msg.request_id or "", _s(msg.from_stage), _s(msg.to_stage), msg.metadata,
-                          msg.chunk_id, bool(msg.is_done), msg.error or "", msg.body, timeout)
+                          msg.chunk_id, bool(msg.is_done), msg.error or "", msg.body, timeout, msg.traceparent or "")
 
 
 def private_socket_dir(tag: str = "stagelink") -> str:

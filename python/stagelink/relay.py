@@ -153,30 +153,34 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         track(self)  # closed at exit if still open then
 
     def put_async(self, data, request_id: Optional[str] = None, dst_rank: Optional[int] = None,
-                  receiver_id: Optional[str] = None, *, edge: Optional[str] = None, readers: int = 1) -> RelayOperation:
+                  receiver_id: Optional[str] = None, *, edge: Optional[str] = None, readers: int = 1,
+                  traceparent: Optional[str] = None) -> RelayOperation:
         """Publish ``data`` (numpy arrays, torch tensors, bytes, trees of them; other objects are
         pickled where allowed) for ``readers`` gets. Takes a credit of the edge (``edge``, else
         SGLang-Omni's ``receiver_id``, else ``dst_rank``), waiting up to ``timeout_s``
         (ExhaustedError after it). Returns at once after the copy; the operation's ``metadata``
-        goes into the control message."""
+        goes into the control message. ``traceparent``: a W3C trace context (stagelink.trace); when
+        it is sampled and this process records traces, a wait for a credit and the put are spans."""
         if edge is None and receiver_id is not None:
             edge = f"receiver:{receiver_id}"
         n = self._live()
         e = edge or ""
+        tp = traceparent or ""
         if self.backend == "local":  # the object itself, by reference (the seed's LOCAL_OBJECT)
-            return RelayOperation(n._put_ref(data, request_id, dst_rank, e, readers, _nbytes(data)))
-        op = n._put_obj(data, request_id, dst_rank, e, readers)
+            return RelayOperation(n._put_ref(data, request_id, dst_rank, e, readers, _nbytes(data), tp))
+        op = n._put_obj(data, request_id, dst_rank, e, readers, tp)
         if op is None:
             if not self.allow_pickle:
                 raise _core.InvalidArgumentError(
                     f"relay put of a {type(data).__name__}: no native frame and allow_pickle is off")
             kind, regions = _serde.encode(data)
-            op = n._put_parts(kind, regions, request_id, dst_rank, e, readers)
+            op = n._put_parts(kind, regions, request_id, dst_rank, e, readers, tp)
         return RelayOperation(op)
 
     def put_many_async(self, segments, total_size: int, request_id: Optional[str] = None,
                        dst_rank: Optional[int] = None, receiver_id: Optional[str] = None, *,
-                       edge: Optional[str] = None, readers: int = 1) -> RelayOperation:
+                       edge: Optional[str] = None, readers: int = 1,
+                       traceparent: Optional[str] = None) -> RelayOperation:
         """SGLang-Omni's segmented put: ``segments`` is a list of ``(offset, tensor)`` (CPU torch
         tensors of any dtype, numpy arrays or bytes-likes, contiguous), written as their bytes at
         their offsets into one uint8 payload of ``total_size`` bytes (zeros between) straight
@@ -191,19 +195,22 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         if total_size < 0 or any(off < 0 for off, _ in parts):
             raise _core.InvalidArgumentError(f"relay put_many_async: total_size ({total_size}) and offsets must not "
                                              "be negative")
-        return RelayOperation(self._live()._put_segments(parts, total_size, request_id, dst_rank, edge or "", readers))
+        return RelayOperation(self._live()._put_segments(parts, total_size, request_id, dst_rank, edge or "", readers,
+                                                         traceparent or ""))
 
     def get_async(self, metadata, dest=None, request_id: Optional[str] = None, *, dest_tensor=None,
-                  timeout: Optional[float] = None, zero_copy: bool = False) -> RelayOperation:
+                  timeout: Optional[float] = None, zero_copy: bool = False,
+                  traceparent: Optional[str] = None) -> RelayOperation:
         """Read what ``put_async`` published, given its ``metadata``. ``dest`` (SGLang-Omni's
         ``dest_tensor``): a writable buffer (numpy array, bytearray, contiguous torch tensor of any
         dtype, CPU or CUDA) the payload's one array is copied into, as bytes (one copy); otherwise
         ``result()`` is the object. ``zero_copy``: arrays are read-only views that hold the slot
         until dropped. Raises CorruptError for metadata that is not a relay's, NotFoundError when
         it was already read by every reader or cleaned up, InvalidArgumentError for a ``dest``
-        that is too small."""
+        that is too small. ``traceparent``: as :meth:`put_async`'s (the connector's get is a span)."""
         if dest is None:
             dest = dest_tensor
+        tp = traceparent or ""
         if dest is not None and not _is_buffer(dest) and hasattr(dest, "numpy") and not _is_cuda(dest):
             dest = _tensor_memory(dest)
         n = self._live()
@@ -211,15 +218,15 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
                                  (isinstance(metadata, dict) and metadata.get("cuda_ipc"))):
             # The object (by reference on the local backend; a tensor on its GPU for a payload left
             # there), then one copy into dest: device to device, to the host or back for CUDA.
-            kind, obj, size = n._get_found(metadata, request_id, timeout, False)
+            kind, obj, size = n._get_found(metadata, request_id, timeout, False, tp)
             if kind != _serde.KIND_OBJECT:
                 obj = _serde.decode(kind, obj, False)
             _copy_into(obj, dest)
             return RelayOperation(None, dest, _nbytes(obj))
         if dest is not None:
-            size = n._get_into(metadata, dest, request_id, timeout)
+            size = n._get_into(metadata, dest, request_id, timeout, tp)
             return RelayOperation(None, dest, size)
-        kind, obj, size = n._get_found(metadata, request_id, timeout, zero_copy)
+        kind, obj, size = n._get_found(metadata, request_id, timeout, zero_copy, tp)
         if kind != _serde.KIND_OBJECT:
             obj = _serde.decode(kind, obj, zero_copy)
         return RelayOperation(None, obj, size)

@@ -96,6 +96,20 @@ Connector::~Connector() = default;
 void Connector::set_metrics_label(std::string label) { metrics_->set_label(std::move(label)); }
 std::string Connector::metrics_label() const { return metrics_->label(); }
 
+void Connector::trace_call(const char* op, std::string_view traceparent, uint64_t w0, const std::string& from_stage,
+                           const std::string& to_stage, const std::string& key, std::string_view request_id,
+                           size_t bytes, const Error* error) const {
+  if (!trace::recording()) return;
+  Value::Map a;
+  a.emplace_back("connector", metrics_label());
+  a.emplace_back("from", from_stage);
+  a.emplace_back("to", to_stage);
+  a.emplace_back("key", key);
+  a.emplace_back("bytes", uint64_t(bytes));
+  if (error) a.emplace_back("error", error->to_string());
+  trace::record_under(traceparent, op, "connector", w0, request_id, Value(std::move(a)));
+}
+
 void Connector::add_counts(Value::Map& m) const {
   m.emplace_back("puts", counts_.puts());
   m.emplace_back("gets", counts_.gets());

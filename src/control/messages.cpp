@@ -1,5 +1,7 @@
 #include "stagelink/control.hpp"
 
+#include "stagelink/trace.hpp"
+
 #include <array>
 #include <string_view>
 
@@ -9,7 +11,7 @@ namespace {
 constexpr std::array<const char*, kControlTypeCount> kNames = {
     "submit", "data_ready", "data_ack", "complete", "stream", "shutdown", "abort", "abort_ack", "ready",
     "progress", "peers", "peers_known", "connect", "connected", "stats", "launch",
-    "metrics_ask", "metrics"};
+    "metrics_ask", "metrics", "trace"};
 constexpr uint64_t kVersion = 1;
 
 Status check_size(const char* field, size_t n, size_t max) {
@@ -41,8 +43,11 @@ Result<std::vector<std::byte>> encode_control(const ControlMessage& m) {
   SL_TRY(check_size("to_stage", m.to_stage.size(), kControlMaxId));
   SL_TRY(check_size("error", m.error.size(), kControlMaxError));
   SL_TRY(check_size("body", m.body.size(), kControlMaxBody));
+  if (!m.traceparent.empty() && !trace::parse(m.traceparent))
+    return make_error(Errc::invalid_argument, "control message field 'traceparent' is not a W3C traceparent "
+                                              "(00-<32 hex>-<16 hex>-<2 hex>)");
   Value::Map v;
-  v.reserve(9);
+  v.reserve(10);
   v.emplace_back("v", kVersion);
   v.emplace_back("t", control_type_name(m.type));
   if (!m.request_id.empty()) v.emplace_back("rid", m.request_id);
@@ -53,6 +58,7 @@ Result<std::vector<std::byte>> encode_control(const ControlMessage& m) {
   if (m.is_done) v.emplace_back("done", true);
   if (!m.error.empty()) v.emplace_back("err", m.error);
   if (!m.body.empty()) v.emplace_back("body", Value::copy_bytes(m.body));
+  if (!m.traceparent.empty()) v.emplace_back("tp", m.traceparent);
   auto bytes = value_to_msgpack(Value(std::move(v)));
   // An inbox drops (disconnects) anything larger: refuse it here, where the sender learns why.
   if (bytes.size() > kControlMaxWire)
@@ -111,6 +117,9 @@ Result<ControlMessage> decode_control(std::span<const std::byte> bytes) {
       if (!x.is<Value::Bytes>()) return bad("'body' is not bytes");
       if (x.as<Value::Bytes>().size() > kControlMaxBody) return bad("'body' is larger than 64 MiB");
       m.body = x.as<Value::Bytes>();
+    } else if (k == "tp") {
+      // A malformed trace context is ignored, never the message (W3C Trace Context, 3.2.2).
+      if (x.is<std::string>() && trace::parse(x.as<std::string>())) m.traceparent = x.as<std::string>();
     }  // unknown keys: a newer sender's additions, ignored
   }
   if (!have_version) return bad("no version");

@@ -8,8 +8,9 @@ namespace stagelink::py {
 // ---- control plane ----
 ControlMessage control_from_args(const std::string& type, const std::string& rid, const std::string& from,
                                  const std::string& to, nb::handle metadata, nb::handle chunk_id, bool is_done,
-                                 const std::string& error, nb::handle body) {
+                                 const std::string& error, nb::handle body, const std::string& traceparent) {
   ControlMessage c;
+  c.traceparent = traceparent;
   c.type = unwrap(control_type_from_name(type));
   c.request_id = rid;
   c.from_stage = from;
@@ -51,6 +52,7 @@ nb::dict control_dict(const ControlMessage& c) {
   d["error"] = opt_str(c.error);
   d["body"] = c.body.empty() ? nb::none()
                              : nb::object(nb::bytes(reinterpret_cast<const char*>(c.body.data()), c.body.size()));
+  d["traceparent"] = opt_str(c.traceparent);
   return d;
 }
 
@@ -116,11 +118,13 @@ struct PyOutbox {
 void bind_control(nb::module_& m) {
   m.def("control_encode", [](const std::string& type, const std::string& rid, const std::string& from,
                              const std::string& to, nb::handle metadata, nb::handle chunk_id, bool is_done,
-                             const std::string& error, nb::handle body) {
-    auto out = unwrap(encode_control(control_from_args(type, rid, from, to, metadata, chunk_id, is_done, error, body)));
+                             const std::string& error, nb::handle body, const std::string& traceparent) {
+    auto out = unwrap(encode_control(control_from_args(type, rid, from, to, metadata, chunk_id, is_done, error, body,
+                                                       traceparent)));
     return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size());
   }, nb::arg("type"), nb::arg("request_id"), nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("metadata").none(),
-     nb::arg("chunk_id").none(), nb::arg("is_done"), nb::arg("error"), nb::arg("body").none());
+     nb::arg("chunk_id").none(), nb::arg("is_done"), nb::arg("error"), nb::arg("body").none(),
+     nb::arg("traceparent") = "");
   m.def("control_decode", [](nb::handle data) {
     Py_buffer v;
     if (PyObject_GetBuffer(data.ptr(), &v, PyBUF_SIMPLE) != 0) throw nb::python_error();
@@ -155,13 +159,15 @@ void bind_control(nb::module_& m) {
            }, nb::arg("endpoint"), nb::arg("curve").none() = nb::none())
       .def("send", [](PyOutbox& self, const std::string& type, const std::string& rid, const std::string& from,
                       const std::string& to, nb::handle metadata, nb::handle chunk_id, bool is_done,
-                      const std::string& error, nb::handle body, nb::handle timeout) {
-             const ControlMessage c = control_from_args(type, rid, from, to, metadata, chunk_id, is_done, error, body);
+                      const std::string& error, nb::handle body, nb::handle timeout, const std::string& traceparent) {
+             const ControlMessage c =
+                 control_from_args(type, rid, from, to, metadata, chunk_id, is_done, error, body, traceparent);
              const double t = timeout_arg(timeout);
              auto out = self.get();
              check_sliced(t, [&](double slice) { return out->send(c, slice); });
            }, nb::arg("type"), nb::arg("request_id"), nb::arg("from_stage"), nb::arg("to_stage"), nb::arg("metadata").none(),
-           nb::arg("chunk_id").none(), nb::arg("is_done"), nb::arg("error"), nb::arg("body").none(), nb::arg("timeout").none())
+           nb::arg("chunk_id").none(), nb::arg("is_done"), nb::arg("error"), nb::arg("body").none(), nb::arg("timeout").none(),
+           nb::arg("traceparent") = "")
       .def("send_bytes", [](PyOutbox& self, nb::bytes b, nb::handle timeout) {
              auto st = self.get()->send_bytes(std::span<const std::byte>(reinterpret_cast<const std::byte*>(b.c_str()), b.size()),
                                               timeout_arg(timeout));

@@ -28,10 +28,11 @@ struct PyRelayOp {
 };
 
 RelayPutOptions relay_put_options(nb::handle rid, nb::handle dst_rank, const std::string& edge, uint32_t readers,
-                                  std::string& rid_holder) {
+                                  std::string& rid_holder, const std::string& traceparent) {
   rid_holder = rid_str(rid);
   RelayPutOptions o;
   o.request_id = rid_holder;
+  o.traceparent = traceparent;
   if (!dst_rank.is_none()) o.dst_rank = nb::cast<int>(dst_rank);
   o.edge = edge;
   o.readers = readers;
@@ -89,7 +90,7 @@ PyRelayOp relay_put_segments(PyRelay& self, nb::handle segments, size_t total, c
 // Native frames for arrays, tensors, bytes and trees; None when the object needs pickling (the
 // Python side then calls _put_parts).
 nb::object relay_put_obj(PyRelay& self, nb::handle data, nb::handle rid, nb::handle dst_rank, const std::string& edge,
-                         uint32_t readers) {
+                         uint32_t readers, const std::string& traceparent) {
   Payload p;
   BufferViews bv;
   DeviceStaging ds;  // CUDA tensors left on their GPU where the relay's connector keeps device slots
@@ -98,7 +99,7 @@ nb::object relay_put_obj(PyRelay& self, nb::handle data, nb::handle rid, nb::han
     if (!encode_py(data, p, bv, -1, &ds).ok) return nb::none();
   }
   std::string rh;
-  RelayPutOptions o = relay_put_options(rid, dst_rank, edge, readers, rh);
+  RelayPutOptions o = relay_put_options(rid, dst_rank, edge, readers, rh, traceparent);
   if ((o.hold = ds.hold())) o.data_bytes = p.tensor_bytes() - ds.record_bytes + ds.device_bytes;
   return nb::cast(relay_put_payload(self, p, o));
 }
@@ -107,9 +108,9 @@ nb::object relay_put_obj(PyRelay& self, nb::handle data, nb::handle rid, nb::han
 // relay drops its reference outside its locks, on whatever thread lets go last: the deleter takes
 // the GIL (and leaks the object once the interpreter is finalizing).
 nb::object relay_put_ref(PyRelay& self, nb::handle data, nb::handle rid, nb::handle dst_rank, const std::string& edge,
-                         uint32_t readers, size_t nbytes) {
+                         uint32_t readers, size_t nbytes, const std::string& traceparent) {
   std::string rh;
-  RelayPutOptions o = relay_put_options(rid, dst_rank, edge, readers, rh);
+  RelayPutOptions o = relay_put_options(rid, dst_rank, edge, readers, rh, traceparent);
   Py_INCREF(data.ptr());
   o.object = std::shared_ptr<const void>(data.ptr(), [](const void* p) {
     if (!Py_IsInitialized()) return;
@@ -121,10 +122,12 @@ nb::object relay_put_ref(PyRelay& self, nb::handle data, nb::handle rid, nb::han
   return nb::cast(relay_put_with(self, o, [&](Relay& r, const RelayPutOptions& opts) { return r.put_async(Payload{}, opts); }));
 }
 
-RelayGetOptions relay_get_options(nb::handle rid, nb::handle timeout, bool zero_copy, std::string& rid_holder) {
+RelayGetOptions relay_get_options(nb::handle rid, nb::handle timeout, bool zero_copy, std::string& rid_holder,
+                                  const std::string& traceparent) {
   rid_holder = rid_str(rid);
   RelayGetOptions o;
   o.request_id = rid_holder;
+  o.traceparent = traceparent;
   o.zero_copy = zero_copy;
   o.timeout_s = timeout_arg(timeout);
   return o;
@@ -163,31 +166,32 @@ void bind_relay(nb::module_& m) {
              new (self) PyRelay{std::shared_ptr<Relay>(unwrap(Relay::create(c))), allow_pickle, c.host_local()};
            }, nb::arg("config").none(), nb::arg("allow_pickle") = true)
       .def("_put_obj", &relay_put_obj, nb::arg("data").none(), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
-           nb::arg("edge"), nb::arg("readers"))
+           nb::arg("edge"), nb::arg("readers"), nb::arg("traceparent") = "")
       .def("_put_ref", &relay_put_ref, nb::arg("data").none(), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
-           nb::arg("edge"), nb::arg("readers"), nb::arg("nbytes"))
+           nb::arg("edge"), nb::arg("readers"), nb::arg("nbytes"), nb::arg("traceparent") = "")
       .def("_put_parts", [](PyRelay& self, int kind, nb::list regions, nb::handle rid, nb::handle dst_rank,
-                            const std::string& edge, uint32_t readers) {
+                            const std::string& edge, uint32_t readers, const std::string& tp) {
              Payload p;
              BufferViews bv;
              payload_from_parts(kind, regions, bv, p);
              std::string rh;
-             return relay_put_payload(self, p, relay_put_options(rid, dst_rank, edge, readers, rh));
+             return relay_put_payload(self, p, relay_put_options(rid, dst_rank, edge, readers, rh, tp));
            }, nb::arg("kind"), nb::arg("regions"), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
-           nb::arg("edge"), nb::arg("readers"))
+           nb::arg("edge"), nb::arg("readers"), nb::arg("traceparent") = "")
       .def("_put_segments", [](PyRelay& self, nb::handle segments, size_t total, nb::handle rid, nb::handle dst_rank,
-                               const std::string& edge, uint32_t readers) {
+                               const std::string& edge, uint32_t readers, const std::string& tp) {
              std::string rh;
-             return relay_put_segments(self, segments, total, relay_put_options(rid, dst_rank, edge, readers, rh));
+             return relay_put_segments(self, segments, total, relay_put_options(rid, dst_rank, edge, readers, rh, tp));
            }, nb::arg("segments"), nb::arg("total"), nb::arg("request_id").none(), nb::arg("dst_rank").none(),
-           nb::arg("edge"), nb::arg("readers"))
-      .def("_get_found", [](PyRelay& self, nb::handle metadata, nb::handle rid, nb::handle timeout, bool zero_copy) {
+           nb::arg("edge"), nb::arg("readers"), nb::arg("traceparent") = "")
+      .def("_get_found", [](PyRelay& self, nb::handle metadata, nb::handle rid, nb::handle timeout, bool zero_copy,
+                            const std::string& tp) {
              std::string rh;
              // Always views (the slot held until `g` goes): a copying get copies each region once,
              // into its Python object (found_of), or not at all where the transport landed the
              // payload in memory it then owns (private_ok). A copying get at the connector too
              // copied every payload twice.
-             RelayGetOptions o = relay_get_options(rid, timeout, true, rh);
+             RelayGetOptions o = relay_get_options(rid, timeout, true, rh, tp);
              o.private_ok = !zero_copy;
              RelayOp op = relay_get(self, metadata, o);
              if (const auto& obj = op.object())  // a local put's object, by reference
@@ -195,17 +199,20 @@ void bind_relay(nb::module_& m) {
              GetResult g{std::move(op.payload()), op.size(), op.owned()};
              Found f = found_of(g, zero_copy, self.allow_pickle, "relay payload", self.host_local);
              return nb::make_tuple(f.kind, f.obj, f.size);
-           }, nb::arg("metadata").none(), nb::arg("request_id").none(), nb::arg("timeout").none(), nb::arg("zero_copy"))
-      .def("_get_into", [](PyRelay& self, nb::handle metadata, nb::handle out, nb::handle rid, nb::handle timeout) {
+           }, nb::arg("metadata").none(), nb::arg("request_id").none(), nb::arg("timeout").none(), nb::arg("zero_copy"),
+           nb::arg("traceparent") = "")
+      .def("_get_into", [](PyRelay& self, nb::handle metadata, nb::handle out, nb::handle rid, nb::handle timeout,
+                           const std::string& tp) {
              Py_buffer view;
              if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
              BufferViews hold;
              hold.views.push_back(view);
              std::string rh;
-             RelayGetOptions o = relay_get_options(rid, timeout, false, rh);
+             RelayGetOptions o = relay_get_options(rid, timeout, false, rh, tp);
              o.dest = std::span<std::byte>(static_cast<std::byte*>(view.buf), size_t(view.len));
              return relay_get(self, metadata, o).size();
-           }, nb::arg("metadata").none(), nb::arg("out"), nb::arg("request_id").none(), nb::arg("timeout").none())
+           }, nb::arg("metadata").none(), nb::arg("out"), nb::arg("request_id").none(), nb::arg("timeout").none(),
+           nb::arg("traceparent") = "")
       .def("sender_info", [](PyRelay& self) { return self.r ? to_py(self.r->sender_info()) : nb::none(); },
            "Where another process's relay reaches this one's puts (a transfer engine's source_host and "
            "source_port), or None where nothing needs connecting (shared memory).")

@@ -11,6 +11,7 @@
 #include "python/codec.hpp"
 #include "python/torch.hpp"
 #include "stagelink/relay.hpp"
+#include "stagelink/trace.hpp"
 
 namespace stagelink::py {
 
@@ -275,6 +276,45 @@ void bind_tools(nb::module_& m) {
   static constexpr auto ok_or_raise = [](const Status& st) {
     if (!st.ok()) raise(st.error());
   };
+  // Trace spans (include/stagelink/trace.hpp), read by stagelink.trace.
+  m.def("trace_set_recording", [](bool on) { trace::set_recording(on); }, nb::arg("on"));
+  m.def("trace_recording", [] { return trace::recording(); });
+  m.def("trace_new_id", [] { return trace::new_id(); });
+  m.def("trace_now_ns", [] { return trace::now_ns(); });
+  m.def("trace_dropped", [] { return trace::dropped(); });
+  m.def("trace_record", [](const std::string& name, const std::string& cat, uint64_t start_ns, uint64_t end_ns,
+                           uint64_t trace_hi, uint64_t trace_lo, uint64_t span_id, uint64_t parent_id,
+                           const std::string& request_id, nb::handle args) {
+        trace::Span s;
+        s.name = name;
+        s.cat = cat;
+        s.start_ns = start_ns;
+        s.end_ns = end_ns;
+        s.trace_hi = trace_hi;
+        s.trace_lo = trace_lo;
+        s.span_id = span_id;
+        s.parent_id = parent_id;
+        s.request_id = request_id;
+        if (!args.is_none()) s.args = from_py(args);
+        s.tid = trace::this_thread_id();
+        trace::record(std::move(s));
+      }, nb::arg("name"), nb::arg("cat"), nb::arg("start_ns"), nb::arg("end_ns"), nb::arg("trace_hi"),
+        nb::arg("trace_lo"), nb::arg("span_id"), nb::arg("parent_id"), nb::arg("request_id"), nb::arg("args").none(),
+        "keep one span in this process's trace buffer (stagelink.trace records through it)");
+  m.def("trace_drain", [] {
+        std::vector<trace::Span> spans;
+        {
+          nb::gil_scoped_release nogil;
+          spans = trace::drain();
+        }
+        nb::list out;
+        for (auto& s : spans)
+          out.append(nb::make_tuple(s.name, s.cat, s.start_ns, s.end_ns, s.trace_hi, s.trace_lo, s.span_id,
+                                    s.parent_id, s.request_id, s.args.is_nil() ? nb::object(nb::none()) : to_py(s.args),
+                                    s.tid));
+        return out;
+      }, "take every span this process recorded: (name, cat, start_ns, end_ns, trace_hi, trace_lo, span_id, "
+         "parent_id, request_id, args, tid)");
   m.def("metrics_collect", [] {
         Value v;
         {

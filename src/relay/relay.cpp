@@ -17,6 +17,7 @@
 #include "connectors/capabilities.hpp"
 #include "core/options.hpp"
 #include "core/proc.hpp"
+#include "stagelink/trace.hpp"
 
 namespace stagelink {
 namespace {
@@ -243,12 +244,22 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
   }
 
   Result<std::shared_ptr<PutRec>> take_credit(const std::string& edge, std::string_view rid, Deadline deadline,
-                                               const std::function<bool()>& keep_waiting) {
+                                               const std::function<bool()>& keep_waiting,
+                                               std::string_view traceparent) {
     auto rec = std::make_shared<PutRec>();
     rec->edge = edge;
     rec->rid = std::string(rid);
     bool waited = false;
     const uint64_t t0 = metrics::ticks();
+    const uint64_t w0 = traceparent.empty() ? 0 : trace::now_ns();
+    auto traced = [&](const char* outcome) {
+      if (!w0 || !waited) return;
+      Value::Map a;
+      a.emplace_back("edge", edge);
+      a.emplace_back("backend", cfg.backend);
+      a.emplace_back("outcome", outcome);
+      trace::record_under(traceparent, "relay.credit_wait", "relay", w0, rid, Value(std::move(a)));
+    };
     for (;;) {
       const uint64_t seen = epoch();  // before the check: a release after it ends the wait
       {
@@ -261,11 +272,14 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
           if (waited) {
             credit_waits.add();
             credit_wait.since(t0);
+            traced("credit");
           }
           return rec;
         }
         if (Clock::now() >= deadline) {
           credit_timeouts.add();
+          waited = true;
+          traced("timeout");
           std::string holders;
           for (size_t i = 0; i < q.size() && i < 4; ++i) holders += (i ? ", " : "") + q[i]->rid;
           return make_error(Errc::exhausted, "relay: no credit for edge '" + edge + "' after " +
@@ -328,7 +342,8 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
         local_ext = p.ext;
       }
     }
-    SL_ASSIGN(auto rec, take_credit(edge, o.request_id, deadline_after(cfg.timeout_s), o.keep_waiting));
+    SL_ASSIGN(auto rec, take_credit(edge, o.request_id, deadline_after(cfg.timeout_s), o.keep_waiting,
+                                            o.traceparent));
     auto st = std::make_shared<RelayOp::State>();
     if (is_local()) {
       auto& t = local_table();
@@ -354,6 +369,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
     } else {
       const std::string key = prefix + std::to_string(seq.fetch_add(1, std::memory_order_relaxed));
       PutOptions po{o.readers, o.request_id};
+      po.traceparent = o.traceparent;
       PutHooks hooks;
       if (o.hold) {
         if (!device_slots) {
@@ -474,6 +490,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       hooks.private_ok = o.private_ok && go.zero_copy && o.dest.empty();
       go.hooks = &hooks;
       go.keep_waiting = o.keep_waiting;
+      go.traceparent = o.traceparent;
       SL_ASSIGN(GetResult g, conn->get("relay", "r", kv->as<std::string>(), &md, deadline_after(tmo), go));
       st->payload = std::move(g.payload);
       st->size = g.size;

@@ -22,6 +22,7 @@ from typing import Any, Deque, Dict, List, Optional
 
 from .. import _core
 from .. import metrics as _metrics
+from .. import trace as _trace
 from ..control import ControlMessage, Inbox, Outbox, private_socket_dir, remove_socket_dir
 from ..relay import Relay
 from . import observe
@@ -32,6 +33,7 @@ from .placement import PlacementError
 from .router import Membership, Router, proc_for
 from .spec import COORDINATOR, PipelineSpec, load_pipeline
 from .stage import _SEEN_WINDOW
+from .tracing import TraceGatherer, make_sinks
 from .worker import _LAT_WINDOW, EXIT_NO_STDIN, NO_STDIN, _relay_bytes, keyed_relay, open_inbox, open_outbox
 
 
@@ -64,7 +66,7 @@ _FINISHED_WINDOW = 2 * _SEEN_WINDOW
 
 class _Req:
     __slots__ = ("future", "t0", "t_first", "chunks", "n_chunks", "acks", "done", "on_chunk", "rid", "attempt",
-                 "payload", "skip", "base", "gen")
+                 "payload", "skip", "base", "gen", "span")
 
     def __init__(self, rid: str = "", gen: int = 0):
         self.rid = rid        # the caller's request id
@@ -84,6 +86,7 @@ class _Req:
         self.acks: set = set()
         self.done = False
         self.on_chunk = None
+        self.span = _trace.NO_SPAN  # traced: its "request" span (submit to end), the parent of the rest
 
 
 class Pipeline:
@@ -96,12 +99,22 @@ class Pipeline:
     ``with`` and, as a last resort, at interpreter exit)."""
 
     def __init__(self, spec: PipelineSpec, *, python: Optional[str] = None, env: Optional[dict] = None,
-                 metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1"):
+                 metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1", trace: Optional[str] = None,
+                 trace_sample: Optional[float] = None, otel=None):
         # Its own control settings: with base_port 0 the ports this run got are written there.
         # (and where a placement engine puts each process: its hosts and placement, this run's).
         self.spec = spec = dataclasses.replace(spec, control=dict(spec.control), hosts=dict(spec.hosts),
                                                placed=dict(spec.placed))
         self.settings = spec.settings
+        # Traces (trace.py, tracing.py): which requests are traced, and where their spans go.
+        self.trace_sample = float(spec.settings.get("trace_sample", 1.0) if trace_sample is None else trace_sample)
+        if not 0.0 <= self.trace_sample <= 1.0:
+            raise _core.InvalidArgumentError(f"trace_sample must be in [0, 1], got {self.trace_sample}")
+        self._tracer: Optional[TraceGatherer] = None
+        if trace or otel:
+            self._tracer = TraceGatherer(make_sinks(trace, otel))
+            spec.control["trace"] = True  # the stage processes keep the spans of traced requests
+            _trace.set_recording(True)
         self._lock = threading.Condition()
         self._reqs: Dict[str, _Req] = {}  # by the id its messages carry (its attempt's)
         self._attempt_of: Dict[str, str] = {}  # caller's id -> the id its messages carry, where not its own
@@ -515,6 +528,8 @@ class Pipeline:
             self._inbox.close()
         if self._launcher is not None:
             self._launcher.close()
+        if self._tracer is not None:  # every span gathered by now (stage processes send theirs before Stats)
+            self._tracer.close()
         remove_socket_dir(self._dir)
         if any(p.returncode not in (0, None) for p in self._procs.values()):
             _core.shm_reap("/dev/shm")  # a stage died: reclaim what it held, now that nobody else uses it
@@ -533,12 +548,14 @@ class Pipeline:
             pass
 
     # -- requests
-    def submit(self, request_id: str, payload: Any, on_chunk=None) -> Future:
+    def submit(self, request_id: str, payload: Any, on_chunk=None, traceparent: Optional[str] = None) -> Future:
         """Start a request at the entry stage. Returns a Future of the terminal stage's result;
         it fails with StageError (a stage raised), StageDiedError, TimeoutError
         (settings.request_timeout_s), CancelledError (abort) or ClosedError. ``on_chunk``: called
         (on the coordinator's thread) with each chunk the terminal stage streams, instead of
-        queueing them for :meth:`stream`."""
+        queueing them for :meth:`stream`. ``traceparent``: the caller's W3C trace context (an HTTP
+        request's, vLLM's): with tracing on, the request's spans join that trace, and it is traced
+        when that context is sampled (else at ``trace_sample``)."""
         rid = str(request_id)
         with self._lock:
             if self._closed:
@@ -555,6 +572,11 @@ class Pipeline:
             r.on_chunk = on_chunk
             if self._may_retry:
                 r.payload = payload
+            if self._tracer is not None:
+                ctx = _trace.parse(traceparent)  # the caller's decision where it gave a valid one (W3C)
+                if ctx.sampled if ctx is not None else _trace.sample(self.trace_sample):
+                    r.span = _trace.span("request", "pipeline", traceparent if ctx else None, rid,
+                                         pipeline=self.spec.name)
         try:
             self._send_submit(r.base, r, payload)
         except BaseException as e:
@@ -579,17 +601,20 @@ class Pipeline:
                 raise StageDiedError(f"request '{r.rid}': {e}") from None
         t = time.monotonic_ns()
         entry = proc_for(self.spec, self._members.procs, self.spec.entry, route, wire)
+        sp = (_trace.span("put", "pipeline", r.span.traceparent, wire, to=self.spec.entry, flow_out=True)
+              if r.span.traceparent else _trace.NO_SPAN)
         body = small_frame(payload, int(self.settings.get("inline_bytes", 16384)))
         if body is None:
             edge = entry if route else self.spec.entry  # credits per receiving replica
-            md = dict(self._relay.put_async(payload, request_id=wire, edge=edge).metadata)
+            md = dict(self._relay.put_async(payload, request_id=wire, edge=edge, traceparent=sp.traceparent).metadata)
         else:
             md = {}
+        sp.end()
         md["t_ns"] = t
         if route:
             md["route"] = route
         self._send(entry, ControlMessage("submit", wire, from_stage=COORDINATOR, to_stage=self.spec.entry,
-                                         metadata=md, body=body), 30.0)
+                                         metadata=md, body=body, traceparent=sp.traceparent), 30.0)
 
     def stream(self, request_id: str, timeout: Optional[float] = None):
         """Iterate the chunks the terminal stage streams for ``request_id`` until it completes.
@@ -623,11 +648,12 @@ class Pipeline:
             if r is None:
                 r = _Req()  # not ours any more: still clean up everywhere
             else:
+                _trace.instant("abort", "pipeline", r.span.traceparent, rid)
                 self._finish_locked(rid, r, error=_core.CancelledError(f"request '{r.rid}' aborted"))
             r.acks = set()
             self._aborting[rid] = r
         try:
-            self._broadcast_abort(rid)
+            self._broadcast_abort(rid, r.span.traceparent)
             deadline = time.monotonic() + timeout
             with self._lock:
                 while len(r.acks) < len(self._live_procs()) and time.monotonic() < deadline:
@@ -643,10 +669,10 @@ class Pipeline:
         return [p for p, h in list(self._procs.items())
                 if h.poll() is None and self._members.state[p] in ("alive", "draining")]
 
-    def _broadcast_abort(self, rid):
+    def _broadcast_abort(self, rid, tp: Optional[str] = None):
         for proc in self._live_procs():
             try:
-                self._send(proc, ControlMessage("abort", rid, from_stage=COORDINATOR), 5.0)
+                self._send(proc, ControlMessage("abort", rid, from_stage=COORDINATOR, traceparent=tp), 5.0)
             except _core.StagelinkError:
                 pass
 
@@ -740,6 +766,9 @@ class Pipeline:
             if len(self._finished_ids) > _FINISHED_WINDOW:
                 self._finished_ids.popitem(last=False)
         r.payload = None
+        if r.span is not _trace.NO_SPAN:
+            r.span.end(result="ok" if error is None else "aborted" if isinstance(error, _core.CancelledError)
+                       else "failed", chunks=r.n_chunks, **({"error": str(error)[:500]} if error is not None else {}))
         if error is not None:
             self._m_result["aborted" if isinstance(error, _core.CancelledError) else "failed"].inc()
             r.future.set_exception(error)
@@ -774,6 +803,8 @@ class Pipeline:
             if now - last_check > 0.1:
                 last_check = now
                 self._check()
+                if self._tracer is not None and not self._closed and self._tracer.due(now):
+                    self._gather_traces()
             if self._closed and (len(self._stats) >= len(self._procs)
                                  or all(p.poll() is not None for p in list(self._procs.values()))):
                 return
@@ -785,6 +816,9 @@ class Pipeline:
                 with self._lock:
                     self._stats[msg.proc] = msg.figures
                     self._lock.notify_all()
+            elif isinstance(msg, proto.TraceReport):
+                if self._tracer is not None:
+                    self._tracer.report(msg, time.monotonic_ns())
             elif isinstance(msg, proto.MetricsReport):
                 with self._lock:
                     self._metrics_in[msg.proc] = (msg.seq, msg.families)
@@ -811,7 +845,7 @@ class Pipeline:
         if m.type == "stream":
             if m.is_done:
                 return
-            obj = from_frame(m.body) if m.body else self._relay_in.get_async(m.metadata).result()
+            obj = self._read_in(m, r)
             self._count_in(m)
             if r.skip:  # the caller has this chunk from the attempt before (a replica died)
                 r.skip -= 1
@@ -828,13 +862,42 @@ class Pipeline:
             if m.error:
                 with self._lock:
                     self._finish_locked(m.request_id, r, error=StageError(m.from_stage, m.error))
-                self._broadcast_abort(m.request_id)  # release what other stages hold of it
+                self._broadcast_abort(m.request_id, r.span.traceparent)  # release what other stages hold of it
                 self._relay.cleanup(m.request_id)
                 return
-            obj = from_frame(m.body) if m.body else self._relay_in.get_async(m.metadata).result()
+            obj = self._read_in(m, r)
             self._count_in(m)
             with self._lock:
                 self._finish_locked(m.request_id, r, result=obj)
+
+    def _read_in(self, m: ControlMessage, r: _Req):
+        """A result or streamed chunk the terminal stage sent (traced: a span "get", the end of
+        the hop's arrow)."""
+        sp = _trace.NO_SPAN
+        if m.traceparent and r.span is not _trace.NO_SPAN:
+            sp = _trace.span("get" if m.type == "complete" else "get_chunk", "pipeline", m.traceparent, m.request_id,
+                             frm=m.from_stage, flow_in=_trace.flow_from(m.traceparent),
+                             **({"chunk": m.chunk_id} if m.type == "stream" else {}))
+        try:
+            return from_frame(m.body) if m.body else self._relay_in.get_async(m.metadata,
+                                                                              traceparent=sp.traceparent).result()
+        finally:
+            sp.end()
+
+    def _gather_traces(self) -> None:
+        """Ask every live stage process for its spans (answers arrive as TraceReports); write this
+        process's own."""
+        for proc in self._live_procs():
+            try:
+                self._send(proc, self._tracer.ask().encode(), 1.0)
+            except _core.StagelinkError:
+                pass
+        self._tracer.local()
+
+    def trace_clocks(self) -> Dict[str, dict]:
+        """Tracing: per stage process, its clock's offset to this one's and the bound on that
+        estimate (ns); `same_host` where they share CLOCK_MONOTONIC (no estimate needed)."""
+        return self._tracer.clocks() if self._tracer is not None else {}
 
     def _break(self, err: BaseException) -> None:
         """A stage has no process left: every request in flight fails with `err`, and so will

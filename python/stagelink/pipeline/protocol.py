@@ -22,6 +22,8 @@ The runtime's lifecycle (typed below; decode() turns a ControlMessage into one o
     Stats       stage process -> coordinator  at shutdown: its figures
     MetricsAsk  coordinator -> stage process  send your metrics now (a scrape of the pipeline's /metrics)
     MetricsReport stage process -> coordinator  its metrics tree's samples, answering MetricsAsk `seq`
+    TraceAsk    coordinator -> stage process  send your trace spans now, and your clock (tracing on)
+    TraceReport stage process -> coordinator  its spans, and its clock readings answering TraceAsk `seq`
     Shutdown    coordinator -> stage process  stop after in-flight work
     Launch      launcher -> its agent on a node  start this process: its spec and secrets (Ray)
 
@@ -237,6 +239,57 @@ class MetricsReport:
 
 
 @dataclass(frozen=True)
+class TraceAsk:
+    """Send the spans recorded since the last ask. `t0`: the coordinator's CLOCK_MONOTONIC when it
+    sent this (an NTP-style exchange: the answer's readings give this process's clock offset)."""
+    TYPE: ClassVar[str] = "trace"
+    seq: int
+    t0: int
+
+    def encode(self) -> ControlMessage:
+        return ControlMessage(self.TYPE, from_stage=COORDINATOR, metadata={"seq": self.seq, "t0": self.t0})
+
+
+_SPAN_FIELDS = (("name", str), ("cat", str), ("start_ns", int), ("end_ns", int), ("trace_id", str), ("span_id", str),
+                ("parent_id", str), ("request_id", str), ("args", dict), ("tid", int))
+
+
+@dataclass(frozen=True)
+class TraceReport:
+    """A stage process's spans (stagelink.trace.drain()) as a native frame, with its clock: `t1` when
+    it received TraceAsk `seq` (whose `t0` it echoes), `t2` when it sent this; `boot` its host's boot
+    id (the same as the coordinator's: one CLOCK_MONOTONIC, no offset). `seq` 0: sent unasked (at
+    shutdown), no clock readings. `label`: its host and pid, for the trace's process names."""
+    TYPE: ClassVar[str] = "trace"
+    proc: str
+    seq: int
+    t0: int
+    t1: int
+    t2: int
+    boot: str
+    label: str
+    spans: list
+
+    def encode(self) -> ControlMessage:
+        return ControlMessage(self.TYPE, from_stage=self.proc, body=to_frame(self.spans),
+                              metadata={"seq": self.seq, "t0": self.t0, "t1": self.t1, "t2": self.t2,
+                                        "boot": self.boot, "label": self.label})
+
+    @classmethod
+    def decode(cls, m: ControlMessage) -> Union["TraceAsk", "TraceReport"]:
+        md = _map(m)
+        if m.from_stage == COORDINATOR:
+            return TraceAsk(_field(m, md, "seq", int), _field(m, md, "t0", int))
+        spans = from_frame(m.body) if m.body else []
+        if not isinstance(spans, list) or not all(
+                isinstance(sp, dict) and all(isinstance(sp.get(k), t) for k, t in _SPAN_FIELDS) for sp in spans):
+            raise _bad(m, "its spans are not a list of spans")
+        return cls(m.from_stage or "", _field(m, md, "seq", int), _field(m, md, "t0", int, 0),
+                   _field(m, md, "t1", int, 0), _field(m, md, "t2", int, 0), _field(m, md, "boot", str, ""),
+                   _field(m, md, "label", str, ""), spans)
+
+
+@dataclass(frozen=True)
 class Shutdown:
     TYPE: ClassVar[str] = "shutdown"
 
@@ -268,10 +321,10 @@ class Launch:
 
 
 Lifecycle = Union[Progress, Ready, StartFailed, Peers, PeersKnown, Connect, Connected, Stats, MetricsAsk,
-                  MetricsReport, Shutdown, Launch]
+                  MetricsReport, TraceAsk, TraceReport, Shutdown, Launch]
 
 _DECODERS = {c.TYPE: c.decode for c in (Progress, Peers, PeersKnown, Connect, Connected, Stats, MetricsAsk,
-                                        MetricsReport, Shutdown, Launch)}
+                                        MetricsReport, TraceReport, Shutdown, Launch)}
 
 #: The wire types of requests (ControlMessage as it is).
 REQUEST_TYPES = frozenset({"submit", "data_ready", "stream", "complete", "abort", "abort_ack"})

@@ -57,7 +57,7 @@ _TOP_KEYS = {"name", "relay", "settings", "stages", "edges", "connectors", "runt
 # modules): three processes importing torch at once on a loaded 2-core machine took over 20 s.
 _SETTINGS = {"request_timeout_s": 120.0, "startup_timeout_s": 120.0, "abort_timeout_s": 5.0,
              "shutdown_timeout_s": 10.0, "inline_bytes": 16384, "completed_window": 10000,
-             "early_chunk_bytes": 256 << 20, "chunk_timeout_s": None}
+             "early_chunk_bytes": 256 << 20, "chunk_timeout_s": None, "trace_sample": 1.0}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 COORDINATOR = "coordinator"
 
@@ -453,6 +453,12 @@ def load_pipeline(path_or_dict) -> PipelineSpec:
                                           "(stream chunks a stage process copies out of the relay while their "
                                           "stage waits for its payload)")
             settings[k] = v
+            continue
+        if k == "trace_sample":
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
+                raise PipelineConfigError(f"{source}: settings.trace_sample must be a number in [0, 1] (the share "
+                                          "of requests traced when the pipeline traces: --trace, Pipeline(trace=))")
+            settings[k] = float(v)
             continue
         if k == "completed_window":
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 10_000_000:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from .. import _core
+from .. import trace as _trace
 from . import observe
 from .spec import COORDINATOR, PipelineConfigError, StageSpec, build_stage, resolve
 
@@ -49,12 +50,13 @@ class Aborted(_core.CancelledError):
 
 class _Request:
     __slots__ = ("inputs", "started", "queue", "expect", "held", "done_srcs", "aborted", "cond", "n_streamed",
-                 "stream_closed", "ctx", "done", "payload_in", "early", "t_ready")
+                 "stream_closed", "ctx", "done", "payload_in", "early", "t_ready", "tp", "run_tp")
 
     def __init__(self, lock):
         self.inputs: Dict[str, Any] = {}
         self.started = False
-        self.queue: collections.deque = collections.deque()  # (src, kind, item, t_ns)
+        # (src, kind, item, t_ns, traceparent, chunk id): chunks (and a callback stage's payload)
+        self.queue: collections.deque = collections.deque()
         self.expect: Dict[str, int] = collections.defaultdict(int)  # next chunk id per source
         self.held: Dict[str, dict] = collections.defaultdict(dict)  # out-of-order chunks per source
         self.done_srcs: set = set()
@@ -67,6 +69,8 @@ class _Request:
         self.payload_in = False  # callback stages: every `next` source's payload has arrived
         self.early = 0  # bytes of chunks copied out of the relay before the stage could start
         self.t_ready = 0  # monotonic_ns when every input had arrived (its queueing starts)
+        self.tp: Optional[str] = None  # traced: the context of its last input here (its run's parent)
+        self.run_tp: Optional[str] = None  # traced: its run's context (what the run sends carries)
 
 
 class StageContext:
@@ -144,13 +148,15 @@ class StageRuntime:
             r = self.reqs[rid] = _Request(self.lock)
         return r
 
-    def deliver_data(self, rid: str, src: str, obj) -> None:
+    def deliver_data(self, rid: str, src: str, obj, tp: Optional[str] = None) -> None:
         with self.lock:
             r = self._state(rid)
             # (a callback stage's `started` says a thread is draining its inputs, not that it ran)
             if r is None or (r.payload_in if self.on_chunk is not None else r.started):
                 return
             r.inputs[src] = obj
+            if tp:
+                r.tp = tp
             need = self.spec.sources or [COORDINATOR]
             if not all(s in r.inputs for s in need):
                 return
@@ -158,7 +164,7 @@ class StageRuntime:
                 r.payload_in = True
                 if r.ctx is None:
                     r.ctx = StageContext(self, rid, r)
-                r.queue.append((None, "payload", None, 0))
+                r.queue.append((None, "payload", None, 0, None, None))
             else:
                 r.started = True
                 r.t_ready = time.monotonic_ns()
@@ -174,7 +180,7 @@ class StageRuntime:
             self.pool.submit(self._run, rid, r)
 
     def deliver_stream(self, rid: str, src: str, chunk_id: int, kind: str, item, is_done: bool, error: str,
-                       t_ns: int) -> bool:
+                       t_ns: int, tp: Optional[str] = None) -> bool:
         """Queue a chunk (held as relay metadata until the stage reads it: the sender's credits
         are the back-pressure). Returns False when the request is no longer here."""
         start = False
@@ -182,16 +188,19 @@ class StageRuntime:
             r = self._state(rid)
             if r is None:
                 return False
-            r.held[src][chunk_id] = (kind, item, is_done, error, t_ns)
+            r.held[src][chunk_id] = (kind, item, is_done, error, t_ns, tp)
+            if tp and r.tp is None:
+                r.tp = tp
             while r.expect[src] in r.held[src]:  # in chunk order per source
-                k, it, done, err, t = r.held[src].pop(r.expect[src])
+                cid = r.expect[src]
+                k, it, done, err, t, ctp = r.held[src].pop(cid)
                 r.expect[src] += 1
                 if done:
                     r.done_srcs.add(src)
                     if err:
-                        r.queue.append((src, "error", err, t))
+                        r.queue.append((src, "error", err, t, ctp, cid))
                 else:
-                    r.queue.append((src, k, it, t))
+                    r.queue.append((src, k, it, t, ctp, cid))
             r.cond.notify_all()
             if self.on_chunk is not None:
                 if r.ctx is None:
@@ -246,20 +255,28 @@ class StageRuntime:
                     raise Aborted(f"request '{rid}' was aborted")
                 if not r.queue:
                     return
-                src, kind, item, t_ns = r.queue.popleft()
+                src, kind, item, t_ns, tp, cid = r.queue.popleft()
             if kind == "error":
                 raise StreamError(f"stage '{src}' failed while streaming to '{self.spec.name}': {item}")
-            yield self.w.read(src, self.spec.name, kind, item, t_ns, self.spec.zero_copy)
+            yield self.w.read(src, self.spec.name, kind, item, t_ns, self.spec.zero_copy, tp, rid, cid)
 
     # -- running
     def _run(self, rid: str, r: _Request):
         ctx = r.ctx or StageContext(self, rid, r)
         t0 = time.monotonic_ns()
+        sp = _trace.span("run", "stage", r.tp, rid, stage=self.spec.name) if r.tp else _trace.NO_SPAN
+        r.run_tp = sp.traceparent
+        failed = None
         try:
             self._complete(rid, r, self.fn(self._payload(r), ctx))
         except BaseException as e:  # noqa: BLE001  a stage's failure fails only its request
+            failed = e
             self._failed(rid, r, e)
         finally:
+            if sp is not _trace.NO_SPAN:
+                sp.end(**({"error": f"{type(failed).__name__}: {failed}"[:500]} if failed is not None else {}))
+                if r.t_ready:
+                    _trace.record_span("queue", "stage", r.tp, r.t_ready, t0, rid, stage=self.spec.name)
             took = time.monotonic_ns() - t0
             self.busy_ns += took
             self.runs += 1
@@ -278,13 +295,13 @@ class StageRuntime:
             return
         for t in self.stream_targets:
             if t not in r.stream_closed:
-                self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], "")
+                self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], "", r.run_tp)
         if self.spec.terminal:
-            self.w.send_result(rid, self.spec.name, result)
+            self.w.send_result(rid, self.spec.name, result, r.run_tp)
         else:
             per = result.targets if isinstance(result, PerTarget) else None
             for t in self.spec.next:
-                self.w.send_data(rid, self.spec.name, t, per[t] if per is not None else result)
+                self.w.send_data(rid, self.spec.name, t, per[t] if per is not None else result, r.run_tp)
 
     def _failed(self, rid: str, r: _Request, e: BaseException):
         if isinstance(e, Aborted) or r.aborted:
@@ -293,8 +310,8 @@ class StageRuntime:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         for t in self.stream_targets:
             if t != COORDINATOR and t not in r.stream_closed:
-                self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], tb[-2000:] or repr(e))
-        self.w.send_failure(rid, self.spec.name, tb)
+                self.w.send_stream_signal(rid, self.spec.name, t, r.n_streamed[t], tb[-2000:] or repr(e), r.run_tp)
+        self.w.send_failure(rid, self.spec.name, tb, r.run_tp)
 
     def _on_chunks(self, rid: str, r: _Request):
         """Callback stages (on_chunk/on_payload/finish): handle every input that is ready, in
@@ -307,6 +324,10 @@ class StageRuntime:
                 return
             r.started = True
         t0 = time.monotonic_ns()
+        # A span per stretch of callbacks (this thread handling what had arrived)
+        sp = _trace.span("run", "stage", r.tp, rid, stage=self.spec.name, callbacks=True) if r.tp else _trace.NO_SPAN
+        if sp is not _trace.NO_SPAN:
+            r.run_tp = sp.traceparent
         try:
             while True:
                 with self.lock:
@@ -319,19 +340,21 @@ class StageRuntime:
                             return
                         r.done = True
                         break
-                    src, kind, item, t_ns = r.queue.popleft()
+                    src, kind, item, t_ns, tp, cid = r.queue.popleft()
                 if kind == "error":
                     raise StreamError(f"stage '{src}' failed while streaming to '{self.spec.name}': {item}")
                 if kind == "payload":
                     if self.on_payload is not None:
                         self.on_payload(self._payload(r), r.ctx)
                     continue
-                self.on_chunk(self.w.read(src, self.spec.name, kind, item, t_ns, self.spec.zero_copy), r.ctx)
+                self.on_chunk(self.w.read(src, self.spec.name, kind, item, t_ns, self.spec.zero_copy, tp, rid, cid),
+                              r.ctx)
             self._complete(rid, r, self.finish(self._payload(r) if need_payload else None, r.ctx))
         except BaseException as e:  # noqa: BLE001
             r.done = True
             self._failed(rid, r, e)
         finally:
+            sp.end()
             took = time.monotonic_ns() - t0
             self.busy_ns += took
             self.m_run_s.observe(took / 1e9)
@@ -358,7 +381,7 @@ class StageRuntime:
                 self.finished.popitem(last=False)
             left = list(r.queue)
             r.queue.clear()
-        for src, kind, item, _ in left:  # chunks the stage did not read: released, not leaked
+        for src, kind, item, *_ in left:  # chunks the stage did not read: released, not leaked
             if kind == "relay":
                 self.w.discard(src, self.spec.name, item)
 
@@ -368,7 +391,7 @@ class StageRuntime:
                 raise _core.InvalidArgumentError(f"stage '{self.spec.name}' does not stream to '{t}'")
             cid = r.n_streamed[t]
             r.n_streamed[t] += 1
-            self.w.send_stream(rid, self.spec.name, t, cid, chunk)
+            self.w.send_stream(rid, self.spec.name, t, cid, chunk, r.run_tp)
 
     def abort(self, rid: str):
         with self.lock:
@@ -383,7 +406,7 @@ class StageRuntime:
                 r.queue.clear()
             else:
                 left = []
-        for src, kind, item, _ in left:
+        for src, kind, item, *_ in left:
             if kind == "relay":
                 self.w.discard(src, self.spec.name, item)
 

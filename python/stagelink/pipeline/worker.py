@@ -13,6 +13,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from . import protocol as proto
 from ._readonly import protect, unprotect
 from ._wire import from_frame, small_frame
 from .. import metrics as _metrics
+from .. import trace as _trace
 from . import observe
 from .router import proc_for
 from .spec import COORDINATOR, PipelineSpec
@@ -180,34 +182,47 @@ class Worker:
                                                 "lat_ns": collections.deque(maxlen=_LAT_WINDOW)}
         return e
 
-    def _put(self, rid, src, dst, obj):
-        """(metadata, body) of a control message carrying `obj`: small native payloads inside the
-        message (body), the rest through the relay (metadata)."""
+    def _put(self, rid, src, dst, obj, tp=None, chunk=None):
+        """(metadata, body, traceparent) of a control message carrying `obj`: small native payloads
+        inside the message (body), the rest through the relay (metadata). Traced (`tp`, the stage
+        run's context): a span "put" ("put_chunk" for stream chunk `chunk`), whose context the
+        message carries, so that the receiver's get is its child and the trace draws the hop."""
         t = time.monotonic_ns()
+        sp = _trace.span("put" if chunk is None else "put_chunk", "stage", tp, rid, stage=src, to=dst,
+                         flow_out=True, **({} if chunk is None else {"chunk": chunk})) if tp else _trace.NO_SPAN
         obj = unprotect(obj)  # a zero_copy input passed on: a plain tensor again
         body = small_frame(obj, self.inline_limit)
         if body is not None:
-            return self._with_route(rid, {"t_ns": t}), body
+            sp.end(bytes=len(body), path="inline")
+            return self._with_route(rid, {"t_ns": t}), body, sp.traceparent
         # Credits per receiving process: a slow replica holds back only its own edge.
         edge = self.proc_of(dst, rid) if self.replicated and dst != COORDINATOR else dst
-        op = self.relay(src, dst).put_async(obj, request_id=rid, edge=edge)
+        op = self.relay(src, dst).put_async(obj, request_id=rid, edge=edge, traceparent=sp.traceparent)
         md = dict(op.metadata)
         md["t_ns"] = t
-        return self._with_route(rid, md), None
+        if sp is not _trace.NO_SPAN:
+            sp.end(bytes=_relay_bytes(md), path="relay")
+        return self._with_route(rid, md), None, sp.traceparent
 
-    def read(self, src, dst, kind, item, t_ns, zero_copy=False):
+    def read(self, src, dst, kind, item, t_ns, zero_copy=False, tp=None, rid="", chunk=None):
         """The payload a message carried: `kind` obj (by reference), body (a frame), relay (metadata;
-        `zero_copy`: read-only views holding the relay slot until dropped)."""
+        `zero_copy`: read-only views holding the relay slot until dropped). Traced (`tp`, the
+        message's context: the sender's put): a span "get" ("get_chunk"), the end of the hop's arrow."""
         if kind == "early":  # copied out of the relay on arrival, counted then (StageRuntime.take_early)
             return item
+        sp = _trace.NO_SPAN
+        if tp and kind != "obj":
+            sp = _trace.span("get" if chunk is None else "get_chunk", "stage", tp, rid, stage=dst, frm=src,
+                             flow_in=_trace.flow_from(tp), path=kind, **({} if chunk is None else {"chunk": chunk}))
         if kind == "obj":
             obj = item
         elif kind == "body":
             obj = from_frame(item)
         else:
-            obj = self.relay(src, dst).get_async(item, zero_copy=zero_copy).result()
+            obj = self.relay(src, dst).get_async(item, zero_copy=zero_copy, traceparent=sp.traceparent).result()
             if zero_copy:  # torch tensors over read-only shared memory: in-place ops raise, not SIGSEGV
                 obj = protect(obj)
+        sp.end()
         with self.stats_lock:
             e = self._edge(src, dst)
             e["messages"] += 1
@@ -232,43 +247,44 @@ class Worker:
             pass
 
     # -- sending
-    def send_data(self, rid, src, dst, obj):
+    def send_data(self, rid, src, dst, obj, tp=None):
         if self.proc_of(dst, rid) == self.proc:
             t = time.monotonic_ns()
             self.read(src, dst, "obj", None, t)
-            self.stages[dst].deliver_data(rid, src, obj)
+            self.stages[dst].deliver_data(rid, src, obj, tp)
             return
-        md, body = self._put(rid, src, dst, obj)
+        md, body, mtp = self._put(rid, src, dst, obj, tp)
         self.send(self.proc_of(dst, rid), ControlMessage("data_ready", rid, from_stage=src, to_stage=dst, metadata=md,
-                                                    body=body))
+                                                         body=body, traceparent=mtp))
 
-    def send_stream(self, rid, src, dst, cid, chunk):
+    def send_stream(self, rid, src, dst, cid, chunk, tp=None):
         st = self.stages.get(src)
         if st is not None:
             st.m_chunks.inc()
         if dst != COORDINATOR and self.proc_of(dst, rid) == self.proc:
-            self.stages[dst].deliver_stream(rid, src, cid, "obj", chunk, False, "", time.monotonic_ns())
+            self.stages[dst].deliver_stream(rid, src, cid, "obj", chunk, False, "", time.monotonic_ns(), tp)
             return
-        md, body = self._put(rid, src, dst, chunk)
+        md, body, mtp = self._put(rid, src, dst, chunk, tp, chunk=cid)
         self.send(self.proc_of(dst, rid), ControlMessage("stream", rid, from_stage=src, to_stage=dst, metadata=md,
-                                                    chunk_id=cid, body=body))
+                                                         chunk_id=cid, body=body, traceparent=mtp))
 
-    def send_stream_signal(self, rid, src, dst, cid, error):
+    def send_stream_signal(self, rid, src, dst, cid, error, tp=None):
         if dst != COORDINATOR and self.proc_of(dst, rid) == self.proc:
-            self.stages[dst].deliver_stream(rid, src, cid, "obj", None, True, error, time.monotonic_ns())
+            self.stages[dst].deliver_stream(rid, src, cid, "obj", None, True, error, time.monotonic_ns(), tp)
             return
         md = self._with_route(rid, {"t_ns": time.monotonic_ns()}) if self.replicated else None
         self.send(self.proc_of(dst, rid), ControlMessage("stream", rid, from_stage=src, to_stage=dst, chunk_id=cid,
-                                                         is_done=True, error=error or None, metadata=md))
+                                                         is_done=True, error=error or None, metadata=md,
+                                                         traceparent=tp))
 
-    def send_result(self, rid, src, obj):
-        md, body = self._put(rid, src, COORDINATOR, obj)
+    def send_result(self, rid, src, obj, tp=None):
+        md, body, mtp = self._put(rid, src, COORDINATOR, obj, tp)
         self.send(COORDINATOR, ControlMessage("complete", rid, from_stage=src, to_stage=COORDINATOR, metadata=md,
-                                              body=body))
+                                              body=body, traceparent=mtp))
 
-    def send_failure(self, rid, src, tb):
+    def send_failure(self, rid, src, tb, tp=None):
         self.send(COORDINATOR, ControlMessage("complete", rid, from_stage=src, to_stage=COORDINATOR,
-                                              error=tb[-60000:]))
+                                              error=tb[-60000:], traceparent=tp))
 
     # -- the receive loop
     def start(self, progress=None):
@@ -325,14 +341,15 @@ class Worker:
             kind, item = ("body", m.body) if m.body else ("relay", m.metadata)
             md = m.metadata if isinstance(m.metadata, dict) else {}
             try:
-                obj = self.read(m.from_stage, m.to_stage, kind, item, int(md.get("t_ns", 0) or 0), st.spec.zero_copy)
+                obj = self.read(m.from_stage, m.to_stage, kind, item, int(md.get("t_ns", 0) or 0), st.spec.zero_copy,
+                                m.traceparent, m.request_id)
             except (_core.StagelinkError, ValueError, TypeError) as e:
                 # Metadata the relay cannot use, a payload gone or damaged: that request fails
                 # (named, with why); the receive loop goes on at once.
                 self.send_failure(m.request_id, m.to_stage, f"stage {m.to_stage}: its input from {m.from_stage} "
                                                             f"could not be read: {type(e).__name__}: {e}")
                 return True
-            st.deliver_data(m.request_id, m.from_stage, obj)
+            st.deliver_data(m.request_id, m.from_stage, obj, m.traceparent)
         elif t == "stream":
             st = self.stages.get(m.to_stage)
             if st is None:
@@ -343,16 +360,19 @@ class Worker:
             if kind == "relay" and isinstance(md, dict) and not m.is_done and st.take_early(
                     m.request_id, _relay_bytes(md)):
                 try:
-                    item, kind = self.read(m.from_stage, m.to_stage, "relay", md, t_ns), "early"
+                    item, kind = self.read(m.from_stage, m.to_stage, "relay", md, t_ns, False, m.traceparent,
+                                           m.request_id, int(m.chunk_id or 0)), "early"
                 except (_core.StagelinkError, ValueError, TypeError) as e:
                     self.send_failure(m.request_id, m.to_stage, f"stage {m.to_stage}: a stream chunk from "
                                                                 f"{m.from_stage} could not be read: "
                                                                 f"{type(e).__name__}: {e}")
                     return True
             if not st.deliver_stream(m.request_id, m.from_stage, int(m.chunk_id or 0), kind, item, m.is_done,
-                                     m.error or "", t_ns) and kind == "relay" and md is not None:
+                                     m.error or "", t_ns, m.traceparent) and kind == "relay" and md is not None:
                 self.discard(m.from_stage, m.to_stage, md)
         elif t == "abort":
+            if m.traceparent:
+                _trace.instant("abort", "stage", m.traceparent, m.request_id, process=self.proc)
             self.aborted[m.request_id] = True
             self.routes.pop(m.request_id, None)
             if len(self.aborted) > _SEEN_WINDOW:
@@ -387,9 +407,16 @@ class Worker:
             for name, st in self.stages.items():
                 observe.STAGE_IN_FLIGHT.set(name, value=len(st.reqs))
             self.send(COORDINATOR, proto.MetricsReport(self.proc, msg.seq, _metrics.collect()).encode())
+        elif isinstance(msg, proto.TraceAsk):  # tracing: the spans so far, and this process's clock
+            self.send(COORDINATOR, self.trace_report(msg.seq, msg.t0, time.monotonic_ns()).encode())
         elif isinstance(msg, proto.Shutdown):
             return False
         return True
+
+    def trace_report(self, seq: int = 0, t0: int = 0, t1: int = 0) -> proto.TraceReport:
+        spans = _trace.drain()
+        return proto.TraceReport(self.proc, seq, t0, t1, time.monotonic_ns() if seq else 0, _trace.boot_id(),
+                                 f"{socket.gethostname()}, pid {os.getpid()}", spans)
 
     def stats(self) -> dict:
         with self.stats_lock:
@@ -636,6 +663,8 @@ def main(argv=None) -> int:
     os.environ.update(spec.env_of(proc))  # before any stage, torch or UCX reads it
     share_cpus(spec, proc)
     w = Worker(spec, proc, sock_dir, keys)
+    if spec.control.get("trace"):  # the pipeline traces (some of) its requests: keep their spans
+        _trace.set_recording(True)
     coord = open_outbox(spec, sock_dir, proc, COORDINATOR, keys.get("control"))
     progress = _StartProgress(coord, proc)
     try:
@@ -678,6 +707,8 @@ def main(argv=None) -> int:
         w.shutdown()
         try:
             if not orphaned and not terminated:  # nobody would read the figures: do not wait to send them
+                if spec.control.get("trace"):  # the last spans, before the figures the coordinator waits for
+                    coord.send(w.trace_report().encode(), timeout=5)
                 coord.send(proto.Stats(proc, w.stats()).encode(), timeout=5)
         except _core.StagelinkError:
             pass
