@@ -62,6 +62,7 @@ struct GetOptions {
   const GetHooks* hooks = nullptr;  // null for every caller but stagelink's own bindings
   // A W3C traceparent (trace.hpp): sampled, the get records a span "connector.get" under it. Empty: none.
   std::string_view traceparent;
+  std::string_view request_id;  // the request the get belongs to, for its span (optional)
 };
 inline constexpr std::chrono::milliseconds kWaitCheckEvery{200};
 // The end of the next stretch of a wait that ends at `deadline`: `deadline`, or sooner when there
@@ -162,7 +163,7 @@ class Connector {
       counts_.get_errors[size_t(r.error().code) & 15].add();
     }
     if (w0) [[unlikely]]
-      trace_call("connector.get", opts.traceparent, w0, from_stage, to_stage, key, {}, r.ok() ? r->size : 0,
+      trace_call("connector.get", opts.traceparent, w0, from_stage, to_stage, key, opts.request_id, r.ok() ? r->size : 0,
                  r.ok() ? nullptr : &r.error());
     return r;
   }

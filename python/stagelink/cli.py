@@ -402,7 +402,8 @@ def _cmd_run(args):
     from .run import run
     raise_nofile()  # the coordinator's process is ours here, as the stages' are
     return run(args.pipeline, args.requests, args.concurrency, args.json, metrics_port=args.metrics_port,
-               metrics_host=args.metrics_host, metrics_linger_s=args.metrics_linger)
+               metrics_host=args.metrics_host, metrics_linger_s=args.metrics_linger, trace=args.trace,
+               trace_sample=args.trace_sample, otel=args.otel)
 
 
 def _cmd_demo(args):
@@ -544,6 +545,15 @@ def main(argv=None):
                         "another host)")
     r.add_argument("--metrics-linger", type=float, default=0.0, metavar="S",
                    help="keep the pipeline and its metrics up S seconds after the last request (a last scrape)")
+    r.add_argument("--trace", metavar="FILE",
+                   help="write a trace of the requests (every stage's run, each hop's put and get, stream chunks, "
+                        "credit waits, aborts; every process on one timeline) to FILE, a Chrome JSON trace: open "
+                        "it in https://ui.perfetto.dev or chrome://tracing")
+    r.add_argument("--trace-sample", type=float, metavar="R",
+                   help="the share of requests traced, 0..1 (default: the file's settings.trace_sample, else 1)")
+    r.add_argument("--otel", action="store_true",
+                   help="also export the spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_ENDPOINT; needs "
+                        "pip install 'stagelink[otel]')")
     r.set_defaults(fn=_cmd_run)
 
     d = sub.add_parser("demo", help="producer and consumer processes over the shared-memory connector",

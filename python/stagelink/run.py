@@ -31,7 +31,8 @@ def _fmt_bytes(n: float) -> str:
 
 def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional[str] = None,
         quiet: bool = False, metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1",
-        metrics_linger_s: float = 0.0) -> int:
+        metrics_linger_s: float = 0.0, trace: Optional[str] = None, trace_sample: Optional[float] = None,
+        otel: bool = False) -> int:
     from rich.console import Console
 
     from .pipeline import PipelineConfigError, load_pipeline
@@ -66,7 +67,8 @@ def run(path: str, requests: int = 16, concurrency: int = 4, json_path: Optional
         raise KeyboardInterrupt
     old_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
     try:
-        obs = {"metrics_port": metrics_port, "metrics_host": metrics_host, "linger_s": metrics_linger_s}
+        obs = {"metrics_port": metrics_port, "metrics_host": metrics_host, "linger_s": metrics_linger_s,
+               "trace": trace, "trace_sample": trace_sample, "otel": otel}
         return _run(console, err, spec, make, verify, args, requests, concurrency, json_path, t_start, terminated,
                     obs)
     finally:
@@ -80,12 +82,15 @@ def _run(console, err, spec, make, verify, args, requests, concurrency, json_pat
 
     from .pipeline import Pipeline
     try:
-        p = Pipeline(spec, metrics_port=obs["metrics_port"], metrics_host=obs["metrics_host"])
+        p = Pipeline(spec, metrics_port=obs["metrics_port"], metrics_host=obs["metrics_host"], trace=obs["trace"],
+                     trace_sample=obs["trace_sample"], otel=obs["otel"])
     except _core.StagelinkError as e:
         err.print(f"error: the pipeline did not start: {e}")
         return 1
-    except OSError as e:  # the metrics port: taken, or an address not of this host
-        err.print(f"error: --metrics-port {obs['metrics_port']} on {obs['metrics_host']}: {e}")
+    except OSError as e:  # the metrics port (taken, an address not of this host), the trace file
+        what = (f"--trace {obs['trace']}" if obs["trace"] and getattr(e, "filename", None) == obs["trace"]
+                else f"--metrics-port {obs['metrics_port']} on {obs['metrics_host']}")
+        err.print(f"error: {what}: {e}")
         return 1
     except KeyboardInterrupt:  # what started was stopped by Pipeline's own roll-back
         err.print(("terminated (SIGTERM)" if terminated else "interrupted") + " during start-up")
@@ -93,6 +98,9 @@ def _run(console, err, spec, make, verify, args, requests, concurrency, json_pat
     console.print(f"started in {p.startup_s * 1000:.0f} ms")
     if p.metrics_server is not None:
         console.print(f"metrics: {p.metrics_server.url}", highlight=False)
+    if obs["trace"]:
+        console.print(f"trace: {obs['trace']} (sampling {p.trace_sample:g}; open it in https://ui.perfetto.dev)",
+                      highlight=False)
     if spec.placement or spec.hosts:  # where each went (a placement engine decides it at start)
         console.print("placed: " + ", ".join(f"{proc} on {where}" for proc, where in p.placement().items()
                                              if proc in p.spec.initial_processes()), highlight=False)

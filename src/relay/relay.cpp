@@ -491,6 +491,7 @@ class RelayCore : public std::enable_shared_from_this<RelayCore> {
       go.hooks = &hooks;
       go.keep_waiting = o.keep_waiting;
       go.traceparent = o.traceparent;
+      go.request_id = o.request_id;
       SL_ASSIGN(GetResult g, conn->get("relay", "r", kv->as<std::string>(), &md, deadline_after(tmo), go));
       st->payload = std::move(g.payload);
       st->size = g.size;

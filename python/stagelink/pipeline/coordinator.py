@@ -879,8 +879,8 @@ class Pipeline:
                              frm=m.from_stage, flow_in=_trace.flow_from(m.traceparent),
                              **({"chunk": m.chunk_id} if m.type == "stream" else {}))
         try:
-            return from_frame(m.body) if m.body else self._relay_in.get_async(m.metadata,
-                                                                              traceparent=sp.traceparent).result()
+            return from_frame(m.body) if m.body else self._relay_in.get_async(
+                m.metadata, request_id=m.request_id, traceparent=sp.traceparent).result()
         finally:
             sp.end()
 

@@ -219,7 +219,8 @@ class Worker:
         elif kind == "body":
             obj = from_frame(item)
         else:
-            obj = self.relay(src, dst).get_async(item, zero_copy=zero_copy, traceparent=sp.traceparent).result()
+            obj = self.relay(src, dst).get_async(item, zero_copy=zero_copy, traceparent=sp.traceparent,
+                                                 request_id=rid or None).result()
             if zero_copy:  # torch tensors over read-only shared memory: in-place ops raise, not SIGSEGV
                 obj = protect(obj)
         sp.end()
