@@ -11,6 +11,26 @@ import os
 from html import escape
 
 PALETTE = ["#1f6feb", "#8250df", "#d1242f", "#bf8700", "#1a7f37", "#57606a"]
+# One colour per system, the same in every chart: stagelink's blues (its fastest way darkest), each
+# peer its own colour, the hardware's limits (memcpy, a device copy) grey.
+SYSTEM_COLOURS = {
+    "stagelink": "#0a3069", "stagelink C++": "#0a3069", "stagelink copy": "#0a3069", "stagelink (copy)": "#0a3069",
+    "stagelink Python": "#218bff", "stagelink view": "#218bff", "stagelink (view)": "#218bff",
+    "stagelink-speed": "#54aeff", "2 replicas": "#218bff", "1 replica": "#0a3069",
+    "the seed's Python design": "#8250df", "the seed's design": "#8250df",
+    "memcpy": "#8c959f", "device-to-device copy": "#8c959f",
+    "ZeroMQ": "#d1242f", "zeromq": "#d1242f", "iceoryx2": "#bf8700",
+    "ucx_perftest": "#e16f24", "Mooncake TE": "#1a7f37", "Mooncake Store": "#1a7f37",
+    "redis-benchmark": "#a40e26", "sglang-omni": "#bf3989", "torch primitives (copy)": "#6e7781",
+    "vllm": "#116329", "vLLM shm_broadcast": "#116329",
+}
+
+
+def colour(name):
+    """The colour of system `name` in every chart (an unknown one: a fixed pick by its name)."""
+    if name in SYSTEM_COLOURS:
+        return SYSTEM_COLOURS[name]
+    return PALETTE[sum(map(ord, name)) % len(PALETTE)]
 
 
 def _size(n):
@@ -23,8 +43,10 @@ def _size(n):
 
 def _num(v):
     for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e4, "k")):
-        if v >= scale:
-            return f"{v / scale:g}{suffix}" if scale != 1e4 else f"{v / 1e3:g}k"
+        if v >= scale:  # three significant digits: 33.2k, 525k, 1.2M
+            x = v / (1e3 if scale == 1e4 else scale)
+            t = f"{x:.3g}"
+            return (t if "e" not in t else f"{x:.0f}") + suffix
     if v >= 100:
         return f"{v:.0f}"
     if v >= 10:
@@ -49,9 +71,11 @@ def _wrap(text, width):
     return [ln if len(ln) <= width else ln[:width - 1] + "\u2026" for ln in lines]
 
 
-def bar_chart(title, groups, series, unit, better="lower"):
+def bar_chart(title, groups, series, unit, better="lower", machine=""):
     """An SVG grouped bar chart. groups: the x labels; series: [(name, [value or None per group])].
-    A log scale when the values span more than a factor of 20; None leaves a gap (not measured)."""
+    A log scale when the values span more than a factor of 20; None leaves a gap (not measured).
+    Each bar carries its value (a log axis hides a 200x gap; the numbers do not); each system has
+    its colour (colour()); `machine` names where it was measured, under the title."""
     values = [v for _, vs in series for v in vs if v is not None and v > 0]
     if not values:
         raise ValueError(f"{title}: nothing to plot")
@@ -66,7 +90,7 @@ def bar_chart(title, groups, series, unit, better="lower"):
         step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
         ymin, ymax = 0.0, math.ceil(hi / step) * step
         ticks = [ymin + i * step for i in range(int(round(ymax / step)) + 1)]
-    W, H, left, right, top, bottom = 720, 350, 60, 10, 40, 90
+    W, H, left, right, top, bottom = 720, 370, 60, 10, 56, 90
     pw, ph = W - left - right, H - top - bottom
 
     def y(v):
@@ -79,6 +103,8 @@ def bar_chart(title, groups, series, unit, better="lower"):
            f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="13" font-weight="bold">{escape(title)}</text>',
            f'<text x="{W / 2}" y="32" text-anchor="middle" fill="#57606a">{escape(unit)}, '
            f'{"lower" if better == "lower" else "higher"} is better{", log scale" if log else ""}</text>']
+    if machine:
+        out.append(f'<text x="{W / 2}" y="46" text-anchor="middle" fill="#57606a">measured on {escape(machine)}</text>')
     for t in ticks:
         out.append(f'<line x1="{left}" x2="{W - right}" y1="{y(t):.1f}" y2="{y(t):.1f}" stroke="#d0d7de"/>')
         label = _num(t) if t >= 1e4 else f"{t:g}"
@@ -97,12 +123,25 @@ def bar_chart(title, groups, series, unit, better="lower"):
             yv = y(max(v, ymin))
             x = x0 + si * bw
             out.append(f'<rect x="{x:.1f}" y="{yv:.1f}" width="{bw - 1:.1f}" height="{top + ph - yv:.1f}" '
-                       f'fill="{PALETTE[si % len(PALETTE)]}"><title>{escape(name)}, {escape(g)}: {_num(v)} {escape(unit)}</title></rect>')
+                       f'fill="{colour(name)}"><title>{escape(name)}, {escape(g)}: {_num(v)} {escape(unit)}</title></rect>')
+            # The value on its bar: above it, turned upright where the bar is too narrow for it.
+            # Near the top of the plot it goes inside the bar, in white.
+            label, cx = _num(v), x + (bw - 1) / 2
+            flat = bw - 1 >= 6.2 * len(label)
+            room = 12 if flat else 5.5 * len(label) + 4
+            inside = yv - top < room
+            ty = yv + (room if inside else -3)
+            fill = ' fill="white"' if inside else ""
+            if flat:
+                out.append(f'<text x="{cx:.1f}" y="{ty:.1f}" text-anchor="middle" font-size="10"{fill}>{label}</text>')
+            else:
+                out.append(f'<text x="{cx + 3:.1f}" y="{ty:.1f}" font-size="9"{fill} '
+                           f'transform="rotate(-90 {cx + 3:.1f} {ty:.1f})">{label}</text>')
     lx, ly = left, H - 36
     for si, (name, _) in enumerate(series):
         if lx + 14 + 7 * len(name) > W - right:
             lx, ly = left, ly + 16
-        out.append(f'<rect x="{lx}" y="{ly - 9}" width="10" height="10" fill="{PALETTE[si % len(PALETTE)]}"/>')
+        out.append(f'<rect x="{lx}" y="{ly - 9}" width="10" height="10" fill="{colour(name)}"/>')
         out.append(f'<text x="{lx + 14}" y="{ly}">{escape(name)}</text>')
         lx += 14 + 7 * len(name) + 18
     out.append("</svg>")
@@ -221,7 +260,17 @@ def charts(result):
     if kind not in CHARTS:
         raise ValueError(f"unknown benchmark kind {kind!r} (known: {', '.join(CHARTS)})")
     when = f" ({result['date'][:10]})" if isinstance(result.get("date"), str) else ""
-    return [(t + when, bar_chart(t + when, g, s, u, b)) for t, g, s, u, b in CHARTS[kind](result)]
+    return [(t + when, bar_chart(t + when, g, s, u, b, machine_of(result))) for t, g, s, u, b in CHARTS[kind](result)]
+
+
+def machine_of(result):
+    """Where a result was measured, in words: its `machine` and CPUs (cores), or "" when unknown."""
+    m = result.get("machine")
+    cpus = result.get("cpus") or result.get("cores")
+    parts = [str(m)] if m else []
+    if isinstance(cpus, int):
+        parts.append(f"{cpus} CPUs")
+    return ", ".join(parts)
 
 
 def plot_files(paths, out_dir):

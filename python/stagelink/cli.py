@@ -252,6 +252,63 @@ def _cmd_metrics_reference(args):
     return 0
 
 
+def _cmd_trace_show(args):
+    """The requests of a trace, slowest first, and one request's spans as a tree."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import trace
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        spans = trace.load_chrome(args.file)
+    except (OSError, ValueError, KeyError) as e:
+        err.print(f"error: {args.file}: not a trace stagelink wrote ({type(e).__name__}: {e})")
+        return 2
+    per = trace.requests_of(spans)
+    if not per:
+        err.print(f"error: {args.file}: no traced request in it")
+        return 1
+
+    def span_of(rid):
+        req = [s for s in per[rid] if s["name"] == "request"]
+        return req[0] if req else None
+    total = {rid: (span_of(rid) or {"dur_us": max(s["ts_us"] + s["dur_us"] for s in ss) - ss[0]["ts_us"]})["dur_us"]
+             for rid, ss in per.items()}
+    order = sorted(per, key=lambda r: -total[r])
+    out = Console()
+    t = Table(title=f"{len(per)} traced requests, slowest first", title_justify="left")
+    for col in ("request", "result", "total ms", "in stage runs ms", "queued ms", "in hops ms", "spans"):
+        t.add_column(col, justify="left" if col in ("request", "result") else "right")
+    for rid in order[:args.top]:
+        ss = per[rid]
+        runs = sum(s["dur_us"] for s in ss if s["name"] == "run")
+        queued = sum(s["dur_us"] for s in ss if s["name"] == "queue")
+        hops = sum(s["dur_us"] for s in ss if s["name"] in ("put", "get", "put_chunk", "get_chunk"))
+        req = span_of(rid)
+        t.add_row(rid, str(req["args"].get("result", "")) if req else "?", f"{total[rid] / 1e3:.3f}",
+                  f"{runs / 1e3:.3f}", f"{queued / 1e3:.3f}", f"{hops / 1e3:.3f}", str(len(ss)))
+    out.print(t)
+    rid = args.request or order[0]
+    if rid not in per:
+        err.print(f"error: no request '{rid}' in {args.file}")
+        return 1
+    t0 = per[rid][0]["ts_us"]
+    tree = Table(title=f"request {rid}: its spans (start from the first, duration)", title_justify="left")
+    for col in ("span", "process", "start ms", "ms", "detail"):
+        tree.add_column(col, justify="right" if col in ("start ms", "ms") else "left")
+    keys = ("stage", "to", "frm", "chunk", "bytes", "path", "edge", "key", "result", "error")
+    for depth, s in trace.tree_lines(per[rid]):
+        detail = ", ".join(f"{k}={s['args'][k]}" for k in keys if k in s["args"])
+        tree.add_row("  " * depth + s["name"], s["proc"].split(" ")[0], f"{(s['ts_us'] - t0) / 1e3:.3f}",
+                     "" if s["instant"] else f"{s['dur_us'] / 1e3:.3f}", detail[:80])
+    out.print(tree)
+    if args.svg:
+        with open(args.svg, "w", encoding="utf-8") as f:
+            f.write(trace.svg_timeline(per[rid], f"request {rid}"))
+        out.print(f"timeline: {args.svg}")
+    return 0
+
+
 def _cmd_config_check(args):
     from . import transfer_engine_port
     if _is_pipeline_file(args.file):
@@ -318,7 +375,7 @@ def _cmd_bench_plot(args):
               file=sys.stderr)
         return 2
     try:
-        written = plot_files(args.files, args.out)
+        written = plot_files(args.files, args.out or "bench-charts")
     except OSError as e:
         print(f"stagelink bench plot: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
@@ -339,6 +396,18 @@ def _cmd_bench(args):
     if args.files:
         print(f"stagelink bench {args.kind}: takes no files (only `bench plot` does)", file=sys.stderr)
         return 2
+    if args.out or args.only:
+        if args.kind != "all" or not args.out:
+            print("stagelink bench: --out DIR (and --only) go with `all` (a report of the run) or `plot`", file=sys.stderr)
+            return 2
+        from .bench_report import ABOUT, run_all
+        kinds = [k.strip() for k in args.only.split(",")] if args.only else None
+        bad = [k for k in kinds or [] if k not in ABOUT]
+        if bad:
+            print(f"stagelink bench all --only: unknown {', '.join(bad)} (known: {', '.join(ABOUT)})", file=sys.stderr)
+            return 2
+        run_all(args.out, quick=args.quick, rounds=args.rounds, peer=not args.no_peer, kinds=kinds)
+        return 0
     from .bench import parse_size, run_shm
     from .bench_mq import run_mq
     from .bench_relay import run_relay
@@ -455,18 +524,21 @@ def main(argv=None):
                "         gap in completions when one is SIGKILLed mid-run (retry: true; none lost)\n"
                "  cuda   CUDA tensors between processes (says why and stops without a GPU); peers:\n"
                "         pinned/pageable/device copies, CUDA IPC, the seed's design\n"
-               "  all    each of the above in turn\n"
+               "  all    each of the above in turn; with --out DIR: DIR/report.md (every table, ratio and\n"
+               "         chart of the run, the machine), the result files and charts (--quick: < 5 min)\n"
                "  plot   draw result files as SVG charts: stagelink bench plot FILE.json... [--out DIR]")
     b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "pipeline", "replicas", "cuda", "all",
                                     "plot"],
                    help="what to measure (below), or plot to draw results")
     b.add_argument("files", nargs="*", metavar="FILE", help="plot: result files written with --json")
-    b.add_argument("--out", default="bench-charts", metavar="DIR",
-                   help="plot: the folder the SVG charts go to (default bench-charts)")
+    b.add_argument("--out", metavar="DIR",
+                   help="plot: the folder the SVG charts go to (default bench-charts); all: the folder of the "
+                        "run's report.md, result files and charts")
+    b.add_argument("--only", metavar="KINDS", help="all: these benchmarks only, comma-separated (e.g. shm,relay)")
     b.add_argument("--sizes", help="comma-separated sizes, e.g. 1KiB,64KiB,1MiB,16MiB,186MiB")
     b.add_argument("--iters", type=int, default=2000, help="iterations for small sizes (default 2000)")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-pipeline.json, FILE-replicas.json, FILE-cuda.json)")
-    b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; pipeline: fewer requests (a smoke run)")
+    b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; pipeline: fewer requests; all --out: fewer sizes, iterations and rounds everywhere (a smoke run)")
     b.add_argument("--rounds", type=int, default=3, help="pipeline, replicas: rounds of every variant, alternating (default 3)")
     b.add_argument("--no-peer", action="store_true", help="pipeline: stagelink only, without installing or running SGLang-Omni")
     b.set_defaults(fn=_cmd_bench)
@@ -499,6 +571,20 @@ def main(argv=None):
                          description="Print the metrics reference (docs/reference/metrics.md) from the metrics' "
                                      "declarations: name, kind, labels and meaning of each.")
     mr.set_defaults(fn=_cmd_metrics_reference)
+
+    tr = sub.add_parser("trace", help="read a trace written with --trace")
+    tsub = tr.add_subparsers(dest="sub", required=True)
+    ts = tsub.add_parser("show", help="the requests of a trace, slowest first, and one request's spans",
+                         description="Read a trace that `stagelink run --trace FILE` or Pipeline(trace=FILE) wrote "
+                                     "and print its requests, slowest first (time in stage runs, queued, in hops), "
+                                     "then the spans of one request (the slowest, or --request) as a tree with their "
+                                     "start and duration. For the timeline itself open FILE in "
+                                     "https://ui.perfetto.dev. Example: stagelink trace show run.trace.json --top 5")
+    ts.add_argument("file", help="the trace (Chrome JSON)")
+    ts.add_argument("--request", metavar="ID", help="the request whose spans to show (default: the slowest)")
+    ts.add_argument("--top", type=int, default=10, metavar="N", help="requests in the table (default 10)")
+    ts.add_argument("--svg", metavar="OUT", help="also draw that request's timeline into OUT (an SVG)")
+    ts.set_defaults(fn=_cmd_trace_show)
 
     s = sub.add_parser("shm", help="list and reclaim shared-memory resources")
     ssub = s.add_subparsers(dest="sub", required=True)

@@ -23,6 +23,7 @@ Times are CLOCK_MONOTONIC nanoseconds (``time.monotonic_ns()``), shared by the p
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -281,7 +282,7 @@ class OtelExport:
     def __init__(self, exporter=None, service_name: str = "stagelink"):
         try:
             from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import ReadableSpan  # noqa: F401
+            importlib.import_module("opentelemetry.sdk.trace")
         except ImportError as e:
             raise _core.InvalidArgumentError("OpenTelemetry export needs opentelemetry-sdk: "
                                              "pip install 'stagelink[otel]'") from e
@@ -324,3 +325,120 @@ class OtelExport:
         except Exception:  # noqa: BLE001  an exporter without it, or a collector gone
             pass
         self.exporter.shutdown()
+
+
+# -- reading a trace back (stagelink trace show)
+
+def load_chrome(path: str) -> List[dict]:
+    """The spans of a Chrome trace this module wrote (a trace cut short, without its closing
+    bracket, too): dicts of name, cat, proc, tid, ts_us, dur_us, instant, args."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read().rstrip()
+    if not text.endswith("]"):
+        text = text.rstrip(",") + "]"
+    events = json.loads(text)
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    out = []
+    for e in events:
+        if e.get("ph") in ("X", "i"):
+            out.append({"name": e["name"], "cat": e.get("cat", ""), "proc": procs.get(e["pid"], str(e["pid"])),
+                        "tid": e.get("tid", 0), "ts_us": float(e["ts"]), "dur_us": float(e.get("dur", 0.0)),
+                        "instant": e["ph"] == "i", "args": e.get("args") or {}})
+    return out
+
+
+def requests_of(spans: List[dict]) -> Dict[str, List[dict]]:
+    """The spans of each request (by request_id), in start order."""
+    per: Dict[str, List[dict]] = {}
+    for s in spans:
+        per.setdefault(s["args"].get("request_id", ""), []).append(s)
+    for v in per.values():
+        v.sort(key=lambda s: s["ts_us"])
+    per.pop("", None)
+    return per
+
+
+def tree_lines(spans: List[dict]) -> List[tuple]:
+    """One request's spans as (depth, span) in tree order (children by start time)."""
+    by_id = {s["args"].get("span_id"): s for s in spans}
+    kids: Dict[str, list] = {}
+    roots = []
+    for s in spans:
+        p = s["args"].get("parent_id") or ""
+        (kids.setdefault(p, []) if p in by_id else roots).append(s)
+    out: list = []
+
+    def walk(s, d):
+        out.append((d, s))
+        for c in kids.get(s["args"].get("span_id"), []):
+            walk(c, d + 1)
+    for r in roots:
+        walk(r, 0)
+    return out
+
+
+_COLOURS = {"request": "#57606a", "run": "#1f6feb", "queue": "#bf8700", "put": "#8250df", "put_chunk": "#8250df",
+            "get": "#1a7f37", "get_chunk": "#1a7f37", "relay.credit_wait": "#d1242f"}
+
+
+def svg_timeline(spans: List[dict], title: str = "") -> str:
+    """One request's spans (requests_of()[id]) as an SVG timeline: a lane per process, a row per
+    nesting level, each span a bar labelled with its name (what the trace viewer shows, in a file
+    the docs can hold)."""
+    from html import escape
+    spans = [s for s in spans if not s["name"].startswith("connector.")]
+    t0 = min(s["ts_us"] for s in spans)
+    t1 = max(s["ts_us"] + s["dur_us"] for s in spans)
+    width, left, row_h = 960, 110, 18
+    scale = (width - left - 10) / max(1.0, t1 - t0)
+    # Depth within each process's lane: a span nests under its parent only where that parent is
+    # in the same process (a get under its sender's put starts its lane's top row).
+    by_id = {s["args"].get("span_id"): s for s in spans}
+    depth: Dict[int, int] = {}
+    for _, s in tree_lines(spans):
+        p = by_id.get(s["args"].get("parent_id"))
+        depth[id(s)] = depth.get(id(p), 0) + 1 if p is not None and p["proc"] == s["proc"] else 0
+    procs: List[str] = []
+    for s in spans:
+        p = s["proc"].split(" ")[0]
+        if p not in procs:
+            procs.append(p)
+    lanes, y = {}, 30
+    for p in procs:
+        rows = 1 + max(depth.get(id(s), 0) for s in spans if s["proc"].split(" ")[0] == p)
+        lanes[p] = (y, rows)
+        y += rows * row_h + 10
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y + 40}" font-family="sans-serif" '
+           f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="8" y="18" font-size="13" font-weight="bold">{escape(title)}</text>']
+    for p, (ly, rows) in lanes.items():
+        out.append(f'<rect x="0" y="{ly - 3}" width="{width}" height="{rows * row_h + 6}" fill="#f6f8fa"/>')
+        out.append(f'<text x="8" y="{ly + 12}" font-weight="bold">{escape(p)}</text>')
+    for s in spans:
+        ly, _ = lanes[s["proc"].split(" ")[0]]
+        x = left + (s["ts_us"] - t0) * scale
+        yy = ly + depth.get(id(s), 0) * row_h
+        if s["instant"]:
+            out.append(f'<path d="M{x:.1f},{yy} l5,8 l-5,8 l-5,-8 z" fill="#d1242f"><title>{escape(s["name"])}'
+                       f'</title></path>')
+            continue
+        w = max(1.0, s["dur_us"] * scale)
+        c = _COLOURS.get(s["name"], "#57606a")
+        label = s["name"] + (f' {s["args"]["chunk"]}' if "chunk" in s["args"] else "")
+        out.append(f'<rect x="{x:.1f}" y="{yy}" width="{w:.1f}" height="{row_h - 3}" fill="{c}" rx="2">'
+                   f'<title>{escape(label)}: {s["dur_us"] / 1e3:.3f} ms</title></rect>')
+        if w > 7 * len(label):
+            out.append(f'<text x="{x + 3:.1f}" y="{yy + 11}" fill="white">{escape(label)}</text>')
+    ticks = 5
+    for i in range(ticks + 1):
+        x = left + (width - left - 10) * i / ticks
+        out.append(f'<text x="{x:.1f}" y="{y + 14}" text-anchor="middle" fill="#57606a">'
+                   f'{(t1 - t0) * i / ticks / 1e3:.2f} ms</text>')
+    lx = left
+    for name, c in (("request", "#57606a"), ("queue", "#bf8700"), ("run", "#1f6feb"), ("put", "#8250df"),
+                    ("get", "#1a7f37"), ("credit wait", "#d1242f")):
+        out.append(f'<rect x="{lx}" y="{y + 22}" width="10" height="10" fill="{c}"/>'
+                   f'<text x="{lx + 14}" y="{y + 31}">{name}</text>')
+        lx += 30 + 7 * len(name)
+    out.append("</svg>")
+    return "\n".join(out)

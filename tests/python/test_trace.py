@@ -221,6 +221,11 @@ def test_stagelink_run_writes_a_trace(tmp_path, ns):
     events, procs = _load(out)
     assert sum(e["ph"] == "X" and e["name"] == "request" for e in events) == 4
     assert sum(e["ph"] == "X" and e["name"] == "get_chunk" for e in events) == 4 * 8
+    show = subprocess.run([sys.executable, "-m", "stagelink", "trace", "show", str(out), "--request", "run-2"],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert show.returncode == 0, show.stderr
+    assert "4 traced requests, slowest first" in show.stdout and "request run-2: its spans" in show.stdout
+    assert show.stdout.count("get_chunk") == 8 and "vocoder" in show.stdout
     bad = subprocess.run([sys.executable, "-m", "stagelink", "run", str(f), "--requests", "1", "--trace",
                           str(tmp_path / "no" / "such" / "dir.json")], cwd=HERE, capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PYTHONPATH=HERE))
