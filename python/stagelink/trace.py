@@ -27,6 +27,7 @@ import importlib
 import json
 import os
 import random
+import re
 import threading
 import time
 from typing import Dict, Iterable, List, NamedTuple, Optional
@@ -43,19 +44,18 @@ class Context(NamedTuple):
     sampled: bool
 
 
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
 def parse(traceparent: Optional[str]) -> Optional[Context]:
     """A W3C traceparent of version 00, or None for anything else (a receiver ignores it)."""
-    if not isinstance(traceparent, str) or len(traceparent) != 55:
+    m = _TRACEPARENT.fullmatch(traceparent) if isinstance(traceparent, str) else None
+    if m is None:
         return None
-    parts = traceparent.split("-")
-    if len(parts) != 4 or parts[0] != "00" or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
-        return None
-    if any(c not in "0123456789abcdef" for c in traceparent.replace("-", "")):
-        return None
-    tid, sid = int(parts[1], 16), int(parts[2], 16)
+    tid, sid = int(m.group(1), 16), int(m.group(2), 16)
     if not tid or not sid:
         return None
-    return Context(tid, sid, bool(int(parts[3], 16) & 1))
+    return Context(tid, sid, bool(int(m.group(3), 16) & 1))
 
 
 def format_traceparent(trace_id: int, span_id: int, sampled: bool = True) -> str:
@@ -213,9 +213,15 @@ class ChromeTraceWriter:
         self.events = 0
 
     def _emit(self, ev: dict) -> None:
-        self._f.write(("" if self._first else ",\n") + json.dumps(ev, separators=(",", ":")))
+        self._emit_all([ev])
+
+    def _emit_all(self, evs: list) -> None:
+        if not evs:
+            return
+        text = json.dumps(evs, separators=(",", ":"))[1:-1]  # one line per batch
+        self._f.write(("" if self._first else ",\n") + text)
         self._first = False
-        self.events += 1
+        self.events += len(evs)
 
     def process(self, proc: str, label: str = "") -> int:
         """The trace's pid of process ``proc`` (named once, with ``label``: host and pid)."""
@@ -232,6 +238,7 @@ class ChromeTraceWriter:
             if self._f is None:
                 return
             pid = self.process(proc, label)
+            evs = []
             for s in spans:
                 args = dict(s.get("args") or {})
                 instant_ = args.pop("instant", False)
@@ -245,14 +252,15 @@ class ChromeTraceWriter:
                     ev.update(ph="i", s="t")
                 else:
                     ev.update(ph="X", dur=max(0.0, (s["end_ns"] - s["start_ns"]) / 1e3))
-                self._emit(ev)
+                evs.append(ev)
                 # A hop: the put's slice starts the arrow, the get's ends it (ids: the put's span id).
                 if flow_out:
-                    self._emit({"ph": "s", "name": "transfer", "cat": "flow", "id": f"0x{s['span_id']}",
+                    evs.append({"ph": "s", "name": "transfer", "cat": "flow", "id": f"0x{s['span_id']}",
                                 "pid": pid, "tid": s["tid"], "ts": (s["end_ns"] - offset_ns) / 1e3 - 0.001})
                 if flow_in:
-                    self._emit({"ph": "f", "bp": "e", "name": "transfer", "cat": "flow", "id": f"0x{flow_in}",
+                    evs.append({"ph": "f", "bp": "e", "name": "transfer", "cat": "flow", "id": f"0x{flow_in}",
                                 "pid": pid, "tid": s["tid"], "ts": ts})
+            self._emit_all(evs)
             self._f.flush()
 
     def close(self) -> None:

@@ -171,6 +171,62 @@ def test_bench_plot_draws_every_result_file_with_its_peers(tmp_path):
     assert any(t.startswith("ucx_perftest") for t in te) and any(t.startswith("stagelink copy") for t in te)
 
 
+def test_every_chart_prints_its_values_names_its_machine_and_colours_each_system_once(tmp_path):
+    """Issue 63 section 4: a reader sees each bar's value (a log axis hides a 200x gap), the same
+    colour for a system in every chart, and where it was measured."""
+    import glob
+    import json
+    import os
+    import xml.etree.ElementTree as ET
+    from stagelink import bench_plot
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ns = "{http://www.w3.org/2000/svg}"
+    fills = {}
+    for path in sorted(glob.glob(os.path.join(root, "bench", "results", "*.json"))):
+        with open(path) as f:
+            result = json.load(f)
+        for title, svg in bench_plot.charts(result):
+            doc = ET.fromstring(svg)
+            texts = [t.text for t in doc.iter(ns + "text")]
+            machine = bench_plot.machine_of(result)
+            if machine:
+                assert f"measured on {machine}" in texts, title
+            bars = [(r.find(ns + "title").text, r.get("fill")) for r in doc.iter(ns + "rect")
+                    if r.find(ns + "title") is not None]
+            assert bars, title
+            for label, fill in bars:
+                system, rest = label.split(", ", 1)
+                value = rest.rsplit(": ", 1)[1].split(" ")[0]
+                assert value in texts, (title, label)  # printed on the chart
+                assert fills.setdefault(system, fill) == fill, (system, title)  # one colour per system
+    assert fills["memcpy"] != fills["stagelink C++"] and fills["ZeroMQ"] != fills["stagelink copy"]
+    with open(os.path.join(root, "bench", "results", "shm.json")) as f:
+        shm = json.load(f)
+    assert bench_plot.machine_of(shm) == f"{shm['machine']}, {shm['cpus']} CPUs"
+
+
+def test_bench_all_quick_writes_a_report_of_the_run(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    out = tmp_path / "report"
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagelink"), "bench", "all", "--quick",
+                        "--only", "shm,relay", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = (out / "report.md").read_text()
+    assert report.startswith("# stagelink benchmarks (quick)")
+    assert re.search(r"- machine: .*\d+ CPUs", report)
+    for kind in ("shm", "relay"):
+        assert f"## {kind}" in report and (out / f"{kind}.json").exists()
+        charts = re.findall(rf"!\[[^]]*\]\(({kind}-\d+\.svg)\)", report)
+        assert charts and all((out / c).exists() for c in charts)
+    assert "memcpy" in report and "ZeroMQ" in report  # the peers' figures, printed beside stagelink's
+    bad = subprocess.run([os.path.join(os.path.dirname(sys.executable), "stagelink"), "bench", "all", "--only",
+                          "weather", "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown weather" in bad.stderr
+
+
 def test_bench_plot_refuses_what_is_not_a_result(tmp_path):
     import os
     import subprocess

@@ -11,6 +11,7 @@ sample with the smallest round trip so far is kept (tens of microseconds on a LA
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 import time
@@ -33,6 +34,11 @@ class TraceGatherer:
         self.spans = 0  # spans written (every process)
         self.closed = False
         self.lock = threading.Lock()
+        # The writers run on a thread of their own: encoding and writing spans (or an exporter's
+        # HTTP call) must not hold up the coordinator's receive loop.
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._write, name="stagelink-trace-writer", daemon=True)
+        self._thread.start()
 
     def due(self, now: float) -> bool:
         if now < self.next_at:
@@ -68,11 +74,18 @@ class TraceGatherer:
         if not spans or self.closed:
             return
         self.spans += len(spans)
-        for s in self.sinks:
-            try:
-                s.add(proc, spans, offset, label)
-            except Exception as e:  # noqa: BLE001  a collector gone must not stop the pipeline
-                print(f"stagelink: trace export to {type(s).__name__} failed: {e!r}")
+        self._q.put((proc, spans, offset, label))
+
+    def _write(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            for s in self.sinks:
+                try:
+                    s.add(*item)
+                except Exception as e:  # noqa: BLE001  a collector gone must not stop the pipeline
+                    print(f"stagelink: trace export to {type(s).__name__} failed: {e!r}")
 
     def clocks(self) -> Dict[str, dict]:
         """Per process: its clock offset to the coordinator's and the bound on its error (ns)."""
@@ -85,6 +98,8 @@ class TraceGatherer:
             return
         self.local()
         self.closed = True
+        self._q.put(None)
+        self._thread.join()  # every span written before the files close
         for s in self.sinks:
             try:
                 s.close()
