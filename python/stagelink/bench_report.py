@@ -118,11 +118,13 @@ def run_all(out_dir: str, quick: bool = False, rounds: int = 3, peer: bool = Tru
             tee.write(traceback.format_exc())
         took = time.monotonic() - t0
         figures = []
+        skipped = None
         if os.path.exists(path):
             try:
                 with open(path) as f:
                     result = json.load(f)
-                for i, (title, svg) in enumerate(charts(result), 1):
+                skipped = result.get("skipped")  # nothing to measure here (cuda without a GPU)
+                for i, (title, svg) in enumerate([] if skipped else charts(result), 1):
                     name = f"{kind}-{i}.svg"
                     with open(os.path.join(out_dir, name), "w") as f:
                         f.write(svg)
@@ -133,6 +135,8 @@ def run_all(out_dir: str, quick: bool = False, rounds: int = 3, peer: bool = Tru
                 where = ""
         else:
             where = ""
+        if skipped and not error:
+            error = f"skipped: {skipped}"
         sections.append((kind, took, tee.buf.getvalue(), figures, error, where))
     total = time.monotonic() - t_all
     lines = [f"# stagelink benchmarks{' (quick)' if quick else ''}", "",
@@ -146,13 +150,15 @@ def run_all(out_dir: str, quick: bool = False, rounds: int = 3, peer: bool = Tru
                   "not the settled numbers (run `stagelink bench all --out DIR` for those).", ""]
     lines += ["| benchmark | compares | took | result |", "|---|---|---|---|"]
     for kind, took, _, figures, error, _ in sections:
-        lines.append(f"| [{kind}](#{kind}) | {ABOUT[kind]} | {took:.0f} s | "
-                     f"{'failed: ' + error.splitlines()[0][:120] if error else f'{len(figures)} charts'} |")
+        state = (error if error.startswith("skipped") else "failed: " + error).splitlines()[0][:160] if error else \
+            f"{len(figures)} chart{'s' if len(figures) != 1 else ''}"
+        lines.append(f"| [{kind}](#{kind}) | {ABOUT[kind]} | {took:.0f} s | {state} |")
     for kind, took, text, figures, error, where in sections:
         lines += ["", f"## {kind}", "", f"{ABOUT[kind]}; {took:.0f} s" + (f"; measured on {where}" if where else "")
                   + ".", ""]
         if error:
-            lines += [f"**Failed**: {error}", ""]
+            lines += [f"**{'Skipped' if error.startswith('skipped') else 'Failed'}**: "
+                      f"{error.removeprefix('skipped: ')}", ""]
         for title, name in figures:
             lines += [f"![{title}]({name})", ""]
         lines += ["```text", text.rstrip() or "(nothing printed)", "```"]

@@ -103,6 +103,7 @@ class MooncakeStoreConnector:
         kind, obj = _core.decode_frame_parts(bytes(data))
         if kind != _serde.KIND_OBJECT and not self.allow_pickle:
             self._n["errors"] += 1
+            _core.count_pickle_refused()
             raise _core.CorruptError(f"'{k}' holds a pickled object and allow_pickle is off: refused unread")
         obj = _serde.decode(kind, obj, False)
         with self._lock:

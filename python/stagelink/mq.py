@@ -276,6 +276,7 @@ class MessageQueue(NativeOwner):
             kind, regions = q.dequeue_parts(timeout)
             sc.last_read = time.monotonic()  # record_read()
         if kind != _serde.KIND_OBJECT and not self._allow_pickle:
+            _core.count_pickle_refused()
             raise _core.CorruptError("a message holding a pickle from an unauthenticated remote writer: refused unread "
                                      "(give the queue CURVE keys, or create_from_handle(..., allow_pickle=True))")
         return _serde.decode(kind, regions, False)

@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "control/shm_transport.hpp"
+#include "control/counted.hpp"
 #include "core/proc.hpp"
 #include "shm/futex.hpp"
 #include "shm/segment.hpp"
@@ -128,7 +129,7 @@ class ShmInbox final : public ControlInbox {
       if (c) {
         const uint64_t len = r->claim.load(std::memory_order_relaxed) & 0xffffffffu;
         std::optional<Result<ControlMessage>> m = take(head, r, c >> 1, len, true);
-        if (m) return std::move(*m);
+        if (m) return counted(std::move(*m));
         continue;  // a padding record
       }
       if (closed_.load()) return make_error(Errc::closed, "control inbox was closed");
@@ -144,7 +145,7 @@ class ShmInbox final : public ControlInbox {
             const uint64_t size = len ? kRecHeader + round16(len) : cap - head % cap;
             std::optional<Result<ControlMessage>> m = take(head, r, size, len, false);
             stuck_since = 0;
-            if (m) return std::move(*m);
+            if (m) return counted(std::move(*m));
             continue;
           }
         }

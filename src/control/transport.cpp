@@ -11,6 +11,8 @@
 #include <mutex>
 #include <zmq.hpp>
 
+#include "control/counted.hpp"
+
 #include "control/shm_transport.hpp"
 #include "core/log.hpp"
 #include "core/proc.hpp"
@@ -109,7 +111,8 @@ class ZmqInbox final : public ControlInbox {
       zmq::message_t msg;
       if (sock_->recv(msg, zmq::recv_flags::dontwait)) {
         if (!msg.more())  // one part: decoded in place
-          return decode_control(std::span<const std::byte>(static_cast<const std::byte*>(msg.data()), msg.size()));
+          return counted(
+              decode_control(std::span<const std::byte>(static_cast<const std::byte*>(msg.data()), msg.size())));
         // Several parts (all here: ZeroMQ delivers a message whole): one buffer, bounded by the
         // largest legal message; past that, the rest is drained and the message refused.
         std::vector<std::byte> whole;
@@ -120,9 +123,10 @@ class ZmqInbox final : public ControlInbox {
           else over = true;
           if (!msg.more() || !sock_->recv(msg, zmq::recv_flags::dontwait)) break;
         }
-        if (over) return make_error(Errc::corrupt, "control message over " + std::to_string(kControlMaxWire) +
-                                                       " bytes (dropped)");
-        return decode_control(whole);
+        if (over)
+          return counted(make_error(Errc::corrupt, "control message over " + std::to_string(kControlMaxWire) +
+                                                       " bytes (dropped)"));
+        return counted(decode_control(whole));
       }
       if (closed_.load()) return make_error(Errc::closed, "control inbox was closed");
       int wait = -1;

@@ -1,5 +1,7 @@
 #include "core/zap.hpp"
 
+#include "core/counts.hpp"
+
 #include <array>
 #include <cerrno>
 #include <chrono>
@@ -99,6 +101,7 @@ void answer(zmq::socket_t& rep, const std::vector<zmq::message_t>& req) {
     std::memcpy(k.data(), req[6].data(), 32);
     ok = d->allowed.count(k) > 0;
   }
+  if (!ok && d) counts::curve_refused();
   if (!ok && d && d->refused.fetch_add(1) == 0)
     SL_LOG_WARN("refused a ZeroMQ peer at %s: its CURVE key is not among the allowed clients (counted; logged once)",
                 req.size() > 3 ? text(req[3]).c_str() : "?");

@@ -1,5 +1,7 @@
 #include "core/zmq_guard.hpp"
 
+#include "core/counts.hpp"
+
 #include <netinet/in.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
@@ -124,6 +126,7 @@ void ConnectionGuard::on_accepted(int fd, const std::string& endpoint) {
   // Full: this newcomer goes. libzmq reads end of file, drops the connection, closes the
   // descriptor and reports it disconnected (not counted: it never was).
   if (accepted_on(fd, endpoint) && ::shutdown(fd, SHUT_RDWR) == 0) {
+    counts::connection_refused();
     if (refused_.fetch_add(1, std::memory_order_relaxed) == 0)
       SL_LOG_WARN("%s: %zu connections already; newcomers are shut down until some leave (a peer opening "
                   "connections without authenticating?)", endpoint.c_str(), max_live_);

@@ -29,12 +29,24 @@
 #include "core/zmq_util.hpp"
 #include "shm/ring.hpp"
 #include "stagelink/allocator.hpp"
+#include "stagelink/metrics.hpp"
 #include "stagelink/shm.hpp"
 
 namespace stagelink {
 
 namespace {
 std::atomic<uint32_t> g_mq_counter{0};
+
+using metrics::Family;
+using metrics::Kind;
+const Family kMqMessages{"stagelink_mq_messages_total", Kind::counter, "", "messages a queue's writer enqueued",
+                         {"queue"}};
+const Family kMqBytes{"stagelink_mq_bytes_total", Kind::counter, "bytes", "frame bytes a queue's writer enqueued",
+                      {"queue"}};
+const Family kMqDepth{"stagelink_mq_depth", Kind::gauge, "",
+                      "messages enqueued that the slowest attached local reader has not read yet", {"queue"}};
+const Family kMqLag{"stagelink_mq_reader_lag", Kind::gauge, "",
+                    "messages enqueued that this local reader (its rank) has not read yet", {"queue", "reader"}};
 }  // namespace
 
 // ---- handle ----
@@ -129,7 +141,7 @@ Status MessageQueue::enqueue_held(const Payload&, double, std::shared_ptr<const 
 }
 
 // ---- writer ----
-class MqWriter final : public MessageQueue {
+class MqWriter final : public MessageQueue, private metrics::Source {
  public:
   explicit MqWriter(MessageQueueOptions o) : o_(std::move(o)) {}
   ~MqWriter() override { close(); }
@@ -328,6 +340,8 @@ class MqWriter final : public MessageQueue {
     const uint64_t seq = seq_;
     if (ring_) ++seq_;
     bytes_ += plan.total;
+    m_messages_.add();
+    m_bytes_.add(plan.total);
     if (pub_) {
       if (written.empty()) {
         scratch_.resize(plan.total);
@@ -529,6 +543,7 @@ class MqWriter final : public MessageQueue {
   }
 
   void close() {
+    reg_.reset();  // out of the metrics tree before anything it reads goes
     if (fork_.inherited()) {
       // Inherited through fork(): the queue is the parent's, which goes on writing. Nothing shared
       // is touched (no shutdown, no unlink); the socket is the parent's too, and is left as it is.
@@ -587,11 +602,37 @@ class MqWriter final : public MessageQueue {
   FramePlan plan_;  // the last message's layout (enqueue, under mu_)
   uint64_t seq_ = 0;  // messages sent (to the ring, the remote readers, or both)
   uint64_t bytes_ = 0, overflow_msgs_ = 0, dedicated_msgs_ = 0;
+
+  // The metrics tree reads relaxed atomics and the ring's header, never mu_: an enqueue blocked on
+  // a slow reader holds mu_, and a scrape must not wait for it.
+  metrics::Counter m_messages_, m_bytes_;
+  metrics::Registration reg_;
+  void collect(metrics::Sink& out) const override {
+    const uint64_t sent = m_messages_.value();
+    out.value(kMqMessages, {tag_}, double(sent));
+    out.value(kMqBytes, {tag_}, double(m_bytes_.value()));
+    if (!ring_) return;
+    auto& h = const_cast<shm::Ring&>(*ring_).header();
+    uint64_t depth = 0;
+    for (uint32_t i = 0; i < h.n_readers && i < o_.local_reader_ranks.size(); ++i) {
+      const auto& r = h.readers[i];
+      if (r.state.load(std::memory_order_acquire) != shm::kReaderAttached) continue;
+      const uint64_t consumed = r.consumed.load(std::memory_order_relaxed);
+      const uint64_t lag = sent > consumed ? sent - consumed : 0;
+      depth = std::max(depth, lag);
+      out.value(kMqLag, {tag_, std::to_string(o_.local_reader_ranks[i])}, double(lag));
+    }
+    out.value(kMqDepth, {tag_}, double(depth));
+  }
+
+ public:
+  void register_metrics() { reg_ = metrics::Registration(this); }
 };
 
 Result<std::unique_ptr<MessageQueue>> MessageQueue::create(const MessageQueueOptions& o) {
   auto w = std::make_unique<MqWriter>(o);
   SL_TRY(w->init());
+  w->register_metrics();
   return std::unique_ptr<MessageQueue>(std::move(w));
 }
 

@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "core/counts.hpp"
 #include "core/net.hpp"
 #include "core/options.hpp"
 #include "cuda/driver.hpp"
@@ -276,6 +277,8 @@ void bind_tools(nb::module_& m) {
   static constexpr auto ok_or_raise = [](const Status& st) {
     if (!st.ok()) raise(st.error());
   };
+  m.def("count_pickle_refused", [] { counts::pickle_refused(); },
+        "count a payload holding a pickle refused unread (stagelink_pickle_refused_total)");
   // Trace spans (include/stagelink/trace.hpp), read by stagelink.trace.
   m.def("trace_set_recording", [](bool on) { trace::set_recording(on); }, nb::arg("on"));
   m.def("trace_recording", [] { return trace::recording(); });

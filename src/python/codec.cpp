@@ -2,6 +2,7 @@
 // PyDecoder builds Python objects from one.
 #include "python/codec.hpp"
 
+#include "core/counts.hpp"
 #include "core/msgpack_io.hpp"
 #include "python/arrays.hpp"
 #include "python/torch.hpp"
@@ -757,8 +758,10 @@ Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::strin
   const ExtInfo ext = ExtInfo::of(g.payload);
   if (!ext.pickle)
     return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, g.owned && !zero_copy, host_local), g.size};
-  if (!allow_pickle)
+  if (!allow_pickle) {
+    counts::pickle_refused();
     raise(make_error(Errc::corrupt, "'" + key + "' holds a pickled object and allow_pickle is off: refused unread"));
+  }
   const int64_t kind = *ext.pickle;
   nb::list l;
   for (size_t i = 0; i < g.payload.tensors.size(); ++i) {

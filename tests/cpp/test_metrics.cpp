@@ -149,3 +149,74 @@ TEST(Metrics, EveryBuiltInFamilyFollowsPrometheusNaming) {
     EXPECT_FALSE(f->help.empty()) << f->name;
   }
 }
+
+namespace {
+// The sample of `name` whose labels start with `first` (a queue's own, whatever its tag).
+double sample_where(const std::string& name, const std::string& label, size_t at, const std::string& value) {
+  for (const auto& s : metrics::collect())
+    if (s.family->name == name && s.labels.size() > at && s.labels[at] == value &&
+        (label.empty() || s.labels[0] == label))
+      return s.value;
+  return -1;
+}
+std::string newest_queue() {
+  std::string last;
+  for (const auto& s : metrics::collect())
+    if (s.family->name == "stagelink_mq_messages_total") last = s.labels[0];
+  return last;  // the newest queue's (labels are per-process unique tags)
+}
+}  // namespace
+
+TEST(Metrics, AQueueCountsItsDepthAndEachReadersLag) {
+  MessageQueueOptions o;
+  o.n_reader = o.n_local_reader = 2;
+  o.max_chunks = 16;
+  auto w = MessageQueue::create(o);
+  ASSERT_TRUE(w.ok()) << w.error().message;
+  auto r0 = MessageQueue::create_from_handle((*w)->export_handle(), 0);
+  auto r1 = MessageQueue::create_from_handle((*w)->export_handle(), 1);
+  ASSERT_TRUE(r0.ok() && r1.ok());
+  ASSERT_TRUE((*w)->wait_until_ready(10).ok());
+  const std::string q = newest_queue();
+  ASSERT_FALSE(q.empty());
+  std::vector<std::byte> msg(100, std::byte{7});
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE((*w)->enqueue_bytes(msg, 5).ok());
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE((*r0)->dequeue(5).ok());
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE((*r1)->dequeue(5).ok());
+  EXPECT_EQ(sample_where("stagelink_mq_messages_total", "", 0, q), 5);
+  EXPECT_GE(sample_where("stagelink_mq_bytes_total", "", 0, q), 500);
+  EXPECT_EQ(sample_where("stagelink_mq_depth", "", 0, q), 3);  // the slowest reader's backlog
+  EXPECT_EQ(sample_where("stagelink_mq_reader_lag", q, 1, "0"), 0);
+  EXPECT_EQ(sample_where("stagelink_mq_reader_lag", q, 1, "1"), 3);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE((*r1)->dequeue(5).ok());
+  EXPECT_EQ(sample_where("stagelink_mq_depth", "", 0, q), 0);
+  r0->reset();
+  r1->reset();
+  w->reset();
+  EXPECT_EQ(sample_where("stagelink_mq_depth", "", 0, q), -1);  // a gauge goes with its queue
+  EXPECT_EQ(sample_where("stagelink_mq_messages_total", "", 0, q), 5);  // a counter stays (never goes back)
+}
+
+TEST(Metrics, ControlInboxesCountWhatTheyReceiveAndDrop) {
+  const std::string ep = "shm://tmet" + std::to_string(getpid());
+  auto in = ControlInbox::bind(ep);
+  ASSERT_TRUE(in.ok()) << in.error().message;
+  auto out = ControlOutbox::connect(ep);
+  ASSERT_TRUE(out.ok()) << out.error().message;
+  const double sub0 = sample("stagelink_control_messages_received_total", {"submit"});
+  const double bad0 = sample("stagelink_control_messages_dropped_total", {});
+  ControlMessage m;
+  m.type = ControlType::submit;
+  m.request_id = "r";
+  ASSERT_TRUE((*out)->send(m, 5).ok());
+  ASSERT_TRUE((*out)->send(m, 5).ok());
+  const std::byte junk[] = {std::byte{0xc1}, std::byte{0xff}};
+  ASSERT_TRUE((*out)->send_bytes(junk, 5).ok());
+  ASSERT_TRUE((*in)->recv(5).ok());
+  ASSERT_TRUE((*in)->recv(5).ok());
+  EXPECT_EQ((*in)->recv(5).error().code, Errc::corrupt);
+  EXPECT_EQ(sample("stagelink_control_messages_received_total", {"submit"}) - sub0, 2);
+  EXPECT_EQ(sample("stagelink_control_messages_dropped_total", {}) - bad0, 1);
+  EXPECT_TRUE(has_sample("stagelink_curve_peers_refused_total", {}));
+  EXPECT_TRUE(has_sample("stagelink_pickle_refused_total", {}));
+}
