@@ -499,7 +499,7 @@ def main(argv=None):
     p.add_argument("--version", action="version", version=f"stagelink {__version__}")
     p.add_argument("--cmake-dir", action=_CmakeDir, nargs=0,
                    help="print the directory of the CMake package (C++ headers and library) and exit")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     b = sub.add_parser(
         "bench", help="measure a transport against its peers in the same run",
@@ -653,6 +653,9 @@ def main(argv=None):
     d.set_defaults(fn=_cmd_demo)
 
     args = p.parse_args(argv)
+    if args.cmd is None:  # a bare `stagelink`: what it can do, not an error
+        p.print_help()
+        return 0
     try:
         return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C while loading or starting: a line, not a traceback

@@ -110,7 +110,8 @@ def _run(console, err, spec, make, verify, args, requests, concurrency, json_pat
             edges = paths.setdefault(p.spec.cuda_path(a, b), [])
             if f"{a}->{b}" not in edges:  # a data and a stream edge of one pair: one path
                 edges.append(f"{a}->{b}")
-    if paths:
+    # Only where CUDA tensors can be: this host has a GPU, or stages run on other hosts.
+    if paths and (_core.cuda_status().get("available") or p.spec.hosts or p.spec.placement):
         console.print("CUDA tensors: " + "; ".join(f"{', '.join(e)}: {how}" for how, e in paths.items()),
                       highlight=False)
     lock = threading.Lock()

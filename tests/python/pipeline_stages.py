@@ -234,3 +234,8 @@ def slow_pid(payload, ctx):
     while time.monotonic() < end and not ctx.aborted:
         time.sleep(0.005)
     return {"x": payload["x"] + 1, "pid": os.getpid()}
+
+
+def make_scaler(factor=2):
+    """A factory written as a function (its stage needs `args: {}` to be called)."""
+    return Scale(factor)

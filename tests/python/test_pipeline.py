@@ -471,6 +471,18 @@ def test_startup_failure_rolls_back(ns):
     assert children() <= before
 
 
+def test_a_factory_function_without_args_is_named_at_start_with_the_fix(ns):
+    """Issue 64: a factory written as a function, without `args:`, was taken for the stage itself and
+    failed only at the first request (takes from 0 to 1 positional arguments but 2 were given)."""
+    d = spec(ns, [{"name": "a", "factory": f"{S}:make_scaler", "terminal": True}])
+    with pytest.raises(PipelineStartError, match=r"stage 'a': 'pipeline_stages:make_scaler' cannot be called as a "
+                                                 r"stage.*Add `args: \{\}`"):
+        Pipeline.from_config(d)
+    d = spec(ns, [{"name": "a", "factory": f"{S}:make_scaler", "args": {}, "terminal": True}])
+    with Pipeline.from_config(d) as p:
+        assert p.submit("r", {"x": 21}).result(30) == {"x": 42}
+
+
 @pytest.mark.parametrize("stages,needle", [
     ([{"name": "a", "factory": "m:f", "next": "b"}, {"name": "b", "factory": "m:f", "next": "a"}], "terminal"),
     ([{"name": "a", "factory": "m:f", "next": "c"}, {"name": "b", "factory": "m:f", "next": "c"},

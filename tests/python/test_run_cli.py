@@ -120,3 +120,19 @@ def test_sigterm_stops_cleanly_with_status_143(tmp_path, to_group):
     else:
         os.kill(p.pid, signal.SIGTERM)
     assert_stopped_cleanly(p, "slowterm", 143, "terminated (SIGTERM)", before)
+
+
+def test_a_bare_stagelink_prints_its_help():
+    p = subprocess.run([STAGELINK], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage: stagelink") and "run" in p.stdout and "bench" in p.stdout
+
+
+def test_run_says_nothing_of_cuda_tensors_on_a_host_without_a_gpu():
+    from stagelink import _core
+    if _core.cuda_status().get("available"):
+        pytest.skip("this host has a GPU")
+    p = subprocess.run([STAGELINK, "run", os.path.join(ROOT, "examples", "toy_pipeline.yaml"), "--requests", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "CUDA tensors" not in p.stdout and "GPU" not in p.stdout

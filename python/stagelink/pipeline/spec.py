@@ -37,6 +37,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import shlex
@@ -788,6 +789,17 @@ def resolve(ref: str):
     return obj
 
 
+def _takes_payload_and_ctx(f) -> bool:
+    """Whether `f` can be called as f(payload, ctx) (True where Python cannot tell: a builtin)."""
+    try:
+        inspect.signature(f).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
 def build_stage(spec: StageSpec, base_dir: str = "."):
     """(the stage object, its callable): factory(**args) when args are given or the factory is a
     class, else the factory itself. The callable is fn(payload, ctx) (or process(payload, ctx));
@@ -799,6 +811,12 @@ def build_stage(spec: StageSpec, base_dir: str = "."):
         st = CppStage(lib if os.path.isabs(lib) else os.path.join(base_dir, lib), symbol, spec.name)
         return st, st
     f = resolve(spec.factory)
+    if spec.args is None and (inspect.isfunction(f) or inspect.ismethod(f)) and not _takes_payload_and_ctx(f):
+        # A factory written as a function: taken for the stage itself it would fail only at the
+        # first request ("takes from 0 to 1 positional arguments but 2 were given").
+        raise PipelineConfigError(f"stage '{spec.name}': '{spec.factory}' cannot be called as a stage, "
+                                  f"fn(payload, ctx): is it a factory? Add `args: {{}}` to the stage to call it "
+                                  "(with its keyword arguments) and run what it returns")
     obj = f(**(spec.args or {})) if (spec.args is not None or isinstance(f, type)) else f
     if callable(getattr(obj, "on_chunk", None)):
         return obj, None
