@@ -34,6 +34,11 @@ from .relay import (LocalRelay, Relay, RelayOperation, ShmRelay, UcxRelay, creat
 from . import metrics  # noqa: F401,E402
 from .metrics import serve_metrics  # noqa: F401,E402
 from .pipeline import Pipeline  # noqa: F401
+from .pipeline._readonly import ReadOnlyInputError, protect as _protect  # noqa: F401
+
+# A zero_copy Connector.get's torch tensors view read-only shared memory: an in-place write there
+# raises ReadOnlyInputError instead of killing the process with SIGSEGV (as a stage's inputs do).
+_core._set_zero_copy_hook(_protect)
 
 from ._version import __version__  # noqa: F401  (the one place it is written)
 

@@ -287,6 +287,11 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
   return found_of(*got, zero_copy, self.allow_pickle, key, !self.networked);
 }
 
+// What a zero_copy get's object passes through where torch is loaded (stagelink.connector sets it:
+// torch tensors over read-only shared memory become tensors whose in-place ops raise instead of
+// killing the process with SIGSEGV). Never released: it lives as long as the module.
+PyObject* g_zero_copy_hook = nullptr;
+
 // Python's `Connector.get`: (data, size), or None when absent, timed out or failed (logged by
 // `_fail`; raised in strict mode). A pickled payload is finished by the subclass's `_decode`.
 nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::handle key, nb::handle metadata,
@@ -311,7 +316,12 @@ nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::
     return nb::none();
   }
   nb::inst_ptr<PyConnector>(self_h)->succeeded();
-  if (f->kind == KIND_OBJECT) return nb::make_tuple(f->obj, f->size);
+  if (f->kind == KIND_OBJECT) {
+    if (zero_copy && g_zero_copy_hook && PyDict_GetItemString(PyImport_GetModuleDict(), "torch"))
+      f->obj = nb::steal(PyObject_CallOneArg(g_zero_copy_hook, f->obj.ptr()));
+    if (!f->obj.is_valid()) throw nb::python_error();
+    return nb::make_tuple(f->obj, f->size);
+  }
   return self_h.attr("_decode")(key, f->kind, f->obj, f->size, zero_copy);
 }
 
@@ -416,6 +426,12 @@ void bind_connector_capabilities(nb::class_<PyConnector>& cls) {
 }
 
 void bind_connector(nb::module_& m) {
+  m.def("_set_zero_copy_hook", [](nb::handle fn) {
+        PyObject* f = fn.is_none() ? nullptr : fn.ptr();
+        Py_XINCREF(f);
+        Py_XSETREF(g_zero_copy_hook, f);
+      }, nb::arg("fn").none(),
+        "what a zero_copy Connector.get's object passes through where torch is loaded (None: nothing)");
   nb::class_<PyLoan>(m, "_Loan")
       .def("region", &PyLoan::region, nb::rv_policy::reference_internal)
       .def_prop_ro("count", [](PyLoan& l) { return l.loan.tensor_count(); })

@@ -659,3 +659,30 @@ def test_lists_of_ids_across_run_boundaries_and_mixed_items(ns):
 
 
 # ---- vLLM-Omni's newer connector surface: _pending_keys, _metrics, arrival wake-ups ----
+
+
+def test_a_zero_copy_torch_get_raises_on_an_in_place_write_instead_of_crashing(ns):
+    """Issue 64: a zero_copy tensor from Connector.get viewed read-only shared memory as a plain
+    tensor; an in-place write (a static or paged KV cache's) killed the process with SIGSEGV and
+    left its arena in /dev/shm. Run in a child process: without the fix the child dies, not pytest."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+    code = f"""
+import torch, stagelink
+c = stagelink.create_connector("SharedMemoryConnector", {{"namespace": "{ns}"}})
+c.put("a", "b", "k", torch.arange(1024, dtype=torch.float32))
+t, n = c.get("a", "b", "k", zero_copy=True)
+assert float(t[3]) == 3.0 and float((t * 2)[3]) == 6.0   # reads and new tensors work
+try:
+    t.mul_(2)
+    raise SystemExit("an in-place write went through")
+except stagelink.ReadOnlyInputError as e:
+    assert "clone()" in str(e)
+u = t.clone(); u.mul_(2); assert float(u[3]) == 6.0      # a copy is the caller's
+del t
+c.close()
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr)

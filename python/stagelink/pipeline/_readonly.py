@@ -1,4 +1,4 @@
-"""Read-only torch inputs for `zero_copy` stages.
+"""Read-only torch tensors for `zero_copy` stages and `Connector.get(..., zero_copy=True)`.
 
 A `zero_copy` stage's inputs are views of the relay's shared memory, mapped read-only. numpy
 arrays say so (`writeable` False); torch has no read-only tensors, so an in-place op there
@@ -56,9 +56,9 @@ def _cls():
                     isinstance(out, cls) or (isinstance(out, (tuple, list)) and any(isinstance(o, cls) for o in out))))
                 if hit:
                     raise ReadOnlyInputError(
-                        f"{getattr(func, '__name__', func)}: this tensor is a zero_copy input, a view of the relay's "
-                        "read-only shared memory; .clone() it before writing to it (or drop zero_copy from the "
-                        "stage)")
+                        f"{getattr(func, '__name__', func)}: this tensor is a zero_copy view of read-only shared "
+                        "memory (a relay's or a connector's slot); .clone() it before writing to it, or get it "
+                        "without zero_copy (a stage: drop zero_copy from it)")
                 with torch._C.DisableTorchFunctionSubclass():
                     result = func(*args, **kwargs)
                 if func is numpy_fn and hasattr(result, "flags"):
