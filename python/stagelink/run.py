@@ -85,7 +85,10 @@ def _run(console, err, spec, make, verify, args, requests, concurrency, json_pat
         p = Pipeline(spec, metrics_port=obs["metrics_port"], metrics_host=obs["metrics_host"], trace=obs["trace"],
                      trace_sample=obs["trace_sample"], otel=obs["otel"])
     except _core.StagelinkError as e:
-        err.print(f"error: the pipeline did not start: {e}")
+        if getattr(e, "config_error", None):  # the file is at fault: one line, as for any bad file
+            err.print(f"error: {spec.source or 'the pipeline'}: {e.config_error}", markup=False)
+            return 2
+        err.print(f"error: the pipeline did not start: {e}", markup=False)
         return 1
     except OSError as e:  # the metrics port (taken, an address not of this host), the trace file
         what = (f"--trace {obs['trace']}" if obs["trace"] and getattr(e, "filename", None) == obs["trace"]

@@ -136,3 +136,24 @@ def test_run_says_nothing_of_cuda_tensors_on_a_host_without_a_gpu():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "CUDA tensors" not in p.stdout and "GPU" not in p.stdout
+
+
+@pytest.mark.parametrize("factory,says", [
+    ("no_such_module_here:f", "cannot import module 'no_such_module_here'"),
+    ("pipeline_stages:no_such_stage", "no_such_stage"),
+    ("pipeline_stages:make_scaler", "Add `args: {}`"),
+])
+def test_a_stage_the_file_names_wrong_is_one_line_and_status_2(tmp_path, factory, says):
+    """Issue 64: a stage module that cannot be imported, a misspelt factory, a factory without
+    args: one line saying what and where, exit 2, no traceback, no leak warnings."""
+    here = os.path.join(ROOT, "tests", "python")
+    f = tmp_path / "p.yaml"
+    f.write_text(f"name: wrong\nstages:\n  - {{name: a, factory: 'pipeline_stages:double', next: b}}\n"
+                 f"  - {{name: b, factory: '{factory}', terminal: true}}\n")
+    p = subprocess.run([STAGELINK, "run", str(f), "--requests", "1"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], p.stderr
+    assert "stage 'b'" in lines[0] or "'b'" in lines[0] or "no_such_module_here" in lines[0], lines[0]
+    assert "Traceback" not in p.stderr and "leak" not in p.stderr

@@ -52,7 +52,23 @@ class StageDiedError(_core.PeerDeadError):
 
 
 class PipelineStartError(_core.StagelinkError):
-    """A stage process could not start; every process already started was stopped."""
+    """A stage process could not start; every process already started was stopped. `config_error`:
+    the one-line reason where the pipeline file is at fault (a stage module that cannot be
+    imported, a misspelt factory, a factory that needs `args:`), else None."""
+
+    def __init__(self, message: str, config_error: Optional[str] = None):
+        super().__init__(message)
+        self.config_error = config_error
+
+
+def config_error_of(tb: str) -> Optional[str]:
+    """The message of a PipelineConfigError that ended a stage process's start (its traceback's
+    last line), or None where something else did."""
+    last = tb.strip().splitlines()[-1] if tb.strip() else ""
+    for prefix in ("stagelink.pipeline.spec.PipelineConfigError: ", "PipelineConfigError: "):
+        if last.startswith(prefix):
+            return last[len(prefix):]
+    return None
 
 
 _END = object()
@@ -246,7 +262,8 @@ class Pipeline:
                 doing[msg.proc] = msg
             elif isinstance(msg, proto.StartFailed):
                 raise PipelineStartError(f"stage process '{msg.proc}' (stages "
-                                         f"{self.spec.processes().get(msg.proc)}) could not start:\n{msg.error}")
+                                         f"{self.spec.processes().get(msg.proc)}) could not start:\n{msg.error}",
+                                         config_error_of(msg.error))
             elif isinstance(msg, proto.Ready):
                 self._ready[msg.proc] = msg.endpoint or None
                 self._procs[msg.proc].ready(msg.pid) if msg.proc in self._procs else None

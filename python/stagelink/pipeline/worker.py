@@ -30,7 +30,7 @@ from .. import metrics as _metrics
 from .. import trace as _trace
 from . import observe
 from .router import proc_for
-from .spec import COORDINATOR, PipelineSpec
+from .spec import COORDINATOR, PipelineConfigError, PipelineSpec
 from .stage import _SEEN_WINDOW, StageRuntime
 
 SEND_TIMEOUT_S = 30.0
@@ -295,7 +295,12 @@ class Worker:
         for n in self.names:
             if progress is not None:
                 progress(n)
-            self.stages[n] = StageRuntime(self.spec.stages[n], self)
+            try:
+                self.stages[n] = StageRuntime(self.spec.stages[n], self)
+            except PipelineConfigError as e:  # say which stage, where the message does not
+                if f"'{n}'" not in str(e):
+                    raise PipelineConfigError(f"stage '{n}': {e}") from None
+                raise
         for n in self.names:  # every relay this process uses, before any request
             s = self.spec.stages[n]
             for src in s.sources + s.stream_sources + ([COORDINATOR] if n == self.spec.entry else []):
@@ -505,6 +510,10 @@ class _StartProgress:
     def close(self):
         with self.lock:
             self.stop.set()
+        # Joined, not left running: a daemon thread still holding the outbox at exit made
+        # nanobind report it leaked on the way out of a start that failed.
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(5.0)
 
 
 # The thread pools of the numeric libraries a stage may load (OpenMP under torch and numpy's BLAS).
