@@ -445,8 +445,42 @@ def _cmd_bench(args):
     return 0
 
 
+def _pipeline_health(path) -> int:
+    """`stagelink health` of a pipeline file: make each relay its edges use, here, and report it."""
+    from .pipeline import PipelineConfigError, load_pipeline
+    from .pipeline.worker import keyed_relay
+    from .relay import Relay
+    try:
+        spec = load_pipeline(path)
+    except PipelineConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"pipeline {spec.name} ({path}): the relays of its edges, made on this host")
+    groups: dict = {}
+    for a, b, _ in spec.edges():
+        cfg = spec.relay_for(a, b)
+        groups.setdefault(json.dumps(cfg, sort_keys=True), (cfg, []))[1].append(f"{a} -> {b}")
+    bad = 0
+    for cfg, edges in groups.values():
+        try:
+            # With a side-channel key, as the pipeline gives its transfer-engine relays one.
+            r = Relay(keyed_relay(cfg, _core.curve_keypair()[1]))
+            try:
+                h = r.health()
+                print(f"{', '.join(edges)}: relay {cfg.get('backend', 'shm')}: ok "
+                      f"({h.get('credits', '?')} credits per edge)")
+            finally:
+                r.close()
+        except _core.StagelinkError as ex:
+            bad += 1
+            print(f"{', '.join(edges)}: relay {cfg.get('backend', 'shm')}: FAILED: {ex}")
+    return 1 if bad else 0
+
+
 def _cmd_health(args):
     from .connector import create_connector
+    if _is_pipeline_file(args.file):  # a `stagelink run` file: its relays, not vLLM-Omni connectors
+        return _pipeline_health(args.file)
     cfg = _load_config(args.file)
     if cfg is None:
         return 2

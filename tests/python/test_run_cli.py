@@ -157,3 +157,13 @@ def test_a_stage_the_file_names_wrong_is_one_line_and_status_2(tmp_path, factory
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], p.stderr
     assert "stage 'b'" in lines[0] or "'b'" in lines[0] or "no_such_module_here" in lines[0], lines[0]
     assert "Traceback" not in p.stderr and "leak" not in p.stderr
+
+
+def test_health_of_a_pipeline_file_makes_its_relays():
+    """Issue 64: `stagelink health` on a pipeline file said `expected a stage id` (it read it as a
+    vLLM-Omni transfer config); it makes each relay the pipeline's edges use and reports them."""
+    p = subprocess.run([STAGELINK, "health", os.path.join(ROOT, "examples", "omni_two_hosts.yaml")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "relay shm: ok" in p.stdout and "relay ucx: ok" in p.stdout and "encoder -> thinker" in p.stdout
+    assert "stage id" not in p.stdout + p.stderr and "without CURVE" not in p.stderr
