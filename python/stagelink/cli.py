@@ -500,10 +500,36 @@ def _cmd_health(args):
     return 1 if bad else 0
 
 
+def _cmd_examples(args):
+    from . import examples
+    if args.name:
+        path = examples.path_of(args.name)
+        if path is None:
+            print(f"error: no example '{args.name}' (stagelink examples lists them: "
+                  f"{', '.join(examples.available())})", file=sys.stderr)
+            return 2
+        with open(path) as f:
+            sys.stdout.write(f.read())
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title="example pipelines (stagelink run NAME; stagelink examples NAME > mine.yaml to edit one)",
+              title_justify="left")
+    t.add_column("name")
+    t.add_column("what it is")
+    for name, path in examples.available().items():
+        t.add_row(name, examples.describe(path))
+    Console().print(t)
+    return 0
+
+
 def _cmd_run(args):
     from .pipeline.worker import raise_nofile
     from .run import run
     raise_nofile()  # the coordinator's process is ours here, as the stages' are
+    if not os.path.exists(args.pipeline):  # `stagelink run omni`: an example that came with the package
+        from . import examples
+        args.pipeline = examples.path_of(args.pipeline) or args.pipeline
     return run(args.pipeline, args.requests, args.concurrency, args.json, metrics_port=args.metrics_port,
                metrics_host=args.metrics_host, metrics_linger_s=args.metrics_linger, trace=args.trace,
                trace_sample=args.trace_sample, otel=args.otel)
@@ -651,9 +677,11 @@ def main(argv=None):
                                    "and shared memory are gone when it returns, also after Ctrl-C. Stages "
                                    "with a `host` run on that host of the file's `hosts:`, started over ssh "
                                    "(examples/omni_two_hosts.yaml). "
-                                   "Example: stagelink run examples/omni_pipeline.yaml --requests 32",
+                                   "Example: stagelink run omni --requests 32 (an example that came with "
+                                   "stagelink; examples/omni_pipeline.yaml in a checkout)",
                        epilog=EXIT_STATUSES)
-    r.add_argument("pipeline", help="the pipeline file (e.g. examples/omni_pipeline.yaml)")
+    r.add_argument("pipeline", help="the pipeline file, or the name of an example that came with stagelink "
+                                    "(stagelink examples lists them: omni, toy, fanin, replicas)")
     r.add_argument("--requests", type=int, default=16, metavar="N", help="requests to send (default 16)")
     r.add_argument("--concurrency", type=int, default=4, metavar="K", help="requests in flight (default 4)")
     r.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -675,6 +703,13 @@ def main(argv=None):
                    help="also export the spans over OTLP/HTTP (OTEL_EXPORTER_OTLP_ENDPOINT; needs "
                         "pip install 'stagelink[otel]')")
     r.set_defaults(fn=_cmd_run)
+
+    ex = sub.add_parser("examples", help="the example pipelines that came with stagelink",
+                        description="List the example pipelines installed with stagelink (run one with "
+                                    "`stagelink run NAME`, no checkout needed), or print one's pipeline file "
+                                    "to start your own from: stagelink examples omni > mine.yaml")
+    ex.add_argument("name", nargs="?", help="print this example's pipeline file")
+    ex.set_defaults(fn=_cmd_examples)
 
     d = sub.add_parser("demo", help="producer and consumer processes over the shared-memory connector",
                        description="Start a producer process ('thinker') and a consumer process ('talker') that "

@@ -89,8 +89,8 @@ def test_the_readme_example_runs_as_written():
 def test_the_getting_started_code_runs_as_written(tmp_path):
     py = blocks("getting-started.md", "python")
     assert len(py) == 2
-    for code in py:  # each in a fresh interpreter, from the repository's root (as the page says)
-        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    for code in py:  # each in a fresh interpreter, from an empty directory (a new user's)
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, code + r.stderr
     (yaml,) = blocks("getting-started.md", "yaml")
     (tmp_path / "first.yaml").write_text(yaml)

@@ -167,3 +167,24 @@ def test_health_of_a_pipeline_file_makes_its_relays():
     assert p.returncode == 0, p.stdout + p.stderr
     assert "relay shm: ok" in p.stdout and "relay ucx: ok" in p.stdout and "encoder -> thinker" in p.stdout
     assert "stage id" not in p.stdout + p.stderr and "without CURVE" not in p.stderr
+
+
+def test_the_examples_travel_with_the_package_and_run_by_name(tmp_path):
+    """Issue 64: `stagelink examples` lists the example pipelines installed with stagelink, prints
+    one to start from, and `stagelink run NAME` runs one from an empty directory."""
+    import yaml
+    p = subprocess.run([STAGELINK, "examples"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                       env=dict(os.environ, COLUMNS="200"))
+    assert p.returncode == 0, p.stderr
+    for name in ("omni", "toy", "fanin", "replicas"):
+        assert f"│ {name} " in p.stdout, p.stdout
+    y = subprocess.run([STAGELINK, "examples", "toy"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert y.returncode == 0 and yaml.safe_load(y.stdout)["name"] == "toy"
+    (tmp_path / "mine.yaml").write_text(y.stdout)  # a user's own copy runs as the example does
+    for what in ("omni", "mine.yaml"):
+        r = subprocess.run([STAGELINK, "run", what, "--requests", "4"], capture_output=True, text=True,
+                           timeout=180, cwd=tmp_path)
+        assert r.returncode == 0 and "verified end to end" in r.stdout, r.stdout + r.stderr
+    assert os.listdir(tmp_path) == ["mine.yaml"]  # nothing written beside it
+    bad = subprocess.run([STAGELINK, "examples", "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "omni" in bad.stderr
