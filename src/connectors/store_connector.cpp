@@ -257,6 +257,18 @@ const metrics::Family kStoreWaits{"stagelink_store_waiting_gets_total", metrics:
                                   "gets that waited on the store for their key (each once)", {"connector"}};
 const metrics::Family kStoreCleanupErrors{"stagelink_store_cleanup_errors_total", metrics::Kind::counter, "",
                                           "cleanup() calls the store failed", {"connector"}};
+const metrics::Family kStoreRoundTrips{"stagelink_store_round_trips_total", metrics::Kind::counter, "",
+                                       "round trips to the store's servers (a pipelined batch, or one connection's "
+                                       "part of a spread transfer)",
+                                       {"connector"}};
+const metrics::Family kStoreLeasedReads{"stagelink_store_leased_reads_total", metrics::Kind::counter, "",
+                                        "reads taken under a lease (a put's last read of a large payload: held, "
+                                        "not taken, until it completed)",
+                                        {"connector"}};
+const metrics::Family kStoreLeaseWaits{"stagelink_store_lease_waits_total", metrics::Kind::counter, "",
+                                       "claims that found a put's last read leased by another reader (they wait "
+                                       "for it to finish or lapse)",
+                                       {"connector"}};
 
 class StoreConnector final : public Connector, public WaitingGets {
  public:
@@ -459,6 +471,7 @@ class StoreConnector final : public Connector, public WaitingGets {
         SL_ASSIGN(Meta m, decode_meta(store::str(store::element(c, 0))));
         const long long left = store::integer(store::element(c, 1));
         const bool leased = store::elements(c) >= 4 && store::integer(store::element(c, 3)) == 1;
+        if (leased) leased_reads_.fetch_add(1, std::memory_order_relaxed);
         auto got = read_payload(base, m, std::move(c), left, cmd_dl, go, leased ? &reader_id : nullptr, ik);
         if (left <= 0 && o_.redis.cluster) {  // the index of the put's request, in its own slot
           const std::string req = "sl:req:{" + m.rid + "}";
@@ -486,8 +499,10 @@ class StoreConnector final : public Connector, public WaitingGets {
       if (!waited) waits_.fetch_add(1);  // "waits": gets that waited, each once however many stretches
       waited = true;
       Deadline until = wait_slice_end(deadline, go.keep_waiting);  // the BLPOP waits this long at most
-      if (lease_left_ms > 0)  // claim again when that lease lapses (its reader may have died)
+      if (lease_left_ms > 0) {  // claim again when that lease lapses (its reader may have died)
+        lease_waits_.fetch_add(1, std::memory_order_relaxed);
         until = std::min(until, deadline_after(double(lease_left_ms + 5) / 1000.0));
+      }
       const double left_s = std::chrono::duration<double>(until - Clock::now()).count();
       char secs[32];
       std::snprintf(secs, sizeof secs, "%.3f", std::max(0.001, left_s));
@@ -790,13 +805,16 @@ class StoreConnector final : public Connector, public WaitingGets {
   std::mutex wait_mu_;
   std::multimap<std::string, Waiter*> waiters_;  // gets blocked in BLPOP, by key
   // Beyond what the Connector base counts.
-  std::atomic<uint64_t> waits_{0}, cleanup_errors_{0};
+  std::atomic<uint64_t> waits_{0}, cleanup_errors_{0}, leased_reads_{0}, lease_waits_{0};
   struct Metrics final : metrics::Source {
     explicit Metrics(StoreConnector& c) : c(c) {}
     void collect(metrics::Sink& out) const override {
       const std::string l = c.metrics_label();
       out.value(kStoreWaits, {l}, double(c.waits_.load()));
       out.value(kStoreCleanupErrors, {l}, double(c.cleanup_errors_.load()));
+      out.value(kStoreLeasedReads, {l}, double(c.leased_reads_.load()));
+      out.value(kStoreLeaseWaits, {l}, double(c.lease_waits_.load()));
+      if (c.redis_) out.value(kStoreRoundTrips, {l}, double(c.redis_->round_trips()));
     }
     StoreConnector& c;
   } metrics_{*this};

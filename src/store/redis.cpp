@@ -44,6 +44,7 @@ unsigned key_slot(std::string_view key) {
 Redis::Redis(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Redis::~Redis() = default;
 const RedisOptions& Redis::options() const { return impl_->o; }
+uint64_t Redis::round_trips() const { return impl_->round_trips.load(std::memory_order_relaxed); }
 
 Result<std::unique_ptr<Redis>> Redis::connect(const RedisOptions& o) {
   if (o.nodes.empty()) return make_error(Errc::invalid_argument, "redis: no server address");

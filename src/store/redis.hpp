@@ -98,6 +98,9 @@ class Redis {
   // batch shares that slot). Replies in order; a reply may be an error reply (the caller reads
   // it). Errors: io, timeout (nothing from the server before `deadline`).
   Result<std::vector<Reply>> run(std::string_view slot_key, std::span<const Cmd> cmds, Deadline deadline);
+  // Round trips to the servers so far: batches written and answered (one per pipelined batch,
+  // per connection of a spread transfer).
+  uint64_t round_trips() const;
   // Large values without copies: SET key value PX px for each item, written to the socket from
   // the caller's memory, and GET (GETDEL with `del`) of values whose sizes the caller knows, read
   // from the socket straight into the caller's memory; pipelined, spread over up to `ways`

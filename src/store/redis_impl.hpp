@@ -180,6 +180,7 @@ using namespace detail;
 
 struct Redis::Impl {
   RedisOptions o;
+  std::atomic<uint64_t> round_trips{0};  // batches written and answered (pipeline(), spread_raw parts)
   SSL_CTX* tls_ctx = nullptr;  // set when o.tls.on
   ~Impl() {
     if (tls_ctx) SSL_CTX_free(tls_ctx);
@@ -350,6 +351,7 @@ struct Redis::Impl {
       if (sdslen(c.c->obuf) >= (4u << 20)) SL_TRY(flush_out(c, n.addr()));
     }
     SL_TRY(flush_out(c, n.addr()));
+    round_trips.fetch_add(1, std::memory_order_relaxed);
     std::vector<Reply> out;
     out.reserve(cmds.size());
     if (asking) {

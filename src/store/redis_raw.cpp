@@ -17,6 +17,7 @@ static Status spread_raw(Redis::Impl& I, Node& n, unsigned ways, Deadline deadli
       return;
     }
     redisSetTimeout((*c)->c, tv_until(deadline));
+    I.round_trips.fetch_add(1, std::memory_order_relaxed);
     bool healthy = false, r = false;
     st[w] = quiet(**c) ? part(w, **c, healthy, r) : make_error(Errc::io, "connection not idle");
     redir[w] = r;

@@ -290,3 +290,31 @@ def test_a_store_connector_inherited_through_fork_dials_its_own_connections(redi
         assert _dbsize(redis) == 0
     finally:
         c.close()
+
+
+def _store_counter(name):
+    from stagelink import metrics
+    return sum(s["value"] for f in metrics.collect() if f["name"] == name
+               for s in f["samples"] if s["labels"] == ["StoreConnector"])
+
+
+def test_the_store_counts_its_round_trips_and_leased_reads(redis):
+    """Issue 63: the store connector's round trips to its servers, and the reads it held under a
+    lease (a large payload's last read), in the metrics tree."""
+    c = stagelink.create_connector("StoreConnector", {"port": redis})
+    try:
+        rt0 = _store_counter("stagelink_store_round_trips_total")
+        lease0 = _store_counter("stagelink_store_leased_reads_total")
+        ok, _, meta = c.put(0, 1, "small", b"x" * 100)
+        assert ok and c.get(0, 1, "small", meta)[0] == b"x" * 100
+        small = _store_counter("stagelink_store_round_trips_total") - rt0
+        assert 2 <= small <= 6, small  # a put and a get: a few pipelined batches, not one per command
+        assert _store_counter("stagelink_store_leased_reads_total") == lease0  # read whole: no lease
+        big = np.arange(4 << 20, dtype=np.uint8)
+        ok, _, meta = c.put(0, 1, "big", big)
+        got, _ = c.get(0, 1, "big", meta)
+        assert np.array_equal(got, big)
+        assert _store_counter("stagelink_store_leased_reads_total") == lease0 + 1
+        assert _store_counter("stagelink_store_round_trips_total") - rt0 > small
+    finally:
+        c.close()
