@@ -275,6 +275,7 @@ Result<GetResult> TeConnector::do_get(const std::string& from, const std::string
       Status st = engine_->wait_landed(token, deadline_after(tmo), sender_worker);
       if (st.ok()) {
         gets_ucx_.fetch_add(1);
+        count_peer_bytes(peer, size);
         return finish_get(dst, size, region, go, own);
       }
       if (st.error().code != Errc::peer_dead) return make_error(st.error().code, "'" + ik + "': " + st.error().message);
@@ -308,6 +309,7 @@ Result<GetResult> TeConnector::do_get(const std::string& from, const std::string
   } else if (rep.find("am")) {  // sent as an active message: wait until it has landed here
     SL_TRY(engine_->wait_landed(token, deadline_after(tmo)));
   }
+  count_peer_bytes(peer, size);
   return finish_get(dst, size, region, go, own);
 }
 
@@ -437,6 +439,19 @@ const Family kTeRefused{"stagelink_te_refused_total", Kind::counter, "",
                         {"connector"}};
 const Family kTeOutstanding{"stagelink_te_outstanding_entries", Kind::gauge, "",
                             "puts of this sender not yet pulled by every reader", {"connector"}};
+const Family kTePeerBytes{"stagelink_te_get_bytes_by_peer_total", Kind::counter, "bytes",
+                          "bytes this receiver's gets pulled from each sender (its side-channel address)",
+                          {"connector", "peer"}};
+const Family kTeWriteBytes{"stagelink_te_write_bytes_total", Kind::counter, "bytes",
+                           "bytes this sender's engine wrote into receivers (remote writes)", {"connector"}};
+const Family kTePool{"stagelink_te_pool_bytes", Kind::gauge, "bytes", "the registered memory pool's size",
+                     {"connector"}};
+const Family kTePoolUsed{"stagelink_te_pool_used_bytes", Kind::gauge, "bytes",
+                         "the registered memory pool's bytes in use", {"connector"}};
+const Family kTeTransports{"stagelink_te_transports_info", Kind::gauge, "",
+                           "1, labelled with the UCX protocol asked for and the transports and devices UCX "
+                           "selected (its context report, condensed)",
+                           {"connector", "protocol", "transports"}};
 }  // namespace
 
 void TeConnector::Metrics::collect(metrics::Sink& out) const {
@@ -447,8 +462,33 @@ void TeConnector::Metrics::collect(metrics::Sink& out) const {
   out.value(kTeGetsVia, {l, "side_channel"}, double(c.gets_side_.load()));
   out.value(kTeConnects, {l}, double(c.connects_.load()));
   out.value(kTeRefused, {l}, double(c.refused_pulls_.load()));
+  {
+    std::lock_guard<std::mutex> g(c.peers_mu_);
+    for (const auto& [peer, n] : c.peer_bytes_) out.value(kTePeerBytes, {l, peer}, double(n));
+  }
+  if (c.engine_) {
+    const Value info = c.engine_->info();
+    auto num = [&](const char* k) {
+      const Value* v = info.find(k);
+      uint64_t n = 0;
+      return v && v->get_u64(n) ? double(n) : 0.0;
+    };
+    auto str = [&](const char* k) {
+      const Value* v = info.find(k);
+      return v && v->is<std::string>() ? v->as<std::string>() : std::string();
+    };
+    out.value(kTeWriteBytes, {l}, num("write_bytes"));
+    out.value(kTePool, {l}, num("pool_bytes"));
+    out.value(kTePoolUsed, {l}, num("pool_used"));
+    out.value(kTeTransports, {l, str("protocol"), str("transports")}, 1);
+  }
   std::lock_guard<std::mutex> g(c.mu_);
   out.value(kTeOutstanding, {l}, double(c.entries_.size()));
+}
+
+void TeConnector::count_peer_bytes(const std::string& peer, size_t n) {
+  std::lock_guard<std::mutex> l(peers_mu_);
+  peer_bytes_[peer] += n;
 }
 
 void TeConnector::close() {

@@ -252,6 +252,8 @@ class TeConnector final : public Connector, public SenderLink, public ReleaseTra
   std::map<std::string, std::shared_ptr<Peer>> peers_;
   std::map<std::string, std::vector<std::byte>> workers_;  // side-channel address -> its engine's worker address
   std::map<std::string, uint64_t> auths_;                    // side-channel address -> the token it issued us
+  std::map<std::string, uint64_t> peer_bytes_;               // side-channel address -> bytes got from it
+  void count_peer_bytes(const std::string& peer, size_t n);
   std::map<std::vector<std::byte>, uint64_t> auth_by_worker_;  // sender: receiver engine -> its token (under mu_)
   std::deque<std::vector<std::byte>> auth_order_;              // the order they were issued (under mu_)
   std::atomic<uint64_t> refused_pulls_{0};

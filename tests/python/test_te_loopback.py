@@ -193,3 +193,33 @@ def test_connect_ahead_makes_the_first_get_take_the_ucx_path_and_relays_expose_i
     with stagelink.Relay({"extra": {"namespace": ns}}) as m:
         assert m.sender_info() is None
         m.connect(None)
+
+
+def test_the_transfer_engine_counts_bytes_per_peer_and_names_its_transports():
+    """Issue 63: per sender, the bytes a receiver's gets pulled; the transports UCX runs; the pool."""
+    from stagelink import metrics
+
+    def samples(name):
+        return {tuple(s["labels"]): s["value"] for f in metrics.collect() if f["name"] == name for s in f["samples"]}
+    s, r = _pair()
+    try:
+        sizes = 0
+        for i in range(3):
+            data = np.arange(100000 * (i + 1), dtype=np.float32)
+            ok, n, md = s.put(0, 1, f"p{i}", data)
+            assert ok
+            x, got = r.get(0, 1, f"p{i}", md)
+            assert np.array_equal(x, data)
+            sizes += got
+        peers = samples("stagelink_te_get_bytes_by_peer_total")
+        mine = {k: v for k, v in peers.items() if k[0] == "TransferEngineConnector" and v == sizes}
+        assert len(mine) == 1, peers  # one sender, every byte pulled from it
+        (peer,) = mine
+        assert peer[1].startswith("tcp://127.0.0.1:")
+        tls = [k for k in samples("stagelink_te_transports_info") if k[0] == "TransferEngineConnector"]
+        assert tls and all(k[1] == "tcp" and "tcp" in k[2] for k in tls), tls
+        assert any(v >= 64 << 20 for k, v in samples("stagelink_te_pool_bytes").items())
+        assert sum(v for k, v in samples("stagelink_te_write_bytes_total").items()) >= sizes
+    finally:
+        s.close()
+        r.close()
