@@ -13,6 +13,7 @@
 
 #include "core/log.hpp"
 #include "core/proc.hpp"
+#include "stagelink/metrics.hpp"
 
 namespace stagelink::cuda {
 namespace {
@@ -196,6 +197,48 @@ Result<std::pair<CUdeviceptr, CUevent>> DeviceArenas::local(const DeviceRef& ref
   }
   return make_error(Errc::not_found, "device arena " + std::to_string(ref.arena_id) + " of this process is gone");
 }
+
+namespace {
+using metrics::Family;
+using metrics::Kind;
+const Family kCudaArenaBytes{"stagelink_cuda_arena_bytes", Kind::gauge, "bytes",
+                             "device memory this process's arenas hold for CUDA tensors left on their GPU",
+                             {"device"}};
+const Family kCudaArenaUsed{"stagelink_cuda_arena_used_bytes", Kind::gauge, "bytes",
+                            "of it, held by slots whose readers have not all released them", {"device"}};
+const Family kCudaSlots{"stagelink_cuda_slots_in_flight", Kind::gauge, "",
+                        "device slots written and not yet released by every reader", {"device"}};
+const Family kCudaPuts{"stagelink_cuda_puts_total", Kind::counter, "",
+                       "CUDA tensors staged into a device slot (left on their GPU)", {"device"}};
+const Family kCudaPutBytes{"stagelink_cuda_put_bytes_total", Kind::counter, "bytes",
+                           "bytes of those tensors", {"device"}};
+
+// The arenas' health(), as metrics (one source of truth). Registered at load: collecting before
+// any CUDA use finds no device and emits nothing.
+struct ArenaMetrics : metrics::Source {
+  metrics::Registration reg{this};
+  void collect(metrics::Sink& out) const override {
+    const Value h = DeviceArenas::instance().health();
+    if (!h.is<Value::List>()) return;
+    for (const Value& d : h.as<Value::List>()) {
+      const Value* dev = d.find("device");
+      if (!dev || !dev->is<std::string>()) continue;
+      const std::string name = dev->as<std::string>();
+      auto num = [&](const char* k) {
+        const Value* v = d.find(k);
+        uint64_t n = 0;
+        return v && v->get_u64(n) ? double(n) : 0.0;
+      };
+      out.value(kCudaArenaBytes, {name}, num("bytes"));
+      out.value(kCudaArenaUsed, {name}, num("used"));
+      out.value(kCudaSlots, {name}, num("slots_in_flight"));
+      out.value(kCudaPuts, {name}, num("puts"));
+      out.value(kCudaPutBytes, {name}, num("put_bytes"));
+    }
+  }
+};
+ArenaMetrics* const g_arena_metrics = new ArenaMetrics;  // process lifetime, as the arenas
+}  // namespace
 
 Value DeviceArenas::health() {
   State& s = st();

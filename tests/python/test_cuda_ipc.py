@@ -316,3 +316,21 @@ def test_the_queue_moves_cuda_tensors_on_their_gpu_to_local_readers(mq_clean):
         assert p.returncode == 0, err
         assert json.loads(out.strip().splitlines()[-1]) == [checksum(t) for t in ts]
     assert in_flight() == base  # every message was read: the writer's close returned their slots
+
+
+def test_the_metrics_count_device_slots_and_arena_bytes(ns):
+    """Issue 63: CUDA arena slots and bytes in the metrics tree (read from the arenas' health)."""
+    from stagelink import metrics
+
+    def by_device(name):
+        return {s["labels"][0]: s["value"] for f in metrics.collect() if f["name"] == name for s in f["samples"]}
+    with stagelink.create_connector("SharedMemoryConnector", {"namespace": ns}) as c:
+        puts0 = sum(by_device("stagelink_cuda_puts_total").values())
+        t = torch.arange(1 << 18, dtype=torch.float32, device="cuda")
+        ok, _, md = c.put(0, 1, "g", t)
+        assert ok
+        assert sum(by_device("stagelink_cuda_puts_total").values()) == puts0 + 1
+        assert sum(by_device("stagelink_cuda_slots_in_flight").values()) == in_flight() >= 1
+        assert all(v > 0 for v in by_device("stagelink_cuda_arena_bytes").values())
+        got, _ = c.get(0, 1, "g", md)
+        assert torch.equal(got, t)
