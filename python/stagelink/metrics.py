@@ -84,6 +84,11 @@ class Cell:
     def observe(self, seconds: float) -> None:
         self._c.observe(seconds)
 
+    @property
+    def value(self) -> float:
+        """A counter's or gauge's value now (a histogram's: the sum of what it observed)."""
+        return self._c.value
+
 
 def counter(name: str, help: str, labels: Sequence[str] = ()) -> Metric:
     """A counter (its name ends in ``_total``); the same object's metric again for the same name."""

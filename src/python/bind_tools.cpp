@@ -361,7 +361,8 @@ void bind_tools(nb::module_& m) {
   nb::class_<metrics::DynamicCell>(m, "_MetricCell")
       .def("add", [](metrics::DynamicCell& c, double v) { ok_or_raise(c.add(v)); })
       .def("set", [](metrics::DynamicCell& c, double v) { ok_or_raise(c.set(v)); })
-      .def("observe", [](metrics::DynamicCell& c, double v) { ok_or_raise(c.observe(v)); });
+      .def("observe", [](metrics::DynamicCell& c, double v) { ok_or_raise(c.observe(v)); })
+      .def_prop_ro("value", [](metrics::DynamicCell& c) { return c.value(); });
   m.def("shm_reap", [](const std::string& dir) { return shm::reap(dir); }, nb::arg("shm_dir") = "/dev/shm");
   m.def("shm_user_prefix", &shm::user_prefix);
   m.def("curve_keypair", [] {

@@ -189,6 +189,29 @@ def test_a_pipeline_is_one_scrape_target_counting_every_stage_and_hop(ns):
     assert at("stagelink_connector_put_bytes_total") == at("stagelink_relay_put_bytes_total")
 
 
+def test_pipeline_stats_edges_are_the_metrics_tree_s_counts(ns):
+    """Issue 63: an edge's messages and bytes are counted once, in the metrics tree; the figures of
+    Pipeline.stats() (and stagelink run's table) read the same cells, and the hop latency is a
+    histogram there too."""
+    n, chunks = 6, 3
+    with _pipeline(ns, "edges") as p:
+        url = p.metrics_server.url
+        for i in range(n):
+            p.submit(f"r{i}", {"x": i, "chunks": chunks, "chunk_bytes": 100_000}).result(30)
+        m = scrape(url)
+        coord = p.coordinator_edges()
+    stats = p.stats()
+    edges = {k: v for proc in stats.values() for k, v in proc["edges"].items()}
+    edges.update(coord)
+    assert set(edges) >= {"thinker->talker", "talker->vocoder", "vocoder->coordinator"}
+    for edge, fig in edges.items():
+        assert value(m, "stagelink_edge_messages_total", pipeline="edges", edge=edge) == fig["messages"], edge
+        assert value(m, "stagelink_edge_bytes_total", pipeline="edges", edge=edge) == fig["bytes"], edge
+        assert value(m, "stagelink_edge_hop_seconds_count", pipeline="edges", edge=edge) == len(fig["lat_ns"]), edge
+    assert edges["thinker->talker"]["messages"] == n * (chunks + 1)  # the chunks and the payload
+    assert edges["thinker->talker"]["bytes"] >= n * chunks * 100_000
+
+
 def test_a_stage_process_killed_mid_run_shows_in_the_failure_counters(ns):
     with _pipeline(ns, "killed") as p:
         url = p.metrics_server.url

@@ -161,7 +161,7 @@ class Pipeline:
         self._m_e2e = observe.REQUEST_SECONDS.labels(spec.name)
         self._m_first = observe.FIRST_CHUNK_SECONDS.labels(spec.name)
         # The terminal stage's edge to this process, counted here as stage processes count theirs.
-        self._edge_in = {"bytes": 0, "messages": 0, "lat_ns": collections.deque(maxlen=_LAT_WINDOW)}
+        self._edge_in = observe.EdgeCounts(spec.name, f"{spec.terminal}->{COORDINATOR}", _LAT_WINDOW)
         self._outboxes: Dict[str, Outbox] = {}
         self._out_lock = threading.Lock()
         # The last settings.completed_window finished requests (request_id, e2e_s, ttfc_s, chunks):
@@ -742,19 +742,13 @@ class Pipeline:
     def coordinator_edges(self) -> Dict[str, dict]:
         """The edge from the terminal stage to this process (its result and streamed chunks):
         {"TERMINAL->coordinator": {bytes, messages, lat_ns}}, as stats() has each process's."""
-        with self._lock:
-            e = dict(self._edge_in, lat_ns=list(self._edge_in["lat_ns"]))
-        return {f"{self.spec.terminal}->{COORDINATOR}": e}
+        return {f"{self.spec.terminal}->{COORDINATOR}": self._edge_in.figures()}
 
     def _count_in(self, m: ControlMessage):
         md = m.metadata if isinstance(m.metadata, dict) else {}
-        with self._lock:
-            e = self._edge_in
-            e["messages"] += 1
-            e["bytes"] += len(m.body) if m.body else _relay_bytes(md)
-            t = md.get("t_ns")
-            if isinstance(t, int) and t and not self.spec.stage_host(self.spec.terminal):  # one clock: one host
-                e["lat_ns"].append(time.monotonic_ns() - t)
+        t = md.get("t_ns")
+        one_clock = isinstance(t, int) and t and not self.spec.stage_host(self.spec.terminal)  # one host
+        self._edge_in.count(len(m.body) if m.body else _relay_bytes(md), time.monotonic_ns() - t if one_clock else None)
 
     # -- the receive thread
     def _send(self, proc, msg, timeout):

@@ -118,7 +118,7 @@ class Worker:
         self.out_lock = threading.Lock()
         self.relay_lock = threading.Lock()
         self.stats_lock = threading.Lock()
-        self.edges: Dict[str, dict] = {}
+        self.edges: Dict[str, observe.EdgeCounts] = {}  # by "SRC->DST", the edges it receives on
         self.inbox: Optional[Inbox] = None
         self.inline_limit = int(spec.settings.get("inline_bytes", 16384))
         self.host = spec.host_of(proc)
@@ -175,11 +175,14 @@ class Worker:
                 ob = self.outboxes[proc] = open_outbox(self.spec, self.dir, self.proc, proc, self.secret)
             ob.send(msg, timeout=SEND_TIMEOUT_S)
 
-    def _edge(self, src, dst) -> dict:
-        e = self.edges.get(f"{src}->{dst}")
+    def _edge(self, src, dst) -> observe.EdgeCounts:
+        k = f"{src}->{dst}"
+        e = self.edges.get(k)
         if e is None:
-            e = self.edges[f"{src}->{dst}"] = {"bytes": 0, "messages": 0,
-                                                "lat_ns": collections.deque(maxlen=_LAT_WINDOW)}
+            with self.stats_lock:  # made once per edge; counted without a lock after
+                e = self.edges.get(k)
+                if e is None:
+                    e = self.edges[k] = observe.EdgeCounts(self.spec.name, k, _LAT_WINDOW)
         return e
 
     def _put(self, rid, src, dst, obj, tp=None, chunk=None):
@@ -224,17 +227,10 @@ class Worker:
             if zero_copy:  # torch tensors over read-only shared memory: in-place ops raise, not SIGSEGV
                 obj = protect(obj)
         sp.end()
-        with self.stats_lock:
-            e = self._edge(src, dst)
-            e["messages"] += 1
-            if kind == "body":
-                e["bytes"] += len(item)
-            elif kind == "relay":
-                e["bytes"] += _relay_bytes(item)
-            # A hop's latency is two readings of CLOCK_MONOTONIC, which only one machine shares:
-            # across hosts it would be the difference of two boot times. Not measured there.
-            if self.same_host(src):
-                e["lat_ns"].append(time.monotonic_ns() - t_ns)
+        # A hop's latency is two readings of CLOCK_MONOTONIC, which only one machine shares:
+        # across hosts it would be the difference of two boot times. Not measured there.
+        self._edge(src, dst).count(len(item) if kind == "body" else _relay_bytes(item) if kind == "relay" else 0,
+                                   time.monotonic_ns() - t_ns if self.same_host(src) else None)
         return obj
 
     def same_host(self, stage: str) -> bool:
@@ -426,7 +422,7 @@ class Worker:
 
     def stats(self) -> dict:
         with self.stats_lock:
-            edges = {k: dict(v, lat_ns=list(v["lat_ns"])) for k, v in self.edges.items()}
+            edges = {k: v.figures() for k, v in list(self.edges.items())}
             refused = self.inbox.refused if self.inbox is not None and not self.inbox.closed else 0
             return {"process": self.proc, "pid": os.getpid(), "edges": edges, "control_refused": refused,
                     "stages": {n: {"runs": s.runs, "busy_s": s.busy_ns / 1e9, "inline_runs": s.inline_runs}
