@@ -433,8 +433,14 @@ def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
               file=out)
         rows.append({"size": size, "cpp": c, "python": p})
     print_payloads(kinds, out)
+    # What the metrics seam costs a put + get (the counting Connector::put/get do), against this
+    # run's smallest C++ put + get: the direct cost, which an A/B of two builds on a noisy VM blurs.
+    seam = _core.bench_seam_ns()
+    small = cpp[0]["put"]["median_us"] + cpp[0]["get"]["median_us"]
+    print(f"\nthe metrics seam: {seam:.1f} ns per put + get = {seam / 10 / max(small, 1e-9):.2f}% of the "
+          f"{_fmt_size(cpp[0]['size'])} C++ put + get of this run ({small:.3f} us)", file=out)
     write_json({"kind": "shm", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows,
-                "payload_kinds": kinds}, json_path, out)
+                "payload_kinds": kinds, "seam_ns_per_put_get": seam}, json_path, out)
     return rows
 
 

@@ -159,4 +159,32 @@ std::vector<ShmRow> bench_shm(const std::vector<size_t>& sizes, int iters, const
   return rows;
 }
 
+double seam_ns_per_put_get(int iters, int rounds) {
+  ConnectorCounts counts;  // the Connector base's own cells, as put() and get() count them
+  PutOptions po;
+  GetOptions go;
+  std::vector<double> per;
+  volatile uint64_t sink = 0;
+  for (int r = 0; r < rounds; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) {
+      // put(): ticks, the traceparent test, the call (not timed here), then count_put
+      uint64_t a = metrics::ticks();
+      uint64_t w = po.traceparent.empty() ? 0 : trace::now_ns();
+      counts.put_time.since(a);
+      counts.put_bytes.add(1024);
+      // get(): the same
+      a = metrics::ticks();
+      w |= go.traceparent.empty() ? 0 : trace::now_ns();
+      counts.get_time.since(a);
+      counts.get_bytes.add(1024);
+      sink = sink + w;
+    }
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+    per.push_back(ns / iters);
+  }
+  std::sort(per.begin(), per.end());
+  return per[per.size() / 2];
+}
+
 }  // namespace stagelink::bench

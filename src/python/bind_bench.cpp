@@ -51,6 +51,11 @@ void bind_bench(nb::module_& m) {
     }
     return l;
   }, nb::arg("sizes"), nb::arg("iters"), nb::arg("ns"), nb::arg("progress").none());
+  m.def("bench_seam_ns", [](int iters, int rounds) {
+    nb::gil_scoped_release nogil;
+    return bench::seam_ns_per_put_get(iters, rounds);
+  }, nb::arg("iters") = 1000000, nb::arg("rounds") = 7,
+        "what the metrics seam adds to one put + get, in ns (median of rounds)");
   m.def("bench_shm_cpp", [](std::vector<size_t> sizes, int iters, const std::string& ns, size_t arena) {
     std::vector<bench::ShmRow> rows;
     {
