@@ -111,12 +111,13 @@ enum class CapabilityId : uint8_t { lending, waiting_gets, arrivals, sender_link
 // What every connector counts, once, in its non-virtual put/get/cleanup (health() and the metrics
 // tree read these cells; a connector counts only what is its own beyond them).
 struct ConnectorCounts {
-  metrics::Timing put_time, get_time;  // successful calls: their count is the puts and gets
+  metrics::Counter put_calls, get_calls;  // successful calls
+  metrics::Timing put_time, get_time;     // of them, the timed ones (metrics::timed_start)
   metrics::Counter put_bytes, get_bytes;
   metrics::Counter put_errors[16], get_errors[16];  // by Errc (a get's not_found is a miss, not an error)
   metrics::Counter cleanups, cleaned;               // cleanup() calls, and the entries they released
-  uint64_t puts() const { return put_time.count(); }
-  uint64_t gets() const { return get_time.count(); }
+  uint64_t puts() const { return put_calls.value(); }
+  uint64_t gets() const { return get_calls.value(); }
   uint64_t errors() const;    // every failed put and get but timeouts and a get's not_found
   uint64_t timeouts() const;  // puts and gets that failed with timeout
 };
@@ -133,7 +134,7 @@ class Connector {
   // being read), exhausted (no room before the put timeout), closed, io.
   Result<PutResult> put(const std::string& from_stage, const std::string& to_stage, const std::string& key,
                         const Payload& payload, const PutOptions& opts = {}) {
-    const uint64_t t0 = metrics::ticks();
+    const uint64_t t0 = metrics::timed_start();
     const uint64_t w0 = opts.traceparent.empty() ? 0 : trace::now_ns();
     auto r = do_put(from_stage, to_stage, key, payload, opts);
     count_put(r, t0);
@@ -153,11 +154,12 @@ class Connector {
   // corrupt (bad metadata/frame), closed.
   Result<GetResult> get(const std::string& from_stage, const std::string& to_stage, const std::string& key,
                         const Value* metadata, Deadline deadline = kNoWait, const GetOptions& opts = {}) {
-    const uint64_t t0 = metrics::ticks();
+    const uint64_t t0 = metrics::timed_start();
     const uint64_t w0 = opts.traceparent.empty() ? 0 : trace::now_ns();
     auto r = do_get(from_stage, to_stage, key, metadata, deadline, opts);
     if (r.ok()) [[likely]] {
-      counts_.get_time.since(t0);
+      counts_.get_calls.add();
+      if (t0) counts_.get_time.since(t0);
       counts_.get_bytes.add(r->size);
     } else {
       counts_.get_errors[size_t(r.error().code) & 15].add();
@@ -205,10 +207,12 @@ class Connector {
                                    const GetOptions& opts) = 0;
   virtual size_t do_cleanup(const std::string& request_id) = 0;
 
-  // Count a put made another way than put() (a capability's, e.g. Lending::put_loan).
+  // Count a put made another way than put() (a capability's, e.g. Lending::put_loan). `t0`:
+  // metrics::timed_start() before it (0: not timed).
   void count_put(const Result<PutResult>& r, uint64_t t0) {
     if (r.ok()) [[likely]] {
-      counts_.put_time.since(t0);
+      counts_.put_calls.add();
+      if (t0) counts_.put_time.since(t0);
       counts_.put_bytes.add(r->size);
     } else {
       counts_.put_errors[size_t(r.error().code) & 15].add();

@@ -22,8 +22,9 @@ std::vector<ShmRow> bench_shm(const std::vector<size_t>& sizes, int iters, const
                               size_t arena_bytes);
 
 // What the metrics seam adds to one put + get, in ns: exactly what Connector::put and get do to
-// count a successful call (a time-stamp-counter read before and after, a histogram observation, a
-// bytes counter, and the traceparent test), `iters` times over, median of `rounds` rounds.
+// count a successful call (a call and a bytes counter, the traceparent test, and for one call in
+// metrics::time_every() a time-stamp-counter read before and after and a histogram observation),
+// `iters` times over, median of `rounds` rounds.
 double seam_ns_per_put_get(int iters, int rounds);
 
 }  // namespace stagelink::bench

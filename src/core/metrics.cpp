@@ -3,6 +3,7 @@
 #include "stagelink/metrics.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -100,6 +101,21 @@ std::vector<const Family*> families() {
             out.end());
   return out;
 }
+
+uint32_t time_every() noexcept { return g_time_every.load(std::memory_order_relaxed); }
+void set_time_every(uint32_t n) noexcept { g_time_every.store(n ? n : 1, std::memory_order_relaxed); }
+
+namespace {
+// STAGELINK_METRICS_TIME_EVERY at load (a positive integer; anything else leaves the default).
+const bool kTimeEveryFromEnv = [] {
+  if (const char* v = std::getenv("STAGELINK_METRICS_TIME_EVERY")) {
+    char* end = nullptr;
+    const unsigned long n = std::strtoul(v, &end, 10);
+    if (end != v && *end == '\0' && n > 0 && n <= 1u << 20) set_time_every(uint32_t(n));
+  }
+  return true;
+}();
+}  // namespace
 
 double seconds_per_tick() noexcept {
 #if defined(__x86_64__) || defined(__i386__)

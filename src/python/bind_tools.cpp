@@ -277,6 +277,9 @@ void bind_tools(nb::module_& m) {
   static constexpr auto ok_or_raise = [](const Status& st) {
     if (!st.ok()) raise(st.error());
   };
+  m.def("metrics_time_every", [] { return metrics::time_every(); });
+  m.def("metrics_set_time_every", [](uint32_t n) { metrics::set_time_every(n); }, nb::arg("n"),
+        "time one put and get in n per thread (1: every one); calls are counted exactly all the same");
   m.def("count_pickle_refused", [] { counts::pickle_refused(); },
         "count a payload holding a pickle refused unread (stagelink_pickle_refused_total)");
   // Trace spans (include/stagelink/trace.hpp), read by stagelink.trace.

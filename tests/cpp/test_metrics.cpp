@@ -39,7 +39,17 @@ TEST(Metrics, TimingBucketsCoverEveryDuration) {
   }
 }
 
+namespace {
+// Every put and get timed for one test (the default times one in metrics::time_every()).
+struct TimeEveryCall {
+  uint32_t was = metrics::time_every();
+  TimeEveryCall() { metrics::set_time_every(1); }
+  ~TimeEveryCall() { metrics::set_time_every(was); }
+};
+}  // namespace
+
 TEST(Metrics, ConnectorCountsEveryPutGetAndErrorOnce) {
+  TimeEveryCall every;
   const std::string ns = unique_ns("met");
   const double puts0 = sample("stagelink_connector_puts_total", {"SharedMemoryConnector"});
   const double gets0 = sample("stagelink_connector_gets_total", {"SharedMemoryConnector"});
@@ -86,6 +96,7 @@ TEST(Metrics, ConnectorCountsEveryPutGetAndErrorOnce) {
 }
 
 TEST(Metrics, HistogramBucketsAreCumulativeAndInSeconds) {
+  TimeEveryCall every;
   const std::string ns = unique_ns("meth");
   auto c = make(extra(ns));
   ASSERT_TRUE(c);
@@ -219,4 +230,24 @@ TEST(Metrics, ControlInboxesCountWhatTheyReceiveAndDrop) {
   EXPECT_EQ(sample("stagelink_control_messages_dropped_total", {}) - bad0, 1);
   EXPECT_TRUE(has_sample("stagelink_curve_peers_refused_total", {}));
   EXPECT_TRUE(has_sample("stagelink_pickle_refused_total", {}));
+}
+
+TEST(Metrics, PutsAndGetsAreCountedExactlyAndTimedOneInEight) {
+  ASSERT_EQ(metrics::time_every(), 8u);  // the default (no STAGELINK_METRICS_TIME_EVERY in the tests)
+  const std::string ns = unique_ns("mets");
+  auto c = make(extra(ns));
+  ASSERT_TRUE(c);
+  auto data = pattern(512, 3);
+  const double puts0 = sample("stagelink_connector_puts_total", {"SharedMemoryConnector"});
+  const double timed0 = sample("stagelink_connector_put_seconds", {"SharedMemoryConnector"});
+  for (int i = 0; i < 800; ++i) {
+    ASSERT_TRUE(c->put("a", "b", "k", payload_of(data, 3)).ok());
+    ASSERT_TRUE(c->get("a", "b", "k", nullptr).ok());
+  }
+  EXPECT_EQ(sample("stagelink_connector_puts_total", {"SharedMemoryConnector"}) - puts0, 800);
+  // This thread's put and get calls alternate on one per-thread count: 1600 calls, one in 8 timed,
+  // split between the two.
+  const double timed = sample("stagelink_connector_put_seconds", {"SharedMemoryConnector"}) - timed0;
+  EXPECT_GE(timed, 1600 / 8 / 2 - 2);
+  EXPECT_LE(timed, 1600 / 8 / 2 + 2);
 }
