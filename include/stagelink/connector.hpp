@@ -134,7 +134,7 @@ class Connector {
   // being read), exhausted (no room before the put timeout), closed, io.
   Result<PutResult> put(const std::string& from_stage, const std::string& to_stage, const std::string& key,
                         const Payload& payload, const PutOptions& opts = {}) {
-    const uint64_t t0 = metrics::timed_start();
+    const uint64_t t0 = metrics::timed_start(0);
     const uint64_t w0 = opts.traceparent.empty() ? 0 : trace::now_ns();
     auto r = do_put(from_stage, to_stage, key, payload, opts);
     count_put(r, t0);
@@ -154,7 +154,7 @@ class Connector {
   // corrupt (bad metadata/frame), closed.
   Result<GetResult> get(const std::string& from_stage, const std::string& to_stage, const std::string& key,
                         const Value* metadata, Deadline deadline = kNoWait, const GetOptions& opts = {}) {
-    const uint64_t t0 = metrics::timed_start();
+    const uint64_t t0 = metrics::timed_start(1);
     const uint64_t w0 = opts.traceparent.empty() ? 0 : trace::now_ns();
     auto r = do_get(from_stage, to_stage, key, metadata, deadline, opts);
     if (r.ok()) [[likely]] {
@@ -208,7 +208,7 @@ class Connector {
   virtual size_t do_cleanup(const std::string& request_id) = 0;
 
   // Count a put made another way than put() (a capability's, e.g. Lending::put_loan). `t0`:
-  // metrics::timed_start() before it (0: not timed).
+  // metrics::timed_start(0) before it (0: not timed).
   void count_put(const Result<PutResult>& r, uint64_t t0) {
     if (r.ok()) [[likely]] {
       counts_.put_calls.add();

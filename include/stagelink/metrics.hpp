@@ -62,11 +62,13 @@ double seconds_per_tick() noexcept;
 inline std::atomic<uint32_t> g_time_every{8};
 uint32_t time_every() noexcept;
 void set_time_every(uint32_t n) noexcept;  // 0 is taken as 1
-// ticks() when this call is one to time, else 0.
-inline uint64_t timed_start() noexcept {
-  thread_local uint32_t n = 0;
-  if (++n < g_time_every.load(std::memory_order_relaxed)) return 0;
-  n = 0;
+// ticks() when this call is one to time, else 0. `op` keeps a count of its own per thread (puts
+// 0, gets 1, ...): one count for alternating puts and gets would time only one of the two.
+inline uint64_t timed_start(unsigned op) noexcept {
+  thread_local uint32_t n[4] = {};
+  uint32_t& c = n[op & 3];
+  if (++c < g_time_every.load(std::memory_order_relaxed)) return 0;
+  c = 0;
   return ticks() | 1;  // never 0 (one tick off at most)
 }
 

@@ -169,13 +169,13 @@ double seam_ns_per_put_get(int iters, int rounds) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; ++i) {
       // put(): the sampled start, the traceparent test, the call (not timed here), then count_put
-      uint64_t a = metrics::timed_start();
+      uint64_t a = metrics::timed_start(0);
       uint64_t w = po.traceparent.empty() ? 0 : trace::now_ns();
       counts.put_calls.add();
       if (a) counts.put_time.since(a);
       counts.put_bytes.add(1024);
       // get(): the same
-      a = metrics::timed_start();
+      a = metrics::timed_start(1);
       w |= go.traceparent.empty() ? 0 : trace::now_ns();
       counts.get_calls.add();
       if (a) counts.get_time.since(a);

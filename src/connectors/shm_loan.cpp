@@ -68,7 +68,7 @@ Result<Loan> ShmConnector::loan(const Value& tree, std::span<const TensorSpec> s
 
 Result<PutResult> ShmConnector::put_loan(const std::string& from, const std::string& to, const std::string& key,
                                          Loan&& loan, const PutOptions& po) {
-  const uint64_t t0 = metrics::timed_start();
+  const uint64_t t0 = metrics::timed_start(0);
   auto r = put_loan_impl(from, to, key, std::move(loan), po);
   count_put(r, t0);
   return r;
