@@ -52,3 +52,18 @@ def test_a_stage_library_builds_against_the_installed_package_and_runs(tmp_path)
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(out.read_text())["completed"] == 8 and "verified end to end" in r.stdout
+
+
+@pytest.mark.skipif(not shutil.which("cmake"), reason="cmake is not installed")
+def test_the_cxx_package_names_the_packages_it_needs_when_they_are_missing(tmp_path):
+    """Issue 64: find_package(stagelink) where the -dev packages it links are missing said only that
+    one pkg-config module was not found; it now says every one missing and the apt-get line.
+    (pkg-config pointed at an empty directory stands for a host without them.)"""
+    cmake_dir = subprocess.run([STAGELINK, "--cmake-dir"], capture_output=True, text=True, check=True).stdout.strip()
+    r = subprocess.run(["cmake", "-S", os.path.join(ROOT, "examples", "cpp_stage"), "-B", str(tmp_path / "b"),
+                        f"-Dstagelink_DIR={cmake_dir}"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PKG_CONFIG_LIBDIR=str(tmp_path / "none")))
+    assert r.returncode != 0
+    out = " ".join((r.stdout + r.stderr).split())
+    assert "sudo apt-get install libzmq3-dev libucx-dev libhiredis-dev libxxhash-dev" in out, out
+    assert "CMake 3.22 or later" in out
