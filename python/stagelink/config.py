@@ -105,7 +105,7 @@ def load_omni_transfer_config(config_path: Union[str, os.PathLike, None] = None,
                               default_shm_threshold: int = 65536) -> Optional[TransferConfig]:
     """vLLM-Omni's loader, its arguments and results: a file (``config_path``) or a dict
     (``config_dict``); None when given neither; ``FileNotFoundError`` for a file that is not
-    there. Otherwise as :func:`load_transfer_config`."""
+    there. Otherwise as `load_transfer_config`."""
     if config_path is None and config_dict is None:
         return None
     if config_path is not None:
@@ -142,7 +142,7 @@ def _inject_chunk_path_endpoints(extra: dict, connector_name: str, role: str, ow
     ``auto``, else this host's address). ``sender_host`` / ``sender_zmq_port`` the user set are
     kept. Any other connector, a stage id that is not an integer (``"prefill"``) or ``zmq_port: 0``
     (pick any port) is left as it is. The ports are the seed's request-forwarding ports
-    (:func:`stagelink.transfer_engine_port`, purpose offset 0, one replica)."""
+    (`stagelink.transfer_engine_port`, purpose offset 0, one replica)."""
     if not _role_bound(connector_name):
         return
     try:
@@ -167,7 +167,7 @@ def get_connectors_config_for_stage(transfer_config, stage_id) -> dict:
     ...}`` for the stage's incoming and outgoing edges, with ``role`` injected into each ``extra``
     ("receiver" incoming, "sender" outgoing; one the user set is kept). A role-bound connector
     (the transfer engines) on both sides of a stage makes it ``dual`` on both entries, which then
-    carry the same extra, and gets its endpoints derived (:func:`_inject_chunk_path_endpoints`),
+    carry the same extra, and gets its endpoints derived (`_inject_chunk_path_endpoints`),
     so co-located stages do not collide on one port. ``None`` (no config loaded) gives ``{}``."""
     if transfer_config is None:
         return {}

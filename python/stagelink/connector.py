@@ -37,7 +37,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
 
     ``put`` returns ``(success, size, metadata)``; ``get`` returns ``(data, size)`` or ``None``.
     Failures are logged and kept in ``last_error``; with ``extra={"strict": True}`` they raise
-    :class:`stagelink.StagelinkError` subclasses instead. A ``get`` that returns None sets
+    `stagelink.StagelinkError` subclasses instead. A ``get`` that returns None sets
     ``last_error`` to why (``NotFoundError``: not put, or already read by every reader;
     ``TimeoutError``; ``CancelledError``), raised in strict mode; a call that works resets it.
 
@@ -146,7 +146,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
 
     @staticmethod
     def deserialize_obj(data) -> object:
-        """What :meth:`serialize_obj` made (or any frame) back as an object. Raises CorruptError for
+        """What `serialize_obj` made (or any frame) back as an object. Raises CorruptError for
         bytes that are not a frame."""
         kind, obj = _core.decode_frame_parts(bytes(data))
         return _serde.decode(kind, obj, False)
@@ -173,7 +173,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
     # -- vLLM-Omni's arrival wake-ups: a receive loop sleeps until a put may have arrived
     def get_wakeup_generation(self) -> Optional[int]:
         """A snapshot to take before polling: a later ``put`` (by any process on this host, to any
-        stage) moves it, see :meth:`wait_for_change`. ``None`` when this connector cannot signal
+        stage) moves it, see `wait_for_change`. ``None`` when this connector cannot signal
         arrivals (network connectors, a closed one, or ``VLLM_OMNI_SHM_WAKEUP=0`` as in vLLM-Omni):
         the caller keeps its timed poll."""
         if os.environ.get("VLLM_OMNI_SHM_WAKEUP", "1") == "0":
@@ -198,7 +198,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
 
     @property
     def _metrics(self) -> dict:
-        """vLLM-Omni's counters: ``puts``, ``gets``, ``bytes_transferred`` (from :meth:`health`)."""
+        """vLLM-Omni's counters: ``puts``, ``gets``, ``bytes_transferred`` (from `health`)."""
         h = self.health()
         return {k: h.get(k, 0) for k in ("puts", "gets", "bytes_transferred")}
 
@@ -215,8 +215,8 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
 
     def connect(self, sender_info: Optional[dict] = None, timeout: Optional[float] = 30.0) -> None:
         """Set up, before the first ``get``, the connections a get from the sender ``sender_info``
-        describes (its :meth:`sender_info`, or any put's metadata; ``None``: the sender of
-        :meth:`update_sender_info` or the config) would otherwise make on first use: the side
+        describes (its `sender_info`, or any put's metadata; ``None``: the sender of
+        `update_sender_info` or the config) would otherwise make on first use: the side
         channel and the UCX endpoints of both sides. The first get then costs what the next ones do
         (over TCP, milliseconds less). Connectors with nothing to connect return at once. Raises
         TimeoutError after ``timeout`` s, NotFoundError when no sender is known, and the transport's
@@ -235,7 +235,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         ``out``: a writable C-contiguous buffer (numpy array, bytearray, CPU torch tensor via
         ``.numpy()``) at least as large as the payload; reuse it across calls to avoid page faults.
         Returns the number of bytes written, or ``None`` when absent, timed out or failed.
-        Pickled objects cannot be copied raw: use :meth:`get` for those.
+        Pickled objects cannot be copied raw: use `get` for those.
         """
         if timeout is None:
             timeout = self.default_get_timeout
@@ -284,7 +284,7 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
 
 class OmniConnectorBase(abc.ABC):
     """vLLM-Omni's base class: subclass it for a connector of your own and register it with
-    :meth:`OmniConnectorFactory.register_connector`. ``put``, ``get``, ``cleanup``, ``health``
+    `OmniConnectorFactory.register_connector`. ``put``, ``get``, ``cleanup``, ``health``
     and ``close`` are abstract; ``get_with_deadline`` raises NotImplementedError unless
     overridden; ``abandon_get`` and ``reap_consumed`` do nothing; the connector is a context
     manager and closes when collected; ``serialize_obj``/``deserialize_obj`` write and read
@@ -412,12 +412,12 @@ def describe_connector(name: str) -> Optional[dict]:
     reaches only this host's processes of this user), ``side_channel`` (a sender serves a side
     channel its receivers reach: vLLM-Omni's role-bound connectors), ``pickle_default``,
     ``device_slots``, ``lookup_gets`` and ``python_made``. None for a name the core does not know
-    (a connector registered only in Python, through :class:`OmniConnectorFactory`)."""
+    (a connector registered only in Python, through `OmniConnectorFactory`)."""
     return _core.connectors().get(name)
 
 
 def has_trait(name: str, trait: str) -> bool:
-    """Whether connector ``name`` has ``trait`` (:func:`describe_connector`); False for a name the
+    """Whether connector ``name`` has ``trait`` (`describe_connector`); False for a name the
     core does not know: such a connector's data is taken to cross hosts."""
     d = describe_connector(name)
     return d is not None and trait in d["traits"]
@@ -426,7 +426,7 @@ def has_trait(name: str, trait: str) -> bool:
 def create_connector(name: str, extra: Optional[dict] = None, **injected):
     """Create a connector by class name (``SharedMemoryConnector``, ...). ``injected`` fields
     (``role``, ``stage_id``, ...) are merged into ``extra`` as vLLM-Omni's orchestrator does.
-    An unknown name raises :class:`stagelink.NotFoundError`, which is also a ``ValueError``."""
+    An unknown name raises `stagelink.NotFoundError`, which is also a ``ValueError``."""
     merged = dict(extra or {})
     merged.update(injected)
     d = describe_connector(name)

@@ -57,12 +57,12 @@ def _s(stage) -> str:
 class Inbox(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on collection
     """Where a stage (or the coordinator) receives control messages: a ZeroMQ PULL socket bound on
     ``endpoint`` (``ipc:///path`` in a private directory on one host, ``tcp://host:port`` across
-    hosts; port 0 picks a free one, see :attr:`endpoint`).
+    hosts; port 0 picks a free one, see `endpoint`).
 
     ``curve``: ``{"secret_key": ..., "allowed_clients": [public keys]}`` (keys of
-    :func:`stagelink.curve_keypair`): only outboxes holding one of those keys connect, and every
+    `stagelink.curve_keypair`): only outboxes holding one of those keys connect, and every
     message is encrypted (CurveZMQ). Others are refused at the handshake and counted
-    (:attr:`refused`). A pipeline gives its inboxes keys by itself (``control: tcp``)."""
+    (`refused`). A pipeline gives its inboxes keys by itself (``control: tcp``)."""
 
     def __init__(self, endpoint: str, curve: Optional[dict] = None):
         self._native = _core._ControlInbox.bind(endpoint, curve)
@@ -80,12 +80,12 @@ class Inbox(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
     def recv(self, timeout: Optional[float] = None) -> ControlMessage:
         """The next message. ``timeout`` None waits forever (the thread sleeps in the kernel).
         Raises TimeoutError, CorruptError (a malformed message, dropped; the inbox goes on), or
-        ClosedError after :meth:`close` (which also wakes a blocked recv)."""
+        ClosedError after `close` (which also wakes a blocked recv)."""
         return ControlMessage(**self._native.recv(timeout))
 
 
 class Outbox(NativeOwner):
-    """Sends control messages to one :class:`Inbox` (a ZeroMQ PUSH socket). ``close()`` delivers
+    """Sends control messages to one `Inbox` (a ZeroMQ PUSH socket). ``close()`` delivers
     what is queued (at most 1 s for a peer that takes nothing), then releases the socket.
     ``curve``: ``{"secret_key": ..., "public_key": ..., "server_key": the inbox's public key}``."""
 
@@ -101,7 +101,7 @@ class Outbox(NativeOwner):
 
 def private_socket_dir(tag: str = "stagelink") -> str:
     """A new 0700 directory for a pipeline's ipc sockets (under $XDG_RUNTIME_DIR, else /tmp);
-    remove it with :func:`remove_socket_dir`."""
+    remove it with `remove_socket_dir`."""
     return _core.make_private_socket_dir(tag)
 
 

@@ -28,7 +28,7 @@ KV_REPLICA_PORT_STRIDE = 1024
 def create_connectors_from_config(connectors_config: dict, purpose: Optional[str] = None,
                                   caller_stage_id: Any = None, is_sender: Optional[bool] = None) -> dict:
     """One connector per edge, ``{(from_stage, to_stage): ConnectorSpec}`` in, ``{edge:
-    connector}`` out, made by :class:`OmniConnectorFactory`. ``is_sender`` sets ``role`` where
+    connector}`` out, made by `OmniConnectorFactory`. ``is_sender`` sets ``role`` where
     the spec has none (``sender`` / ``receiver``). A connector that cannot be made raises, after
     the ones already made are closed: a stage never starts with an edge missing."""
     made: dict = {}
@@ -68,13 +68,13 @@ def initialize_orchestrator_connectors(config_path, worker_backend: Optional[str
 
 
 def get_stage_connector_config(transfer_config: Optional[TransferConfig], stage_id) -> dict:
-    """What a stage worker is given: :func:`get_connectors_config_for_stage` (``{}`` without a
+    """What a stage worker is given: `get_connectors_config_for_stage` (``{}`` without a
     config)."""
     return get_connectors_config_for_stage(transfer_config, stage_id)
 
 
 def build_stage_connectors(stage_id, connectors_config: dict, purpose: str = "request_forwarding") -> dict:
-    """A stage worker's inbound connectors from what :func:`get_stage_connector_config` gave it:
+    """A stage worker's inbound connectors from what `get_stage_connector_config` gave it:
     ``{(from_stage, stage_id): connector}`` for each ``from_stage_*`` entry (the orchestrator
     owns the outbound ones)."""
     specs = {}

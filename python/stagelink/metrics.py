@@ -56,7 +56,7 @@ def families() -> List[dict]:
 
 class Metric:
     """A metric of your own in this process's tree (and so at its ``/metrics``): made by
-    :func:`counter`, :func:`gauge` or :func:`histogram`. Label values are given positionally, one
+    `counter`, `gauge` or `histogram`. Label values are given positionally, one
     per label name declared."""
 
     def __init__(self, name: str, kind: str, help: str, labels: Sequence[str], unit: str = ""):
@@ -82,7 +82,7 @@ class Metric:
 
 
 class Cell:
-    """One label set of a :class:`Metric` (``Metric.labels(...)``)."""
+    """One label set of a `Metric` (``Metric.labels(...)``)."""
     __slots__ = ("_c",)
 
     def __init__(self, c):

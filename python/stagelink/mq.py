@@ -8,8 +8,8 @@
 
 Local readers share a ring in shared memory (no copy, no socket; messages larger than a chunk go
 through a shared-memory overflow area); remote readers receive the same messages, in the same
-order, over ZeroMQ. Timeouts raise :class:`stagelink.TimeoutError` naming the readers behind;
-``shutdown()`` wakes every blocked side with :class:`stagelink.CancelledError`.
+order, over ZeroMQ. Timeouts raise `stagelink.TimeoutError` naming the readers behind;
+``shutdown()`` wakes every blocked side with `stagelink.CancelledError`.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class Handle:
 
 
 class MessageQueue(NativeOwner):
-    """The writer side; readers come from :meth:`create_from_handle`.
+    """The writer side; readers come from `create_from_handle`.
 
     ``n_reader`` readers in all, ``n_local_reader`` of them on this host (ranks
     ``local_reader_ranks``: any distinct numbers, by default ``0 .. n_local_reader-1``), the
@@ -97,12 +97,12 @@ class MessageQueue(NativeOwner):
     as typed regions in shared memory here. Beyond vLLM's arguments:
     ``overflow_bytes`` (shared memory for messages larger than a chunk), ``warn_interval_s``
     (a blocked writer logs the readers it waits for), ``drop_dead_readers`` (go on without a
-    reader whose process died instead of raising :class:`stagelink.PeerDeadError`), ``spin_us``
+    reader whose process died instead of raising `stagelink.PeerDeadError`), ``spin_us``
     (spin before sleeping in the kernel), ``curve`` (remote readers authenticated and encrypted:
     ``{"secret_key_file": PATH}`` or ``{"secret_key": ...}``, plus ``allowed_clients``; default
     from ``STAGELINK_CURVE_SECRET_FILE``, a key file every process of the deployment shares).
     Without keys, remote readers are authenticated and encrypted all the same, with a key pair
-    this writer makes and puts in :meth:`export_handle`: only the handle's holders can subscribe.
+    this writer makes and puts in `export_handle`: only the handle's holders can subscribe.
 
     The remote-reader socket binds ``connect_ip`` (else this host's address) only, never every
     interface. A remote reader unpickles only what comes over an authenticated queue, unless it
@@ -166,7 +166,7 @@ class MessageQueue(NativeOwner):
         """vLLM's: the group's ``writer_rank`` writes, every other rank reads (through shared memory
         on the writer's host, over TCP elsewhere). Every rank of ``pg`` calls it; with
         ``blocking`` it returns once every reader is attached (without, each side calls
-        :meth:`wait_until_ready` later). ``external_writer_handle``: the queue already exists
+        `wait_until_ready` later). ``external_writer_handle``: the queue already exists
         elsewhere; ``writer_rank`` attaches to it with its group rank and hands that handle on, so
         the group reads the same queue. ``pg``: a ``torch.distributed`` process group, or an
         object with vLLM's ``StatelessProcessGroup`` interface (``rank``, ``world_size``,
@@ -192,7 +192,7 @@ class MessageQueue(NativeOwner):
         """The other direction: every rank but ``reader_rank`` writes a queue of its own with one
         reader, ``reader_rank``. Returns ``(queue, handles)``: on a writer its queue, on the reader
         a list with one reader queue per writer rank (``None`` at its own index); ``handles`` is
-        every writer's handle by group rank. ``pg`` as for :meth:`create_from_process_group`.
+        every writer's handle by group rank. ``pg`` as for `create_from_process_group`.
         ``blocking`` is vLLM's argument; the reader attaches before this returns on any rank,
         so the writers' queues are ready either way."""
         g = _Group(pg)
@@ -251,10 +251,10 @@ class MessageQueue(NativeOwner):
 
     def dequeue(self, timeout: Optional[float] = None, indefinite: bool = False) -> Any:
         """The next message, in order. ``timeout`` None waits for ever; else
-        :class:`stagelink.TimeoutError` after ``timeout`` seconds. As in vLLM, a local reader that
+        `stagelink.TimeoutError` after ``timeout`` seconds. As in vLLM, a local reader that
         waits longer than ``VLLM_RINGBUFFER_WARNING_INTERVAL`` logs it (every interval), unless
         ``indefinite`` (a worker waiting for work); ``indefinite`` does not lift the timeout.
-        After ``shutdown()``: :class:`stagelink.CancelledError` ("cancelled")."""
+        After ``shutdown()``: `stagelink.CancelledError` ("cancelled")."""
         if timeout is not None:
             timeout = float(timeout)
             if timeout != timeout:
@@ -282,10 +282,10 @@ class MessageQueue(NativeOwner):
         return _serde.decode(kind, regions, False)
 
     class ReadTimeoutWithWarnings:
-        """vLLM's: a read's deadline and its warning times. :meth:`timeout_ms` is how long the next
+        """vLLM's: a read's deadline and its warning times. `timeout_ms` is how long the next
         wait may sleep (the time to the deadline, at most ``SHM_READER_RECHECK_INTERVAL_MS``, and
         when warning at most ``VLLM_RINGBUFFER_WARNING_INTERVAL``); past the deadline it raises
-        ``TimeoutError``. :meth:`should_warn` says when a warning is due."""
+        ``TimeoutError``. `should_warn` says when a warning is due."""
 
         def __init__(self, timeout: Optional[float], should_warn: bool) -> None:
             self.started = time.monotonic()
@@ -340,7 +340,7 @@ class MessageQueue(NativeOwner):
     def acquire_write(self, timeout: Optional[float] = None):
         """vLLM's: yields a writable buffer of ``max_chunk_bytes`` bytes; what is in it when the
         block ends is sent to every reader (nothing is sent if the block raises). Readers take it
-        with :meth:`acquire_read` (or :meth:`dequeue`, as a memoryview)."""
+        with `acquire_read` (or `dequeue`, as a memoryview)."""
         buf = bytearray(self.max_chunk_bytes)
         view = memoryview(buf)
         yield view
@@ -350,7 +350,7 @@ class MessageQueue(NativeOwner):
     @contextlib.contextmanager
     def acquire_read(self, timeout: Optional[float] = None, indefinite: bool = False):
         """vLLM's: yields the next message's buffer (read-only) for the duration of the block:
-        what a writer's :meth:`acquire_write` filled, or the bytes of a bytes-like message. A
+        what a writer's `acquire_write` filled, or the bytes of a bytes-like message. A
         message that is an object is yielded as that object."""
         msg = self.dequeue(timeout, indefinite)
         if isinstance(msg, (bytes, bytearray, memoryview)):
@@ -364,13 +364,13 @@ class MessageQueue(NativeOwner):
 
     @property
     def shutting_down(self) -> bool:
-        """True once :meth:`shutdown` ran here or (readers) the writer ended the queue."""
+        """True once `shutdown` ran here or (readers) the writer ended the queue."""
         return self._q.shutting_down
 
     @property
     def _spin_condition(self) -> "_SpinCondition":
         """vLLM's ``SpinCondition`` of this side: a local reader's read loop calls its
-        :meth:`~_SpinCondition.wait` (vLLM's tests count those calls and steer ``last_read`` /
+        `_SpinCondition.wait` (vLLM's tests count those calls and steer ``last_read`` /
         ``busy_loop_s``). Here every wait sleeps in the kernel until the writer publishes, so the
         busy / idle modes change how often the wait returns, not the CPU it burns."""
         sc = self.__dict__.get("_sc")
@@ -391,7 +391,7 @@ class MessageQueue(NativeOwner):
 
     def shutdown(self, everyone: bool = False) -> None:
         """vLLM's: this side's blocked call, and its later ones, end with
-        :class:`stagelink.CancelledError` ("cancelled"); the other side is not touched (a reader
+        `stagelink.CancelledError` ("cancelled"); the other side is not touched (a reader
         shut down by its own monitor thread, as vLLM's workers do). ``everyone`` (writer): the
         queue ends for every reader too, once each has read what was enqueued before; closing the
         writer (or losing it) does the same."""

@@ -66,7 +66,7 @@ class RelayOperation:
     def wait(self, timeout: Optional[float] = None) -> None:
         """Put: until every reader released the data (its credit is back). Get: returns at once
         (the data is here). ``timeout`` None waits forever. Raises TimeoutError, CancelledError
-        (``cleanup`` before it was read), ClosedError, or what :meth:`mark_receiver_failed` was
+        (``cleanup`` before it was read), ClosedError, or what `mark_receiver_failed` was
         given."""
         if self._failed is not None:
             raise self._failed
@@ -80,7 +80,7 @@ class RelayOperation:
 
     def mark_receiver_failed(self, exc: BaseException) -> None:
         """The receiver could not take the data: a put still unread is withdrawn (its slot and
-        credit come back at once) and :meth:`wait` / :meth:`wait_for_completion` raise ``exc``.
+        credit come back at once) and `wait` / `wait_for_completion` raise ``exc``.
         The first failure reported is kept."""
         if self._failed is None:
             self._failed = exc
@@ -92,7 +92,7 @@ class RelayOperation:
         waits up to ``timeout`` seconds (30 by default; None: no limit) for the put to be
         consumed. A put not consumed in time is withdrawn (its slot and credit come back at once,
         a later get of it fails) and ``TimeoutError`` ("was not consumed in time") is raised.
-        Otherwise the same errors as :meth:`wait`, which keeps an unread put on timeout; a get
+        Otherwise the same errors as `wait`, which keeps an unread put on timeout; a get
         returns at once. The wait runs in the loop's executor: the event loop is not blocked."""
         if self._failed is not None:
             raise self._failed
@@ -186,7 +186,7 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         their offsets into one uint8 payload of ``total_size`` bytes (zeros between) straight
         into the relay's shared memory: one copy, no concatenation first. A receiver reads it as
         any put (``get_async(metadata, dest_tensor=uint8[total_size])``). Credits and errors as
-        :meth:`put_async`; InvalidArgumentError for segments that overlap or end past
+        `put_async`; InvalidArgumentError for segments that overlap or end past
         ``total_size``."""
         if edge is None and receiver_id is not None:
             edge = f"receiver:{receiver_id}"
@@ -207,7 +207,7 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         ``result()`` is the object. ``zero_copy``: arrays are read-only views that hold the slot
         until dropped. Raises CorruptError for metadata that is not a relay's, NotFoundError when
         it was already read by every reader or cleaned up, InvalidArgumentError for a ``dest``
-        that is too small. ``traceparent``: as :meth:`put_async`'s (the connector's get is a span)."""
+        that is too small. ``traceparent``: as `put_async`'s (the connector's get is a span)."""
         if dest is None:
             dest = dest_tensor
         tp = traceparent or ""
@@ -238,7 +238,7 @@ class Relay(NativeOwner):  # NativeOwner: close(), closed, with-blocks, close on
         return self._native.sender_info()
 
     def connect(self, sender_info, timeout: Optional[float] = None) -> None:
-        """Connect to the relay ``sender_info`` describes (its :meth:`sender_info`, or one of its
+        """Connect to the relay ``sender_info`` describes (its `sender_info`, or one of its
         puts' metadata) before the first ``get_async`` from it, which then costs what the next ones
         do (a UCX relay's first get from a sender otherwise connects: milliseconds over TCP).
         Within ``timeout`` (default ``timeout_s``). Nothing to do for ``shm`` and ``local``."""
@@ -313,12 +313,12 @@ def register_relay(name: str):
 
 def create_relay(relay_type: str, **kwargs) -> Relay:
     """SGLang-Omni's factory, ``create_relay("shm", engine_id="e0", slot_size_mb=64, credits=2)``:
-    an instance of the class registered for ``relay_type`` (``shm`` -> :class:`ShmRelay`, with
-    SGLang-Omni's 64 MiB slots and 2 credits; ``local`` -> :class:`LocalRelay`; ``ucx`` ->
-    :class:`UcxRelay`; or one of yours, :func:`register_relay`). As there, keyword arguments the
+    an instance of the class registered for ``relay_type`` (``shm`` -> `ShmRelay`, with
+    SGLang-Omni's 64 MiB slots and 2 credits; ``local`` -> `LocalRelay`; ``ucx`` ->
+    `UcxRelay`; or one of yours, `register_relay`). As there, keyword arguments the
     class's constructor does not take are left out (all are passed to one taking ``**kwargs``).
     An unknown type is a ``ValueError``; SGLang-Omni's ``nccl``, ``cuda_ipc``, ``mooncake`` and
-    ``nixl`` relays, unless registered, are :class:`stagelink.UnsupportedError` (``ucx`` is
+    ``nixl`` relays, unless registered, are `stagelink.UnsupportedError` (``ucx`` is
     stagelink's cross-host relay)."""
     cls = RELAY_REGISTRY.get(relay_type)
     if cls is None and relay_type in _SGLANG_ONLY:

@@ -2,9 +2,9 @@
 (Chrome JSON: Perfetto, chrome://tracing) or OpenTelemetry spans.
 
 A traced request carries a ``traceparent`` (``00-<trace id>-<parent span id>-01``) in its control
-messages and in its relay puts and gets. Every process that records (:func:`set_recording`) keeps
+messages and in its relay puts and gets. Every process that records (`set_recording`) keeps
 the spans of sampled requests in one buffer in the C++ core, which the connectors and relays fill
-too (a connector's ``put``/``get``, a relay's ``credit_wait``); :func:`drain` takes them. The
+too (a connector's ``put``/``get``, a relay's ``credit_wait``); `drain` takes them. The
 pipeline runtime gathers every process's spans at the coordinator and writes them::
 
     with Pipeline.from_yaml("p.yaml", trace="run.trace.json") as p:   # or stagelink run --trace
@@ -90,7 +90,7 @@ def boot_id() -> str:
 
 
 class Span:
-    """A span being timed (see :func:`span`): ``traceparent`` is the context its children carry."""
+    """A span being timed (see `span`): ``traceparent`` is the context its children carry."""
     __slots__ = ("name", "cat", "trace_id", "span_id", "parent_id", "request_id", "args", "start_ns")
 
     def __init__(self, name, cat, ctx: Context, request_id, args, span_id=None):
@@ -117,7 +117,7 @@ class Span:
 
 
 class _NoSpan:
-    """What :func:`span` gives for an untraced call: nothing recorded, no context passed on."""
+    """What `span` gives for an untraced call: nothing recorded, no context passed on."""
     __slots__ = ()
     traceparent = None
 
@@ -141,7 +141,7 @@ def _record(name, cat, start, end, trace_id, span_id, parent_id, rid, args):
 
 def span(name: str, cat: str, parent: Optional[str], request_id: str = "", **args):
     """A span under ``parent`` (a traceparent; None starts a new sampled trace) when this process
-    records and the parent is sampled; else :data:`NO_SPAN`, which costs nothing and passes no
+    records and the parent is sampled; else `NO_SPAN`, which costs nothing and passes no
     context on. Use as ``with span(...) as s:`` or ``s = span(...); ...; s.end()``."""
     if not _core.trace_recording():
         return NO_SPAN
@@ -199,9 +199,9 @@ class ChromeTraceWriter:
     one track per process and thread, ``X`` slices for spans, ``i`` marks for instants, and a
     flow arrow ("transfer") from each put to the get that read it.
 
-    Spans arrive per process (:meth:`add`) with that process's clock offset to the writer's
+    Spans arrive per process (`add`) with that process's clock offset to the writer's
     (``offset_ns``: its CLOCK_MONOTONIC minus ours; 0 on this host). Events are appended as they
-    come, so a trace cut short (a crash) still opens; :meth:`close` ends the array."""
+    come, so a trace cut short (a crash) still opens; `close` ends the array."""
 
     def __init__(self, path: str):
         self.path = path
@@ -273,7 +273,7 @@ class ChromeTraceWriter:
 
 
 def write_chrome(path: str, spans: Iterable[dict], proc: Optional[str] = None) -> None:
-    """Write one process's spans (:func:`drain`) as a Chrome trace."""
+    """Write one process's spans (`drain`) as a Chrome trace."""
     w = ChromeTraceWriter(path)
     try:
         w.add(proc or f"pid {os.getpid()}", spans)

@@ -9,7 +9,7 @@ encoder -> thinker ~~> talker ~~> vocoder ~~> client       (-> data, ~~> stream)
   returns a summary.
 
 Every array is filled from a value derived from the request (its `seed`), each stage checks what
-it received before using it, and :func:`verify` recomputes the summary from the request alone:
+it received before using it, and `verify` recomputes the summary from the request alone:
 a payload damaged, lost, reordered or mixed up with another request's anywhere fails the run.
 """
 from __future__ import annotations

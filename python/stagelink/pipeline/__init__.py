@@ -4,8 +4,8 @@
     with Pipeline.from_yaml("examples/omni_pipeline.yaml") as p:
         print(p.submit("req-1", payload).result(timeout=60))
 
-A stage is ``fn(payload, ctx)`` (see :class:`StageContext`); the file format is in
-:mod:`stagelink.pipeline.spec` and docs/pipeline.md.
+A stage is ``fn(payload, ctx)`` (see `StageContext`); the file format is in
+`stagelink.pipeline.spec` and docs/pipeline.md.
 """
 from .coordinator import Pipeline, PipelineStartError, StageDiedError, StageError  # noqa: F401
 from .spec import PipelineConfigError, PipelineSpec, load_pipeline  # noqa: F401

@@ -570,7 +570,7 @@ class Pipeline:
         it fails with StageError (a stage raised), StageDiedError, TimeoutError
         (settings.request_timeout_s), CancelledError (abort) or ClosedError. ``on_chunk``: called
         (on the coordinator's thread) with each chunk the terminal stage streams, instead of
-        queueing them for :meth:`stream`. ``traceparent``: the caller's W3C trace context (an HTTP
+        queueing them for `stream`. ``traceparent``: the caller's W3C trace context (an HTTP
         request's, vLLM's): with tracing on, the request's spans join that trace, and it is traced
         when that context is sampled (else at ``trace_sample``)."""
         rid = str(request_id)

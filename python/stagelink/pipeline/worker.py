@@ -554,7 +554,7 @@ def _die_with_parent():
 
 def remote_args(proc: str) -> list:
     """The arguments of `python -m stagelink.pipeline._entry` for a process on another host. The
-    spec travels on its stdin (:func:`remote_spec_line`), never on the command line: it holds the
+    spec travels on its stdin (`remote_spec_line`), never on the command line: it holds the
     stages' and hosts' `env`, stage `args` and connector `extra` with `${VAR}` expanded (a Redis
     password), which any user of either host reads in /proc/*/cmdline of `ssh` and the stage."""
     return ["--remote", "-", proc]
