@@ -45,6 +45,20 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
     bytes-likes, trees of them and C++ producers' frames never enter a Python frame here. The
     methods below finish what they hand back: pickling, loans, unpickling and failures.
 
+    ``put(from_stage, to_stage, put_key, data, *, readers=None, request_id=None) -> (success, size, metadata)``
+        Publish ``data`` for ``readers`` gets (default 1); ``request_id`` ties it to a request
+        (``cleanup(request_id)`` frees it). Native frames for arrays, tensors (any dtype), bytes and
+        trees of them; ``Loan`` objects published in place; anything else pickled where allowed.
+
+    ``get(from_stage, to_stage, get_key, metadata=None, timeout=None, *, zero_copy=False, device=None) -> (data, size) | None``
+        With ``metadata`` (what put returned) a direct lookup; without, the key is waited for up to
+        ``timeout`` s (None: ``extra.get_timeout_s``, else one attempt). ``zero_copy``: read-only
+        views holding the slot until dropped (torch tensors whose in-place ops raise
+        ``ReadOnlyInputError``); else a copy, the slot freed at once. ``device``: where torch tensors
+        land (``"cpu"``, ``"cuda:N"``; None: where they came from).
+
+    ``cleanup(request_id) -> int``, ``health() -> dict``, ``close()``: below.
+
     ``extra["allow_pickle"]`` (default true for the shared-memory connector, which only the same
     user can reach; false for connectors that cross hosts): with it off, a payload that would need
     pickle is refused at ``put`` and a received frame holding a pickle is refused at ``get``
