@@ -318,7 +318,7 @@ nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::
   nb::inst_ptr<PyConnector>(self_h)->succeeded();
   if (f->kind == KIND_OBJECT) {
     if (zero_copy && g_zero_copy_hook && PyDict_GetItemString(PyImport_GetModuleDict(), "torch"))
-      f->obj = nb::steal(PyObject_CallOneArg(g_zero_copy_hook, f->obj.ptr()));
+      f->obj = nb::steal(PyObject_CallFunctionObjArgs(g_zero_copy_hook, f->obj.ptr(), nullptr));
     if (!f->obj.is_valid()) throw nb::python_error();
     return nb::make_tuple(f->obj, f->size);
   }
@@ -429,7 +429,9 @@ void bind_connector(nb::module_& m) {
   m.def("_set_zero_copy_hook", [](nb::handle fn) {
         PyObject* f = fn.is_none() ? nullptr : fn.ptr();
         Py_XINCREF(f);
-        Py_XSETREF(g_zero_copy_hook, f);
+        PyObject* old = g_zero_copy_hook;  // (the limited API has no Py_XSETREF)
+        g_zero_copy_hook = f;
+        Py_XDECREF(old);
       }, nb::arg("fn").none(),
         "what a zero_copy Connector.get's object passes through where torch is loaded (None: nothing)");
   nb::class_<PyLoan>(m, "_Loan")

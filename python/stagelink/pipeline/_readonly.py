@@ -56,8 +56,8 @@ def _cls():
                     isinstance(out, cls) or (isinstance(out, (tuple, list)) and any(isinstance(o, cls) for o in out))))
                 if hit:
                     raise ReadOnlyInputError(
-                        f"{getattr(func, '__name__', func)}: this tensor is a zero_copy view of read-only shared "
-                        "memory (a relay's or a connector's slot); .clone() it before writing to it, or get it "
+                        f"{getattr(func, '__name__', func)}: this tensor is a zero_copy input, a view of read-only "
+                        "shared memory (a relay's or a connector's slot); .clone() it before writing to it, or get it "
                         "without zero_copy (a stage: drop zero_copy from it)")
                 with torch._C.DisableTorchFunctionSubclass():
                     result = func(*args, **kwargs)
