@@ -39,6 +39,9 @@ from .pipeline._readonly import ReadOnlyInputError, protect as _protect  # noqa:
 # A zero_copy Connector.get's torch tensors view read-only shared memory: an in-place write there
 # raises ReadOnlyInputError instead of killing the process with SIGSEGV (as a stage's inputs do).
 _core._set_zero_copy_hook(_protect)
+# A KV cache sent as its tensors (transformers' DynamicCache) comes back as the cache (stagelink.kv).
+from . import kv  # noqa: E402
+_core._set_rebuild_hook(kv.unpack)
 
 from ._version import __version__  # noqa: F401  (the one place it is written)
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _core, _serde
+from . import _core, _serde, kv
 from ._lifetime import NativeOwner, track
 
 log = logging.getLogger("stagelink")
@@ -106,6 +106,10 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
     def _put_slow(self, from_stage, to_stage, put_key, data, readers, request_id=None, why=""):
         """put of what has no native frame: a Loan, or an object to pickle (``why`` names the part
         that needs pickle)."""
+        packed = kv.pack(data)  # a KV cache (transformers' DynamicCache): its tensors, natively
+        if packed is not None:
+            return _core._Connector.put(self, from_stage, to_stage, put_key, packed, readers=readers,
+                                        request_id=request_id)
         try:
             if isinstance(data, Loan):
                 size, meta = self._put_loan(from_stage, to_stage, put_key, data._loan, readers or 0, request_id)

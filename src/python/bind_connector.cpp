@@ -292,6 +292,18 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
 // killing the process with SIGSEGV). Never released: it lives as long as the module.
 PyObject* g_zero_copy_hook = nullptr;
 
+// What a get's dict holding the key "__stagelink_kv__" passes through (stagelink.kv.unpack: a KV
+// cache sent as its tensors becomes the cache object again). One dict lookup for dict results only.
+PyObject* g_rebuild_hook = nullptr;
+
+void set_hook(PyObject*& slot, nb::handle fn) {
+  PyObject* f = fn.is_none() ? nullptr : fn.ptr();
+  Py_XINCREF(f);
+  PyObject* old = slot;  // (the limited API has no Py_XSETREF)
+  slot = f;
+  Py_XDECREF(old);
+}
+
 // Python's `Connector.get`: (data, size), or None when absent, timed out or failed (logged by
 // `_fail`; raised in strict mode). A pickled payload is finished by the subclass's `_decode`.
 nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::handle key, nb::handle metadata,
@@ -320,6 +332,13 @@ nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::
     if (zero_copy && g_zero_copy_hook && PyDict_GetItemString(PyImport_GetModuleDict(), "torch"))
       f->obj = nb::steal(PyObject_CallFunctionObjArgs(g_zero_copy_hook, f->obj.ptr(), nullptr));
     if (!f->obj.is_valid()) throw nb::python_error();
+    if (g_rebuild_hook && PyDict_Check(f->obj.ptr())) {
+      static PyObject* const kMark = PyUnicode_InternFromString("__stagelink_kv__");  // immortal
+      if (PyDict_GetItem(f->obj.ptr(), kMark)) {
+        f->obj = nb::steal(PyObject_CallFunctionObjArgs(g_rebuild_hook, f->obj.ptr(), nullptr));
+        if (!f->obj.is_valid()) throw nb::python_error();
+      }
+    }
     return nb::make_tuple(f->obj, f->size);
   }
   return self_h.attr("_decode")(key, f->kind, f->obj, f->size, zero_copy);
@@ -426,14 +445,10 @@ void bind_connector_capabilities(nb::class_<PyConnector>& cls) {
 }
 
 void bind_connector(nb::module_& m) {
-  m.def("_set_zero_copy_hook", [](nb::handle fn) {
-        PyObject* f = fn.is_none() ? nullptr : fn.ptr();
-        Py_XINCREF(f);
-        PyObject* old = g_zero_copy_hook;  // (the limited API has no Py_XSETREF)
-        g_zero_copy_hook = f;
-        Py_XDECREF(old);
-      }, nb::arg("fn").none(),
+  m.def("_set_zero_copy_hook", [](nb::handle fn) { set_hook(g_zero_copy_hook, fn); }, nb::arg("fn").none(),
         "what a zero_copy Connector.get's object passes through where torch is loaded (None: nothing)");
+  m.def("_set_rebuild_hook", [](nb::handle fn) { set_hook(g_rebuild_hook, fn); }, nb::arg("fn").none(),
+        "what a Connector.get's dict holding the key '__stagelink_kv__' passes through (None: nothing)");
   nb::class_<PyLoan>(m, "_Loan")
       .def("region", &PyLoan::region, nb::rv_policy::reference_internal)
       .def_prop_ro("count", [](PyLoan& l) { return l.loan.tensor_count(); })
