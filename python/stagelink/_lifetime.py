@@ -28,6 +28,14 @@ def _close_all() -> None:
             obj.close()
         except Exception:  # noqa: BLE001 - exiting: one object's failure must not keep the rest open
             pass
+    # What still holds a namespace's directory now is a zero-copy view the interpreter will not free
+    # (torch tensors alive at exit never are): leave the namespaces, or the directory stays in /dev/shm.
+    core = sys.modules.get("stagelink._core")
+    if core is not None:
+        try:
+            core._detach_at_exit()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 _deferred = False  # _close_all is one of multiprocessing's exit finalizers

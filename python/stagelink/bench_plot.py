@@ -22,6 +22,7 @@ SYSTEM_COLOURS = {
     "ZeroMQ": "#d1242f", "zeromq": "#d1242f", "iceoryx2": "#bf8700",
     "ucx_perftest": "#e16f24", "Mooncake TE": "#1a7f37", "Mooncake Store": "#1a7f37",
     "redis-benchmark": "#a40e26", "sglang-omni": "#bf3989", "torch primitives (copy)": "#6e7781",
+    "torch.multiprocessing": "#6e7781",
     "vllm": "#116329", "vLLM shm_broadcast": "#116329",
 }
 
@@ -241,6 +242,16 @@ def _cuda(r):
     ], "milliseconds (median)", "lower")]
 
 
+def _kv(r):
+    rows = r["rows"]
+    return [("A DynamicCache (bf16, 32 layers) from a prefill to a decode process", [_size(x["size"]) for x in rows], [
+        ("stagelink (copy)", [x["copying get"]["median_ms"] for x in rows]),
+        ("stagelink (view)", [x["zero-copy"]["median_ms"] for x in rows]),
+        ("torch.multiprocessing", [x["torch.mp"]["median_ms"] for x in rows]),
+        ("memcpy", [x["memcpy_ms"] for x in rows]),
+    ], "milliseconds (median)", "lower")]
+
+
 def _replicas(r):
     rounds = [f"round {i + 1}" for i in range(len(r["req_s"]["1"]))]
     fo = r.get("failover") or []
@@ -251,7 +262,7 @@ def _replicas(r):
 
 
 CHARTS = {"shm": _shm, "mq": _mq, "relay": _relay, "te": _te, "store": _store, "pipeline": _pipeline,
-          "pipeline-hosts": _pipeline_hosts, "replicas": _replicas, "cuda": _cuda}
+          "pipeline-hosts": _pipeline_hosts, "replicas": _replicas, "kv": _kv, "cuda": _cuda}
 
 
 def charts(result):

@@ -23,6 +23,7 @@ ABOUT = {
     "store": "the store connector over Redis against redis-benchmark and Mooncake Store",
     "pipeline": "SGLang-Omni's toy pipeline on stagelink and on SGLang-Omni's own runtime",
     "replicas": "a CPU-bound stage with 1 and 2 replicas, and the gap when a replica is killed",
+    "kv": "a transformers KV cache (DynamicCache) from a prefill to a decode process against torch.multiprocessing",
     "cuda": "CUDA tensors between processes (a GPU machine only)",
 }
 
@@ -78,6 +79,10 @@ def _runners(quick: bool, rounds: int, peer: bool):
         from .bench_replicas import run_replicas
         return run_replicas(1 if q else rounds, j, quick=q, out=out)
 
+    def kv(j, out):
+        from .bench_kv import run_kv
+        return run_kv([m, 16 * m] if q else None, j, out=out)
+
     def cuda(j, out):
         from .bench_cuda import run_cuda
         return run_cuda([k, m, 16 * m] if q else None, j, out=out)
@@ -89,6 +94,7 @@ def _runners(quick: bool, rounds: int, peer: bool):
         "store": lambda j, out: run_store([4 * k, m] if q else None, j, out=out, rounds=1 if q else 3),
         "pipeline": pipeline,
         "replicas": replicas,
+        "kv": kv,
         "cuda": cuda,
     }
 

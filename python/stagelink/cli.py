@@ -438,6 +438,10 @@ def _cmd_bench(args):
     if args.kind in ("replicas", "all"):
         from .bench_replicas import run_replicas
         run_replicas(args.rounds, json_for("replicas"), quick=args.quick)
+    if args.kind in ("kv", "all"):
+        from .bench_kv import run_kv
+        sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
+        run_kv(sizes, json_for("kv"))
     if args.kind in ("cuda", "all"):
         from .bench_cuda import run_cuda
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
@@ -582,12 +586,14 @@ def main(argv=None):
                "         alternating, --rounds rounds; peers: SGLang-Omni\n"
                "  replicas  stage replicas: req/s of a CPU-bound stage with 1 and 2 replicas, and the\n"
                "         gap in completions when one is SIGKILLed mid-run (retry: true; none lost)\n"
+               "  kv     a transformers DynamicCache (bf16, 32 layers) from a prefill to a decode process,\n"
+               "         copying and zero-copy get; peers: torch.multiprocessing's tensor passing, memcpy\n"
                "  cuda   CUDA tensors between processes (says why and stops without a GPU); peers:\n"
                "         pinned/pageable/device copies, CUDA IPC, the seed's design\n"
                "  all    each of the above in turn; with --out DIR: DIR/report.md (every table, ratio and\n"
                "         chart of the run, the machine), the result files and charts (--quick: < 5 min)\n"
                "  plot   draw result files as SVG charts: stagelink bench plot FILE.json... [--out DIR]")
-    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "pipeline", "replicas", "cuda", "all",
+    b.add_argument("kind", choices=["shm", "mq", "relay", "te", "store", "pipeline", "replicas", "kv", "cuda", "all",
                                     "plot"],
                    help="what to measure (below), or plot to draw results")
     b.add_argument("files", nargs="*", metavar="FILE", help="plot: result files written with --json")

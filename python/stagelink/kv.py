@@ -57,13 +57,23 @@ def dynamic_cache(layer_pairs) -> Any:
             cache.update(k, v, i)
         return cache
     # transformers 5: update() concatenates onto an empty tensor, a copy of every layer (and the end
-    # of a zero-copy view); so each layer is made and handed its tensors as they are.
+    # of a zero-copy view); so each layer is made and handed its tensors as they are. Its
+    # lazy_initialization makes two empty tensors per layer (15 us); where it sets only the fields
+    # below (5.x's DynamicLayer), they are set directly (1.4 us a layer).
+    direct = None
     for k, v in layer_pairs:
         layer = make_layer()
-        layer.lazy_initialization(k, v)
+        if direct:
+            layer.__dict__.update(dtype=k.dtype, device=k.device, is_initialized=True)
+        else:
+            layer.lazy_initialization(k, v)
+            direct = set(vars(layer)) == _LAYER_FIELDS
         layer.keys, layer.values = k, v
         cache.layers.append(layer)
     return cache
+
+
+_LAYER_FIELDS = {"keys", "values", "dtype", "device", "is_initialized"}
 
 
 def pack(data) -> Optional[dict]:

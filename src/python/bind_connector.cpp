@@ -5,6 +5,7 @@
 #include "connectors/capabilities.hpp"
 
 #include "python/arrays.hpp"
+#include "shm/directory.hpp"
 #include "python/codec.hpp"
 
 namespace stagelink::py {
@@ -447,6 +448,9 @@ void bind_connector_capabilities(nb::class_<PyConnector>& cls) {
 void bind_connector(nb::module_& m) {
   m.def("_set_zero_copy_hook", [](nb::handle fn) { set_hook(g_zero_copy_hook, fn); }, nb::arg("fn").none(),
         "what a zero_copy Connector.get's object passes through where torch is loaded (None: nothing)");
+  m.def("_detach_at_exit", [] { stagelink::shm::Directory::detach_all_at_exit(); },
+        "at interpreter exit: leave every shared-memory namespace still attached (a zero-copy torch view "
+        "alive then is never freed, and would keep the directory in /dev/shm)");
   m.def("_set_rebuild_hook", [](nb::handle fn) { set_hook(g_rebuild_hook, fn); }, nb::arg("fn").none(),
         "what a Connector.get's dict holding the key '__stagelink_kv__' passes through (None: nothing)");
   nb::class_<PyLoan>(m, "_Loan")

@@ -98,13 +98,26 @@ bool rid_matches(std::string_view put_key, std::string_view tied_rid, std::strin
 
 size_t directory_bytes(uint32_t n) { return entries_offset(n) + sizeof(Entry) * size_t(n); }
 
+namespace {
+// This process's attachments, one per namespace (attach() hands the same one to every connector),
+// and their lock. Never destroyed: detach_all_at_exit() may run during the process's exit.
+std::mutex& attach_mu() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::map<std::string, std::weak_ptr<Directory>>& attachments() {
+  static auto* m = new std::map<std::string, std::weak_ptr<Directory>>;
+  return *m;
+}
+}  // namespace
+
 Result<std::shared_ptr<Directory>> Directory::attach(const std::string& shm_dir, const std::string& ns,
                                                      uint32_t n_entries) {
   if (n_entries < kProbe || (n_entries & (n_entries - 1)) != 0 || n_entries > (1u << 22))
     return make_error(Errc::invalid_argument, "max_entries must be a power of two in [64, 4194304], got " +
                                                   std::to_string(n_entries));
-  static std::mutex mu;
-  static std::map<std::string, std::weak_ptr<Directory>> cache;
+  std::mutex& mu = attach_mu();
+  auto& cache = attachments();
   const std::string cache_key = std::to_string(getpid()) + "|" + shm_dir + "|" + ns;
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(cache_key); it != cache.end())
@@ -230,6 +243,12 @@ Result<std::shared_ptr<Directory>> Directory::open_admin(const std::string& shm_
 }
 
 Directory::~Directory() { detach(); }
+
+void Directory::detach_all_at_exit() {
+  std::lock_guard<std::mutex> lock(attach_mu());
+  for (auto& [key, weak] : attachments())
+    if (auto d = weak.lock()) d->detach();  // the mapping stays until the object goes
+}
 
 void Directory::detach() {
   if (!attached_) return;

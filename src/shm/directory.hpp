@@ -142,6 +142,11 @@ class Directory {
   static Result<std::shared_ptr<Directory>> open_admin(const std::string& shm_dir,
                                                        const std::string& file_name);
   ~Directory();
+  // At process exit: leave every namespace this process is still attached to (the last process out
+  // removes the directory), even where something still holds it -- a zero-copy view that the
+  // language runtime never frees at exit (torch tensors alive then are not). The mappings stay, so
+  // a late reader of such a view reads stale memory instead of faulting.
+  static void detach_all_at_exit();
 
   const std::string& ns() const { return ns_; }
   const std::string& shm_dir() const { return shm_dir_; }

@@ -133,3 +133,22 @@ def test_disaggregation_example_matches_generate(ns, dtype, zero_copy):
     assert r["match"], r
     assert len(r["disaggregated"]) == 8 and r["cache_bytes"] > 4 * 2 * 48 * 64
     assert not [f for f in os.listdir("/dev/shm") if ns in f]
+
+
+@pytest.mark.timeout(300)
+def test_bench_kv_measures_every_method_and_charts_them(tmp_path):
+    """`stagelink bench kv` at one small size: each method's transfers timed end to end (the
+    receiver held a DynamicCache), torch.multiprocessing measured in the same run, and a chart."""
+    import io
+    import json
+    from stagelink.bench_kv import run_kv
+    from stagelink.bench_plot import charts
+    out = io.StringIO()
+    run_kv([256 << 10], str(tmp_path / "kv.json"), out=out)
+    result = json.loads((tmp_path / "kv.json").read_text())
+    (row,) = result["rows"]
+    for m in ("copying get", "zero-copy", "torch.mp"):
+        assert 0 < row[m]["min_ms"] <= row[m]["median_ms"] <= row[m]["max_ms"] < 10_000
+    assert "torch.mp / copying" in out.getvalue()
+    (title, svg), = charts(result)
+    assert "torch.multiprocessing" in svg and "DynamicCache" in title
