@@ -297,6 +297,10 @@ class Connector(_core._Connector, NativeOwner):  # NativeOwner: with-blocks, clo
         return n
 
     def health(self) -> dict:
+        """This connector's state as vLLM-Omni's health() reports it (``status``, ``puts``,
+        ``gets``, ``bytes_transferred``, ``errors``, ``timeouts``) with stagelink's additions: the
+        arena's and the directory's use, what is outstanding, and each transport's own figures
+        (pool, peers, CUDA arenas)."""
         return self._health()
 
 

@@ -20,7 +20,16 @@ def test_the_configuration_reference_is_generated_from_the_schemas():
         assert f"`{key}`" in out
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "mkdocs")), reason="mkdocs is not installed (./scripts/setup)")
+def test_the_native_stub_is_current(tmp_path):
+    """python/stagelink/_core.pyi (what the API reference, IDEs and type checkers read for the
+    native methods: Connector.put and get among them) is what the built module says."""
+    out = tmp_path / "_core.pyi"
+    subprocess.run([sys.executable, "-m", "nanobind.stubgen", "-q", "-m", "stagelink._core", "-P", "-o", str(out)],
+                   check=True)
+    with open(os.path.join(ROOT, "python", "stagelink", "_core.pyi")) as f:
+        assert f.read() == out.read_text(), "python/stagelink/_core.pyi is stale: run ./scripts/stubs"
+    assert "def put(self, from_stage" in out.read_text()
+
 
 def test_the_metrics_reference_is_generated_from_the_declarations():
     out = subprocess.run([os.path.join(BIN, "stagelink"), "metrics", "reference"], capture_output=True, text=True,
@@ -46,6 +55,8 @@ def test_the_grafana_dashboard_asks_only_for_metrics_that_exist():
     assert base <= declared, base - declared
     assert len(dash["panels"]) >= 10
 
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "mkdocs")), reason="mkdocs is not installed (./scripts/setup)")
 def test_the_site_builds_strictly(tmp_path):
     r = subprocess.run([os.path.join(BIN, "mkdocs"), "build", "--strict", "--site-dir", str(tmp_path / "site")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -54,8 +65,15 @@ def test_the_site_builds_strictly(tmp_path):
     for page in ("index.html", "getting-started/index.html", "reference/configuration/index.html",
                  "reference/python/index.html", "security/index.html", "reference/benchmarks/index.html"):
         assert (tmp_path / "site" / page).exists(), page
-    api = (tmp_path / "site" / "reference" / "python" / "index.html").read_text()
-    assert "put_async" in api and "create_connector" in api  # docstrings rendered, not just headings
+    ref = tmp_path / "site" / "reference" / "python"
+    # a page per main class, docstrings rendered, the native methods (the stub) included
+    conn = (ref / "connectors" / "index.html").read_text()
+    for method in ("put", "get", "cleanup", "health", "close"):
+        assert f'id="stagelink.connector.Connector.{method}"' in conn, method
+    assert "create_connector" in conn and "put_async" in (ref / "relay" / "index.html").read_text()
+    assert 'id="stagelink.pipeline.stage.StageContext.stream"' in (ref / "pipeline" / "index.html").read_text()
+    assert "ReadOnlyInputError" in (ref / "errors" / "index.html").read_text()
+    assert ":class:" not in "".join(p.read_text() for p in ref.glob("*/index.html"))
 
 
 def blocks(page, lang):

@@ -89,14 +89,23 @@ class StageContext:
 
     @property
     def aborted(self) -> bool:
+        """Whether the request was aborted (the client's abort, a deadline, a failed stage): a long
+        stage checks it and returns early."""
         return self._req.aborted
 
     def stream(self, chunk, targets: Optional[List[str]] = None) -> None:
+        """Send ``chunk`` (anything a connector carries) to every ``stream_to`` target of this stage,
+        or to ``targets`` (a subset); a terminal stage's chunks go to the client
+        (``Pipeline.stream``). Raises `Aborted` once the request is aborted."""
         if self._req.aborted:
             raise Aborted(f"request '{self.request_id}' was aborted")
         self._rt.send_chunk(self.request_id, self._req, chunk, targets)
 
     def chunks(self, timeout: Optional[float] = None):
+        """The chunks streamed to this stage for this request, in order, until every source has
+        finished; waits up to ``timeout`` seconds for each (None: the stage's ``chunk_timeout_s``, else
+        the request timeout).
+        Raises `StreamError` when a source failed, `Aborted` when the request was aborted."""
         return self._rt.iter_chunks(self.request_id, self._req, timeout)
 
 
