@@ -7,6 +7,8 @@
 #include "python/arrays.hpp"
 #include "python/torch.hpp"
 
+#include <algorithm>
+
 namespace stagelink::py {
 
 namespace {
@@ -756,8 +758,10 @@ size_t payload_from_parts(int kind, nb::list regions, BufferViews& bv, Payload& 
 // The Python object of a received payload (KIND_OBJECT), or a pickle's kind and regions to unpickle.
 Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key, bool host_local) {
   const ExtInfo ext = ExtInfo::of(g.payload);
-  if (!ext.pickle)
-    return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, g.owned && !zero_copy, host_local), g.size};
+  if (!ext.pickle) {
+    const bool torch = std::any_of(ext.kinds.begin(), ext.kinds.end(), [](int64_t k) { return (k & kKindMask) == kKindTorch; });
+    return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, g.owned && !zero_copy, host_local), g.size, torch};
+  }
   if (!allow_pickle) {
     counts::pickle_refused();
     raise(make_error(Errc::corrupt, "'" + key + "' holds a pickled object and allow_pickle is off: refused unread"));

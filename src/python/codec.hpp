@@ -63,6 +63,7 @@ struct Found {
   int64_t kind = KIND_OBJECT;
   nb::object obj;
   size_t size = 0;
+  bool torch = false;  // obj holds torch tensors (the frame says so): only then has a zero_copy hook work to do
 };
 
 Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key, bool host_local);

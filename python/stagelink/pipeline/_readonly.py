@@ -124,13 +124,19 @@ def unprotect(obj):
     return _walk(obj, lambda t: t.as_subclass(torch.Tensor) if isinstance(t, _CLS) else t, torch)
 
 
+# Items no tensor hides in: a list or tuple of only these (token ids, audio samples, strings) is
+# returned as it is, checked in C (set.issuperset over map(type, ...)) instead of one Python call per
+# item (a list of 300 ids: ~5 us instead of ~140 us).
+_LEAVES = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 def _walk(obj, fn, torch):
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if type(obj) is dict:
         return {k: _walk(v, fn, torch) for k, v in obj.items()}
     if type(obj) is list:
-        return [_walk(v, fn, torch) for v in obj]
+        return obj if _LEAVES.issuperset(map(type, obj)) else [_walk(v, fn, torch) for v in obj]
     if type(obj) is tuple:
-        return tuple(_walk(v, fn, torch) for v in obj)
+        return obj if _LEAVES.issuperset(map(type, obj)) else tuple(_walk(v, fn, torch) for v in obj)
     return obj
