@@ -235,7 +235,7 @@ Result<GetResult> TeConnector::do_get(const std::string& from, const std::string
   std::shared_ptr<void> region;  // non-null (views test their keepalive)
   const bool own = go.zero_copy && go.hooks && go.hooks->private_ok && size >= host_pool::kPooledMin;
   if (own) {
-    std::shared_ptr<std::byte> buf = host_pool::allocate(size);
+    std::shared_ptr<std::byte> buf = host_pool::allocate_mapped(size);
     if (!buf) return make_error(Errc::exhausted, "no memory for a buffer of " + std::to_string(size) + " bytes");
     dst = buf.get();
     region = std::shared_ptr<void>(buf, buf.get());

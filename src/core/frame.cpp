@@ -166,7 +166,7 @@ void write_frame_head(const FramePlan& plan, std::byte* dst) {
 void write_frame(const FramePlan& plan, std::span<const Tensor> tensors, std::byte* dst) {
   write_frame_head(plan, dst);
   for (size_t i = 0; i < tensors.size() && i < plan.offsets.size(); ++i)
-    if (tensors[i].nbytes()) std::memcpy(dst + plan.offsets[i], tensors[i].data.data(), tensors[i].nbytes());
+    host_pool::copy_split(dst + plan.offsets[i], tensors[i].data.data(), tensors[i].nbytes());  // 2 threads from 16 MiB
 }
 
 Result<std::vector<std::byte>> encode_frame(const Payload& p) {

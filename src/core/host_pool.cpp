@@ -188,6 +188,32 @@ std::shared_ptr<std::byte> copy_of(std::span<const std::byte> src) {
 
 std::shared_ptr<std::byte> allocate(size_t n) { return allocate_impl(n, nullptr); }
 
+std::shared_ptr<std::byte> allocate_mapped(size_t n) {
+  bool fresh = false;
+  std::shared_ptr<std::byte> buf = allocate_impl(n, &fresh);
+  if (!buf || !fresh || n < kPooledMin) return buf;
+  // A new mapping: the kernel's faults (and zeroing) now, 2 MiB at a time, in two threads from
+  // 16 MiB, instead of one 4 KiB fault at a time inside whatever writes it (a socket's receive).
+  auto* base = buf.get();
+  const size_t cap = (n + kHuge - 1) / kHuge * kHuge;
+  auto populate = [base](size_t off, size_t len) {
+    if (madvise(base + off, len, kMadvPopulateWrite) != 0)  // before Linux 5.14: touch each page
+      for (size_t o = off; o < off + len; o += 4096) reinterpret_cast<volatile char*>(base)[o] = 0;
+  };
+  if (cap >= kWarmSplitBytes) {
+    const size_t half = cap / 2 / kHuge * kHuge;
+    try {
+      std::thread helper(populate, half, cap - half);
+      populate(0, half);
+      helper.join();
+      return buf;
+    } catch (const std::system_error&) {  // no thread to be had: this one does it all
+    }
+  }
+  populate(0, cap);
+  return buf;
+}
+
 Stats stats() {
   auto& pl = pool();
   std::lock_guard<std::mutex> lock(pl.mu);

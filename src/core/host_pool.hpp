@@ -25,6 +25,11 @@ inline constexpr size_t kPooledMin = 1u << 20;
 // system has no memory.
 std::shared_ptr<std::byte> allocate(size_t n);
 
+// allocate(n), its pages mapped: a new mapping is populated before it returns (2 MiB pages, in two
+// threads from 16 MiB), for memory something else then writes (a transport's receive), which would
+// otherwise take a fault per 4 KiB page inside its copy. Call without the GIL.
+std::shared_ptr<std::byte> allocate_mapped(size_t n);
+
 // A copy of `src`: allocate(src.size()) filled. A pooled buffer is already mapped (16 MiB and
 // more copied in two threads); a fresh one is filled by copy_into_fresh. nullptr when the system has no memory. Call without the GIL.
 std::shared_ptr<std::byte> copy_of(std::span<const std::byte> src);
