@@ -34,11 +34,12 @@ from .relay import (LocalRelay, Relay, RelayOperation, ShmRelay, UcxRelay, creat
 from . import metrics  # noqa: F401,E402
 from .metrics import serve_metrics  # noqa: F401,E402
 from .pipeline import Pipeline  # noqa: F401
-from .pipeline._readonly import ReadOnlyInputError, protect as _protect  # noqa: F401
+from .pipeline._readonly import ReadOnlyInputError, protect_tensor as _protect_tensor  # noqa: F401
 
-# A zero_copy Connector.get's torch tensors view read-only shared memory: an in-place write there
-# raises ReadOnlyInputError instead of killing the process with SIGSEGV (as a stage's inputs do).
-_core._set_zero_copy_hook(_protect)
+# A zero_copy get's torch tensors view read-only shared memory: an in-place write there raises
+# ReadOnlyInputError instead of killing the process with SIGSEGV (as a stage's inputs do). The
+# decoder passes each torch tensor it makes through this, not the whole result.
+_core._set_zero_copy_hook(_protect_tensor)
 # A KV cache sent as its tensors (transformers' DynamicCache) comes back as the cache (stagelink.kv).
 from . import kv  # noqa: E402
 _core._set_rebuild_hook(kv.unpack)

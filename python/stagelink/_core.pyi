@@ -21,7 +21,7 @@ from stagelink import (
 
 def _set_zero_copy_hook(fn: object | None) -> None:
     """
-    what a zero_copy Connector.get's object passes through where torch is loaded (None: nothing)
+    what each torch tensor of a zero_copy get passes through as the decoder makes it (None: nothing)
     """
 
 def _detach_at_exit() -> None:

@@ -288,11 +288,6 @@ std::optional<Found> get_found(PyConnector& self, nb::handle from, nb::handle to
   return found_of(*got, zero_copy, self.allow_pickle, key, !self.networked);
 }
 
-// What a zero_copy get's object passes through where torch is loaded (stagelink.connector sets it:
-// torch tensors over read-only shared memory become tensors whose in-place ops raise instead of
-// killing the process with SIGSEGV). Never released: it lives as long as the module.
-PyObject* g_zero_copy_hook = nullptr;
-
 // What a get's dict holding the key "__stagelink_kv__" passes through (stagelink.kv.unpack: a KV
 // cache sent as its tensors becomes the cache object again). One dict lookup for dict results only.
 PyObject* g_rebuild_hook = nullptr;
@@ -330,10 +325,6 @@ nb::object connector_get(nb::handle self_h, nb::handle from, nb::handle to, nb::
   }
   nb::inst_ptr<PyConnector>(self_h)->succeeded();
   if (f->kind == KIND_OBJECT) {
-    // Only a result holding torch tensors: walking a tree in Python costs ~0.5 us per item (a
-    // list of 300 ids took 140 us more than its copying get before this check).
-    if (zero_copy && f->torch && g_zero_copy_hook && PyDict_GetItemString(PyImport_GetModuleDict(), "torch"))
-      f->obj = nb::steal(PyObject_CallFunctionObjArgs(g_zero_copy_hook, f->obj.ptr(), nullptr));
     if (!f->obj.is_valid()) throw nb::python_error();
     if (g_rebuild_hook && PyDict_Check(f->obj.ptr())) {
       static PyObject* const kMark = PyUnicode_InternFromString("__stagelink_kv__");  // immortal
@@ -449,7 +440,7 @@ void bind_connector_capabilities(nb::class_<PyConnector>& cls) {
 
 void bind_connector(nb::module_& m) {
   m.def("_set_zero_copy_hook", [](nb::handle fn) { set_hook(g_zero_copy_hook, fn); }, nb::arg("fn").none(),
-        "what a zero_copy Connector.get's object passes through where torch is loaded (None: nothing)");
+        "what each torch tensor of a zero_copy get passes through as the decoder makes it (None: nothing)");
   m.def("_detach_at_exit", [] { stagelink::shm::Directory::detach_all_at_exit(); },
         "at interpreter exit: leave every shared-memory namespace still attached (a zero-copy torch view "
         "alive then is never freed, and would keep the directory in /dev/shm)");

@@ -7,9 +7,9 @@
 #include "python/arrays.hpp"
 #include "python/torch.hpp"
 
-#include <algorithm>
-
 namespace stagelink::py {
+
+PyObject* g_zero_copy_hook = nullptr;
 
 namespace {
 
@@ -522,7 +522,12 @@ struct PyDecoder {
                                           std::to_string(p.tensors.size())));
     const Tensor& t = p.tensors[i];
     const int64_t k = kind_of(i), base = k & kKindMask;
-    if (base == kKindTorch) return torch_tensor(t, k, i);
+    if (base == kKindTorch) {
+      nb::object out = torch_tensor(t, k, i);
+      if (zero_copy && g_zero_copy_hook) out = nb::steal(PyObject_CallFunctionObjArgs(g_zero_copy_hook, out.ptr(), nullptr));
+      if (!out.is_valid()) throw nb::python_error();
+      return out;
+    }
     if (base != kKindNumpy) return bytes_like(t, base);
     if (!(k & kFlagScalar)) {
       nb::object arr = tensor_array(t, zero_copy, owned);
@@ -759,8 +764,7 @@ size_t payload_from_parts(int kind, nb::list regions, BufferViews& bv, Payload& 
 Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key, bool host_local) {
   const ExtInfo ext = ExtInfo::of(g.payload);
   if (!ext.pickle) {
-    const bool torch = std::any_of(ext.kinds.begin(), ext.kinds.end(), [](int64_t k) { return (k & kKindMask) == kKindTorch; });
-    return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, g.owned && !zero_copy, host_local), g.size, torch};
+    return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, g.owned && !zero_copy, host_local), g.size};
   }
   if (!allow_pickle) {
     counts::pickle_refused();

@@ -63,8 +63,13 @@ struct Found {
   int64_t kind = KIND_OBJECT;
   nb::object obj;
   size_t size = 0;
-  bool torch = false;  // obj holds torch tensors (the frame says so): only then has a zero_copy hook work to do
 };
+
+// What each torch tensor of a zero_copy result passes through (stagelink/__init__.py sets it:
+// tensors over read-only shared memory become ReadOnlyInputTensor, whose in-place ops raise instead
+// of killing the process with SIGSEGV), called by the decoder as it makes the tensor: no walk of
+// the result's tree (in Python a list of 300 ids cost 140-250 us). Lives as long as the module.
+extern PyObject* g_zero_copy_hook;
 
 Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key, bool host_local);
 // A frame as (KIND_OBJECT, object) or, for a pickle, (its kind, [regions copied out]).

@@ -693,15 +693,15 @@ print("ok")
 def test_the_zero_copy_hook_runs_only_on_results_holding_torch_tensors(ns):
     """Issue 65: with torch imported, every zero_copy get's result went through the read-only
     wrapping hook, a Python walk of the whole tree: a list of 300 ids took 140-250 us instead of
-    5 us. The hook now runs only where the frame holds torch tensors, and the walk returns lists
-    and tuples of plain items as they are."""
+    5 us. The decoder now calls the hook on each torch tensor it makes, and nothing else; the
+    walk (stage outputs, relay inputs) returns lists and tuples of plain items as they are."""
     torch = pytest.importorskip("torch")
     from stagelink.pipeline import _readonly
     seen = []
 
     def hook(obj):
         seen.append(type(obj).__name__)
-        return _readonly.protect(obj)
+        return _readonly.protect_tensor(obj)
 
     c = stagelink.create_connector("SharedMemoryConnector", {"namespace": ns})
     _core._set_zero_copy_hook(hook)
@@ -713,10 +713,10 @@ def test_the_zero_copy_hook_runs_only_on_results_holding_torch_tensors(ns):
         assert seen == []
         c.put(0, 1, "k", {"hidden": torch.ones(256), "ids": list(range(300))})
         got, _ = c.get(0, 1, "k", zero_copy=True)
-        assert seen == ["dict"] and isinstance(got["hidden"], _readonly._cls()) and got["ids"] == list(range(300))
+        assert seen == ["Tensor"] and isinstance(got["hidden"], _readonly._cls()) and got["ids"] == list(range(300))
         del got
     finally:
-        _core._set_zero_copy_hook(_readonly.protect)
+        _core._set_zero_copy_hook(_readonly.protect_tensor)
         c.close()
     ids = list(range(300))
     assert _readonly.protect(ids) is ids and _readonly.protect((1, "a", None)) == (1, "a", None)

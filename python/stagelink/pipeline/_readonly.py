@@ -115,6 +115,12 @@ def protect(obj):
     return _walk(obj, lambda t: t.as_subclass(_cls()) if type(t) is torch.Tensor else t, torch)
 
 
+def protect_tensor(t):
+    """One received CPU or GPU tensor as a ReadOnlyInputTensor (a Parameter or subclass as it is):
+    what the decoder calls on each torch tensor of a zero_copy get."""
+    return t.as_subclass(_cls()) if type(t) is sys.modules["torch"].Tensor else t
+
+
 def unprotect(obj):
     """`obj` (a stage's output) with protected tensors as plain tensors again, so that they travel
     as native frames (the encoder takes torch.Tensor itself)."""
