@@ -257,6 +257,30 @@ def _iperf(h: TwoHosts, streams: int):
         srv.wait()
 
 
+def _sockperf(h: TwoHosts, size: int, seconds: int = 5):
+    """A bare TCP round trip of `size` bytes each way over the same path, from C (sockperf
+    ping-pong, full round trip): its p50 and p99 in us, the floor of a small get's tail here.
+    None without sockperf (Debian's `sockperf`)."""
+    if not shutil.which("sockperf"):
+        return None
+    port = str(11111 + os.getpid() % 1000)
+    srv = subprocess.Popen(h.a + ["sockperf", "server", "--tcp", "-i", h.addr_a, "-p", port],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(50):
+            time.sleep(0.05)
+            r = subprocess.run(h.b + ["sockperf", "ping-pong", "--tcp", "-i", h.addr_a, "-p", port, "-m", str(size),
+                                      "-t", str(seconds), "--full-rtt"], capture_output=True, text=True, timeout=60)
+            pct = dict(re.findall(r"percentile (\d+\.\d+) =\s+([\d.]+)", r.stdout + r.stderr))
+            if r.returncode == 0 and "50.000" in pct and "99.000" in pct:
+                return {"p50_us": float(pct["50.000"]), "p99_us": float(pct["99.000"]),
+                        "p99_9_us": float(pct.get("99.900", "nan"))}
+        return None
+    finally:
+        srv.kill()
+        srv.wait()
+
+
 def _perftest(h: TwoHosts, size: int):
     if not shutil.which("ucx_perftest"):
         return None
@@ -365,10 +389,16 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                 if 1 << 20 in by:
                     print(f"{what}, 1 MiB: {by[1 << 20][m]['gbps']:.2f} GB/s = "
                           f"{by[1 << 20][m]['gbps'] / ref(by[1 << 20]):.2f}x {src} (aim 1x)", file=out)
+            sp = None
             if 4 << 10 in by:
                 mk4 = f"; Mooncake's 4 KiB write {4096 / mc[4 << 10] / 1e3:.0f} us" if mc and mc.get(4 << 10) else ""
                 print(f"4 KiB get: {by[4 << 10]['copy']['median_us']:.0f} us median, {by[4 << 10]['copy']['p99_us']:.0f}"
                       f" us p99 (aims: under 100 us and 1 ms{mk4})", file=out)
+                # The tail's floor on this path: a bare C round trip of 4 KiB each way, no library.
+                sp = _sockperf(h, 4 << 10)
+                print(f"  sockperf ping-pong, 4 KiB each way over the same path (TCP, full round trip): "
+                      f"{sp['p50_us']:.0f} us p50, {sp['p99_us']:.0f} us p99, {sp['p99_9_us']:.0f} us p99.9"
+                      if sp else "  sockperf: not installed (apt-get install sockperf): no tail floor measured", file=out)
             big16 = [r for r in rows if r["size"] >= 16 << 20]
             if big16:
                 print(f"copying get against the zero_copy get, 16 MiB and above: "
@@ -376,7 +406,7 @@ def run_te(sizes=None, json_path=None, out=sys.stdout, namespaces=None):
                       "(aim at most 1.25x)", file=out)
             result["paths"][where] = {"rows": rows, "iperf3_1_stream_gbps": ip1, "iperf3_4_streams_gbps": ip4,
                                       "iperf3_4_streams_runs_gbps": ip4s,
-                                      "mooncake_ran": bool(mc)}
+                                      "mooncake_ran": bool(mc), "sockperf_4KiB": sp}
         finally:
             h.close()
     print("\nthe side channel with CURVE (extra.curve) against without, every pull through it (pull_channel: zmq), "

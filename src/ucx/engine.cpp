@@ -69,7 +69,10 @@ void Engine::expect(uint64_t token, std::byte* dst, size_t len, std::shared_ptr<
   p->dst = dst;
   p->len = len;
   p->keep = std::move(keep);
-  impl_->awaiting.fetch_add(1);
+  if (len >= Impl::kBusyMinBytes) {
+    p->awaited.store(true);
+    impl_->awaiting.fetch_add(1);
+  }
   std::lock_guard<std::mutex> l(impl_->pend_mu);
   auto& slot = impl_->pending[token];
   if (slot) impl_->settle(*slot);
@@ -132,8 +135,7 @@ void Engine::send_async(std::span<const std::byte> peer, uint64_t token, std::sp
     if (!ep.ok()) return done(std::move(ep).error());
     eps.push_back(std::move(ep).value());
   }
-  auto b = I.new_batch(deadline, "sending to the receiver", std::move(done));
-  b->bytes = src.size();
+  auto b = I.new_batch(deadline, "sending to the receiver", std::move(done), src.size());
   b->eps = eps;
   b->hdrs.resize(lanes);
   b->left += int(2 * lanes);  // a send and a flush per lane
