@@ -71,7 +71,10 @@ Status plan_frame_into(FramePlan& plan, const Payload& p);
 // Writes head and padding into dst (plan.total bytes); copies `tensors` (may be empty to leave
 // regions for the caller to fill, as a loan does).
 void write_frame_head(const FramePlan& plan, std::byte* dst);
-void write_frame(const FramePlan& plan, std::span<const Tensor> tensors, std::byte* dst);
+// `split`: tensors of 16 MiB and more are copied in two threads (a one-off copy whose caller waits
+// for it: a connector's put). A stream of them (the queue's writer, beside its reader on a small
+// host) measured faster in one.
+void write_frame(const FramePlan& plan, std::span<const Tensor> tensors, std::byte* dst, bool split = false);
 Result<std::vector<std::byte>> encode_frame(const Payload& p);
 
 // Decode: tensors view into `buf` and share `keepalive`. Errors: corrupt.

@@ -429,7 +429,7 @@ Result<PutResult> ShmConnector::put_impl(const std::string& from, const std::str
     if (!closed_) dir_->abandon(cl);
     return reg.ok() ? make_error(Errc::closed, "connector closed during put") : std::move(reg).error();
   }
-  write_frame(plan, payload.tensors, reg->base);
+  write_frame(plan, payload.tensors, reg->base, /*split=*/true);
   std::span<const std::byte> inl;
   const bool held = po.hooks && po.hooks->hold;  // device slots: readers must claim the entry
   if (plan.total <= opts_.shm_threshold_bytes && !held) inl = std::span<const std::byte>(reg->base, plan.total);

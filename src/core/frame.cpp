@@ -163,10 +163,15 @@ void write_frame_head(const FramePlan& plan, std::byte* dst) {
   }
 }
 
-void write_frame(const FramePlan& plan, std::span<const Tensor> tensors, std::byte* dst) {
+void write_frame(const FramePlan& plan, std::span<const Tensor> tensors, std::byte* dst, bool split) {
   write_frame_head(plan, dst);
-  for (size_t i = 0; i < tensors.size() && i < plan.offsets.size(); ++i)
-    host_pool::copy_split(dst + plan.offsets[i], tensors[i].data.data(), tensors[i].nbytes());  // 2 threads from 16 MiB
+  for (size_t i = 0; i < tensors.size() && i < plan.offsets.size(); ++i) {
+    const size_t n = tensors[i].nbytes();
+    if (split)
+      host_pool::copy_split(dst + plan.offsets[i], tensors[i].data.data(), n);  // 2 threads from 16 MiB
+    else if (n)
+      std::memcpy(dst + plan.offsets[i], tensors[i].data.data(), n);
+  }
 }
 
 Result<std::vector<std::byte>> encode_frame(const Payload& p) {
