@@ -349,6 +349,7 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     for label, obj, zc in (("numpy", arr, False), ("bytes", data, False), ("bytes zero_copy", data, True)):
         rows_big[label] = _stat(timed(lambda k: c.put(0, 1, k, obj), n, zero_copy=zc)[1])
     del data
+    rows.append(_mib_gets(c, r, seq))
     rows.append({"payload": f"get of {big >> 20} MiB", "big_get": rows_big,
                  "host_reclaims_free_pages": host_reclaims_free_pages()})
     if floor_ratio:
@@ -363,6 +364,37 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     c.close()
     r.close()
     return rows
+
+
+def _mib_gets(c, r, seq, rounds=7, n=100):
+    """The copying get of 1 MiB as torch tensors and dicts against a numpy array of the same bytes:
+    each kind's get (put and drop not timed), kinds interleaved round by round; per kind the median
+    get and the range of the per-round ratios to numpy's."""
+    a = np.random.default_rng(1).random(1 << 17)  # 1 MiB of float64
+    cases = {"numpy": a, "dict {hidden: numpy}": {"hidden": a}}
+    try:
+        import torch
+        cases["torch"] = torch.from_numpy(a.copy())
+        cases["dict {hidden: torch}"] = {"hidden": torch.from_numpy(a.copy())}
+    except ImportError:
+        pass
+    got = {k: [] for k in cases}
+    for _ in range(rounds):
+        for name, obj in cases.items():
+            ts = []
+            for _ in range(n):
+                k = f"mk{next(seq)}"
+                ok, _, meta = c.put(0, 1, k, obj)
+                t0 = time.perf_counter()
+                res = r.get(0, 1, k, meta)
+                ts.append((time.perf_counter() - t0) * 1e6)
+                assert ok and res is not None
+                del res
+            got[name].append(statistics.median(ts))
+    return {"payload": "get of 1 MiB by kind", "mib_gets": {
+        name: {"median_us": statistics.median(v), "vs_numpy": [min(x / y for x, y in zip(v, got["numpy"])),
+                                                               max(x / y for x, y in zip(v, got["numpy"]))]}
+        for name, v in got.items()}}
 
 
 def print_payloads(rows, out=sys.stdout):
@@ -380,6 +412,12 @@ def print_payloads(rows, out=sys.stdout):
             parts = " + ".join(f"{k} {v:.2f}" for k, v in row["parts_us"].items())
             print(f"{row['payload']}: {row['floor_us']:.2f} us = {row['floor_vs_numpy']:.2f}x numpy "
                   f"({parts} us): what no put+get of it can go below in this process", file=out)
+            continue
+        if "mib_gets" in row:
+            g = row["mib_gets"]
+            print("\ncopying get of 1 MiB (put and drop not timed), kinds interleaved: " + "; ".join(
+                f"{k} {v['median_us']:.1f} us ({v['vs_numpy'][0]:.2f}-{v['vs_numpy'][1]:.2f}x numpy)"
+                for k, v in g.items()), file=out)
             continue
         if "big_get" in row:
             b = row["big_get"]
@@ -402,7 +440,7 @@ def print_payloads(rows, out=sys.stdout):
               f"{pk:10.2f} {pk / pg:7.1f}x", file=out)
 
 
-def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
+def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout, peer=True):
     sizes = sizes or DEFAULT_SIZES
     ns = f"bench{os.getpid()}"
     arena = max(256 << 20, 2 * max(sizes) + (16 << 20))
@@ -433,6 +471,15 @@ def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
               file=out)
         rows.append({"size": size, "cpp": c, "python": p})
     print_payloads(kinds, out)
+    omni = None
+    if peer:  # vLLM-Omni's own connector, where it is installed (bench_omni), up to 16 MiB
+        from . import bench_omni
+        res, why = bench_omni.run([s for s in sizes if s <= 16 << 20] or sizes[:1], log=out)
+        if res is None:
+            print(f"\nvs vLLM-Omni: skipped: {why}", file=out)
+        else:
+            omni = bench_omni.summarize(res)
+            bench_omni.print_rows(omni, out, _fmt_size)
     # What the metrics seam costs a put + get (the counting Connector::put/get do), against this
     # run's smallest C++ put + get: the direct cost, which an A/B of two builds on a noisy VM blurs.
     seam = _core.bench_seam_ns()
@@ -440,7 +487,7 @@ def run_shm(sizes=None, iters=2000, json_path=None, out=sys.stdout):
     print(f"\nthe metrics seam: {seam:.1f} ns per put + get = {seam / 10 / max(small, 1e-9):.2f}% of the "
           f"{_fmt_size(cpp[0]['size'])} C++ put + get of this run ({small:.3f} us)", file=out)
     write_json({"kind": "shm", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows,
-                "payload_kinds": kinds, "seam_ns_per_put_get": seam}, json_path, out)
+                "payload_kinds": kinds, "seam_ns_per_put_get": seam, "vllm_omni": omni}, json_path, out)
     return rows
 
 

@@ -110,7 +110,7 @@ def _iox_available():
         return False
 
 
-def run_mq(quick=False, json_path=None, out=sys.stdout):
+def run_mq(quick=False, json_path=None, out=sys.stdout, peer=True):
     print("stagelink bench mq: MessageQueue vs ZeroMQ PUB/SUB (ipc://), same harness, same run", file=out)
     say = lambda m: print("  " + m, file=out, flush=True)  # noqa: E731
     args = (2000, 20000, 16, 2, 0.2) if quick else (20000, 200000, 64, 5, 1.0)
@@ -165,5 +165,15 @@ def run_mq(quick=False, json_path=None, out=sys.stdout):
               f" (its subscriber polls: one core at 100%)", file=out)
     if "note" in iox:
         print(f"iceoryx2: {iox['note']}", file=out)
+    if peer:  # vLLM's own shm_broadcast.MessageQueue, where it is installed (bench_vllm_mq)
+        from . import bench_vllm_mq
+        say("vLLM's shm_broadcast.MessageQueue against stagelink's, Python API, interleaved")
+        vres, why = bench_vllm_mq.run(quick=quick, log=out)
+        if vres is None:
+            res["vllm"] = {"note": why}
+            print(f"\nvs vLLM: skipped: {why}", file=out)
+        else:
+            res["vllm"] = vres
+            bench_vllm_mq.print_result(vres, out)
     write_json({"kind": "mq", "machine": os.uname().nodename, "cpus": os.cpu_count(), "results": res}, json_path, out)
     return res

@@ -87,8 +87,9 @@ def _runners(quick: bool, rounds: int, peer: bool):
         from .bench_cuda import run_cuda
         return run_cuda([k, m, 16 * m] if q else None, j, out=out)
     return {
-        "shm": lambda j, out: run_shm([k, 64 * k, m, 16 * m] if q else None, 300 if q else 2000, j, out=out),
-        "mq": lambda j, out: run_mq(quick=q, json_path=j, out=out),
+        "shm": lambda j, out: run_shm([k, 64 * k, m, 16 * m] if q else None, 300 if q else 2000, j, out=out,
+                                         peer=peer),
+        "mq": lambda j, out: run_mq(quick=q, json_path=j, out=out, peer=peer),
         "relay": lambda j, out: run_relay([k, m, 16 * m] if q else None, 300 if q else 2000, j, out=out),
         "te": lambda j, out: run_te([4 * k, m, 16 * m] if q else None, j, out=out),
         "store": lambda j, out: run_store([4 * k, m] if q else None, j, out=out, rounds=1 if q else 3),

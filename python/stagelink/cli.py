@@ -420,9 +420,9 @@ def _cmd_bench(args):
         return f"{root}-{kind}{ext or '.json'}"
     if args.kind in ("shm", "all"):
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
-        run_shm(sizes, args.iters, json_for("shm"))
+        run_shm(sizes, args.iters, json_for("shm"), peer=not args.no_peer)
     if args.kind in ("mq", "all"):
-        run_mq(quick=args.quick, json_path=json_for("mq"))
+        run_mq(quick=args.quick, json_path=json_for("mq"), peer=not args.no_peer)
     if args.kind in ("relay", "all"):
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
         run_relay(sizes, args.iters, json_for("relay"))
@@ -572,9 +572,10 @@ def main(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="what each measures, and its peers:\n"
                "  shm    shared-memory connector, C++ and Python put+get by size and payload kind;\n"
-               "         peers: memcpy, the seed's Python design, the pickle path\n"
+               "         peers: memcpy, the seed's Python design, the pickle path, vLLM-Omni's own\n"
+               "         SharedMemoryConnector (from build/frameworks/site or STAGELINK_FRAMEWORKS_SITE)\n"
                "  mq     broadcast MessageQueue latency, throughput, bandwidth, idle CPU; peers: ZeroMQ\n"
-               "         PUB/SUB, iceoryx2 when installed\n"
+               "         PUB/SUB, iceoryx2 when installed, vLLM's own shm_broadcast.MessageQueue (as above)\n"
                "  relay  a relay hop between processes, control messages over tcp with and without\n"
                "         CURVE; peers: memcpy, ZeroMQ\n"
                "  te     transfer engine over loopback, and across two network namespaces when root;\n"
@@ -606,7 +607,8 @@ def main(argv=None):
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON (all: FILE-shm.json, FILE-mq.json, FILE-relay.json, FILE-te.json, FILE-store.json, FILE-pipeline.json, FILE-replicas.json, FILE-cuda.json)")
     b.add_argument("--quick", action="store_true", help="mq: fewer messages and shorter idle gaps; pipeline: fewer requests; all --out: fewer sizes, iterations and rounds everywhere (a smoke run)")
     b.add_argument("--rounds", type=int, default=3, help="pipeline, replicas: rounds of every variant, alternating (default 3)")
-    b.add_argument("--no-peer", action="store_true", help="pipeline: stagelink only, without installing or running SGLang-Omni")
+    b.add_argument("--no-peer", action="store_true", help="pipeline: stagelink only, without installing or running SGLang-Omni; "
+                   "shm, mq: without vLLM-Omni's connector, vLLM's queue")
     b.set_defaults(fn=_cmd_bench)
 
     c = sub.add_parser("config", help="configuration tools")
