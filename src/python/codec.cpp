@@ -3,6 +3,7 @@
 #include "python/codec.hpp"
 
 #include "core/counts.hpp"
+#include "core/host_pool.hpp"
 #include "core/msgpack_io.hpp"
 #include "python/arrays.hpp"
 #include "python/torch.hpp"
@@ -760,11 +761,67 @@ size_t payload_from_parts(int kind, nb::list regions, BufferViews& bv, Payload& 
 }
 
 
+namespace {
+// A copying get of several arrays or tensors that together hold 1 MiB or more (a KV cache's 64
+// layers of 256 KiB, a dict of hidden states): their bytes copied out of the slot in one copy into
+// one pooled host buffer (two threads from 16 MiB, already mapped when one was dropped before),
+// each result viewing its part, writable, the buffer back in the pool when the last is dropped.
+// Each copied on its own instead, every array below 1 MiB came from malloc, whose large blocks are
+// fresh pages the kernel zeroes on each get. True where it did so (those tensors then view the
+// buffer; the caller keeps the slot's keepalive, which the packed tree and the other regions still
+// view). Only numpy arrays and CPU torch tensors: bytes objects copy into objects of their own
+// anyway (they stay as they are, and may ride in the one copy where they lie between arrays).
+bool pool_together(Payload& p, const ExtInfo& ext) {
+  auto& ts = p.tensors;
+  if (ts.size() < 2 || ext.kinds.size() != ts.size() || !ext.devices.empty()) return false;
+  // The result is then `owned` as a whole (the decoder views every array and tensor writable), so
+  // anything else that would view the slot refuses it: 0-d ones (a torch scalar is a view) and
+  // regions without a keepalive.
+  auto pooled = [&](size_t i) {
+    const int64_t base = ext.kinds[i] & kKindMask;
+    return base == kKindNumpy || base == kKindTorch;
+  };
+  const std::byte* lo = nullptr;
+  const std::byte* hi = nullptr;
+  size_t total = 0, n = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (!ts[i].keepalive || (ext.kinds[i] & (kFlagScalar | kFlagDeviceRef))) return false;
+    if (!pooled(i) || !ts[i].nbytes()) continue;
+    const std::byte* a = ts[i].data.data();
+    if (lo && a < hi) return false;  // the frame lays its regions out in order; anything else: each on its own
+    if (!lo) lo = a;
+    hi = a + ts[i].nbytes();
+    total += ts[i].nbytes();
+    ++n;
+  }
+  if (n < 2 || total < host_pool::kPooledMin || size_t(hi - lo) > total + total / 8) return false;
+  std::shared_ptr<std::byte> buf;
+  {
+    nb::gil_scoped_release nogil;
+    buf = host_pool::copy_of(std::span<const std::byte>(lo, size_t(hi - lo)));
+  }
+  if (!buf) return false;  // no memory for it here: each copied on its own, as before
+  std::shared_ptr<const void> keep(buf, buf.get());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (!pooled(i)) continue;
+    if (ts[i].nbytes()) ts[i].data = std::span<const std::byte>(buf.get() + (ts[i].data.data() - lo), ts[i].nbytes());
+    ts[i].keepalive = keep;  // an empty one too: it must not hold the slot
+  }
+  return true;
+}
+}  // namespace
+
 // The Python object of a received payload (KIND_OBJECT), or a pickle's kind and regions to unpickle.
 Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::string& key, bool host_local) {
   const ExtInfo ext = ExtInfo::of(g.payload);
   if (!ext.pickle) {
-    return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, g.owned && !zero_copy, host_local), g.size};
+    bool owned = g.owned && !zero_copy;
+    std::shared_ptr<const void> slot;  // the packed tree views the slot: held until the objects are built
+    if (!zero_copy && !owned && !g.payload.tensors.empty()) {
+      slot = g.payload.tensors[0].keepalive;
+      owned = pool_together(g.payload, ext);
+    }
+    return Found{KIND_OBJECT, native_object(g.payload, zero_copy, ext, owned, host_local), g.size};
   }
   if (!allow_pickle) {
     counts::pickle_refused();
