@@ -25,20 +25,26 @@ constexpr size_t kFreshHugeBytes = 8u << 20, kFreshSplitBytes = 64u << 20, kFres
 // out of its pool after the transfer, on the get's critical path (issue 52).
 constexpr size_t kWarmSplitBytes = 16u << 20;
 
+// part(0, mid) on this thread and part(mid, n - mid) on a helper, both done on return; false (and
+// nothing done) where no thread can be had, for the caller to do it all in one.
+template <class F>
+bool in_two_threads(size_t mid, size_t n, const F& part) {
+  try {
+    std::thread helper([&] { part(mid, n - mid); });
+    part(size_t(0), mid);
+    helper.join();
+    return true;
+  } catch (const std::system_error&) {
+    return false;
+  }
+}
+
 }  // namespace
 
 void copy_split(std::byte* dst, const std::byte* src, size_t n) {
-  if (n >= kWarmSplitBytes) {
-    const size_t half = (n / 2) & ~size_t(4095);
-    try {
-      std::thread helper([=] { std::memcpy(dst + half, src + half, n - half); });
-      std::memcpy(dst, src, half);
-      helper.join();
-      return;
-    } catch (const std::system_error&) {  // no thread to be had: this one does it all
-    }
-  }
-  if (n) std::memcpy(dst, src, n);
+  auto part = [=](size_t off, size_t len) { std::memcpy(dst + off, src + off, len); };
+  if (n >= kWarmSplitBytes && in_two_threads((n / 2) & ~size_t(4095), n, part)) return;
+  if (n) part(0, n);
 }
 
 namespace {
@@ -164,13 +170,7 @@ void copy_into_fresh(std::byte* dst, const std::byte* src, size_t n) {
   };
   if (n >= kFreshSplitBytes) {
     const size_t half = ((lo + (hi - lo) / 2) & ~(kHuge - 1)) - reinterpret_cast<uintptr_t>(dst);
-    try {
-      std::thread helper(part, half, n - half, kFreshStep);
-      part(0, half, kFreshStep);
-      helper.join();
-      return;
-    } catch (const std::system_error&) {  // no thread to be had: this one does it all
-    }
+    if (in_two_threads(half, n, [&](size_t off, size_t len) { part(off, len, kFreshStep); })) return;
   }
   part(0, n, n);  // one thread: mapping it all in one call, then one copy, is the faster order
 }
@@ -191,7 +191,7 @@ std::shared_ptr<std::byte> allocate(size_t n) { return allocate_impl(n, nullptr)
 std::shared_ptr<std::byte> allocate_mapped(size_t n) {
   bool fresh = false;
   std::shared_ptr<std::byte> buf = allocate_impl(n, &fresh);
-  if (!buf || !fresh || n < kPooledMin) return buf;
+  if (!buf || !fresh) return buf;  // (fresh: a new mapping, 1 MiB and more)
   // A new mapping: the kernel's faults (and zeroing) now, 2 MiB at a time, in two threads from
   // 16 MiB, instead of one 4 KiB fault at a time inside whatever writes it (a socket's receive).
   auto* base = buf.get();
@@ -200,17 +200,7 @@ std::shared_ptr<std::byte> allocate_mapped(size_t n) {
     if (madvise(base + off, len, kMadvPopulateWrite) != 0)  // before Linux 5.14: touch each page
       for (size_t o = off; o < off + len; o += 4096) reinterpret_cast<volatile char*>(base)[o] = 0;
   };
-  if (cap >= kWarmSplitBytes) {
-    const size_t half = cap / 2 / kHuge * kHuge;
-    try {
-      std::thread helper(populate, half, cap - half);
-      populate(0, half);
-      helper.join();
-      return buf;
-    } catch (const std::system_error&) {  // no thread to be had: this one does it all
-    }
-  }
-  populate(0, cap);
+  if (cap < kWarmSplitBytes || !in_two_threads(cap / 2 / kHuge * kHuge, cap, populate)) populate(0, cap);
   return buf;
 }
 

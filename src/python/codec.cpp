@@ -817,7 +817,7 @@ Found found_of(GetResult& g, bool zero_copy, bool allow_pickle, const std::strin
   if (!ext.pickle) {
     bool owned = g.owned && !zero_copy;
     std::shared_ptr<const void> slot;  // the packed tree views the slot: held until the objects are built
-    if (!zero_copy && !owned && !g.payload.tensors.empty()) {
+    if (!zero_copy && !owned && g.payload.tensors.size() >= 2) {  // (one array is pooled by copied_array)
       slot = g.payload.tensors[0].keepalive;
       owned = pool_together(g.payload, ext);
     }

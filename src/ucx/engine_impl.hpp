@@ -306,7 +306,7 @@ struct Engine::Impl {
     Impl* self = nullptr;
     const char* what = "";
     size_t bytes = 0;
-    bool busy = false;  // counted in Impl::sending
+    bool busy() const { return bytes >= kBusyMinBytes; }  // counted in Impl::sending
   };
   std::mutex batch_mu;
   std::vector<std::shared_ptr<Batch>> batches;
@@ -324,7 +324,7 @@ struct Engine::Impl {
       if (fin) b->finished = true;
     }
     if (!fin) return;
-    if (b->busy) sending.fetch_sub(1);
+    if (b->busy()) sending.fetch_sub(1);
     Status st;
     bool failed = b->status != UCS_OK;
     for (auto& e : b->eps) failed = failed || e->failed.load();
@@ -394,8 +394,7 @@ struct Engine::Impl {
     b->what = what;
     b->done = std::move(done);
     b->bytes = bytes;
-    b->busy = bytes >= kBusyMinBytes;
-    if (b->busy) sending.fetch_add(1);
+    if (b->busy()) sending.fetch_add(1);
     std::lock_guard<std::mutex> l(batch_mu);
     batches.push_back(b);
     return b;
