@@ -14,6 +14,7 @@ view (one copy in all).
 """
 import json
 import os
+import stat
 import statistics
 import subprocess
 import sys
@@ -24,8 +25,29 @@ import numpy as np
 KINDS = ("numpy", "torch", "dict", "bytes")
 
 
-def site() -> str:
-    return os.environ.get("STAGELINK_FRAMEWORKS_SITE") or os.path.join(os.getcwd(), "build", "frameworks", "site")
+def site() -> tuple:
+    """(the directory the frameworks are imported from, None), or (None, why not).
+
+    ``STAGELINK_FRAMEWORKS_SITE`` is the caller's own choice. The default, ``build/frameworks/site``
+    under the current directory, is code this command would run: taken only where that directory
+    and those above it up to the current one belong to this user (or root) and no one else may
+    write them, so that a bench run from a shared directory (/tmp) never imports what another
+    user planted there."""
+    named = os.environ.get("STAGELINK_FRAMEWORKS_SITE")
+    if named:
+        return named, None
+    cwd = os.getcwd()
+    path = os.path.join(cwd, "build", "frameworks", "site")
+    for d in (os.path.join(cwd, "build"), os.path.join(cwd, "build", "frameworks"), path):
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            return None, (f"vLLM-Omni/vLLM not found in {path} (./scripts/setup installs them there; "
+                          "STAGELINK_FRAMEWORKS_SITE names another)")
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            return None, (f"{d} is not a directory of this user's that only it may write: not importing "
+                          "from it (STAGELINK_FRAMEWORKS_SITE names a site to use)")
+    return path, None
 
 
 def _objects(size):
@@ -100,7 +122,9 @@ def measure(sizes, rounds):
 
 def run(sizes, rounds=3, log=sys.stderr):
     """(result, None) from a process with vLLM-Omni on its path, or (None, why not)."""
-    path = site()
+    path, why = site()
+    if path is None:
+        return None, why
     if not os.path.isdir(os.path.join(path, "vllm_omni")):
         return None, (f"vLLM-Omni not found in {path} (./scripts/setup installs it there; "
                       "STAGELINK_FRAMEWORKS_SITE names another)")

@@ -61,31 +61,37 @@ def _run(impl, n_readers, n, n_idle, idle_s):
     ack = ctx.Value("q", 0)
     out = ctx.Queue()
     procs = [ctx.Process(target=_reader, args=(impl, w.export_handle(), i, n, n_idle, ack, out)) for i in range(n_readers)]
-    for p in procs:
-        p.start()
-    w.wait_until_ready()
-    sent = 0
+    try:
+        for p in procs:
+            p.start()
+        w.wait_until_ready()
+        sent = 0
 
-    def send(obj):
-        nonlocal sent
-        w.enqueue(obj)
-        sent += 1
-        deadline = time.monotonic() + 60
-        while ack.value < sent * n_readers:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{impl}: a reader stalled")
+        def send(obj):
+            nonlocal sent
+            w.enqueue(obj)
+            sent += 1
+            deadline = time.monotonic() + 60
+            while ack.value < sent * n_readers:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{impl}: a reader stalled")
 
-    for _ in range(n):
-        send(time.monotonic_ns())
-    for _ in range(n_idle):
-        w.enqueue(-1)  # not acknowledged: the readers start their CPU clocks
-        time.sleep(idle_s)
-        send(time.monotonic_ns())
-    res = [out.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(30)
-    if impl == "stagelink":
-        w.close()
+        for _ in range(n):
+            send(time.monotonic_ns())
+        for _ in range(n_idle):
+            w.enqueue(-1)  # not acknowledged: the readers start their CPU clocks
+            time.sleep(idle_s)
+            send(time.monotonic_ns())
+        res = [out.get(timeout=60) for _ in procs]
+    finally:  # a reader that failed or stalled is not left behind
+        for p in procs:
+            if p.pid is not None:
+                p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if impl == "stagelink":
+            w.close()
     lat = sorted(x for r in res for x in r["lat"][min(200, n // 5):])
     wake = sorted(x for r in res for x in r["wake"])
     cpu = [c for r in res for c in r["cpu"]]
@@ -110,7 +116,9 @@ def measure(n, n_idle, idle_s, rounds):
 def run(quick=False, log=sys.stderr):
     """(result, None) from processes with vLLM on their path, or (None, why not)."""
     from .bench_omni import site
-    path = site()
+    path, why = site()
+    if path is None:
+        return None, why
     if not os.path.isdir(os.path.join(path, "vllm")):
         return None, f"vLLM not found in {path} (./scripts/setup installs it there; STAGELINK_FRAMEWORKS_SITE names another)"
     env = dict(os.environ)

@@ -251,7 +251,7 @@ def test_bench_plot_refuses_what_is_not_a_result(tmp_path):
     assert out.returncode == 2 and "No such file" in out.stderr
 
 
-def test_bench_peers_run_vllm_omnis_connector_and_vllms_queue_beside_stagelinks():
+def test_bench_peers_run_vllm_omnis_connector_and_vllms_queue_beside_stagelinks(monkeypatch, tmp_path):
     """`bench shm` and `bench mq` measure the frameworks' own code (vLLM-Omni 0.30.0's
     SharedMemoryConnector, vLLM 0.30.0's shm_broadcast.MessageQueue, from build/frameworks/site)
     in the same run as stagelink's, and say why not where it is missing."""
@@ -262,26 +262,36 @@ def test_bench_peers_run_vllm_omnis_connector_and_vllms_queue_beside_stagelinks(
     site = os.path.join(root, "build", "frameworks", "site")
     if not os.path.isdir(os.path.join(site, "vllm_omni")):
         pytest.skip("vLLM-Omni/vLLM not installed in build/frameworks/site (./scripts/setup installs them)")
-    os.environ["STAGELINK_FRAMEWORKS_SITE"] = site
-    try:
-        log = io.StringIO()
-        res, why = bench_omni.run([1024, 1 << 20], rounds=1, log=log)
-        assert why is None, why
-        rows = bench_omni.summarize(res)
-        assert {(r["size"], r["kind"]) for r in rows} >= {(1024, k) for k in ("numpy", "bytes", "torch", "dict")}
-        small = [r for r in rows if r["size"] == 1024]
-        assert all(r["omni_us"] > 3 * r["stagelink_us"] for r in small), small  # ~30x here
-        out = io.StringIO()
-        bench_omni.print_rows(rows, out, bench._fmt_size)
-        assert "vLLM-Omni" in out.getvalue() and "1 MiB" in out.getvalue()
-        mq, why = bench_vllm_mq.run(quick=True, log=log)
-        assert why is None, why
-        one = mq["1to1"]
-        assert len(one["vllm"]) == len(one["stagelink"]) == 1 and len(mq["1to4"]["vllm"]) == 1
-        assert one["stagelink"][0]["median_us"] < one["vllm"][0]["median_us"]  # ~10x here
-        assert one["stagelink"][0]["idle_cpu_pct"] < 20 and one["stagelink"][0]["wake_worst_us"] > 0
-        os.environ["STAGELINK_FRAMEWORKS_SITE"] = str(os.path.join(root, "no-such-site"))
-        res, why = bench_omni.run([1024], rounds=1, log=log)
-        assert res is None and "not found" in why
-    finally:
-        os.environ.pop("STAGELINK_FRAMEWORKS_SITE", None)
+    monkeypatch.setenv("STAGELINK_FRAMEWORKS_SITE", site)
+    log = io.StringIO()
+    res, why = bench_omni.run([1024, 1 << 20], rounds=1, log=log)
+    assert why is None, why
+    rows = bench_omni.summarize(res)
+    assert {(r["size"], r["kind"]) for r in rows} >= {(1024, k) for k in ("numpy", "bytes", "torch", "dict")}
+    small = [r for r in rows if r["size"] == 1024]
+    assert all(r["omni_us"] > 3 * r["stagelink_us"] for r in small), small  # ~30x here
+    out = io.StringIO()
+    bench_omni.print_rows(rows, out, bench._fmt_size)
+    assert "vLLM-Omni" in out.getvalue() and "1 MiB" in out.getvalue()
+    mq, why = bench_vllm_mq.run(quick=True, log=log)
+    assert why is None, why
+    one = mq["1to1"]
+    assert len(one["vllm"]) == len(one["stagelink"]) == 1 and len(mq["1to4"]["vllm"]) == 1
+    assert one["stagelink"][0]["median_us"] < one["vllm"][0]["median_us"]  # ~10x here
+    assert one["stagelink"][0]["idle_cpu_pct"] < 20 and one["stagelink"][0]["wake_worst_us"] > 0
+    monkeypatch.setenv("STAGELINK_FRAMEWORKS_SITE", str(tmp_path / "no-such-site"))
+    res, why = bench_omni.run([1024], rounds=1, log=log)
+    assert res is None and "not found" in why
+    # The default, build/frameworks/site under the current directory, is imported only where this
+    # user alone may write it: a planted one in a directory others may write is refused unread.
+    monkeypatch.delenv("STAGELINK_FRAMEWORKS_SITE")
+    planted = tmp_path / "build" / "frameworks" / "site" / "vllm_omni"
+    planted.mkdir(parents=True)
+    (planted / "__init__.py").write_text("raise SystemExit('planted code ran')\n")
+    monkeypatch.chdir(tmp_path)
+    assert bench_omni.site() == (str(tmp_path / "build" / "frameworks" / "site"), None)
+    os.chmod(tmp_path / "build", 0o777)
+    path, why = bench_omni.site()
+    assert path is None and "not importing" in why
+    res, why = bench_vllm_mq.run(quick=True, log=log)
+    assert res is None and "not importing" in why
