@@ -349,7 +349,7 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     for label, obj, zc in (("numpy", arr, False), ("bytes", data, False), ("bytes zero_copy", data, True)):
         rows_big[label] = _stat(timed(lambda k: c.put(0, 1, k, obj), n, zero_copy=zc)[1])
     del data
-    rows.append(_mib_gets(c, r, seq))
+    rows.append(_mib_gets(lambda obj, n: timed(lambda k: c.put(0, 1, k, obj), n)[1]))
     rows.append({"payload": f"get of {big >> 20} MiB", "big_get": rows_big,
                  "host_reclaims_free_pages": host_reclaims_free_pages()})
     if floor_ratio:
@@ -366,10 +366,11 @@ def bench_payloads(ns, iters=3000, big=186 << 20, progress=None, rounds=15):
     return rows
 
 
-def _mib_gets(c, r, seq, rounds=7, n=100):
+def _mib_gets(get_times, rounds=7, n=100):
     """The copying get of 1 MiB as torch tensors and dicts against a numpy array of the same bytes:
-    each kind's get (put and drop not timed), kinds interleaved round by round; per kind the median
-    get and the range of the per-round ratios to numpy's."""
+    each kind's get (``get_times(obj, n)``: n put+gets, the gets' times; put and drop not timed),
+    kinds interleaved round by round; per kind the median get and the range of the per-round
+    ratios to numpy's."""
     a = np.random.default_rng(1).random(1 << 17)  # 1 MiB of float64
     cases = {"numpy": a, "dict {hidden: numpy}": {"hidden": a}}
     try:
@@ -381,16 +382,7 @@ def _mib_gets(c, r, seq, rounds=7, n=100):
     got = {k: [] for k in cases}
     for _ in range(rounds):
         for name, obj in cases.items():
-            ts = []
-            for _ in range(n):
-                k = f"mk{next(seq)}"
-                ok, _, meta = c.put(0, 1, k, obj)
-                t0 = time.perf_counter()
-                res = r.get(0, 1, k, meta)
-                ts.append((time.perf_counter() - t0) * 1e6)
-                assert ok and res is not None
-                del res
-            got[name].append(statistics.median(ts))
+            got[name].append(statistics.median(get_times(obj, n)))
     return {"payload": "get of 1 MiB by kind", "mib_gets": {
         name: {"median_us": statistics.median(v), "vs_numpy": [min(x / y for x, y in zip(v, got["numpy"])),
                                                                max(x / y for x, y in zip(v, got["numpy"]))]}
