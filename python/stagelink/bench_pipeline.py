@@ -45,6 +45,20 @@ def cpu_seconds(pids: dict) -> dict:
     return out
 
 
+def machine_probe_ms() -> float:
+    """How fast this machine runs Python now: a fixed loop (200,000 additions), median of 5, in ms.
+    On a shared VM it moves by up to 2x from minute to minute with nothing else running (this
+    2-core VM on 2026-11-29: 7.7-14.7 ms), and a pipeline's requests/s moves with it: the bench
+    prints it beside every round, so a slow round shows as the machine's."""
+    ts = []
+    for _ in range(5):
+        t, acc = time.perf_counter(), 0
+        for i in range(200_000):
+            acc += i
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
 def _measure(submit, reqs, verify, sequential: int, concurrent: int, in_flight: int, pids=None) -> dict:
     """e2e p50/p99 one request at a time, then requests/s with `in_flight` in flight; `submit(i,
     req)` returns (future, chunks list); every result is verified. With `pids` ({process: pid}),
@@ -187,10 +201,12 @@ def run_pipeline(rounds: int = 3, json_path=None, peer: bool = True, out=sys.std
                 if v == "sglang-omni" and path is None:
                     continue
                 print(f"  ... round {rnd + 1}/{rounds}: {case}, {v}", file=sys.stderr, flush=True)
+                probe = machine_probe_ms()
                 if v == "sglang-omni":
                     f = sglang_omni_toy(path, case, pseq, pconc)
                 else:
                     f = stagelink_toy(case, v == "stagelink-speed", seq, conc)
+                f["probe_ms"] = [probe, machine_probe_ms()]  # before and after the round
                 runs[case][v].append(f)
     result = {"kind": "pipeline", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rounds": rounds,
               "peer": PEER if path else None, "peer_missing": why, "cases": {}}
@@ -227,6 +243,13 @@ def run_pipeline(rounds: int = 3, json_path=None, peer: bool = True, out=sys.std
             m["cpu_us_per_request"] = cpu = {n: statistics.median(c.get(n, 0.0) for c in per) for n in procs}
             print(f"{case:>12} {v:>16} " + " ".join(f"{cpu[n]:>7.0f}" for n in procs) +
                   f" {sum(cpu.values()):>7.0f}", file=out)
+    print("\nEach round's req/s, and before/after it the time of a fixed Python loop (ms; lower is faster: the "
+          "machine's own speed, which moves by up to 2x on a shared VM):", file=out)
+    for case in CASES:
+        for v, m in result["cases"][case].items():
+            print(f"{case:>12} {v:>16} " + ", ".join(
+                f"{f['requests_per_s']:.0f} ({f['probe_ms'][0]:.1f}/{f['probe_ms'][1]:.1f})" for f in m["rounds"]),
+                  file=out)
     print("\naims (issue 51): with default settings at least 10x SGLang-Omni's req/s and at most 0.2x its e2e p50; "
           "with the speed options at least 15x its req/s; one request at a time, e2e p50 under 1 ms; start-up at "
           "most 0.5x. Medians of the rounds; every result verified.", file=out)

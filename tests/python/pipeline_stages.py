@@ -162,10 +162,14 @@ def torch_inplace(payload, ctx):
 
 
 def thread_name(payload, ctx):
-    """Which thread ran it (after sleeping payload["sleep_s"], if any)."""
+    """Which thread ran it (after sleeping payload["sleep_s"] and burning payload["burn_s"] of
+    its thread's CPU time, if any)."""
     import threading
     import time
     time.sleep(payload.get("sleep_s", 0))
+    until = time.thread_time() + payload.get("burn_s", 0)
+    while time.thread_time() < until:
+        pass
     return {"thread": threading.current_thread().name}
 
 

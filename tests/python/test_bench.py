@@ -104,7 +104,9 @@ def test_bench_pipeline_runs_the_toy_and_reports_without_the_peer(tmp_path):
             assert "rps_vs_peer" not in v
             cpu = v["cpu_us_per_request"]  # where the CPU went, per process
             assert set(cpu) == {"client", "prep", "enc", "dec"} and min(cpu.values()) >= 0 < sum(cpu.values())
-    assert "CPU per request" in out.getvalue()
+            for f in v["rounds"]:  # the machine's own speed beside each round, before and after it
+                assert len(f["probe_ms"]) == 2 and all(0 < x < 10_000 for x in f["probe_ms"])
+    assert "CPU per request" in out.getvalue() and "fixed Python loop" in out.getvalue()
     saved = json.loads((tmp_path / "p.json").read_text())
     assert saved["kind"] == "pipeline"
     assert saved["date"].endswith("Z") and saved["stagelink"] == stagelink.__version__  # bench/results/ says when

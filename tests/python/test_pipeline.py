@@ -713,6 +713,7 @@ def test_short_stages_run_on_the_receive_thread_by_default(ns, inline):
     """Issue 51: `inline: auto` (the default) runs a stage on its process's receive thread once
     its runs have stayed short (no thread handoff per request); one long run puts it back on the
     pool. `inline: false` always uses the pool."""
+    from stagelink.pipeline.stage import AUTO_INLINE_WINDOW
     st = {"name": "a", "factory": f"{S}:thread_name", "terminal": True}
     if inline is not False:
         st.pop("inline", None)
@@ -720,7 +721,7 @@ def test_short_stages_run_on_the_receive_thread_by_default(ns, inline):
         st["inline"] = False
     with Pipeline.from_config(spec(ns, [st])) as p:
         names = [p.submit(f"r{i}", {}).result(10)["thread"] for i in range(40)]
-        assert all(n.startswith("stage-a") for n in names[:16]), names  # on the pool while unknown
+        assert all(n.startswith("stage-a") for n in names[:AUTO_INLINE_WINDOW]), names  # on the pool while unknown
         if inline is False:
             assert all(n.startswith("stage-a") for n in names), names
             return
@@ -728,6 +729,32 @@ def test_short_stages_run_on_the_receive_thread_by_default(ns, inline):
         assert p.submit("slow", {"sleep_s": 0.01}).result(10)["thread"] == "MainThread"  # judged after it ran
         assert p.submit("next", {}).result(10)["thread"].startswith("stage-a")  # back on the pool
     assert p.stats()["a"]["stages"]["a"]["inline_runs"] >= 24
+
+
+def test_inline_auto_judges_a_stage_by_its_cpu_and_stays_inline_when_runs_grow_a_little(ns):
+    """Issue 65: `inline: auto` judges a stage by the median CPU time of its last runs, and keeps
+    an inline stage inline until that median passes AUTO_INLINE_STAY_NS (twice the bound to get
+    in): on the pool the same runs cost more, so one bound both ways dropped a stage whose runs
+    neared it to the pool for good (the toy's `enc`, 1 MiB, 8 in flight: 272 of 1099 runs inline).
+    A stage that blocks in every run (a sleep: off the CPU, whatever its CPU time) stays on the
+    pool; a stage past the bound goes back to the pool."""
+    from stagelink.pipeline.stage import AUTO_INLINE_NS, AUTO_INLINE_STAY_NS, AUTO_INLINE_WINDOW
+    st = {"name": "a", "factory": f"{S}:thread_name", "terminal": True}
+    with Pipeline.from_config(spec(ns, [st])) as p:
+        def run(n, **kw):
+            return [p.submit(f"r{run.i + k}", kw).result(10)["thread"] for k in range(n)]
+        run.i = 0
+        blocked = run(3 * AUTO_INLINE_WINDOW, sleep_s=0.002)  # 2 ms off the CPU each run: never inline
+        assert all(n.startswith("stage-a") for n in blocked), blocked
+        run.i = 100
+        assert run(2 * AUTO_INLINE_WINDOW)[-1] == "MainThread"
+        run.i = 200
+        mid = (AUTO_INLINE_NS + AUTO_INLINE_STAY_NS) / 2e9  # over the way in, under the way out
+        grown = run(3 * AUTO_INLINE_WINDOW, burn_s=mid)
+        assert all(n == "MainThread" for n in grown), grown
+        run.i = 300
+        heavy = run(2 * AUTO_INLINE_WINDOW, burn_s=2 * AUTO_INLINE_STAY_NS / 1e9)
+        assert heavy[-1].startswith("stage-a"), heavy
 
 
 def test_a_stream_reader_runs_inline_only_when_its_streams_have_ended(ns):

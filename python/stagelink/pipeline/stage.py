@@ -24,18 +24,28 @@ if TYPE_CHECKING:
 # (these) the stage processes grew ~130 MiB in all before levelling off.
 _SEEN_WINDOW = 10_000
 # `inline: auto` (the default): a stage runs on the receive thread, with no handoff to a pool
-# thread, once it has run AUTO_INLINE_STREAK times in a row without a run longer than
-# AUTO_INLINE_MAX_NS and its runs' moving average (weight 1/8 for the newest) is at most
-# AUTO_INLINE_NS (wall time, its sends included); a run longer than AUTO_INLINE_MAX_NS, or an
-# average above AUTO_INLINE_NS, hands the next requests to the pool again. A handoff cost ~70 us of
-# CPU per request per stage (a thread woken, the GIL passed) in SGLang-Omni's toy pipeline, more
-# than its stages' work. The average, not each run, decides because on a loaded machine a short
-# stage's wall time swings (preempted, 8 requests in flight on 2 cores: a third of the toy's
-# 0.2 ms `dec` runs went over 0.5 ms); the cap keeps a stage that blocks (a GPU sync, a sleep)
-# off the receive thread, whose other messages wait while it runs.
+# thread, once its last AUTO_INLINE_WINDOW runs show it short and not blocking: their median CPU
+# time (the running thread's, its sends included) at most AUTO_INLINE_NS, and the least time one
+# of them spent off the CPU (wall time less CPU time) at most AUTO_INLINE_OFF_NS. A run on or off
+# the CPU longer than AUTO_INLINE_MAX_NS starts the window again (the next requests go to the pool).
+# An inline stage stays inline while that median is at most AUTO_INLINE_STAY_NS: on the pool the
+# same runs cost more CPU (the toy's `enc`: 250-400 us inline, 0.6-1.9 ms on the pool with 8 in
+# flight on 2 cores, where the copies of four processes meet), so one bound both ways made a
+# stage whose runs neared it fall to the pool, which made its runs costlier and kept it there.
+# A handoff cost ~70 us of CPU per request per stage (a thread woken, the GIL passed) in
+# SGLang-Omni's toy pipeline, more than its stages' work. Wall time alone cannot judge it: with 8
+# requests in flight on 2 cores a short stage on the pool waits for the GIL and the CPU (a third of
+# the toy's 0.2 ms `dec` runs took over 0.5 ms), so a moving average of wall time kept the toy's
+# stages on the pool for most of a run when the machine was slow, which made their runs slower
+# still. CPU time is what a run costs the receive thread; a stage that blocks (a GPU sync, a
+# sleep, a wait for a credit) is off the CPU in every run, where one only preempted or waiting for
+# the GIL has some runs without it: the least of the window tells them apart. The median, not the
+# first runs, decides: a new stage's first runs (imports, first torch calls) are slow.
 AUTO_INLINE_NS = 500_000
+AUTO_INLINE_STAY_NS = 1_000_000
+AUTO_INLINE_OFF_NS = 250_000
 AUTO_INLINE_MAX_NS = 5_000_000
-AUTO_INLINE_STREAK = 16
+AUTO_INLINE_WINDOW = 8
 
 
 
@@ -137,13 +147,15 @@ class StageRuntime:
         self.m_runs, self.m_failures, self.m_run_s, self.m_queue_s, self.m_chunks = (
             m.labels(spec.name) for m in (observe.STAGE_RUNS, observe.STAGE_FAILURES, observe.STAGE_RUN_SECONDS,
                                           observe.STAGE_QUEUE_SECONDS, observe.STAGE_CHUNKS))
-        # inline: auto (None): short runs in a row; inline once AUTO_INLINE_STREAK (see above). A
+        # inline: auto (None): inline once its window says short (AUTO_INLINE_NS, above). A
         # stage that reads streams only when every stream has ended before it starts (ctx.chunks()
         # then never waits for the receive thread it would be running on).
         self.auto = spec.inline is None
         self.stream_srcs = frozenset(spec.stream_sources)
-        self.short_streak = 0  # runs in a row no longer than AUTO_INLINE_MAX_NS
-        self.avg_ns = float(AUTO_INLINE_NS)  # moving average of its runs' wall time
+        # inline: auto's window: the last runs' CPU and off-CPU times, and its verdict on them
+        self.run_cpu: collections.deque = collections.deque(maxlen=AUTO_INLINE_WINDOW)
+        self.run_off: collections.deque = collections.deque(maxlen=AUTO_INLINE_WINDOW)
+        self.short = False
         self.inline_runs = 0
         self.early_bytes = 0  # chunks held copied for requests not started yet (settings.early_chunk_bytes)
         self.early_limit = int(worker.spec.settings.get("early_chunk_bytes", 256 << 20))
@@ -177,9 +189,7 @@ class StageRuntime:
             else:
                 r.started = True
                 r.t_ready = time.monotonic_ns()
-            inline = self.spec.inline or (self.auto and self.short_streak >= AUTO_INLINE_STREAK
-                                          and self.avg_ns <= AUTO_INLINE_NS
-                                          and self.stream_srcs <= r.done_srcs)
+            inline = self.spec.inline or (self.auto and self.short and self.stream_srcs <= r.done_srcs)
         if self.on_chunk is not None:
             self._on_chunks(rid, r)
         elif inline:
@@ -272,7 +282,7 @@ class StageRuntime:
     # -- running
     def _run(self, rid: str, r: _Request):
         ctx = r.ctx or StageContext(self, rid, r)
-        t0 = time.monotonic_ns()
+        t0, c0 = time.monotonic_ns(), time.thread_time_ns()
         sp = _trace.span("run", "stage", r.tp, rid, stage=self.spec.name) if r.tp else _trace.NO_SPAN
         r.run_tp = sp.traceparent
         failed = None
@@ -294,9 +304,23 @@ class StageRuntime:
             if r.t_ready:  # (counted after the run: not part of its time, nor of inline: auto's)
                 self.m_queue_s.observe((t0 - r.t_ready) / 1e9)
             if self.auto:
-                self.avg_ns += (took - self.avg_ns) / 8
-                self.short_streak = self.short_streak + 1 if took <= AUTO_INLINE_MAX_NS else 0
+                self._judge(time.thread_time_ns() - c0, took)
             self._finish(rid, r)
+
+    def _judge(self, cpu_ns: int, wall_ns: int) -> None:
+        """inline: auto's verdict after a run (see AUTO_INLINE_NS); pool threads run it at once."""
+        off = max(0, wall_ns - cpu_ns)
+        with self.lock:
+            if off > AUTO_INLINE_MAX_NS or cpu_ns > AUTO_INLINE_MAX_NS:
+                self.run_cpu.clear()
+                self.run_off.clear()
+                self.short = False
+                return
+            self.run_cpu.append(cpu_ns)
+            self.run_off.append(off)
+            limit = AUTO_INLINE_STAY_NS if self.short else AUTO_INLINE_NS
+            self.short = (len(self.run_cpu) == AUTO_INLINE_WINDOW and min(self.run_off) <= AUTO_INLINE_OFF_NS
+                          and sorted(self.run_cpu)[AUTO_INLINE_WINDOW // 2] <= limit)
 
     def _complete(self, rid: str, r: _Request, result):
         """Send what a request produced here: end its streams, then its result downstream."""
