@@ -713,7 +713,7 @@ def test_short_stages_run_on_the_receive_thread_by_default(ns, inline):
     """Issue 51: `inline: auto` (the default) runs a stage on its process's receive thread once
     its runs have stayed short (no thread handoff per request); one long run puts it back on the
     pool. `inline: false` always uses the pool."""
-    from stagelink.pipeline.stage import AUTO_INLINE_WINDOW
+    from stagelink.pipeline.stage import AUTO_INLINE_MIN_RUNS
     st = {"name": "a", "factory": f"{S}:thread_name", "terminal": True}
     if inline is not False:
         st.pop("inline", None)
@@ -721,7 +721,7 @@ def test_short_stages_run_on_the_receive_thread_by_default(ns, inline):
         st["inline"] = False
     with Pipeline.from_config(spec(ns, [st])) as p:
         names = [p.submit(f"r{i}", {}).result(10)["thread"] for i in range(40)]
-        assert all(n.startswith("stage-a") for n in names[:AUTO_INLINE_WINDOW]), names  # on the pool while unknown
+        assert all(n.startswith("stage-a") for n in names[:AUTO_INLINE_MIN_RUNS]), names  # on the pool while unknown
         if inline is False:
             assert all(n.startswith("stage-a") for n in names), names
             return

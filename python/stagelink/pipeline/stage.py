@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 # (these) the stage processes grew ~130 MiB in all before levelling off.
 _SEEN_WINDOW = 10_000
 # `inline: auto` (the default): a stage runs on the receive thread, with no handoff to a pool
-# thread, once its last AUTO_INLINE_WINDOW runs show it short and not blocking: their median CPU
+# thread, once its last runs (AUTO_INLINE_MIN_RUNS at least, AUTO_INLINE_WINDOW at most) show it
+# short and not blocking: their median CPU
 # time (the running thread's, its sends included) at most AUTO_INLINE_NS, and the least time one
 # of them spent off the CPU (wall time less CPU time) at most AUTO_INLINE_OFF_NS. A run on or off
 # the CPU longer than AUTO_INLINE_MAX_NS starts the window again (the next requests go to the pool).
@@ -46,6 +47,11 @@ AUTO_INLINE_STAY_NS = 1_000_000
 AUTO_INLINE_OFF_NS = 250_000
 AUTO_INLINE_MAX_NS = 5_000_000
 AUTO_INLINE_WINDOW = 8
+# Three runs, not the whole window, to decide the first time: a new pipeline's stages reach the
+# receive thread by their 4th request (the 1 MiB toy: ~3.5 ms a request on the pool, 2.2 ms
+# inline, one at a time). A stage that blocks is off the CPU in all three; one slow first run (a
+# first torch call: 11 ms) starts them again.
+AUTO_INLINE_MIN_RUNS = 3
 
 
 
@@ -319,8 +325,9 @@ class StageRuntime:
             self.run_cpu.append(cpu_ns)
             self.run_off.append(off)
             limit = AUTO_INLINE_STAY_NS if self.short else AUTO_INLINE_NS
-            self.short = (len(self.run_cpu) == AUTO_INLINE_WINDOW and min(self.run_off) <= AUTO_INLINE_OFF_NS
-                          and sorted(self.run_cpu)[AUTO_INLINE_WINDOW // 2] <= limit)
+            n = len(self.run_cpu)
+            self.short = (n >= AUTO_INLINE_MIN_RUNS and min(self.run_off) <= AUTO_INLINE_OFF_NS
+                          and sorted(self.run_cpu)[n // 2] <= limit)
 
     def _complete(self, rid: str, r: _Request, result):
         """Send what a request produced here: end its streams, then its result downstream."""
