@@ -566,7 +566,6 @@ def test_strangers_without_a_key_hold_little_memory_and_honest_messages_still_pa
     128 KiB part cap is refused before it is buffered, at most 256 connections are let in (the
     rest are shut down), and a handshake that does not finish in 5 s is dropped; an honest peer's
     4 MiB body still arrives whole (in parts)."""
-    import socket
     import threading
     from stagelink.control import ControlMessage, Inbox, Outbox
     pub, sec = stagelink.curve_keypair()
