@@ -1,6 +1,8 @@
 // SharedMemoryConnector (shm_connector.hpp; the class is shm_impl.hpp): puts, gets, the arena, reclaiming.
 #include "connectors/shm_connector.hpp"
 
+#include <utility>
+
 #include "connectors/shm_impl.hpp"
 #include "cuda/arena.hpp"
 
@@ -145,6 +147,8 @@ Value ShmConnector::health() {
   add_counts(m);
   m.emplace_back("inline_puts", uint64_t(inline_puts_.load()));
   m.emplace_back("dedicated_segments", uint64_t(dedicated_puts_.load()));
+  m.emplace_back("dedicated_reused", uint64_t(spare_reused_.load()));
+  m.emplace_back("spare_bytes", uint64_t(spare_.seg ? spare_.seg->size() : 0));
   m.emplace_back("replaced", uint64_t(replaced_.load()));
   m.emplace_back("outstanding", uint64_t(out_.size()));
   m.emplace_back("arena_bytes", uint64_t(arena_alloc_ ? arena_alloc_->capacity() : 0));
@@ -199,6 +203,7 @@ void ShmConnector::close() {
     }
   }
   out_.clear();
+  drop_spare_locked();
   if (arena_) {
     dir_->unregister_arena(arena_idx_, arena_gen_);
     Segment::unlink(opts_.shm_dir, arena_->name());
@@ -210,12 +215,25 @@ void ShmConnector::close() {
 
 void ShmConnector::free_region_locked(const std::shared_ptr<Segment>& dedicated, uint32_t arena_idx, uint32_t arena_gen, size_t offset, size_t length) {
   if (dedicated) {
+    // Every reader released it (or died): no view of it is left, as for a range of the arena.
+    if (dedicated->size() <= opts_.spare_bytes) {
+      drop_spare_locked();
+      spare_ = Spare{dedicated, arena_idx, arena_gen};
+      return;
+    }
     dir_->unregister_arena(arena_idx, arena_gen);
     Segment::unlink(opts_.shm_dir, dedicated->name());
   } else if (arena_alloc_) {
     auto st = arena_alloc_->free(offset, length);
     if (!st.ok()) SL_LOG_ERROR("arena free: %s", st.error().to_string().c_str());
   }
+}
+
+void ShmConnector::drop_spare_locked() {
+  if (!spare_.seg) return;
+  dir_->unregister_arena(spare_.idx, spare_.gen);
+  Segment::unlink(opts_.shm_dir, spare_.seg->name());
+  spare_ = Spare{};
 }
 
 bool ShmConnector::open_locked() {
@@ -228,6 +246,7 @@ bool ShmConnector::open_locked() {
 void ShmConnector::forget_parent_locked(bool reattach) {
   fork_.adopt();
   out_.clear();
+  spare_ = Spare{};  // the parent's: unmapped here, never unlinked
   arena_.reset();  // a mapping: its destructor unmaps, never unlinks
   arena_alloc_.reset();
   arena_idx_ = arena_gen_ = 0;
@@ -335,6 +354,14 @@ Result<ShmConnector::Region> ShmConnector::allocate_locked(std::unique_lock<std:
     for (auto& r : dir_->reap()) SL_LOG_INFO("reaped: %s", r.c_str());
   }
   if (size > opts_.arena_bytes) {
+    // The spare when it fits without making readers map much more than the frame (they map and
+    // populate a segment of its own whole); else a new one, and the spare goes.
+    if (spare_.seg && spare_.seg->size() >= size && spare_.seg->size() - size <= size / 4) {
+      Spare s = std::exchange(spare_, Spare{});
+      spare_reused_.fetch_add(1, std::memory_order_relaxed);
+      return Region{s.seg->data(), 0, size, s.seg, s.idx, s.gen};
+    }
+    drop_spare_locked();
     std::string name;
     std::pair<uint32_t, uint32_t> reg;
     SL_ASSIGN(auto seg, create_fresh('x', name, size, true, reg, [&](const std::string& n) {

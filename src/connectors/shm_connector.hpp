@@ -20,6 +20,7 @@ struct ShmConnectorOptions {
   double ttl_s = 300.0;                // unread puts older than this are cancelled
   bool replace_existing = true;        // on_existing_key: replace (vLLM-Omni) | error
   bool preallocate_arena = false;      // create and reserve the whole arena when the connector is made
+  size_t spare_bytes = size_t(1) << 30;  // a released segment of its own kept for the next such put, up to this
   // CUDA tensors (Python): left in a device arena of the producer, read over CUDA IPC (true), or
   // staged through the frame in host memory (false); cuda_arena_bytes: each device arena's size.
   bool cuda_ipc = true;

@@ -164,7 +164,8 @@ class ShmConnector final : public Connector,
     uint32_t arena_idx, arena_gen;
   };
 
-  // A put's memory back: its own segment unlinked, or its range of the arena freed.
+  // A put's memory back: its range of the arena freed, or its own segment kept as the spare
+  // (opts_.spare_bytes) or unlinked.
   void free_region_locked(const std::shared_ptr<Segment>& dedicated, uint32_t arena_idx, uint32_t arena_gen, size_t offset, size_t length);
 
   // The directory, for a call that then waits or reads without mu_ held; null once closed.
@@ -264,12 +265,20 @@ class ShmConnector final : public Connector,
   uint32_t arena_idx_ = 0, arena_gen_ = 0;
   size_t arena_reserved_ = 0;  // bytes of the arena reserved in /dev/shm (from its start)
   std::deque<Outstanding> out_;
+  // The last released segment of its own (a frame larger than the arena), still registered, for
+  // the next such put: a new one costs the kernel's zeroing and a fault per page (a 256 MiB put
+  // took 173-190 ms in a new segment, 15 ms in the arena). At most one; none past spare_bytes.
+  struct Spare {
+    std::shared_ptr<Segment> seg;
+    uint32_t idx = 0, gen = 0;
+  } spare_;
+  void drop_spare_locked();
   std::shared_ptr<LoanGate> gate_;
   uint64_t last_reap_ns_ = 0;
   std::mutex wait_mu_;
   std::vector<Waiter*> waiters_;
   // Beyond what the Connector base counts: written under mu_ (a plain increment, bump_locked).
-  std::atomic<uint64_t> inline_puts_{0}, dedicated_puts_{0}, replaced_{0};
+  std::atomic<uint64_t> inline_puts_{0}, dedicated_puts_{0}, spare_reused_{0}, replaced_{0};
   // This connector's own samples in the metrics tree (collected under the tree's lock, then mu_:
   // the registration goes at the start of close(), never under mu_).
   struct Metrics final : metrics::Source {

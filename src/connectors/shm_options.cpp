@@ -18,6 +18,9 @@ constexpr Key kShmKeys[] = {
      "the producer's arena, made at the first put and reserved in 2 MiB steps as puts reach into it; larger frames "
      "get a segment of their own", 1u << 16, 1ull << 40},
     {"preallocate_arena", Type::boolean, "false", "create and reserve the whole arena when the connector is made"},
+    {"spare_bytes", Type::size, "1 GiB",
+     "a frame's own segment (larger than the arena), once every reader released it, is kept for the producer's "
+     "next such frame when it is at most this size (0: never); gone at close", 0, 1ull << 40},
     {"readers", Type::integer, "1", "default fan-out; put(..., readers=N) per call", 1, shm::kMaxFanout},
     {"fanout", Type::integer, "", "the seed's name for readers", 1, shm::kMaxFanout},
     {"put_timeout_s", Type::number, "5", "how long a put waits for arena room before `exhausted`", 0, 1e9},
@@ -45,6 +48,7 @@ Result<ShmConnectorOptions> ShmConnectorOptions::from_extra(const Value& extra) 
   SL_TRY(r.read_int("shm_threshold_bytes", o.shm_threshold_bytes));
   SL_TRY(r.read_int("arena_bytes", o.arena_bytes));
   SL_TRY(r.read("preallocate_arena", o.preallocate_arena));
+  SL_TRY(r.read_int("spare_bytes", o.spare_bytes));
   SL_TRY(r.read_int("readers", o.readers));
   SL_TRY(r.read_int("fanout", o.readers));
   SL_TRY(r.read("put_timeout_s", o.put_timeout_s));
