@@ -100,6 +100,38 @@ def _memcpy_ms(size):
     return statistics.median(ts)
 
 
+def _get_alone(size, n):
+    """The get alone, in one process: each round a fresh cache put, then its get timed (copying,
+    then zero-copy), the previous round's result still held as a decode loop's `cache = get()`
+    holds it. Medians in ms. The caches are made before any is timed: torch's OpenMP threads spin
+    for a while after the ops that make one, and on 2 cores they took the core a copy's second
+    thread runs on (a 16 MiB get right after making its cache: 3.7-4.0 ms, 2.3 with
+    OMP_NUM_THREADS=1). A stage process sizes those threads to its share of the CPUs."""
+    import uuid
+    from .connector import create_connector
+    c = create_connector("SharedMemoryConnector", {"namespace": "benchkvg" + uuid.uuid4().hex[:8]})
+    t = {"copying": [], "zero-copy": []}
+    caches = [_cache(size, i) for i in range(n + 1)]
+    try:
+        for zc, k in ((False, "copying"), (True, "zero-copy")):
+            held = None
+            for i in range(n + 1):
+                assert c.put(0, 1, f"g{i}", caches[i])[0]
+                t0 = time.perf_counter()
+                got = c.get(0, 1, f"g{i}", zero_copy=zc)[0]
+                dt = (time.perf_counter() - t0) * 1e3
+                if type(got).__name__ != "DynamicCache":
+                    raise TypeError(f"got a {type(got).__name__}")
+                held = got  # the previous result dropped only now, as in a loop
+                if i:
+                    t[k].append(dt)
+            del held, got
+    finally:
+        c.close()
+        del caches
+    return {k: statistics.median(v) for k, v in t.items()}
+
+
 def run_kv(sizes=None, json_path=None, out=sys.stdout):
     import importlib.util
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
@@ -121,10 +153,18 @@ def run_kv(sizes=None, json_path=None, out=sys.stdout):
         med = {m: statistics.median(v) for m, v in res.items()}
         row = {"size": size, "memcpy_ms": _memcpy_ms(size),
                **{m: {"median_ms": med[m], "min_ms": min(res[m]), "max_ms": max(res[m])} for m in methods}}
+        row["get_alone"] = _get_alone(size, n)
         rows.append(row)
         print(f"{_fmt_size(size):>8} | {row['memcpy_ms']:7.2f} | "
               + " | ".join(f"{med[m]:7.2f} ({min(res[m]):.2f}-{max(res[m]):.2f})".rjust(20) for m in methods)
               + f" | {med['torch.mp'] / med['copying get']:.2f}x", file=out)
+    print("\nThe get alone (one process: a fresh cache put, then its get timed; the previous result still held), "
+          "ms, and against one memcpy of the cache:", file=out)
+    print(f"{'size':>8} | {'memcpy':>7} | {'copying get':>19} | {'zero-copy get':>19}", file=out)
+    for row in rows:
+        g, m = row["get_alone"], row["memcpy_ms"]
+        print(f"{_fmt_size(row['size']):>8} | {m:7.2f} | {g['copying']:7.2f} ({g['copying'] / m:5.2f}x) | "
+              f"{g['zero-copy']:7.2f} ({g['zero-copy'] / m:5.2f}x)", file=out)
     import os
     return write_json({"kind": "kv", "machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows},
                       json_path, out)

@@ -150,5 +150,7 @@ def test_bench_kv_measures_every_method_and_charts_them(tmp_path):
     for m in ("copying get", "zero-copy", "torch.mp"):
         assert 0 < row[m]["min_ms"] <= row[m]["median_ms"] <= row[m]["max_ms"] < 10_000
     assert "torch.mp / copying" in out.getvalue()
+    g = row["get_alone"]  # the get's own cost, beside one memcpy of the cache
+    assert 0 < g["zero-copy"] < 10_000 and 0 < g["copying"] < 10_000 and "The get alone" in out.getvalue()
     (title, svg), = charts(result)
     assert "torch.multiprocessing" in svg and "DynamicCache" in title
