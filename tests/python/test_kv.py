@@ -55,6 +55,9 @@ def test_zero_copy_cache_is_read_only_and_still_decodes(ns):
         cache = got["past_key_values"]
         with pytest.raises(stagelink.ReadOnlyInputError):
             cache.layers[0].keys.add_(1)
+        with pytest.raises(stagelink.ReadOnlyInputError):  # every layer, as the rebuild left them
+            cache.layers[-1].values.mul_(2)
+        assert all(layer.dtype == torch.bfloat16 and layer.device == torch.device("cpu") for layer in cache.layers)
         k, v = torch.ones(1, 2, 1, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 1, 16, dtype=torch.bfloat16)
         cache.update(k, v, 0)
         assert cache.get_seq_length() == 6 and torch.equal(cache.layers[0].keys[:, :, :5], c.layers[0].keys)
