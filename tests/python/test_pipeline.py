@@ -746,12 +746,19 @@ def test_inline_auto_judges_a_stage_by_its_cpu_and_stays_inline_when_runs_grow_a
         run.i = 0
         blocked = run(3 * AUTO_INLINE_WINDOW, sleep_s=0.002)  # 2 ms off the CPU each run: never inline
         assert all(n.startswith("stage-a") for n in blocked), blocked
+        # (Counted, not each run: on a loaded machine a run preempted for over 5 ms starts the
+        # window again, by design, and the next few go to the pool.)
         run.i = 100
-        assert run(2 * AUTO_INLINE_WINDOW)[-1] == "MainThread"
+        short = run(2 * AUTO_INLINE_WINDOW)
+        assert short[AUTO_INLINE_WINDOW:].count("MainThread") >= AUTO_INLINE_WINDOW // 2, short
         run.i = 200
-        mid = (AUTO_INLINE_NS + AUTO_INLINE_STAY_NS) / 2e9  # over the way in, under the way out
-        grown = run(3 * AUTO_INLINE_WINDOW, burn_s=mid)
-        assert all(n == "MainThread" for n in grown), grown
+        # over the way in, under the way out: the run's own work besides the burn took 0.1-0.4 ms
+        # of CPU with two busy processes beside the test
+        mid = AUTO_INLINE_NS * 1.1 / 1e9
+        assert mid * 1e9 + 400_000 < AUTO_INLINE_STAY_NS
+        grown = run(4 * AUTO_INLINE_WINDOW, burn_s=mid)
+        # the old policy (a moving average of wall time over 0.5 ms): none of these inline
+        assert grown[AUTO_INLINE_WINDOW:].count("MainThread") >= 2 * AUTO_INLINE_WINDOW, grown
         run.i = 300
         heavy = run(2 * AUTO_INLINE_WINDOW, burn_s=2 * AUTO_INLINE_STAY_NS / 1e9)
         assert heavy[-1].startswith("stage-a"), heavy

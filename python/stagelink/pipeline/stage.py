@@ -162,6 +162,11 @@ class StageRuntime:
         self.run_cpu: collections.deque = collections.deque(maxlen=AUTO_INLINE_WINDOW)
         self.run_off: collections.deque = collections.deque(maxlen=AUTO_INLINE_WINDOW)
         self.short = False
+        # It was inline until a run started the window again: it comes back under the bound to
+        # stay, not the one to get in (one run preempted for 5 ms under load would otherwise
+        # leave a stage of 0.5-1 ms runs on the pool for good). A stage that blocks still does
+        # not: it is off the CPU in every run.
+        self.was_short = False
         self.inline_runs = 0
         self.early_bytes = 0  # chunks held copied for requests not started yet (settings.early_chunk_bytes)
         self.early_limit = int(worker.spec.settings.get("early_chunk_bytes", 256 << 20))
@@ -324,10 +329,14 @@ class StageRuntime:
                 return
             self.run_cpu.append(cpu_ns)
             self.run_off.append(off)
-            limit = AUTO_INLINE_STAY_NS if self.short else AUTO_INLINE_NS
+            limit = AUTO_INLINE_STAY_NS if self.short or self.was_short else AUTO_INLINE_NS
             n = len(self.run_cpu)
-            self.short = (n >= AUTO_INLINE_MIN_RUNS and min(self.run_off) <= AUTO_INLINE_OFF_NS
-                          and sorted(self.run_cpu)[n // 2] <= limit)
+            median = sorted(self.run_cpu)[n // 2]
+            self.short = n >= AUTO_INLINE_MIN_RUNS and min(self.run_off) <= AUTO_INLINE_OFF_NS and median <= limit
+            if self.short:
+                self.was_short = True
+            elif n >= AUTO_INLINE_MIN_RUNS and median > AUTO_INLINE_STAY_NS:
+                self.was_short = False  # it grew: back to the bound to get in
 
     def _complete(self, rid: str, r: _Request, result):
         """Send what a request produced here: end its streams, then its result downstream."""
