@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 _SEEN_WINDOW = 10_000
 # `inline: auto` (the default): a stage runs on the receive thread, with no handoff to a pool
 # thread, once its last runs (AUTO_INLINE_MIN_RUNS at least, AUTO_INLINE_WINDOW at most) show it
-# short and not blocking: their median CPU
-# time (the running thread's, its sends included) at most AUTO_INLINE_NS, and the least time one
-# of them spent off the CPU (wall time less CPU time) at most AUTO_INLINE_OFF_NS. A run on or off
+# short and not blocking: their median CPU time (the running thread's, its sends included) at most
+# AUTO_INLINE_NS, and the least time one of them spent off the CPU (wall time less CPU time) at
+# most AUTO_INLINE_OFF_NS. A run on or off
 # the CPU longer than AUTO_INLINE_MAX_NS starts the window again (the next requests go to the pool).
 # An inline stage stays inline while that median is at most AUTO_INLINE_STAY_NS: on the pool the
 # same runs cost more CPU (the toy's `enc`: 250-400 us inline, 0.6-1.9 ms on the pool with 8 in
