@@ -148,7 +148,7 @@ Value ShmConnector::health() {
   m.emplace_back("inline_puts", uint64_t(inline_puts_.load()));
   m.emplace_back("dedicated_segments", uint64_t(dedicated_puts_.load()));
   m.emplace_back("dedicated_reused", uint64_t(spare_reused_.load()));
-  m.emplace_back("spare_bytes", uint64_t(spare_.seg ? spare_.seg->size() : 0));
+  m.emplace_back("spare_held_bytes", uint64_t(spare_.seg ? spare_.seg->size() : 0));
   m.emplace_back("replaced", uint64_t(replaced_.load()));
   m.emplace_back("outstanding", uint64_t(out_.size()));
   m.emplace_back("arena_bytes", uint64_t(arena_alloc_ ? arena_alloc_->capacity() : 0));
@@ -359,6 +359,7 @@ Result<ShmConnector::Region> ShmConnector::allocate_locked(std::unique_lock<std:
     if (spare_.seg && spare_.seg->size() >= size && spare_.seg->size() - size <= size / 4) {
       Spare s = std::exchange(spare_, Spare{});
       spare_reused_.fetch_add(1, std::memory_order_relaxed);
+      dedicated_puts_.fetch_add(1, std::memory_order_relaxed);  // a put given a segment of its own, as the metric says
       return Region{s.seg->data(), 0, size, s.seg, s.idx, s.gen};
     }
     drop_spare_locked();

@@ -429,7 +429,7 @@ TEST(Shm, FullArenaWaitsThenFailsAndLargePayloadGetsOwnSegment) {
   EXPECT_EQ(c->health().find("outstanding")->as<uint64_t>(), 1u);  // only "b" left
   // Released, the segment stays as the spare (extra.spare_bytes) for the next frame of its size
   EXPECT_EQ(files_with(ns + ".x"), 1u);
-  EXPECT_GE(c->health().find("spare_bytes")->as<uint64_t>(), big.size());
+  EXPECT_GE(c->health().find("spare_held_bytes")->as<uint64_t>(), big.size());
   c->close();
   EXPECT_EQ(files_with(ns), 0u);  // the spare goes at close
 }
@@ -443,6 +443,11 @@ TEST(Shm, ReleasedSegmentOfItsOwnIsReusedForTheNextLargePut) {
   const std::string ns = unique_ns("spare");
   auto c = make(extra(ns, 1u << 20));
   auto rd = make(extra(ns));
+  // segments made: puts given a segment of their own, less those that went into the spare
+  auto made = [&] {
+    Value h = c->health();
+    return h.find("dedicated_segments")->as<uint64_t>() - h.find("dedicated_reused")->as<uint64_t>();
+  };
   std::vector<std::byte> big(3u << 20);
   auto put_get = [&](const std::string& key, std::byte fill) {
     std::fill(big.begin(), big.end(), fill);
@@ -455,11 +460,11 @@ TEST(Shm, ReleasedSegmentOfItsOwnIsReusedForTheNextLargePut) {
     EXPECT_TRUE(std::all_of(t.begin(), t.end(), [&](std::byte b) { return b == fill; }));
   };
   put_get("a", std::byte{1});
-  EXPECT_GE(c->health().find("spare_bytes")->as<uint64_t>(), big.size());
+  EXPECT_GE(c->health().find("spare_held_bytes")->as<uint64_t>(), big.size());
   put_get("b", std::byte{2});  // into the spare: no new segment
   put_get("c", std::byte{3});
   Value h = c->health();
-  EXPECT_EQ(h.find("dedicated_segments")->as<uint64_t>(), 1u);
+  EXPECT_EQ(h.find("dedicated_segments")->as<uint64_t>(), 3u);
   EXPECT_EQ(h.find("dedicated_reused")->as<uint64_t>(), 2u);
   EXPECT_EQ(files_with(ns + ".x"), 1u);
   // Unreleased, it is not the spare: the next put makes a segment of its own
@@ -467,17 +472,37 @@ TEST(Shm, ReleasedSegmentOfItsOwnIsReusedForTheNextLargePut) {
   ASSERT_TRUE(held.ok());
   auto other = c->put("0", "1", "other", payload_of(big, 0));
   ASSERT_TRUE(other.ok());
-  EXPECT_EQ(c->health().find("dedicated_segments")->as<uint64_t>(), 2u);
+  EXPECT_EQ(made(), 2u);
   EXPECT_EQ(files_with(ns + ".x"), 2u);
   EXPECT_TRUE(rd->get("0", "1", "held", &held->metadata).ok());
   EXPECT_TRUE(rd->get("0", "1", "other", &other->metadata).ok());
   EXPECT_EQ(c->health().find("outstanding")->as<uint64_t>(), 0u);
   EXPECT_EQ(files_with(ns + ".x"), 1u);  // one spare at most
+  // A reader's zero-copy view holds its segment: the next put gets a new one, and the view's
+  // bytes stay the ones it read
+  std::fill(big.begin(), big.end(), std::byte{7});
+  auto viewed = c->put("0", "1", "viewed", payload_of(big, 0));  // into the spare
+  ASSERT_TRUE(viewed.ok());
+  GetOptions zc;
+  zc.zero_copy = true;
+  Result<PutResult> next = make_error(Errc::closed, "not put");
+  {
+    auto view = rd->get("0", "1", "viewed", &viewed->metadata, kNoWait, zc);
+    ASSERT_TRUE(view.ok()) << view.error().message;
+    std::fill(big.begin(), big.end(), std::byte{8});
+    next = c->put("0", "1", "next", payload_of(big, 0));
+    ASSERT_TRUE(next.ok());
+    EXPECT_EQ(made(), 3u);
+    const auto& seen = view->payload.tensors.at(0).data;
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](std::byte b) { return b == std::byte{7}; }));
+  }  // the view goes: its segment becomes the spare
+  EXPECT_TRUE(rd->get("0", "1", "next", &next->metadata).ok());
+  EXPECT_EQ(c->health().find("outstanding")->as<uint64_t>(), 0u);
   // A frame much smaller than the spare does not take it (readers would map the whole of it)
   std::vector<std::byte> mid(3u << 19);
   auto m = c->put("0", "1", "mid", payload_of(mid, 0));
   ASSERT_TRUE(m.ok());
-  EXPECT_EQ(c->health().find("dedicated_segments")->as<uint64_t>(), 3u);
+  EXPECT_EQ(made(), 4u);
   EXPECT_TRUE(rd->get("0", "1", "mid", &m->metadata).ok());
   c->close();
   rd->close();
