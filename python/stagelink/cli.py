@@ -30,10 +30,24 @@ def _load_config(path):
         print(f"error: cannot read config file {path}: {e.strerror}", file=sys.stderr)
         return None
     try:
-        return load_transfer_config(path)
+        cfg = load_transfer_config(path)
     except _core.StagelinkError as e:
         print(f"error: {_message(e)}", file=sys.stderr)
         return None
+    # Each connector and its extra as the connector reads them when made (a pipeline file's are
+    # checked by its loader): a misspelt key or a value of the wrong kind refused here, not met in
+    # a stage process.
+    from .pipeline.spec import PipelineConfigError, check_connector
+    named = [(f"runtime.connectors.{ref}", spec) for ref, spec in cfg.named_connectors.items()]
+    inline = [(f"edge {e.from_stage} -> {e.to_stage}", e.connector) for e in cfg.edges
+              if not e.defaulted and not e.connector.ref]
+    try:
+        for where, spec in named + inline:
+            check_connector(spec.name, spec.extra, f"{path}: {where}")
+    except PipelineConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return cfg
 
 
 def _is_pipeline_file(path) -> bool:

@@ -326,6 +326,30 @@ def test_config_check_refuses_a_connector_and_extra_its_connector_would(tmp_path
         assert "edges[0]" in r.stderr and all(w.replace("relay: ", "") in r.stderr for w in words), r.stderr
 
 
+@pytest.mark.parametrize("extra, words", [
+    ({"spare_bytes": "lots"}, ["runtime.connectors.shm: SharedMemoryConnector: extra.spare_bytes must be a size"]),
+    ({"arena_byte": 1 << 20}, ["unknown key 'extra.arena_byte'", "did you mean 'arena_bytes'"]),
+])
+def test_config_check_of_a_vllm_omni_file_reads_each_connectors_extra(tmp_path, extra, words):
+    """A vLLM-Omni transfer config's connectors were printed, not checked: a misspelt key or a value
+    of the wrong kind passed `config check` (exit 0) and failed only when a stage made the
+    connector. Now each connector's extra is read as the connector reads it: exit 2, naming the file
+    and the connector; a good file still passes."""
+    import yaml
+    f = tmp_path / "stages.yaml"
+    stages = [{"stage_id": 0, "output_connectors": {"to_stage_1": "shm"}},
+              {"stage_id": 1, "input_connectors": {"from_stage_0": "shm"}}]
+    f.write_text(yaml.safe_dump({"runtime": {"connectors": {"shm": {"name": "SharedMemoryConnector", "extra": extra}}},
+                                 "stage_args": stages}))
+    r = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 2 and str(f) in r.stderr and all(w in r.stderr for w in words), r.stdout + r.stderr
+    f.write_text(yaml.safe_dump({"runtime": {"connectors": {"shm": {"name": "SharedMemoryConnector",
+                                                                    "extra": {"spare_bytes": "2 GiB"}}}},
+                                 "stage_args": stages}))
+    r = subprocess.run([BIN, "config", "check", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0 and "0 -> 1: SharedMemoryConnector shm" in r.stdout, r.stderr
+
+
 def test_config_check_finds_a_stage_module_that_cannot_be_imported(tmp_path):
     """Issue 62: a stage whose module cannot be found was met only at run time, inside its stage
     process. `config check` now looks for each of this host's stage modules (the pipeline's own
